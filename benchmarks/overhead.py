@@ -1,0 +1,120 @@
+"""What ``BaseTrainer.train()`` adds to a hand-written loop, per step.
+
+The same tiny MLP (32-64-64-10, batch 32, SGD, CPU, one thread) is trained for ``--steps``
+steps by a plain loop and by trainers in several configurations, interleaved round by round in
+one process. Each configuration's CPU time (``time.process_time``) is divided by the raw loop's
+of the same round, and the median ratio over rounds is reported: this machine is noisy (±10%
+run to run), and ratios taken side by side cancel most of it.
+
+Run: ``python benchmarks/overhead.py [--steps 500] [--rounds 15]``
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import statistics
+import time
+from collections.abc import Callable
+
+import torch
+from torch import nn
+
+from trainloop import BaseTrainer, State
+
+BATCHES = 64
+
+
+def make_model() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(32, 64), nn.ReLU(), nn.Linear(64, 64), nn.ReLU(), nn.Linear(64, 10))
+
+
+def make_batches() -> list[tuple[torch.Tensor, torch.Tensor]]:
+    g = torch.Generator().manual_seed(0)
+    return [(torch.randn(32, 32, generator=g), torch.randint(0, 10, (32,), generator=g)) for _ in range(BATCHES)]
+
+
+def raw_loop(steps: int, batches: list) -> float:
+    """The hand-written loop every trainer is compared with; returns CPU seconds."""
+    model = make_model()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
+    data = itertools.cycle(batches)
+    start = time.process_time()
+    for _ in range(steps):
+        x, y = next(data)
+        loss = nn.functional.cross_entropy(model(x), y)
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+    return time.process_time() - start
+
+
+class BenchTrainer(BaseTrainer):
+    """The raw loop's work, as a trainer."""
+
+    batches: list = []
+
+    def build_data_loader(self):
+        return itertools.cycle(self.batches)
+
+    def build_model(self):
+        return make_model()
+
+    def build_optimizer(self):
+        return torch.optim.SGD(self.model.parameters(), lr=0.01)
+
+    def forward(self, batch):
+        x, y = batch
+        return nn.functional.cross_entropy(self.model(x), y), {}
+
+
+def trainer_loop(steps: int, batches: list, **settings) -> float:
+    """Train with ``BaseTrainer``; returns the CPU seconds of the loop (building excluded)."""
+    BenchTrainer.batches = batches
+    trainer = BenchTrainer(max_steps=steps, **settings)
+    marks: dict[str, float] = {}
+    # These two edges fire once per run, so listening to them leaves the hot edges fast.
+    trainer.on_transition(State.RESTORING, State.STEPPING, lambda t: marks.setdefault("start", time.process_time()))
+    trainer.on_enter(State.EXITING, lambda t: marks.setdefault("end", time.process_time()))
+    trainer.train()
+    return marks["end"] - marks["start"]
+
+
+CONFIGS: dict[str, Callable[[int, list], float]] = {
+    "raw loop again (noise floor)": raw_loop,
+    "trainer (defaults: non-finite check on)": lambda n, b: trainer_loop(n, b),
+    "trainer (non-finite check off)": lambda n, b: trainer_loop(n, b, detect_non_finite_grads=False),
+    "trainer (trace on)": lambda n, b: trainer_loop(n, b, trace=True),
+}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--steps", type=int, default=500)
+    parser.add_argument("--rounds", type=int, default=15)
+    args = parser.parse_args()
+    torch.set_num_threads(1)
+    batches = make_batches()
+    raw_loop(100, batches)  # warm up allocator and kernels
+    for run in CONFIGS.values():
+        run(100, batches)
+    ratios: dict[str, list[float]] = {name: [] for name in CONFIGS}
+    raw_times = []
+    contestants = [("raw", raw_loop), *CONFIGS.items()]
+    for round_ in range(args.rounds):
+        # Rotate the order each round so no contestant always runs first or last.
+        shift = round_ % len(contestants)
+        times = {name: run(args.steps, batches) for name, run in contestants[shift:] + contestants[:shift]}
+        raw_times.append(times["raw"])
+        for name in CONFIGS:
+            ratios[name].append(times[name] / times["raw"])
+    raw_us = statistics.median(raw_times) / args.steps * 1e6
+    print(f"raw loop: {raw_us:.0f} µs/step (median of {args.rounds} rounds of {args.steps} steps)")
+    for name, values in ratios.items():
+        median = statistics.median(values)
+        print(f"{name:45s} ratio {median:.3f}  (+{(median - 1) * raw_us:.0f} µs/step)")
+
+
+if __name__ == "__main__":
+    main()

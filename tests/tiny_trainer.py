@@ -1,0 +1,90 @@
+"""A tiny, deterministic CPU trainer shared by the tests (also importable by test subprocesses)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+from torch.utils.data import DataLoader, TensorDataset
+
+from trainloop import BaseHook, BaseTrainer
+
+
+def make_data(n: int = 64, seed: int = 0) -> TensorDataset:
+    """A fixed regression problem: y = x @ w + noise."""
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(n, 4, generator=g)
+    y = x @ torch.tensor([[1.0], [-2.0], [0.5], [3.0]]) + 0.01 * torch.randn(n, 1, generator=g)
+    return TensorDataset(x, y)
+
+
+class TinyTrainer(BaseTrainer):
+    """A 4-8-1 MLP regressed with SGD on :func:`make_data`, 8 samples per batch.
+
+    Args:
+        hooks: Hooks for this run (``build_hooks`` returns them).
+        data: What ``build_data_loader`` returns; a DataLoader over ``make_data()`` if omitted.
+        lr: SGD learning rate.
+    """
+
+    def __init__(self, *args: Any, hooks: list[BaseHook] | None = None, data: Any = None, lr: float = 0.05, **kwargs: Any):
+        super().__init__(*args, **kwargs)
+        self._hooks = hooks or []
+        self._data_source = data
+        self.lr = lr
+
+    def build_data_loader(self):
+        if self._data_source is not None:
+            return self._data_source
+        return DataLoader(make_data(), batch_size=8)
+
+    def build_model(self):
+        torch.manual_seed(0)
+        return nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 1)).to(self.device)
+
+    def build_optimizer(self):
+        return torch.optim.SGD(self.model.parameters(), lr=self.lr)
+
+    def build_hooks(self):
+        return self._hooks
+
+    def forward(self, batch):
+        x, y = batch
+        loss = nn.functional.mse_loss(self.model(x.to(self.device)), y.to(self.device))
+        return loss, {"mse": loss.detach()}
+
+
+class CaptureHook(BaseHook):
+    """Records every call it receives, with the trainer's state and step at that moment."""
+
+    def __init__(self) -> None:
+        self.calls: list[tuple[str, str, int]] = []
+        self.step_infos: list[dict[str, Any]] = []
+        self.logged: list[dict[str, Any]] = []
+
+    def _record(self, trainer: BaseTrainer, event: str) -> None:
+        self.calls.append((event, trainer.state.value, trainer.step))
+
+    def on_before_train(self, trainer):
+        self._record(trainer, "on_before_train")
+
+    def on_before_step(self, trainer):
+        self._record(trainer, "on_before_step")
+
+    def on_before_optimizer_step(self, trainer):
+        self._record(trainer, "on_before_optimizer_step")
+
+    def on_after_step(self, trainer):
+        self._record(trainer, "on_after_step")
+        self.step_infos.append(dict(trainer.step_info))
+
+    def on_after_train(self, trainer):
+        self._record(trainer, "on_after_train")
+
+    def on_log(self, trainer, records, dry_run=False):
+        self.logged.append(records)
+
+    def events(self, name: str) -> list[tuple[str, str, int]]:
+        """The recorded calls of one method."""
+        return [c for c in self.calls if c[0] == name]

@@ -1,0 +1,28 @@
+"""trainloop: a minimalist PyTorch training loop driven by validated settings and an explicit
+state machine."""
+
+from .data import DataExhaustedError
+from .hooks import BaseHook
+from .machine import TRANSITIONS, State, Trace, TraceEntry, Transition
+from .settings import SettingsFileError, TrainerSettings
+from .trainer import BaseTrainer, LossNoneWarning
+from .utils import flatten_nested_dict, key_average, map_nested_tensor
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "TRANSITIONS",
+    "BaseHook",
+    "BaseTrainer",
+    "DataExhaustedError",
+    "LossNoneWarning",
+    "SettingsFileError",
+    "State",
+    "Trace",
+    "TraceEntry",
+    "TrainerSettings",
+    "Transition",
+    "flatten_nested_dict",
+    "key_average",
+    "map_nested_tensor",
+]

@@ -1,0 +1,84 @@
+"""Drawing batches across epochs from whatever ``build_data_loader`` returned."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Iterator
+from typing import Any
+
+__all__ = ["DataExhaustedError", "EpochIterator"]
+
+
+class DataExhaustedError(RuntimeError):
+    """The data ran out and cannot be iterated again (or never yielded anything)."""
+
+
+class EpochIterator:
+    """Yields batches forever from a re-iterable loader, one epoch after another.
+
+    A re-iterable (a ``DataLoader``, a list) is iterated again when it runs out, and before
+    every epoch ``set_epoch(epoch)`` is called on the loader, or else on its ``sampler``, when
+    it has one (``DistributedSampler`` reshuffles that way). A one-shot iterator is drawn
+    until it runs out, which is then an error.
+
+    Args:
+        loader: What ``build_data_loader`` returned.
+        epoch: The epoch to start in (restored from a checkpoint).
+    """
+
+    def __init__(self, loader: Iterable[Any], epoch: int = 0) -> None:
+        self.loader = loader
+        self.epoch = epoch
+        self._one_shot = isinstance(loader, Iterator)
+        self._drawn_this_epoch = 0
+        self._iterator = self._start_epoch()
+
+    def _start_epoch(self) -> Iterator[Any]:
+        if not self._one_shot:
+            for owner in (self.loader, getattr(self.loader, "sampler", None)):
+                set_epoch = getattr(owner, "set_epoch", None)
+                if callable(set_epoch):
+                    set_epoch(self.epoch)
+                    break
+        self._drawn_this_epoch = 0
+        return iter(self.loader)
+
+    def __iter__(self) -> EpochIterator:
+        return self
+
+    def __next__(self) -> Any:
+        try:
+            batch = next(self._iterator)
+        except StopIteration:
+            batch = self._next_epoch()
+        self._drawn_this_epoch += 1
+        return batch
+
+    def _next_epoch(self) -> Any:
+        if self._one_shot:
+            raise DataExhaustedError(
+                f"the data iterator from build_data_loader() ran out after {self._drawn_this_epoch} "
+                "batches and cannot be iterated again; return a re-iterable (e.g. a DataLoader) "
+                "or an infinite iterator"
+            ) from None
+        if self._drawn_this_epoch == 0:
+            raise DataExhaustedError(
+                f"the data loader from build_data_loader() yielded no batch in epoch {self.epoch}"
+            ) from None
+        self.epoch += 1
+        self._iterator = self._start_epoch()
+        try:
+            return next(self._iterator)
+        except StopIteration:
+            raise DataExhaustedError(
+                f"the data loader from build_data_loader() yielded no batch in epoch {self.epoch}"
+            ) from None
+
+    def close(self) -> None:
+        """Close the current iterator when it can be closed, and drop it.
+
+        Dropping the last reference is what frees a ``DataLoader``'s worker processes.
+        """
+        close = getattr(self._iterator, "close", None)
+        if callable(close):
+            close()
+        self._iterator = iter(())

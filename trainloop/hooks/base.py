@@ -1,0 +1,109 @@
+"""The hook interface, and the dispatch table that calls only the hooks that care."""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING, Any
+
+from ..machine import State
+
+if TYPE_CHECKING:
+    from ..trainer import BaseTrainer
+
+__all__ = ["BaseHook", "HOOK_EVENTS", "hook_dispatch", "state_entry_methods"]
+
+
+class BaseHook:
+    """Base class of everything that plugs into a trainer.
+
+    Override only the methods you need: the trainer calls a method only on the hooks that
+    override it, so an unused method costs nothing per step. Besides the methods below, a hook
+    that defines ``on_enter_<state>(self, trainer)`` (for example ``on_enter_checkpointing``) is
+    attached to that state of the machine.
+
+    A hook reads the trainer but does not steer it directly; its levers are requests that the
+    trainer settles at the end of a step: ``trainer.request_checkpoint()`` and
+    ``trainer.request_exit()``.
+    """
+
+    _name: str | None = None
+
+    @property
+    def name(self) -> str:
+        """A name unique among a trainer's hooks, used to key the hook's state in checkpoints.
+
+        Defaults to the class name in snake case; the trainer appends ``_2``, ``_3``... to
+        repeated names.
+        """
+        return self._name or re.sub(r"(?<!^)(?=[A-Z])", "_", type(self).__name__).lower()
+
+    @name.setter
+    def name(self, value: str) -> None:
+        self._name = value
+
+    def on_before_train(self, trainer: BaseTrainer) -> None:
+        """Called once in ``restoring``, after any checkpoint was loaded."""
+
+    def on_before_step(self, trainer: BaseTrainer) -> None:
+        """Called when a new step begins (not again when the step is retried)."""
+
+    def on_before_optimizer_step(self, trainer: BaseTrainer) -> None:
+        """Called after the last backward of a step, gradients unscaled, before clipping."""
+
+    def on_after_step(self, trainer: BaseTrainer) -> None:
+        """Called after the optimizer and scheduler stepped; ``trainer.step_info`` is complete."""
+
+    def on_after_train(self, trainer: BaseTrainer) -> None:
+        """Called in ``exiting``, also when the run ends by an error (``trainer.error``)."""
+
+    def on_log(self, trainer: BaseTrainer, records: dict[str, Any], dry_run: bool = False) -> None:
+        """Receive the nested numeric records given to ``trainer.log``."""
+
+    def on_log_images(
+        self, trainer: BaseTrainer, records: dict[str, Any], dry_run: bool = False
+    ) -> None:
+        """Receive the images given to ``trainer.log_images``."""
+
+    def on_state_dict(self, trainer: BaseTrainer, state_dict: dict[str, Any]) -> None:
+        """Add this hook's state to the trainer's ``state_dict`` (key it by ``self.name``)."""
+
+    def on_load_state_dict(self, trainer: BaseTrainer, state_dict: dict[str, Any]) -> None:
+        """Restore this hook's state from a trainer ``state_dict``."""
+
+
+#: The methods a trainer dispatches to hooks.
+HOOK_EVENTS: tuple[str, ...] = (
+    "on_before_train",
+    "on_before_step",
+    "on_before_optimizer_step",
+    "on_after_step",
+    "on_after_train",
+    "on_log",
+    "on_log_images",
+    "on_state_dict",
+    "on_load_state_dict",
+)
+
+
+def state_entry_methods(hook: BaseHook) -> list[tuple[State, Callable[[Any], Any]]]:
+    """The ``on_enter_<state>`` methods a hook defines, with their states."""
+    found = []
+    for state in State:
+        method = getattr(hook, f"on_enter_{state.value}", None)
+        if callable(method):
+            found.append((state, method))
+    return found
+
+
+def hook_dispatch(hooks: Sequence[BaseHook]) -> dict[str, tuple[Callable[..., None], ...]]:
+    """Per event, the bound methods of the hooks that override it, in hook order.
+
+    Built once, so a step pays only for the hooks that act on it.
+    """
+    return {
+        event: tuple(
+            getattr(h, event) for h in hooks if getattr(type(h), event) is not getattr(BaseHook, event)
+        )
+        for event in HOOK_EVENTS
+    }

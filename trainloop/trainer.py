@@ -1,0 +1,552 @@
+"""``BaseTrainer``: the user's contract, and the work done in each state of the machine."""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import warnings
+from collections.abc import Callable, Iterable
+from logging import Logger
+from pathlib import Path
+from time import perf_counter
+from typing import Any, ClassVar
+
+import torch
+from torch import nn
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
+
+from .data import EpochIterator
+from .grads import NonFiniteGradCheck
+from .hooks.base import BaseHook, hook_dispatch, state_entry_methods
+from .machine import Handle, State, StateMachine, Trace
+from .settings import TrainerSettings
+from .utils import Records, unwrap_model
+
+__all__ = ["BaseTrainer", "LossNoneWarning"]
+
+_NO_CONTEXT = contextlib.nullcontext()  # reusable: entering it allocates nothing
+
+
+class LossNoneWarning(UserWarning):
+    """``forward`` returned ``loss=None`` while the model is wrapped by DDP or FSDP."""
+
+
+class BaseTrainer:
+    """A training loop whose sequencing is an explicit state machine.
+
+    Subclass it and implement :meth:`build_data_loader`, :meth:`build_model`,
+    :meth:`build_optimizer` and :meth:`forward`; optionally :meth:`build_lr_scheduler`,
+    :meth:`build_grad_scaler` and :meth:`build_hooks`. Construct it from keyword arguments,
+    a settings object, or both (keywords override)::
+
+        MyTrainer(max_steps=1000, mixed_precision="bf16", workspace="runs/a").train()
+        MyTrainer(TrainerSettings.from_file("run.json")).train()
+
+    Either way ``trainer.settings`` is the validated, frozen settings object (of
+    ``settings_class``, which a subclass may point at its own ``TrainerSettings`` subclass).
+
+    Args:
+        settings: A settings object; keyword arguments are validated into one when omitted.
+        state_dict_options: Options for ``torch.distributed.checkpoint.state_dict`` (runtime
+            only, not part of the settings).
+        logger: Where the trainer and its hooks log; ``logging.getLogger("trainloop")`` if omitted.
+        **kwargs: Fields of ``settings_class`` (see :class:`TrainerSettings`).
+
+    Raises:
+        pydantic.ValidationError: A setting is invalid; the error names the field.
+    """
+
+    settings_class: ClassVar[type[TrainerSettings]] = TrainerSettings
+
+    def __init__(
+        self,
+        settings: TrainerSettings | None = None,
+        /,
+        *,
+        state_dict_options: StateDictOptions | None = None,
+        logger: Logger | None = None,
+        **kwargs: Any,
+    ) -> None:
+        self.settings = self._resolve_settings(settings, kwargs)
+        self.state_dict_options = state_dict_options
+        self.logger = logger if logger is not None else logging.getLogger("trainloop")
+        self.device = (
+            torch.device(self.settings.device) if self.settings.device else torch.get_default_device()
+        )
+        self.step = 0  # the last begun step; incremented when a new step begins
+        self.epoch = 0
+        self.step_info: dict[str, Any] = {}
+        self.hooks: list[BaseHook] = []
+        self.error: BaseException | None = None
+        self.exit_code: int | None = None
+        self._dispatch = hook_dispatch(())
+        self._checkpoint_requested = False
+        self._checkpoint_at_exit = False
+        self._last_checkpoint_step: int | None = None
+        self._exit_requested = False
+        self._microstep = 0  # microsteps completed in the current step
+        self._retries = 0
+        self._retrying = False
+        self._grads_non_finite = False
+        self._data: EpochIterator | None = None
+        self._machine = StateMachine(
+            conditions={
+                "should_exit": self._should_exit,
+                "microsteps_remain": self._microsteps_remain,
+                "grads_non_finite": self._grads_are_non_finite,
+                "checkpoint_due": self._checkpoint_due,
+            },
+            owner=self,
+            step=lambda: self.step,
+        )
+        if self.settings.trace:
+            self._machine.trace = Trace()
+
+    def _resolve_settings(self, settings: TrainerSettings | None, overrides: dict[str, Any]) -> TrainerSettings:
+        cls = self.settings_class
+        if settings is None:
+            return cls(**overrides)
+        if not isinstance(settings, TrainerSettings):
+            raise TypeError(
+                f"{type(self).__name__}() takes a TrainerSettings as its only positional argument, "
+                f"got {type(settings).__name__}; pass the other settings as keywords "
+                "(e.g. max_steps=1000)"
+            )
+        if isinstance(settings, cls) and not overrides:
+            return settings
+        return cls.model_validate({**settings.model_dump(), **overrides})
+
+    # -- the user's contract -------------------------------------------------------------------
+
+    def build_data_loader(self) -> Iterable[Any]:
+        """Return the training data: an infinite iterator or a re-iterable such as a DataLoader."""
+        raise NotImplementedError(f"{type(self).__name__} must implement build_data_loader()")
+
+    def build_model(self) -> nn.Module:
+        """Return the model, on its device and already wrapped (DDP, FSDP) if wanted."""
+        raise NotImplementedError(f"{type(self).__name__} must implement build_model()")
+
+    def build_optimizer(self) -> torch.optim.Optimizer:
+        """Return the optimizer of ``self.model``'s parameters."""
+        raise NotImplementedError(f"{type(self).__name__} must implement build_optimizer()")
+
+    def build_lr_scheduler(self) -> torch.optim.lr_scheduler.LRScheduler | None:
+        """Return a learning-rate scheduler stepped after every optimizer step, or ``None``."""
+        return None
+
+    def build_grad_scaler(self) -> torch.amp.GradScaler:
+        """Return the gradient scaler; by default enabled for fp16 mixed precision only."""
+        return torch.amp.GradScaler(self.device.type, enabled=self.settings.mixed_precision == "fp16")
+
+    def build_hooks(self) -> list[BaseHook]:
+        """Return the hooks of this run, in the order they are called."""
+        return []
+
+    def forward(self, input: Any) -> tuple[torch.Tensor | None, Records]:
+        """Compute the loss of one microstep's batch.
+
+        Args:
+            input: A batch drawn from the data loader.
+
+        Returns:
+            The scalar loss (``None`` skips this batch: no backward, and the next batch is drawn;
+            under DDP/FSDP the wrapped model must then not have been called) and a nested dict
+            of numbers for the hooks to aggregate and log.
+        """
+        raise NotImplementedError(f"{type(self).__name__} must implement forward()")
+
+    # -- the machine, seen from outside --------------------------------------------------------
+
+    @property
+    def state(self) -> State:
+        """The machine's current state."""
+        return self._machine.state
+
+    @property
+    def trace(self) -> Trace | None:
+        """The transitions fired so far when ``settings.trace`` is on, else ``None``."""
+        return self._machine.trace
+
+    @property
+    def max_steps(self) -> int:
+        """``settings.max_steps``."""
+        return self.settings.max_steps
+
+    @property
+    def workspace(self) -> Path | None:
+        """``settings.workspace``."""
+        return self.settings.workspace
+
+    def on_enter(self, state: State | str, fn: Callable[[BaseTrainer], Any]) -> Handle:
+        """Call ``fn(trainer)`` each time the machine enters ``state``."""
+        return self._machine.on_enter(state, fn)
+
+    def on_exit(self, state: State | str, fn: Callable[[BaseTrainer], Any]) -> Handle:
+        """Call ``fn(trainer)`` each time the machine leaves ``state``."""
+        return self._machine.on_exit(state, fn)
+
+    def on_transition(
+        self, source: State | str, dest: State | str, fn: Callable[[BaseTrainer], Any]
+    ) -> Handle:
+        """Call ``fn(trainer)`` each time the machine moves from ``source`` to ``dest``."""
+        return self._machine.on_transition(source, dest, fn)
+
+    def diagram(self, format: str = "mermaid") -> str:
+        """The machine as Mermaid (``"mermaid"``) or Graphviz DOT (``"dot"``) source text."""
+        return self._machine.diagram(format)
+
+    def request_checkpoint(self, at_exit: bool = False) -> None:
+        """Ask for a checkpoint at the end of the current step (the machine enters ``checkpointing``).
+
+        Args:
+            at_exit: Instead, a standing request: checkpoint whenever the run ends cleanly
+                (``max_steps`` reached or an exit requested), unless this step was just saved.
+                A run that ends by an error is not saved.
+        """
+        if at_exit:
+            self._checkpoint_at_exit = True
+        else:
+            self._checkpoint_requested = True
+
+    def request_exit(self, exit_code: int | None = None) -> None:
+        """Ask the run to end cleanly at the end of the current step.
+
+        Args:
+            exit_code: If given, ``train()`` raises ``SystemExit(exit_code)`` once ``exiting``
+                has run (a signal exit, for example).
+        """
+        self._exit_requested = True
+        if exit_code is not None:
+            self.exit_code = exit_code
+
+    @property
+    def exit_requested(self) -> bool:
+        """Whether a hook asked the run to end."""
+        return self._exit_requested
+
+    # -- the loop ------------------------------------------------------------------------------
+
+    def train(self) -> None:
+        """Run the machine until it reaches ``exiting``.
+
+        In pseudocode (each line is the work of one state)::
+
+            building:       build data loader, model, optimizer, lr scheduler, grad scaler, hooks
+            restoring:      on_enter_restoring hooks (checkpoint load); on_before_train
+            loop:
+              stepping:     step += 1 (not on a retry); on_before_step; microstep
+              accumulating: microstep (under no_sync, except for the last one)
+              ...after the last microstep: check gradients; optimizer, scheduler; on_after_step
+              retrying:     zero grads, reset the step's losses and records
+              checkpointing: on_enter_checkpointing hooks save
+            exiting:        on_after_train; close the data iterator
+
+        The next state is chosen by :data:`trainloop.machine.TRANSITIONS`.
+
+        Raises:
+            RuntimeError: Gradients stayed non-finite beyond ``max_non_finite_grad_retries``.
+            trainloop.data.DataExhaustedError: A one-shot iterator ran out before ``max_steps``.
+            SystemExit: A hook requested exit with an exit code.
+        """
+        if self.state is not State.IDLE:
+            raise RuntimeError(f"train() runs once per trainer; this one is in state {self.state.value!r}")
+        machine = self._machine
+        work: dict[State, Callable[[], None]] = {
+            State.BUILDING: self._build,
+            State.RESTORING: self._restore,
+            State.STEPPING: self._begin_step,
+            State.ACCUMULATING: self._microstep_once,
+            State.RETRYING: self._retry,
+            State.CHECKPOINTING: self._checkpoint,
+        }
+        try:
+            state = machine.advance()
+            while state is not State.EXITING:
+                work[state]()
+                state = machine.advance()
+        except BaseException as error:
+            self.error = error
+            machine.fail()
+            raise
+        finally:
+            self._exit()
+        if self.exit_code is not None:
+            raise SystemExit(self.exit_code)
+
+    # -- the work of each state ----------------------------------------------------------------
+
+    def _build(self) -> None:
+        self.data_loader = self.build_data_loader()
+        self.model = self.build_model()
+        self.optimizer = self.build_optimizer()
+        self.lr_scheduler = self.build_lr_scheduler()
+        self.grad_scaler = self.build_grad_scaler()
+        self.hooks = list(self.build_hooks())
+        _name_hooks(self.hooks)
+        self._dispatch = hook_dispatch(self.hooks)
+        for hook in self.hooks:
+            for state, method in state_entry_methods(hook):
+                self._machine.on_enter(state, method)
+
+    def _restore(self) -> None:
+        # A checkpoint, if any, was loaded by on_enter_restoring callbacks before this runs.
+        for fn in self._dispatch["on_before_train"]:
+            fn(self)
+        self._prepare_step_constants()
+        self._data = EpochIterator(self.data_loader, self.epoch)
+        self.model.train()
+        self.optimizer.zero_grad()
+
+    def _prepare_step_constants(self) -> None:
+        """Resolve, once, everything the hot loop would otherwise look up per microstep."""
+        settings = self.settings
+        self._accumulation = settings.gradient_accumulation_steps
+        self._scaling = self.grad_scaler.is_enabled()
+        precision = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(settings.mixed_precision or "")
+        self._autocast = (
+            torch.autocast(self.device.type, dtype=precision) if precision is not None else _NO_CONTEXT
+        )
+        self._no_sync = settings.no_sync_accumulate and hasattr(self.model, "no_sync")
+        self._warn_loss_none = _is_distributed(self.model)
+        # GradScaler finds non-finite gradients itself (and skips the step), so no check then.
+        self._grad_check = (
+            NonFiniteGradCheck(self.model.parameters())
+            if settings.detect_non_finite_grads and not self._scaling and settings.grad_clip is None
+            else None
+        )
+        self._check_grads = settings.detect_non_finite_grads and not self._scaling
+
+    def _begin_step(self) -> None:
+        if self._retrying:
+            self._retrying = False
+        else:
+            self.step += 1
+            self._retries = 0
+            self.step_info = {"data_time": [], "loss": [], "records": [], "non_finite_grad_retries": 0}
+            self._step_start = perf_counter()
+            for fn in self._dispatch["on_before_step"]:
+                fn(self)
+        self._microstep = 0
+        self._grads_non_finite = False
+        self._microstep_once()
+
+    def _microstep_once(self) -> None:
+        last = self._microstep + 1 == self._accumulation
+        with self.model.no_sync() if self._no_sync and not last else _NO_CONTEXT:
+            loss = self._forward_until_loss()
+            if self._accumulation > 1:
+                loss = loss / self._accumulation
+            if self._scaling:
+                loss = self.grad_scaler.scale(loss)
+            loss.backward()
+        self._microstep += 1
+        if last:
+            self._finish_step()
+
+    def _forward_until_loss(self) -> torch.Tensor:
+        """Draw batches until ``forward`` returns a loss; record it. A ``None`` loss does not count."""
+        info = self.step_info
+        while True:
+            start = perf_counter()
+            batch = next(self._data)  # type: ignore[arg-type]
+            info["data_time"].append(perf_counter() - start)
+            with self._autocast:
+                output = self.forward(batch)
+            try:
+                loss, records = output
+            except (TypeError, ValueError):
+                raise TypeError(
+                    f"{type(self).__name__}.forward() must return (loss, records), "
+                    f"got {type(output).__name__}"
+                ) from None
+            if loss is not None:
+                break
+            if self._warn_loss_none:
+                warnings.warn(
+                    "forward() returned loss=None under DDP/FSDP; the wrapped model must not have "
+                    "been called for this batch, or its next backward may hang or be wrong",
+                    LossNoneWarning,
+                    stacklevel=2,
+                )
+        if not isinstance(loss, torch.Tensor) or loss.ndim != 0:
+            what = f"a tensor of shape {tuple(loss.shape)}" if isinstance(loss, torch.Tensor) else type(loss).__name__
+            raise TypeError(f"{type(self).__name__}.forward() must return a scalar tensor loss, got {what}")
+        info["loss"].append(loss.detach())
+        info["records"].append(records)
+        return loss
+
+    def _finish_step(self) -> None:
+        """After the last microstep: unscale, clip, check gradients, step, schedule."""
+        optimizer = self.optimizer
+        if self._scaling:
+            self.grad_scaler.unscale_(optimizer)
+        for fn in self._dispatch["on_before_optimizer_step"]:
+            fn(self)
+        grad_clip = self.settings.grad_clip
+        if grad_clip is not None:
+            grad_norm = nn.utils.clip_grad_norm_(self.model.parameters(), grad_clip)
+            self.step_info["grad_norm"] = grad_norm
+        if self._check_grads:
+            # The step's one host sync: a retry must be decided before the optimizer steps.
+            # With clipping on, the total norm is finite iff every gradient is.
+            non_finite = (
+                self._grad_check() if self._grad_check is not None else not bool(torch.isfinite(grad_norm))
+            )
+            if non_finite:
+                self._on_non_finite_grads()
+                return
+        if self._scaling:
+            self.grad_scaler.step(optimizer)
+            self.grad_scaler.update()
+        else:
+            optimizer.step()
+        optimizer.zero_grad()
+        if self.lr_scheduler is not None:
+            self.lr_scheduler.step()
+        self.step_info["step_time"] = perf_counter() - self._step_start
+        for fn in self._dispatch["on_after_step"]:
+            fn(self)
+
+    def _on_non_finite_grads(self) -> None:
+        limit = self.settings.max_non_finite_grad_retries or 0
+        if self._retries >= limit:
+            if limit == 0:
+                raise RuntimeError(
+                    f"non-finite gradients at step {self.step}; max_non_finite_grad_retries is "
+                    f"{self.settings.max_non_finite_grad_retries}, so the step is not retried"
+                )
+            raise RuntimeError(
+                f"non-finite gradients at step {self.step} after {self._retries} retries "
+                f"(max_non_finite_grad_retries={limit})"
+            )
+        self._grads_non_finite = True
+
+    def _retry(self) -> None:
+        self._retries += 1
+        self.logger.warning(
+            "Non-finite gradients at step %d; retrying (%d/%d)",
+            self.step, self._retries, self.settings.max_non_finite_grad_retries,
+        )
+        self.optimizer.zero_grad()
+        info = self.step_info
+        info["loss"], info["records"] = [], []
+        info["non_finite_grad_retries"] = self._retries
+        self._retrying = True
+
+    def _checkpoint(self) -> None:
+        # The save itself is done by on_enter_checkpointing callbacks (CheckpointingHook).
+        self._checkpoint_requested = False
+        self._last_checkpoint_step = self.step
+
+    def _exit(self) -> None:
+        try:
+            for fn in self._dispatch["on_after_train"]:
+                fn(self)
+        finally:
+            if self._data is not None:
+                self._data.close()
+                self.epoch = self._data.epoch
+
+    # -- the machine's policies ----------------------------------------------------------------
+
+    def _should_exit(self) -> bool:
+        return self._exit_requested or self.step >= self.settings.max_steps
+
+    def _microsteps_remain(self) -> bool:
+        return self._microstep < self._accumulation
+
+    def _grads_are_non_finite(self) -> bool:
+        return self._grads_non_finite
+
+    def _checkpoint_due(self) -> bool:
+        return self._checkpoint_requested or (
+            self._checkpoint_at_exit and self._last_checkpoint_step != self.step and self._should_exit()
+        )
+
+    # -- state -----------------------------------------------------------------------------
+
+    def state_dict(self) -> dict[str, Any]:
+        """The full training state: model, optimizer, scheduler, grad scaler, step, and hooks'.
+
+        Model and optimizer go through ``torch.distributed.checkpoint.state_dict`` so DDP and
+        FSDP models give the same layout as plain ones.
+        """
+        model_state, optimizer_state = get_state_dict(
+            self.model, self.optimizer, options=self.state_dict_options
+        )
+        state_dict: dict[str, Any] = {
+            "model": model_state,
+            "training_state": {
+                "step": self.step,
+                "epoch": self._data.epoch if self._data is not None else self.epoch,
+                "optimizer": optimizer_state,
+                "lr_scheduler": self.lr_scheduler.state_dict() if self.lr_scheduler else None,
+                "grad_scaler": self.grad_scaler.state_dict(),
+            },
+        }
+        for fn in self._dispatch["on_state_dict"]:
+            fn(self, state_dict)
+        return state_dict
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Restore what :meth:`state_dict` returned."""
+        training_state = state_dict["training_state"]
+        self.step = training_state["step"]
+        self.epoch = training_state.get("epoch", 0)
+        self.logger.info("Resuming from step %d", self.step)
+        if self.lr_scheduler is not None:
+            # The scheduler must load before the optimizer: loading it rewrites the optimizer's
+            # lr with its own (pytorch/pytorch#119168).
+            self.lr_scheduler.load_state_dict(training_state["lr_scheduler"])
+        self.grad_scaler.load_state_dict(training_state["grad_scaler"])
+        set_state_dict(
+            self.model,
+            self.optimizer,
+            model_state_dict=state_dict["model"],
+            optim_state_dict=training_state["optimizer"],
+            options=self.state_dict_options,
+        )
+        for fn in self._dispatch["on_load_state_dict"]:
+            fn(self, state_dict)
+
+    # -- logging and helpers -------------------------------------------------------------------
+
+    def log(self, records: Records, dry_run: bool = False) -> None:
+        """Send nested numeric records to every hook's ``on_log``."""
+        for fn in self._dispatch["on_log"]:
+            fn(self, records, dry_run=dry_run)
+
+    def log_images(self, records: dict[str, Any], dry_run: bool = False) -> None:
+        """Send images (e.g. PIL images) to every hook's ``on_log_images``."""
+        for fn in self._dispatch["on_log_images"]:
+            fn(self, records, dry_run=dry_run)
+
+    @staticmethod
+    def unwrap(module: nn.Module) -> nn.Module:
+        """See through ``torch.compile``, DDP, DataParallel and ``AveragedModel``."""
+        return unwrap_model(module)
+
+    @property
+    def unwrapped_model(self) -> nn.Module:
+        """``self.model`` without its wrappers."""
+        return unwrap_model(self.model)
+
+
+def _name_hooks(hooks: list[BaseHook]) -> None:
+    """Check the hooks' types and make their names unique (``name``, ``name_2``, ...)."""
+    seen: dict[str, int] = {}
+    for i, hook in enumerate(hooks):
+        if not isinstance(hook, BaseHook):
+            raise TypeError(f"build_hooks() item {i} is a {type(hook).__name__}, not a BaseHook")
+        base = hook.name
+        seen[base] = seen.get(base, 0) + 1
+        if seen[base] > 1:
+            hook.name = f"{base}_{seen[base]}"
+
+
+def _is_distributed(model: nn.Module) -> bool:
+    if isinstance(model, nn.parallel.DistributedDataParallel):
+        return True
+    from torch.distributed.fsdp import FSDPModule, FullyShardedDataParallel
+
+    return isinstance(model, (FSDPModule, FullyShardedDataParallel))
