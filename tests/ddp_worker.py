@@ -1,0 +1,89 @@
+"""Worker processes for the multi-process tests (spawned, so importable by module name)."""
+
+from __future__ import annotations
+
+import os
+import socket
+import warnings
+
+import torch
+import torch.distributed as dist
+from tiny_trainer import TinyTrainer, make_data
+from torch import nn
+from torch.utils.data import DataLoader, DistributedSampler
+
+
+def free_port() -> int:
+    """A free TCP port on the loopback interface."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def init(rank: int, world_size: int, port: int) -> None:
+    """Join a gloo process group on 127.0.0.1."""
+    os.environ["MASTER_ADDR"] = "127.0.0.1"
+    os.environ["MASTER_PORT"] = str(port)
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", rank=rank, world_size=world_size)
+
+
+class CountingDDP(nn.parallel.DistributedDataParallel):
+    """DDP that counts how often gradient synchronisation was suspended."""
+
+    no_sync_entries = 0
+
+    def no_sync(self):
+        CountingDDP.no_sync_entries += 1
+        return super().no_sync()
+
+
+class DDPTrainer(TinyTrainer):
+    """TinyTrainer with each rank drawing its shard through a DistributedSampler."""
+
+    def build_data_loader(self):
+        return DataLoader(make_data(64), batch_size=4, sampler=DistributedSampler(make_data(64), shuffle=False))
+
+    def build_model(self):
+        return CountingDDP(super().build_model())
+
+
+def ddp_accumulation(rank: int, world_size: int, port: int, out: str, accumulation: int) -> None:
+    """Train with DDP and accumulation; save this rank's parameters and counters to ``out``."""
+    init(rank, world_size, port)
+    try:
+        trainer = DDPTrainer(max_steps=4, gradient_accumulation_steps=accumulation)
+        trainer.train()
+        torch.save(
+            {
+                "params": [p.detach() for p in trainer.unwrapped_model.parameters()],
+                "no_sync_entries": CountingDDP.no_sync_entries,
+                "epoch": trainer.epoch,
+            },
+            os.path.join(out, f"rank{rank}.pt"),
+        )
+    finally:
+        dist.destroy_process_group()
+
+
+class SkippingDDPTrainer(DDPTrainer):
+    """Returns loss=None for every other batch without calling the model."""
+
+    def forward(self, batch):
+        self.drawn = getattr(self, "drawn", 0) + 1
+        if self.drawn % 2:
+            return None, {}
+        return super().forward(batch)
+
+
+def ddp_loss_none(rank: int, world_size: int, port: int, out: str) -> None:
+    """Record the warnings a loss=None raises under DDP."""
+    init(rank, world_size, port)
+    try:
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            SkippingDDPTrainer(max_steps=2).train()
+        names = sorted({type(w.message).__name__ for w in caught if "loss=None" in str(w.message)})
+        torch.save(names, os.path.join(out, f"rank{rank}.pt"))
+    finally:
+        dist.destroy_process_group()

@@ -1,0 +1,46 @@
+import pytest
+import torch
+from torch import nn
+
+from trainloop.grads import NonFiniteGradCheck
+
+
+@pytest.fixture
+def model():
+    torch.manual_seed(0)
+    m = nn.Sequential(nn.Linear(3, 4), nn.Linear(4, 1))
+    m[1].to(torch.float64)  # two dtypes: two fused groups
+    return m
+
+
+def backward(model, scale=1.0):
+    x = torch.randn(2, 3)
+    model[1](model[0](x).double()).sum().mul(scale).backward()
+
+
+def test_finite_gradients_pass_and_are_left_untouched(model):
+    check = NonFiniteGradCheck(model.parameters())
+    backward(model)
+    grads = [p.grad.clone() for p in model.parameters()]
+    assert check() is False
+    for p, g in zip(model.parameters(), grads):
+        assert torch.equal(p.grad, g)
+
+
+@pytest.mark.parametrize("bad", [float("inf"), float("nan")])
+def test_a_single_non_finite_element_in_any_group_is_found_and_the_flag_clears(model, bad):
+    check = NonFiniteGradCheck(model.parameters())
+    backward(model)
+    model[1].weight.grad[0, 2] = bad
+    assert check() is True
+    model.zero_grad()
+    backward(model)
+    assert check() is False  # the flag is cleared after a hit
+
+
+def test_missing_and_frozen_gradients_are_skipped(model):
+    model[0].weight.requires_grad_(False)
+    check = NonFiniteGradCheck(model.parameters())
+    assert check() is False  # no gradient at all yet
+    backward(model)
+    assert check() is False
