@@ -25,6 +25,7 @@ from .utils import Records, unwrap_model
 __all__ = ["BaseTrainer", "LossNoneWarning"]
 
 _NO_CONTEXT = contextlib.nullcontext()  # reusable: entering it allocates nothing
+_PRECISIONS = {"bf16": torch.bfloat16, "fp16": torch.float16}
 
 
 class LossNoneWarning(UserWarning):
@@ -195,6 +196,14 @@ class BaseTrainer:
         """The machine as Mermaid (``"mermaid"``) or Graphviz DOT (``"dot"``) source text."""
         return self._machine.diagram(format)
 
+    def autocast(self) -> contextlib.AbstractContextManager[Any]:
+        """The mixed-precision context ``forward`` runs under (a no-op when it is off).
+
+        Use it to evaluate under the same precision as training.
+        """
+        dtype = _PRECISIONS.get(self.settings.mixed_precision or "")
+        return torch.autocast(self.device.type, dtype=dtype) if dtype is not None else _NO_CONTEXT
+
     def request_checkpoint(self, at_exit: bool = False) -> None:
         """Ask for a checkpoint at the end of the current step (the machine enters ``checkpointing``).
 
@@ -302,10 +311,7 @@ class BaseTrainer:
         settings = self.settings
         self._accumulation = settings.gradient_accumulation_steps
         self._scaling = self.grad_scaler.is_enabled()
-        precision = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(settings.mixed_precision or "")
-        self._autocast = (
-            torch.autocast(self.device.type, dtype=precision) if precision is not None else _NO_CONTEXT
-        )
+        self._autocast = self.autocast()  # reused: an autocast object can be entered again
         self._no_sync = settings.no_sync_accumulate and hasattr(self.model, "no_sync")
         self._warn_loss_none = _is_distributed(self.model)
         # GradScaler finds non-finite gradients itself (and skips the step), so no check then.

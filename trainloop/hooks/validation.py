@@ -1,0 +1,156 @@
+"""``ValidationHook``: evaluate the model every N steps, in eval mode, and log the results."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from typing import TYPE_CHECKING, Annotated, Any, cast
+
+import torch
+from pydantic import Field, validate_call
+from pydantic.json_schema import SkipJsonSchema
+
+from ..settings import PositiveInt, StrictBool
+from ..utils import Records
+from .base import BaseHook
+from .registry import register_hook
+
+if TYPE_CHECKING:
+    from ..trainer import BaseTrainer
+
+__all__ = ["ValidationHook"]
+
+#: A trainer method's name, as a settings file declares it.
+MethodName = Annotated[str, Field(pattern=r"^[A-Za-z_][A-Za-z0-9_]*$")]
+
+_MISSING = object()
+
+
+@register_hook("validation")
+class ValidationHook(BaseHook):
+    """Run an evaluation every ``interval`` steps and log what it returns under ``prefix``.
+
+    The evaluation runs after the step's optimizer update, with the model in eval mode, under
+    ``torch.no_grad()`` and the trainer's autocast (``settings.mixed_precision`` on
+    ``trainer.device``). Afterwards every submodule gets back the train/eval mode it had, also
+    when the evaluation raises. The returned records are logged with
+    ``trainer.log({prefix: records})``, so an
+    :class:`~trainloop.hooks.early_stopping.EarlyStoppingHook` can monitor e.g. ``"val/loss"``,
+    and kept in :attr:`last_records`.
+
+    In Python ``evaluate`` may be any callable; in a settings file it is the name of a trainer
+    method::
+
+        ValidationHook(lambda trainer: {"loss": compute_val_loss(trainer.model)}, interval=500)
+        {"type": "validation", "evaluate": "validate", "interval": 500}   # calls trainer.validate()
+
+    Every rank runs the evaluation, so it may use collectives (e.g. to average a metric).
+
+    Args:
+        evaluate: ``fn(trainer) -> records`` (a nested dict of numbers or scalar tensors), or
+            the name of a trainer method ``method() -> records``. A name is checked when
+            training starts; a missing or non-callable attribute fails before the first step.
+        interval: Evaluate after every ``interval``-th step.
+        at_last_step: Also evaluate after step ``max_steps`` when it is not a multiple of
+            ``interval``. (A run that ends early on an exit request is not evaluated again.)
+        prefix: The top-level key the records are logged under.
+
+    Attributes:
+        last_records: What the last evaluation returned, or ``None`` before the first.
+        last_step: The step of the last evaluation, or ``None`` before the first.
+    """
+
+    @validate_call
+    def __init__(
+        self,
+        # The callable branch is validated in Python but left out of the JSON schema: a file
+        # can only name a method, and pydantic cannot describe a callable in JSON schema.
+        evaluate: MethodName | SkipJsonSchema[Callable[[Any], Any]],
+        interval: PositiveInt,
+        at_last_step: StrictBool = True,
+        prefix: Annotated[str, Field(min_length=1)] = "val",
+    ) -> None:
+        self.evaluate = evaluate
+        self.interval = interval
+        self.at_last_step = at_last_step
+        self.prefix = prefix
+        self.last_records: Records | None = None
+        self.last_step: int | None = None
+
+    def on_before_train(self, trainer: BaseTrainer) -> None:
+        """Check that a method named by ``evaluate`` exists on the trainer and is callable.
+
+        Raises:
+            AttributeError: The trainer has no attribute of that name.
+            TypeError: The attribute is not callable.
+        """
+        if not isinstance(self.evaluate, str):
+            return
+        method = getattr(trainer, self.evaluate, _MISSING)
+        if method is _MISSING:
+            raise AttributeError(
+                f"{type(self).__name__}(evaluate={self.evaluate!r}): "
+                f"{type(trainer).__name__} has no method {self.evaluate!r}"
+            )
+        if not callable(method):
+            raise TypeError(
+                f"{type(self).__name__}(evaluate={self.evaluate!r}): "
+                f"{type(trainer).__name__}.{self.evaluate} is a {type(method).__name__}, "
+                "not a method"
+            )
+
+    def on_after_step(self, trainer: BaseTrainer) -> None:
+        """Evaluate if this step is due; on the other steps this is one modulo."""
+        step = trainer.step
+        if step % self.interval == 0 or (self.at_last_step and step == trainer.max_steps):
+            self.run(trainer)
+
+    def run(self, trainer: BaseTrainer) -> Records:
+        """Evaluate now (eval mode, no grad, autocast), log the records and return them.
+
+        Args:
+            trainer: The trainer whose model is evaluated.
+
+        Returns:
+            The records the evaluation returned.
+
+        Raises:
+            TypeError: The evaluation did not return a dict of records.
+        """
+        model = trainer.model
+        modules = list(model.modules())
+        modes = [m.training for m in modules]
+        model.eval()
+        try:
+            with torch.no_grad(), trainer.autocast():
+                if isinstance(self.evaluate, str):
+                    records = getattr(trainer, self.evaluate)()
+                else:
+                    records = self.evaluate(trainer)
+        finally:
+            _restore_modes(model, modules, modes)
+        if not isinstance(records, Mapping):
+            raise TypeError(
+                f"{type(self).__name__}: the evaluation {self._describe()} returned a "
+                f"{type(records).__name__}, not a dict of records"
+            )
+        self.last_records = cast(Records, records)
+        self.last_step = trainer.step
+        trainer.log({self.prefix: self.last_records})
+        return self.last_records
+
+    def _describe(self) -> str:
+        if isinstance(self.evaluate, str):
+            return f"trainer.{self.evaluate}()"
+        return getattr(self.evaluate, "__qualname__", repr(self.evaluate))
+
+
+def _restore_modes(
+    model: torch.nn.Module, modules: list[torch.nn.Module], modes: list[bool]
+) -> None:
+    # ``model.train(mode)`` first, so modules that override ``train()`` (to keep a BatchNorm
+    # frozen, say) run their own logic; then the recorded flags, because ``train(mode)`` alone
+    # would flatten a model whose submodules were in mixed modes before the evaluation.
+    model.train(modes[0])
+    for module, mode in zip(modules, modes):
+        if module.training != mode:
+            module.training = mode
