@@ -38,37 +38,33 @@ class TrainerSettings(BaseModel):
 
         class MyTrainer(BaseTrainer):
             settings_class = MySettings
-
-    Attributes:
-        max_steps: Number of optimizer steps to run.
-        grad_clip: Max gradient norm (L2); gradients are clipped before the optimizer step.
-        max_non_finite_grad_retries: How many times a step whose gradients are non-finite is
-            redone before giving up with ``RuntimeError``. ``None`` or ``0``: raise at once.
-        detect_non_finite_grads: Check gradients for inf/NaN before each optimizer step (one
-            host sync per step). Turn off for a sync-free hot loop; the optimizer then steps on
-            whatever the gradients hold.
-        mixed_precision: ``"bf16"`` or ``"fp16"`` autocast on the trainer's device, or ``None``.
-        gradient_accumulation_steps: Microsteps (forward + backward) per optimizer step.
-        workspace: Directory for run artefacts (checkpoints, logs); hooks resolve paths under it.
-        device: Device the trainer runs on (``"cpu"``, ``"cuda"``, ``"cuda:1"``...); ``None``
-            means torch's default device.
-        no_sync_accumulate: Use the model's ``no_sync()`` (DDP/FSDP) on all but the last
-            microstep of a step.
-        trace: Record every state-machine transition of a run in ``trainer.trace``.
     """
 
-    model_config = ConfigDict(frozen=True, extra="forbid", validate_default=True)
+    # Attribute docstrings become field descriptions (in the JSON Schema and the docs too).
+    model_config = ConfigDict(frozen=True, extra="forbid", validate_default=True, use_attribute_docstrings=True)
 
     max_steps: PositiveInt
+    """Number of optimizer steps to run."""
     grad_clip: PositiveFloat | None = None
+    """Max gradient norm (L2); gradients are clipped before the optimizer step."""
     max_non_finite_grad_retries: NonNegativeInt | None = None
+    """How often a step whose gradients are non-finite is redone before giving up with
+    ``RuntimeError``; ``None`` or ``0``: raise at once."""
     detect_non_finite_grads: StrictBool = True
+    """Check gradients for inf/NaN before each optimizer step (one host sync per step). Off: a
+    sync-free hot loop, and the optimizer steps on whatever the gradients hold."""
     mixed_precision: Literal["bf16", "fp16"] | None = None
+    """Autocast dtype for ``forward`` on the trainer's device; fp16 also enables GradScaler."""
     gradient_accumulation_steps: PositiveInt = 1
+    """Microsteps (forward + backward) per optimizer step; the loss is divided by this."""
     workspace: Path | None = None
+    """Directory for run artefacts (checkpoints, logs); hooks resolve paths under it."""
     device: str | None = None
+    """Device to run on (``"cpu"``, ``"cuda:1"``...); ``None``: torch's default device."""
     no_sync_accumulate: StrictBool = True
+    """Use the model's ``no_sync()`` (DDP/FSDP) on all but the last microstep of a step."""
     trace: StrictBool = False
+    """Record every transition of the machine in ``trainer.trace``."""
 
     @field_validator("gradient_accumulation_steps", mode="before")
     @classmethod

@@ -72,18 +72,22 @@ class BaseHook:
         """Restore this hook's state from a trainer ``state_dict``."""
 
 
-#: The methods a trainer dispatches to hooks.
-HOOK_EVENTS: tuple[str, ...] = (
-    "on_before_train",
-    "on_before_step",
-    "on_before_optimizer_step",
-    "on_after_step",
-    "on_after_train",
-    "on_log",
-    "on_log_images",
-    "on_state_dict",
-    "on_load_state_dict",
-)
+_MICROSTEP = (State.STEPPING, State.ACCUMULATING)
+
+#: The methods a trainer dispatches to hooks, and the states they run in (``None``: whenever
+#: the trainer's method that dispatches them is called). The docs' table is generated from this,
+#: and a test checks a real run against it.
+HOOK_EVENTS: dict[str, tuple[State, ...] | None] = {
+    "on_before_train": (State.RESTORING,),
+    "on_before_step": (State.STEPPING,),
+    "on_before_optimizer_step": _MICROSTEP,  # the last microstep of a step
+    "on_after_step": _MICROSTEP,  # the last microstep of a step
+    "on_after_train": (State.EXITING,),
+    "on_log": None,  # trainer.log()
+    "on_log_images": None,  # trainer.log_images()
+    "on_state_dict": None,  # trainer.state_dict()
+    "on_load_state_dict": None,  # trainer.load_state_dict()
+}
 
 
 def state_entry_methods(hook: BaseHook) -> list[tuple[State, Callable[[Any], Any]]]:
