@@ -87,3 +87,32 @@ def ddp_loss_none(rank: int, world_size: int, port: int, out: str) -> None:
         torch.save(names, os.path.join(out, f"rank{rank}.pt"))
     finally:
         dist.destroy_process_group()
+
+
+class ExitOnRankOne(TinyTrainer):
+    """Rank 1 alone asks to exit with code 143 after step 3 (as a signal on one node would)."""
+
+    def build_hooks(self):
+        from trainloop import BaseHook
+
+        class Request(BaseHook):
+            def on_after_step(self, trainer):
+                if dist.get_rank() == 1 and trainer.step == 3:
+                    trainer.request_exit(143)
+
+        return [Request()]
+
+
+def exit_agreement(rank: int, world_size: int, port: int, out: str) -> None:
+    """Record the step and exit code each rank ended with."""
+    init(rank, world_size, port)
+    try:
+        trainer = ExitOnRankOne(max_steps=50)
+        try:
+            trainer.train()
+            code = None
+        except SystemExit as exit_:
+            code = exit_.code
+        torch.save({"step": trainer.step, "code": code, "state": trainer.state.value}, os.path.join(out, f"rank{rank}.pt"))
+    finally:
+        dist.destroy_process_group()

@@ -29,3 +29,11 @@ def test_ddp_with_accumulation_keeps_ranks_identical_and_matches_one_big_batch(t
 
 def test_loss_none_warns_under_ddp(tmp_path):
     assert run(ddp_loss_none, tmp_path) == [["LossNoneWarning"]] * WORLD
+
+
+def test_an_exit_request_on_one_rank_stops_every_rank_after_the_same_step(tmp_path):
+    from ddp_worker import exit_agreement
+
+    results = run(exit_agreement, tmp_path)
+    # Requested after step 3 on rank 1; agreed without blocking, one step later, on both ranks.
+    assert results == [{"step": 4, "code": 143, "state": "exiting"}] * WORLD

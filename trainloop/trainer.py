@@ -15,6 +15,7 @@ import torch
 from torch import nn
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
 
+from .agreement import ExitAgreement
 from .data import EpochIterator
 from .grads import NonFiniteGradCheck
 from .hooks.base import BaseHook, hook_dispatch, state_entry_methods
@@ -84,12 +85,14 @@ class BaseTrainer:
         self._checkpoint_requested = False
         self._checkpoint_at_exit = False
         self._last_checkpoint_step: int | None = None
-        self._exit_requested = False
+        self._exit_request = 0  # this rank's: 0 none, else 1 + exit code
+        self._exit_requested = False  # agreed by all ranks
         self._microstep = 0  # microsteps completed in the current step
         self._retries = 0
         self._retrying = False
         self._grads_non_finite = False
         self._data: EpochIterator | None = None
+        self._agreement: ExitAgreement | None = None
         self._machine = StateMachine(
             conditions={
                 "should_exit": self._should_exit,
@@ -220,17 +223,18 @@ class BaseTrainer:
     def request_exit(self, exit_code: int | None = None) -> None:
         """Ask the run to end cleanly at the end of the current step.
 
+        Under a process group the ranks agree first (see :class:`~trainloop.agreement.ExitAgreement`):
+        all of them stop after the same step, one step after the first request.
+
         Args:
             exit_code: If given, ``train()`` raises ``SystemExit(exit_code)`` once ``exiting``
-                has run (a signal exit, for example).
+                has run (a signal exit, for example). Ranks agree on the highest code asked for.
         """
-        self._exit_requested = True
-        if exit_code is not None:
-            self.exit_code = exit_code
+        self._exit_request = max(self._exit_request, 1 + (exit_code or 0))
 
     @property
     def exit_requested(self) -> bool:
-        """Whether a hook asked the run to end."""
+        """Whether the run will end after this step (on every rank, once the ranks agreed)."""
         return self._exit_requested
 
     # -- the loop ------------------------------------------------------------------------------
@@ -303,6 +307,7 @@ class BaseTrainer:
             fn(self)
         self._prepare_step_constants()
         self._data = EpochIterator(self.data_loader, self.epoch)
+        self._agreement = ExitAgreement()
         self.model.train()
         self.optimizer.zero_grad()
 
@@ -412,6 +417,14 @@ class BaseTrainer:
         self.step_info["step_time"] = perf_counter() - self._step_start
         for fn in self._dispatch["on_after_step"]:
             fn(self)
+        self._settle_requests()
+
+    def _settle_requests(self) -> None:
+        agreed = self._agreement.settle(self._exit_request)
+        if agreed:
+            self._exit_requested = True
+            if agreed > 1:
+                self.exit_code = agreed - 1
 
     def _on_non_finite_grads(self) -> None:
         limit = self.settings.max_non_finite_grad_retries or 0
@@ -449,6 +462,8 @@ class BaseTrainer:
             for fn in self._dispatch["on_after_train"]:
                 fn(self)
         finally:
+            if self._agreement is not None:
+                self._agreement.close()
             if self._data is not None:
                 self._data.close()
                 self.epoch = self._data.epoch
