@@ -116,3 +116,21 @@ def exit_agreement(rank: int, world_size: int, port: int, out: str) -> None:
         torch.save({"step": trainer.step, "code": code, "state": trainer.state.value}, os.path.join(out, f"rank{rank}.pt"))
     finally:
         dist.destroy_process_group()
+
+
+def ddp_token_loss(rank: int, world_size: int, port: int, out: str) -> None:
+    """Loss(sum, count) under DDP: each rank's microsteps hold different numbers of tokens."""
+    from token_data import TokenTrainer, sequences
+
+    class DDPTokenTrainer(TokenTrainer):
+        def build_model(self):
+            return nn.parallel.DistributedDataParallel(super().build_model())
+
+    init(rank, world_size, port)
+    try:
+        seqs = sequences()[2 * rank : 2 * rank + 2]  # rank 0: 1 + 7 tokens, rank 1: 3 + 8
+        trainer = DDPTokenTrainer(max_steps=1, gradient_accumulation_steps=2, data=seqs)
+        trainer.train()
+        torch.save([p.detach() for p in trainer.unwrapped_model.parameters()], os.path.join(out, f"rank{rank}.pt"))
+    finally:
+        dist.destroy_process_group()

@@ -3,6 +3,7 @@ state machine."""
 
 from .data import DataExhaustedError
 from .hooks import BaseHook
+from .loss import Loss
 from .machine import TRANSITIONS, State, Trace, TraceEntry, Transition
 from .settings import SettingsFileError, TrainerSettings
 from .trainer import BaseTrainer, LossNoneWarning
@@ -15,6 +16,7 @@ __all__ = [
     "BaseHook",
     "BaseTrainer",
     "DataExhaustedError",
+    "Loss",
     "LossNoneWarning",
     "SettingsFileError",
     "State",

@@ -12,6 +12,7 @@ from time import perf_counter
 from typing import Any, ClassVar
 
 import torch
+import torch.distributed as dist
 from torch import nn
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
 
@@ -19,6 +20,7 @@ from .agreement import ExitAgreement
 from .data import EpochIterator
 from .grads import NonFiniteGradCheck
 from .hooks.base import BaseHook, hook_dispatch, state_entry_methods
+from .loss import Loss
 from .machine import Handle, State, StateMachine, Trace
 from .settings import TrainerSettings
 from .utils import Records, unwrap_model
@@ -88,6 +90,7 @@ class BaseTrainer:
         self._exit_request = 0  # this rank's: 0 none, else 1 + exit code
         self._exit_requested = False  # agreed by all ranks
         self._microstep = 0  # microsteps completed in the current step
+        self._items: torch.Tensor | int | None = None  # the step's Loss item count so far
         self._retries = 0
         self._retrying = False
         self._grads_non_finite = False
@@ -318,7 +321,7 @@ class BaseTrainer:
         self._scaling = self.grad_scaler.is_enabled()
         self._autocast = self.autocast()  # reused: an autocast object can be entered again
         self._no_sync = settings.no_sync_accumulate and hasattr(self.model, "no_sync")
-        self._warn_loss_none = _is_distributed(self.model)
+        self._distributed_model = _is_distributed(self.model)  # it also averages gradients over ranks
         # GradScaler finds non-finite gradients itself (and skips the step), so no check then.
         self._grad_check = (
             NonFiniteGradCheck(self.model.parameters())
@@ -338,6 +341,7 @@ class BaseTrainer:
             for fn in self._dispatch["on_before_step"]:
                 fn(self)
         self._microstep = 0
+        self._items = None
         self._grads_non_finite = False
         self._microstep_once()
 
@@ -345,8 +349,6 @@ class BaseTrainer:
         last = self._microstep + 1 == self._accumulation
         with self.model.no_sync() if self._no_sync and not last else _NO_CONTEXT:
             loss = self._forward_until_loss()
-            if self._accumulation > 1:
-                loss = loss / self._accumulation
             if self._scaling:
                 loss = self.grad_scaler.scale(loss)
             loss.backward()
@@ -355,7 +357,12 @@ class BaseTrainer:
             self._finish_step()
 
     def _forward_until_loss(self) -> torch.Tensor:
-        """Draw batches until ``forward`` returns a loss; record it. A ``None`` loss does not count."""
+        """Draw batches until ``forward`` returns a loss; record it, return what to backpropagate.
+
+        A ``None`` loss does not count. A plain loss is divided by the number of microsteps; a
+        :class:`~trainloop.loss.Loss` is backpropagated as its sum and its count added up, for
+        :meth:`_normalise_by_items` to divide the gradients by at the end of the step.
+        """
         info = self.step_info
         while True:
             start = perf_counter()
@@ -372,25 +379,34 @@ class BaseTrainer:
                 ) from None
             if loss is not None:
                 break
-            if self._warn_loss_none:
+            if self._distributed_model:
                 warnings.warn(
                     "forward() returned loss=None under DDP/FSDP; the wrapped model must not have "
                     "been called for this batch, or its next backward may hang or be wrong",
                     LossNoneWarning,
                     stacklevel=2,
                 )
-        if not isinstance(loss, torch.Tensor) or loss.ndim != 0:
-            what = f"a tensor of shape {tuple(loss.shape)}" if isinstance(loss, torch.Tensor) else type(loss).__name__
-            raise TypeError(f"{type(self).__name__}.forward() must return a scalar tensor loss, got {what}")
-        info["loss"].append(loss.detach())
         info["records"].append(records)
-        return loss
+        if isinstance(loss, Loss):
+            _check_scalar(self, loss.sum, "Loss.sum")
+            if self._microstep and self._items is None:
+                raise TypeError(f"{type(self).__name__}.forward() mixed plain losses and Loss(sum, count) in one step")
+            self._items = loss.count if self._items is None else self._items + loss.count
+            info["loss"].append(loss.sum.detach() / loss.count)
+            return loss.sum
+        _check_scalar(self, loss, "loss")
+        if self._items is not None:
+            raise TypeError(f"{type(self).__name__}.forward() mixed plain losses and Loss(sum, count) in one step")
+        info["loss"].append(loss.detach())
+        return loss / self._accumulation if self._accumulation > 1 else loss
 
     def _finish_step(self) -> None:
         """After the last microstep: unscale, clip, check gradients, step, schedule."""
         optimizer = self.optimizer
         if self._scaling:
             self.grad_scaler.unscale_(optimizer)
+        if self._items is not None:
+            self._normalise_by_items()
         for fn in self._dispatch["on_before_optimizer_step"]:
             fn(self)
         grad_clip = self.settings.grad_clip
@@ -418,6 +434,18 @@ class BaseTrainer:
         for fn in self._dispatch["on_after_step"]:
             fn(self)
         self._settle_requests()
+
+    def _normalise_by_items(self) -> None:
+        """Divide the step's summed gradients by its item count, over all ranks of a DDP/FSDP model."""
+        items = torch.as_tensor(self._items, dtype=torch.float32, device=self.device)
+        factor = 1.0 / items
+        if self._distributed_model and dist.is_initialized():
+            items = items.clone()
+            dist.all_reduce(items)  # the total over ranks; stays on the device
+            factor = dist.get_world_size() / items
+        grads = [p.grad for p in self.model.parameters() if p.grad is not None]
+        torch._foreach_mul_(grads, factor)  # a tensor factor: no host sync
+        self._items = None
 
     def _settle_requests(self) -> None:
         agreed = self._agreement.settle(self._exit_request)
@@ -551,6 +579,12 @@ class BaseTrainer:
     def unwrapped_model(self) -> nn.Module:
         """``self.model`` without its wrappers."""
         return unwrap_model(self.model)
+
+
+def _check_scalar(trainer: BaseTrainer, loss: Any, what: str) -> None:
+    if not isinstance(loss, torch.Tensor) or loss.ndim != 0:
+        got = f"a tensor of shape {tuple(loss.shape)}" if isinstance(loss, torch.Tensor) else type(loss).__name__
+        raise TypeError(f"{type(trainer).__name__}.forward() must return a scalar tensor {what}, got {got}")
 
 
 def _name_hooks(hooks: list[BaseHook]) -> None:
