@@ -20,6 +20,7 @@ __all__ = ["SettingsFileError", "TrainerSettings"]
 PositiveInt = Annotated[int, Field(gt=0, strict=True)]
 NonNegativeInt = Annotated[int, Field(ge=0, strict=True)]
 PositiveFloat = Annotated[float, Field(gt=0, strict=True)]
+NonNegativeFloat = Annotated[float, Field(ge=0, strict=True, allow_inf_nan=False)]
 StrictBool = Annotated[bool, Field(strict=True)]
 
 

@@ -115,9 +115,9 @@ def test_dry_run_records_are_ignored():
     stopper = EarlyStoppingHook("val/loss", patience=1)
     stopper.on_log(trainer, {"val": {"loss": 1.0}})
     stopper.on_log(trainer, {"val": {"loss": 2.0}}, dry_run=True)
-    assert (stopper.observations, stopper.best, trainer.exit_requested) == (1, 1.0, False)
+    assert (stopper.observations, stopper.best, stopper.stopped_step) == (1, 1.0, None)
     stopper.on_log(trainer, {"val": {"loss": 2.0}})
-    assert trainer.exit_requested and stopper.bad_count == 1
+    assert stopper.stopped_step == 0 and stopper.bad_count == 1
 
 
 @pytest.mark.parametrize(

@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING, Annotated, Any, Literal
 import torch
 from pydantic import Field, validate_call
 
-from ..settings import PositiveInt
+from ..settings import NonNegativeFloat, PositiveInt
 from ..utils import flatten_nested_dict
 from .base import BaseHook
 from .registry import register_hook
@@ -20,8 +20,6 @@ if TYPE_CHECKING:
     from ..trainer import BaseTrainer
 
 __all__ = ["EarlyStoppingHook", "MonitorNotFoundWarning"]
-
-NonNegativeFloat = Annotated[float, Field(ge=0, strict=True, allow_inf_nan=False)]
 
 
 class MonitorNotFoundWarning(UserWarning):

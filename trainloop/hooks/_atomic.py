@@ -1,0 +1,149 @@
+"""Crash-safe directory writes: a reader sees the old directory or the complete new one.
+
+Work in progress lives beside its target under a hidden name ``.<name>.<kind>-<hex>``:
+
+- ``tmp``: being written, or a symlink about to replace another; never complete, so removed.
+- ``old``: a complete directory moved aside so a new one can take its name; restored when a
+  crash left the name empty, else removed.
+- ``del``: being deleted; removed.
+
+:func:`clean_leftovers` settles what a crash left behind. It assumes a single writer per
+parent directory: a second process writing there at the same time could lose its work.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import secrets
+import shutil
+from collections.abc import Iterator
+from contextlib import contextmanager
+from logging import Logger
+from pathlib import Path
+
+__all__ = ["atomic_directory", "clean_leftovers", "remove_directory", "replace_symlink"]
+
+_HIDDEN = re.compile(r"\.(?P<name>.+)\.(?P<kind>tmp|old|del)-[0-9a-f]+")
+
+
+def _hidden_name(path: Path, kind: str) -> Path:
+    return path.with_name(f".{path.name}.{kind}-{secrets.token_hex(4)}")
+
+
+def _fsync(path: Path) -> None:
+    """Flush a file's or a directory's entries to disk (a directory: the names it holds)."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _remove(path: Path) -> None:
+    # rmtree refuses symlinks on purpose: never follow one into data outside the tree.
+    if path.is_dir() and not path.is_symlink():
+        shutil.rmtree(path)
+    else:
+        path.unlink()
+
+
+@contextmanager
+def atomic_directory(target: Path) -> Iterator[Path]:
+    """Yield an empty temporary directory to fill; on success it becomes ``target``.
+
+    Every file written into it is fsynced before the directory is renamed into place, so the
+    rename publishes complete contents. An existing ``target`` is moved aside first and removed
+    after the swap; a crash in between is undone by :func:`clean_leftovers`. On an exception
+    the temporary directory is removed and ``target`` keeps its old contents.
+
+    Args:
+        target: The directory to create or replace. Its parent is created if needed.
+    """
+    target.parent.mkdir(parents=True, exist_ok=True)
+    tmp = _hidden_name(target, "tmp")
+    tmp.mkdir()
+    try:
+        yield tmp
+        for path in tmp.rglob("*"):
+            _fsync(path)
+        _fsync(tmp)
+        _swap_into_place(tmp, target)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+
+
+def _swap_into_place(new: Path, target: Path) -> None:
+    # POSIX rename cannot replace a non-empty directory, so the old one steps aside first.
+    old = None
+    if target.exists() or target.is_symlink():
+        old = _hidden_name(target, "old")
+        os.rename(target, old)
+    try:
+        os.rename(new, target)
+    except BaseException:
+        if old is not None:
+            os.rename(old, target)
+        raise
+    _fsync(target.parent)
+    if old is not None:
+        try:
+            _remove(old)
+        except OSError:
+            pass  # the new directory is in place; clean_leftovers retries the old one later
+
+
+def replace_symlink(link: Path, target: str) -> None:
+    """Point ``link`` at ``target`` atomically (``target`` is stored as given, e.g. relative).
+
+    Args:
+        link: The symlink to create or replace.
+        target: What it points to; a bare name resolves beside the link.
+    """
+    tmp = _hidden_name(link, "tmp")
+    os.symlink(target, tmp)
+    try:
+        os.replace(tmp, link)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+    _fsync(link.parent)
+
+
+def remove_directory(path: Path) -> None:
+    """Delete a directory so that it disappears from its name at once, even if a crash interrupts.
+
+    Raises:
+        OSError: It could not be moved aside or deleted (what remains hidden is retried by
+            :func:`clean_leftovers`).
+    """
+    hidden = _hidden_name(path, "del")
+    os.rename(path, hidden)
+    _remove(hidden)
+
+
+def clean_leftovers(parent: Path, logger: Logger) -> None:
+    """Settle what interrupted writes left in ``parent`` (see the module docstring).
+
+    Failures are logged, not raised: a leftover that cannot be removed now is retried next time.
+
+    Args:
+        parent: The directory holding the atomically written entries.
+        logger: Where failures and restorations are reported.
+    """
+    if not parent.is_dir():
+        return
+    for entry in parent.iterdir():
+        match = _HIDDEN.fullmatch(entry.name)
+        if match is None:
+            continue
+        original = entry.with_name(match["name"])
+        try:
+            if match["kind"] == "old" and not (original.exists() or original.is_symlink()):
+                os.rename(entry, original)
+                logger.warning("Restored %s, which an interrupted save had moved aside", original)
+            else:
+                _remove(entry)
+        except OSError as error:
+            logger.warning("Could not clean up %s: %s", entry, error)
