@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import itertools
+import logging
 import statistics
 import time
 from collections.abc import Callable
@@ -55,6 +56,13 @@ class BenchTrainer(BaseTrainer):
 
     batches: list = []
 
+    def __init__(self, *args, hooks=(), **kwargs):
+        super().__init__(*args, **kwargs)
+        self._hooks = list(hooks)
+
+    def build_hooks(self):
+        return self._hooks
+
     def build_data_loader(self):
         return itertools.cycle(self.batches)
 
@@ -81,11 +89,29 @@ def trainer_loop(steps: int, batches: list, **settings) -> float:
     return marks["end"] - marks["start"]
 
 
+def hooked_trainer_loop(steps: int, batches: list) -> float:
+    """``trainer_loop`` with ``ProgressHook(interval=100)`` and ``LoggingHook(interval=100)``.
+
+    Their lines go to a ``NullHandler`` logger so they don't flood the report.
+    """
+    from trainloop.hooks.logging_hook import LoggingHook
+    from trainloop.hooks.progress import ProgressHook
+
+    logger = logging.getLogger("benchmarks.overhead.quiet")
+    if not logger.handlers:
+        logger.addHandler(logging.NullHandler())
+        logger.propagate = False
+        logger.setLevel(logging.INFO)
+    hooks = [ProgressHook(interval=100), LoggingHook(interval=100)]
+    return trainer_loop(steps, batches, hooks=hooks, logger=logger)
+
+
 CONFIGS: dict[str, Callable[[int, list], float]] = {
     "raw loop again (noise floor)": raw_loop,
     "trainer (defaults: non-finite check on)": lambda n, b: trainer_loop(n, b),
     "trainer (non-finite check off)": lambda n, b: trainer_loop(n, b, detect_non_finite_grads=False),
     "trainer (trace on)": lambda n, b: trainer_loop(n, b, trace=True),
+    "trainer + progress + logging hooks (interval 100)": hooked_trainer_loop,
 }
 
 

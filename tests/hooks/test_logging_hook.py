@@ -1,0 +1,133 @@
+"""LoggingHook: the StatsHook aggregate reaches ``trainer.log`` every interval and at the end."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from pydantic import ValidationError
+from tiny_trainer import CaptureHook, TinyTrainer
+
+from trainloop import BaseHook
+from trainloop.hooks.logging_hook import LoggingHook
+from trainloop.hooks.registry import HOOK_TYPES, hook_settings_model
+from trainloop.hooks.stats import StatsHook
+
+
+class LogCapture(BaseHook):
+    """Keeps what reaches ``on_log``, with the step and whether it was a dry run."""
+
+    def __init__(self):
+        self.logged: list[tuple[int, dict, bool]] = []
+
+    def on_log(self, trainer, records, dry_run=False):
+        self.logged.append((trainer.step, records, dry_run))
+
+
+class ExitAt(BaseHook):
+    def __init__(self, step: int):
+        self.step = step
+
+    def on_after_step(self, trainer):
+        if trainer.step == self.step:
+            trainer.request_exit()
+
+
+class MemoryHook(BaseHook):
+    def on_after_step(self, trainer):
+        trainer.step_info["max_memory"] = float(trainer.step * 1000)
+
+
+def test_logs_at_multiples_of_interval_and_at_the_last_step():
+    logs = LogCapture()
+    TinyTrainer(max_steps=5, hooks=[LoggingHook(interval=2), logs]).train()
+    assert [(step, dry) for step, _, dry in logs.logged] == [(2, False), (4, False), (5, False)]
+
+
+def test_records_are_the_stats_aggregate():
+    capture, logs, stats = CaptureHook(), LogCapture(), StatsHook(interval=2)
+    trainer = TinyTrainer(
+        max_steps=4, grad_clip=0.5, gradient_accumulation_steps=2,
+        hooks=[MemoryHook(), stats, LoggingHook(interval=2), logs, capture],
+    )
+    trainer.train()
+
+    (_, first, _), (_, second, _) = logs.logged
+    assert set(first) == {
+        "loss", "grad_norm", "lr", "step_time", "data_time", "non_finite_grad_retries", "max_memory", "records",
+    }
+    # The very numbers StatsHook computed over the same window.
+    assert second == capture.step_infos[3]["stats"].to_records()
+    losses = [loss.item() for info in capture.step_infos[:2] for loss in info["loss"]]
+    assert first["loss"] == pytest.approx(sum(losses) / 4, rel=1e-6)
+    assert first["records"] == {"mse": pytest.approx(first["loss"], rel=1e-6)}
+    norms = [info["grad_norm"].item() for info in capture.step_infos[:2]]
+    assert first["grad_norm"] == pytest.approx(sum(norms) / 2, rel=1e-6)
+    assert first["lr"] == {"group_0": 0.05}
+    assert (first["max_memory"], second["max_memory"]) == (2000.0, 4000.0)
+    assert first["non_finite_grad_retries"] == 0
+    assert all(isinstance(v, float) for v in (first["loss"], first["step_time"], first["data_time"]))
+
+
+def test_without_clipping_or_records_the_keys_are_absent():
+    class NoRecords(TinyTrainer):
+        def forward(self, batch):
+            return super().forward(batch)[0], {}
+
+    logs = LogCapture()
+    NoRecords(max_steps=1, hooks=[LoggingHook(interval=1), logs]).train()
+    assert set(logs.logged[0][1]) == {"loss", "lr", "step_time", "data_time", "non_finite_grad_retries"}
+
+
+def test_lr_of_each_named_group_before_the_scheduler_step():
+    class Scheduled(TinyTrainer):
+        def build_optimizer(self):
+            return torch.optim.SGD(
+                [
+                    {"params": self.model[0].parameters(), "lr": 0.1, "name": "body"},
+                    {"params": self.model[2].parameters(), "lr": 0.01},
+                ]
+            )
+
+        def build_lr_scheduler(self):
+            return torch.optim.lr_scheduler.StepLR(self.optimizer, step_size=1, gamma=0.1)
+
+    logs = LogCapture()
+    Scheduled(max_steps=2, hooks=[LoggingHook(interval=1), logs]).train()
+    assert [records["lr"] for _, records, _ in logs.logged] == [
+        {"body": pytest.approx(0.1), "group_1": pytest.approx(0.01)},
+        {"body": pytest.approx(0.01), "group_1": pytest.approx(0.001)},
+    ]
+
+
+def test_an_exit_request_logs_the_last_steps_before_training_ends():
+    logs = LogCapture()
+    TinyTrainer(max_steps=100, hooks=[ExitAt(7), LoggingHook(interval=5), logs]).train()
+    assert [step for step, _, _ in logs.logged] == [5, 7]
+
+
+def test_defaults_and_settings_declaration():
+    hook = LoggingHook()
+    assert (hook.interval, hook.sync) == (10, True)
+    assert HOOK_TYPES["logging"] is LoggingHook
+    model = hook_settings_model(LoggingHook)
+    built = model.model_validate_json('{"type": "logging", "interval": 3, "sync": false}').build()
+    assert type(built) is LoggingHook and (built.interval, built.sync) == (3, False)
+    with pytest.raises(ValidationError, match="sync"):
+        model.model_validate_json('{"type": "logging", "sync": "no"}')
+    with pytest.raises(ValidationError, match="type"):
+        model.model_validate_json('{"type": "stats", "interval": 3}')
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "name"),
+    [({"interval": 0}, "interval"), ({"interval": "5"}, "interval"), ({"sync": None}, "sync"), ({"sync": 0}, "sync")],
+)
+def test_bad_parameters_are_named(kwargs, name):
+    with pytest.raises(ValidationError) as error:
+        LoggingHook(**kwargs)
+    assert error.value.errors()[0]["loc"][-1] == name
+
+
+def test_unknown_parameter_is_rejected():
+    with pytest.raises(ValidationError, match="every"):
+        LoggingHook(every=3)

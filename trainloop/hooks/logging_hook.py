@@ -1,0 +1,42 @@
+"""``LoggingHook``: send aggregated training statistics to ``trainer.log``."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from .registry import register_hook
+from .stats import StatsHook, TrainingStats
+
+if TYPE_CHECKING:
+    from ..trainer import BaseTrainer
+
+__all__ = ["LoggingHook"]
+
+
+@register_hook("logging")
+class LoggingHook(StatsHook):
+    """Call ``trainer.log(records)`` with the training statistics every ``interval`` steps.
+
+    The records are :meth:`TrainingStats.to_records
+    <trainloop.hooks.stats.TrainingStats.to_records>` of the aggregate over the steps since
+    the previous call (see :class:`~trainloop.hooks.stats.StatsHook`)::
+
+        {"loss": 0.52, "grad_norm": 2.3, "lr": {"group_0": 1e-3}, "step_time": 0.25,
+         "data_time": 0.01, "non_finite_grad_retries": 0, "records": {...forward's...}}
+
+    Every rank calls ``trainer.log``; the hooks that write records decide which rank writes.
+    Put this hook before those hooks: a run that ends early is flushed in ``on_after_train``,
+    which must reach them before they close.
+
+    Args:
+        interval: Log at every multiple of this many steps, and at the last step.
+        sync: Average across ranks when a ``torch.distributed`` process group is initialised
+            (a collective at each logging step: every rank must run this hook).
+
+    Raises:
+        pydantic.ValidationError: A parameter is invalid; the error names it.
+    """
+
+    def emit(self, trainer: BaseTrainer, stats: TrainingStats) -> None:
+        """Pass the statistics to ``trainer.log``."""
+        trainer.log(stats.to_records())

@@ -1,0 +1,208 @@
+"""``ProgressHook``: training progress as log lines, or as a live bar on a terminal."""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import sys
+from datetime import timedelta
+from time import perf_counter
+from typing import TYPE_CHECKING, Any
+
+import torch.distributed as dist
+from pydantic import validate_call
+
+from ..settings import NonNegativeInt, PositiveInt, StrictBool
+from ..utils import flatten_nested_dict
+from .registry import register_hook
+from .stats import StatsHook, TrainingStats
+
+if TYPE_CHECKING:
+    from ..trainer import BaseTrainer
+
+__all__ = ["ProgressHook"]
+
+_FALLBACK_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
+_BAR_FORMAT = "{l_bar}{bar}| {n_fmt}/{total_fmt} [{elapsed}, {rate_fmt}{postfix}]"
+
+
+@register_hook("progress")
+class ProgressHook(StatsHook):
+    """Report training progress every ``interval`` steps.
+
+    Each report is a line logged at INFO through ``trainer.logger``::
+
+        Step 100/10000: step 0.2500s data 0.0100s eta 6:00:00 loss 0.5234 grad_norm 2.3456 lr 1.00e-03
+
+    ``eta`` appears once ``eta_warmup`` steps have run; ``mem`` when a hook records peak
+    memory (``step_info["max_memory"]``, in GiB as
+    :class:`~trainloop.hooks.cuda_memory.CudaMaxMemoryHook` records it); ``grad_norm`` when the
+    trainer clips; ``retries`` when steps were retried; ``lr/<group>`` per group when the
+    optimizer has several; ``| key value ...`` with ``with_records``. The numbers are the
+    :class:`~trainloop.hooks.stats.StatsHook` aggregate of the steps since the last report.
+
+    When standard output is a terminal, ``bar`` is on, ``tqdm`` is installed and this is rank 0,
+    a live progress bar replaces the lines (its postfix carries the same numbers), and console
+    log handlers on the root logger write above the bar while it runs. A non-interactive output
+    (a file, a pipe, a job log) always gets lines.
+
+    If no logging handler is configured anywhere on ``trainer.logger``'s way to the root
+    logger, Python would show only warnings (its last-resort handler), and the lines would be
+    lost. The hook then attaches, on rank 0 and for the duration of the run, a ``StreamHandler``
+    to standard error on ``trainer.logger``, and sets that logger's level to INFO if it had
+    none; both are undone when training ends. A configured setup is never touched.
+
+    Args:
+        interval: Report at every multiple of this many steps, and at the last step.
+        with_records: Add ``forward``'s records, averaged, to each report.
+        sync: Average across ranks when a ``torch.distributed`` process group is initialised
+            (a collective at each report: every rank must run this hook).
+        eta_warmup: Steps to run before estimating the time left; the estimate is the mean
+            wall time per step since then, times the steps remaining.
+        show_units: Write units (``s``, ``GiB``) after the numbers.
+        bar: Allow the live bar on a terminal; ``False`` always logs lines.
+
+    Raises:
+        pydantic.ValidationError: A parameter is invalid; the error names it.
+    """
+
+    @validate_call
+    def __init__(
+        self,
+        interval: PositiveInt = 1,
+        with_records: StrictBool = False,
+        sync: StrictBool = False,
+        eta_warmup: NonNegativeInt = 10,
+        show_units: StrictBool = True,
+        bar: StrictBool = True,
+    ) -> None:
+        super().__init__(interval=interval, sync=sync)
+        self.with_records = with_records
+        self.collect_records = with_records
+        self.eta_warmup = eta_warmup
+        self.show_units = show_units
+        self.bar = bar
+        self._steps_run = 0
+        self._eta_start: float | None = None
+        self._bar: Any = None
+        self._cleanup = contextlib.ExitStack()
+
+    def on_before_train(self, trainer: BaseTrainer) -> None:
+        """Start the ETA clock, and open the bar or make sure the lines will be seen."""
+        super().on_before_train(trainer)
+        self._steps_run = 0
+        self._eta_start = perf_counter() if self.eta_warmup == 0 else None
+        self._bar = self._open_bar(trainer) if self.bar else None
+        if self._bar is None:
+            self._make_lines_visible(trainer.logger)
+
+    def on_after_step(self, trainer: BaseTrainer) -> None:
+        """Count the step for the ETA, then aggregate (and maybe report) it."""
+        self._steps_run += 1
+        if self._steps_run == self.eta_warmup:
+            self._eta_start = perf_counter()
+        super().on_after_step(trainer)
+
+    def on_after_train(self, trainer: BaseTrainer) -> None:
+        """Report steps not yet reported, then close the bar and undo any logging set-up."""
+        try:
+            super().on_after_train(trainer)
+        finally:
+            self._bar = None
+            self._cleanup.close()
+
+    def emit(self, trainer: BaseTrainer, stats: TrainingStats) -> None:
+        """Show one report: update the bar, or log a line."""
+        bar = self._bar
+        if bar is not None:
+            fmt, args = self._describe(trainer, stats)
+            bar.set_postfix_str(fmt % tuple(args), refresh=False)
+            bar.update(trainer.step - bar.n)
+            return
+        logger = trainer.logger
+        if logger.isEnabledFor(logging.INFO):
+            fmt, args = self._describe(trainer, stats)
+            logger.info("Step %d/%d: " + fmt, trainer.step, trainer.max_steps, *args)
+
+    def _describe(self, trainer: BaseTrainer, stats: TrainingStats) -> tuple[str, list[Any]]:
+        """The report as a %-format and its arguments (so logging formats it lazily)."""
+        seconds = "s" if self.show_units else ""
+        parts = [f"step %.4f{seconds}", f"data %.4f{seconds}"]
+        args: list[Any] = [stats.step_time, stats.data_time]
+        eta = self._eta(trainer)
+        if eta is not None:
+            parts.append("eta %s")
+            args.append(eta)
+        if stats.max_memory is not None:
+            parts.append("mem %.2fGiB" if self.show_units else "mem %.2f")
+            args.append(stats.max_memory)
+        parts.append("loss %.4f")
+        args.append(stats.loss)
+        if stats.grad_norm is not None:
+            parts.append("grad_norm %.4f")
+            args.append(stats.grad_norm)
+        if stats.non_finite_grad_retries:
+            parts.append("retries %d")
+            args.append(stats.non_finite_grad_retries)
+        if len(stats.lrs) == 1:
+            parts.append("lr %.2e")
+            args.extend(stats.lrs.values())
+        else:
+            for name, lr in stats.lrs.items():
+                parts.append("lr/%s %.2e")
+                args += [name, lr]
+        if self.with_records and stats.records:
+            parts.append("|")
+            for key, value in flatten_nested_dict(stats.records).items():
+                parts.append("%s %.4g")
+                args += [key, value]
+        return " ".join(parts), args
+
+    def _eta(self, trainer: BaseTrainer) -> timedelta | None:
+        timed = self._steps_run - self.eta_warmup
+        if self._eta_start is None or timed <= 0:
+            return None
+        per_step = (perf_counter() - self._eta_start) / timed
+        return timedelta(seconds=round(per_step * max(self._max_steps - trainer.step, 0)))
+
+    def _open_bar(self, trainer: BaseTrainer) -> Any:
+        """A tqdm bar on standard output if it is a terminal (rank 0 only), else ``None``."""
+        stdout = sys.stdout
+        if stdout is None or not stdout.isatty() or _rank() != 0:
+            return None
+        try:
+            from tqdm import tqdm  # type: ignore[import-untyped]
+            from tqdm.contrib.logging import logging_redirect_tqdm  # type: ignore[import-untyped]
+        except ImportError:  # the bar is optional; lines then
+            return None
+        bar = tqdm(
+            total=trainer.max_steps,
+            initial=trainer.step,
+            file=stdout,
+            unit="step",
+            dynamic_ncols=True,
+            bar_format=_BAR_FORMAT,
+        )
+        self._cleanup.callback(bar.close)
+        # Other log lines on the console would tear the bar; route them through tqdm.write.
+        self._cleanup.enter_context(logging_redirect_tqdm([logging.root], tqdm_class=tqdm))
+        return bar
+
+    def _make_lines_visible(self, logger: logging.Logger) -> None:
+        """Give the lines a handler if logging was never configured (see the class docstring)."""
+        if logger.hasHandlers() or _rank() != 0:
+            return
+        handler = logging.StreamHandler()  # standard error, as it is now
+        handler.setFormatter(logging.Formatter(_FALLBACK_FORMAT))
+        logger.addHandler(handler)
+        self._cleanup.callback(handler.close)
+        self._cleanup.callback(logger.removeHandler, handler)
+        if logger.level == logging.NOTSET:
+            logger.setLevel(logging.INFO)
+            self._cleanup.callback(logger.setLevel, logging.NOTSET)
+
+
+def _rank() -> int:
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_rank()
+    return 0

@@ -1,0 +1,315 @@
+"""``StatsHook``: training statistics aggregated over microsteps, steps and ranks.
+
+It is the shared core of :class:`~trainloop.hooks.logging_hook.LoggingHook` and
+:class:`~trainloop.hooks.progress.ProgressHook`: both subclass it and override only
+:meth:`StatsHook.emit`, which receives each new :class:`TrainingStats`.
+
+Cost: on a step that does not emit, the hook appends references to the step's tensors and adds
+a few floats; no tensor is read. At an emission the window's losses and gradient norms are
+reduced on their device and read together, and the tensors inside ``forward``'s records are
+read in one batch per device and dtype.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+import torch
+import torch.distributed as dist
+from pydantic import validate_call
+
+from ..settings import PositiveInt, StrictBool
+from ..utils import Records, key_average
+from .base import BaseHook
+from .registry import register_hook
+
+if TYPE_CHECKING:
+    from ..trainer import BaseTrainer
+
+__all__ = ["StatsHook", "TrainingStats"]
+
+
+@dataclass(frozen=True)
+class TrainingStats:
+    """What a :class:`StatsHook` emits: the steps since its previous emission, aggregated.
+
+    Attributes:
+        step: The step at which these were emitted (the last step aggregated).
+        steps: How many steps were aggregated (on this rank).
+        loss: Mean loss over every microstep of those steps (then over ranks, when synced).
+        grad_norm: Mean total gradient norm, as measured before clipping; ``None`` when the
+            trainer does not clip (no ``grad_clip``).
+        step_time: Mean seconds per step (``step_info["step_time"]``).
+        data_time: Mean seconds per step spent drawing batches (all microsteps of a step).
+        non_finite_grad_retries: How many times these steps were retried for non-finite
+            gradients (the maximum over ranks, when synced: ranks retry the same steps).
+        max_memory: Peak of ``step_info["max_memory"]`` over these steps (and ranks), in the
+            unit the recording hook uses (GiB for
+            :class:`~trainloop.hooks.cuda_memory.CudaMaxMemoryHook`); ``None`` when no hook
+            records it.
+        lrs: Learning rate of each optimizer param group at the last step, as the optimizer
+            used it (before the scheduler stepped), keyed by the group's ``"name"`` entry or
+            ``group_<i>``.
+        records: ``forward``'s records averaged key by key over every microstep (then over
+            ranks); empty when the hook does not collect them.
+    """
+
+    step: int
+    steps: int
+    loss: float
+    grad_norm: float | None
+    step_time: float
+    data_time: float
+    non_finite_grad_retries: int
+    max_memory: float | None
+    lrs: dict[str, float] = field(default_factory=dict)
+    records: Records = field(default_factory=dict)
+
+    def to_records(self) -> dict[str, Any]:
+        """These statistics as nested records for ``trainer.log``.
+
+        Keys: ``loss``, ``grad_norm`` (when clipping), ``lr`` (a dict by param group),
+        ``step_time``, ``data_time``, ``non_finite_grad_retries``, ``max_memory`` (when
+        recorded) and ``records`` (``forward``'s averaged records, when any). Keeping the
+        user's records under their own key means no name of theirs can collide with ours.
+        """
+        out: dict[str, Any] = {"loss": self.loss}
+        if self.grad_norm is not None:
+            out["grad_norm"] = self.grad_norm
+        out["lr"] = dict(self.lrs)
+        out["step_time"] = self.step_time
+        out["data_time"] = self.data_time
+        out["non_finite_grad_retries"] = self.non_finite_grad_retries
+        if self.max_memory is not None:
+            out["max_memory"] = self.max_memory
+        if self.records:
+            out["records"] = self.records
+        return out
+
+
+@register_hook("stats")
+class StatsHook(BaseHook):
+    """Aggregate training statistics and emit them every ``interval`` steps.
+
+    Every step it collects the loss of each microstep, the gradient norm (when the trainer
+    clips), step and data time, the retry count, ``step_info["max_memory"]`` when another hook
+    records it (that hook must come before this one), ``forward``'s records, and each param
+    group's learning rate before the scheduler steps. At every multiple of ``interval``, at
+    ``max_steps``, and when a run ends cleanly before (an exit request) with steps not yet
+    emitted, it reduces them into a :class:`TrainingStats` and calls :meth:`emit`.
+
+    Used on its own, the hook keeps the newest statistics in :attr:`latest` and publishes
+    them as ``trainer.step_info["stats"]`` on the steps where it emits, for later hooks to read.
+    Subclasses (:class:`~trainloop.hooks.logging_hook.LoggingHook`,
+    :class:`~trainloop.hooks.progress.ProgressHook`) override :meth:`emit`.
+
+    Args:
+        interval: Emit at every multiple of this many steps, and at the last step.
+        sync: When a ``torch.distributed`` process group is initialised with more than one
+            rank, average the statistics across ranks (one ``all_gather_object`` per emission,
+            so every rank must run this hook with the same ``interval``; with NCCL, set the
+            rank's CUDA device first, as usual).
+
+    Attributes:
+        latest: The last :class:`TrainingStats` emitted, or ``None``.
+
+    Raises:
+        pydantic.ValidationError: A parameter is invalid; the error names it.
+    """
+
+    #: Whether to keep ``forward``'s records; a subclass that never shows them turns it off,
+    #: which spares reading their tensors at each emission.
+    collect_records: bool = True
+
+    @validate_call
+    def __init__(self, interval: PositiveInt = 10, sync: StrictBool = True) -> None:
+        self.interval = interval
+        self.sync = sync
+        self.latest: TrainingStats | None = None
+        self._max_steps = 0
+        self._lr_names: list[str] = []
+        self._lrs: list[Any] = []
+        self._reset_window()
+
+    def _reset_window(self) -> None:
+        self._steps = 0
+        self._losses: list[torch.Tensor] = []
+        self._grad_norms: list[torch.Tensor] = []
+        self._records: list[Mapping[str, Any]] = []
+        self._step_time = 0.0
+        self._data_time = 0.0
+        self._retries = 0
+        self._max_memory: float | None = None
+
+    # -- collecting ------------------------------------------------------------------------
+
+    def on_before_train(self, trainer: BaseTrainer) -> None:
+        """Start an empty window."""
+        self._max_steps = trainer.max_steps
+        self.latest = None
+        self._reset_window()
+
+    def on_before_optimizer_step(self, trainer: BaseTrainer) -> None:
+        """Capture each param group's learning rate: the one this step uses."""
+        # The scheduler steps right after the optimizer, so this is the last moment the lr is
+        # the step's own. It is stored into a list kept across steps: no allocation per step.
+        groups = trainer.optimizer.param_groups
+        lrs = self._lrs
+        if len(lrs) != len(groups):
+            self._name_param_groups(groups)
+            lrs = self._lrs
+        for i, group in enumerate(groups):
+            lr = group["lr"]
+            # Schedulers update a tensor lr in place, so keep a copy of this step's value.
+            lrs[i] = lr.detach().clone() if isinstance(lr, torch.Tensor) else lr
+
+    def _name_param_groups(self, groups: list[dict[str, Any]]) -> None:
+        names: list[str] = []
+        for i, group in enumerate(groups):
+            name = str(group.get("name", f"group_{i}"))
+            names.append(f"{name}_{i}" if name in names else name)
+        self._lr_names = names
+        self._lrs = [None] * len(groups)
+
+    def on_after_step(self, trainer: BaseTrainer) -> None:
+        """Add the step to the window; emit at a multiple of ``interval`` or the last step."""
+        info = trainer.step_info
+        self._steps += 1
+        # References only: reading a tensor here would be a host sync on every step.
+        self._losses.extend(info["loss"])
+        grad_norm = info.get("grad_norm")
+        if grad_norm is not None:
+            self._grad_norms.append(grad_norm)
+        if self.collect_records:
+            self._records.extend(info["records"])
+        self._step_time += info["step_time"]
+        self._data_time += sum(info["data_time"])
+        self._retries += info["non_finite_grad_retries"]
+        memory = info.get("max_memory")
+        if memory is not None and (self._max_memory is None or memory > self._max_memory):
+            self._max_memory = memory
+        step = trainer.step
+        if step % self.interval == 0 or step >= self._max_steps:
+            self._emit_window(trainer)
+
+    def on_after_train(self, trainer: BaseTrainer) -> None:
+        """Emit the steps of a run that ended cleanly between two emissions (an exit request)."""
+        # Not after an error: other ranks may not reach this point, and a collective would hang.
+        if self._steps and trainer.error is None:
+            self._emit_window(trainer)
+
+    # -- reducing --------------------------------------------------------------------------
+
+    def _emit_window(self, trainer: BaseTrainer) -> None:
+        stats = self._reduce(trainer.step)
+        if self.sync and _world_size() > 1:
+            stats = _combine_ranks(stats)
+        self._reset_window()
+        self.latest = stats
+        self.emit(trainer, stats)
+
+    def _reduce(self, step: int) -> TrainingStats:
+        steps = self._steps
+        loss = torch.stack(self._losses).float().mean()
+        if self._grad_norms:
+            grad_norm = torch.stack(self._grad_norms).float().mean().to(loss.device)
+            # The window's host sync for its tensors: both means read at once.
+            loss_value, grad_norm_value = torch.stack((loss, grad_norm)).tolist()
+        else:
+            loss_value, grad_norm_value = loss.item(), None
+        records = key_average(_read_scalar_tensors(self._records)) if self._records else {}
+        return TrainingStats(
+            step=step,
+            steps=steps,
+            loss=loss_value,
+            grad_norm=grad_norm_value,
+            step_time=self._step_time / steps,
+            data_time=self._data_time / steps,
+            non_finite_grad_retries=self._retries,
+            max_memory=self._max_memory,
+            lrs={name: float(lr) for name, lr in zip(self._lr_names, self._lrs, strict=True)},
+            records=records,
+        )
+
+    def emit(self, trainer: BaseTrainer, stats: TrainingStats) -> None:
+        """Receive each new aggregate; the base class publishes it in ``step_info["stats"]``.
+
+        Args:
+            trainer: The trainer.
+            stats: The statistics of the steps since the previous emission.
+        """
+        trainer.step_info["stats"] = stats
+
+
+def _world_size() -> int:
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_world_size()
+    return 1
+
+
+def _combine_ranks(local: TrainingStats) -> TrainingStats:
+    """Average ``local`` with the other ranks' statistics (a collective: all ranks call it)."""
+    gathered: list[TrainingStats | None] = [None] * dist.get_world_size()
+    dist.all_gather_object(gathered, local)
+    ranks = [s for s in gathered if s is not None]
+    n = len(ranks)
+    norms = [s.grad_norm for s in ranks if s.grad_norm is not None]
+    memories = [s.max_memory for s in ranks if s.max_memory is not None]
+    return TrainingStats(
+        step=local.step,
+        steps=local.steps,
+        loss=sum(s.loss for s in ranks) / n,
+        grad_norm=sum(norms) / len(norms) if norms else None,
+        step_time=sum(s.step_time for s in ranks) / n,
+        data_time=sum(s.data_time for s in ranks) / n,
+        non_finite_grad_retries=max(s.non_finite_grad_retries for s in ranks),
+        max_memory=max(memories) if memories else None,
+        lrs=local.lrs,
+        records=key_average([s.records for s in ranks]) if any(s.records for s in ranks) else {},
+    )
+
+
+def _read_scalar_tensors(records: list[Mapping[str, Any]]) -> list[Mapping[str, Any]]:
+    """``records`` with every one-element tensor replaced by its number.
+
+    ``key_average`` would call ``.item()`` on each tensor, one host sync per value and
+    microstep; here they are stacked and read once per (device, dtype). Tensors of another
+    size are left in place for ``key_average`` to reject with the key's name.
+    """
+    found: list[torch.Tensor] = []
+
+    def collect(record: Mapping[str, Any]) -> None:
+        for value in record.values():
+            if isinstance(value, Mapping):
+                collect(value)
+            elif isinstance(value, torch.Tensor) and value.numel() == 1:
+                found.append(value)
+
+    for record in records:
+        collect(record)
+    if not found:
+        return records
+    groups: dict[tuple[torch.device, torch.dtype], list[int]] = {}
+    for i, tensor in enumerate(found):
+        groups.setdefault((tensor.device, tensor.dtype), []).append(i)
+    values: list[Any] = [None] * len(found)
+    for indices in groups.values():
+        read = torch.stack([found[i].detach().reshape(()) for i in indices]).tolist()
+        for i, value in zip(indices, read, strict=True):
+            values[i] = value
+    numbers = iter(values)
+
+    def replace(record: Mapping[str, Any]) -> dict[str, Any]:
+        out: dict[str, Any] = {}
+        for key, value in record.items():
+            if isinstance(value, Mapping):
+                out[key] = replace(value)
+            elif isinstance(value, torch.Tensor) and value.numel() == 1:
+                out[key] = next(numbers)
+            else:
+                out[key] = value
+        return out
+
+    return [replace(record) for record in records]
