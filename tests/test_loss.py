@@ -1,6 +1,12 @@
 import pytest
 import torch
-from token_data import TokenTrainer, mean_over_tokens_trainer, model_params, sequences, stack
+from token_data import (
+    TokenTrainer,
+    mean_over_tokens_trainer,
+    model_params,
+    sequences,
+    stack,
+)
 
 from trainloop import Loss
 

@@ -8,11 +8,20 @@ from numbers import Number
 from typing import Any, TypeAlias, Union
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
-__all__ = ["Records", "flatten_nested_dict", "key_average", "map_nested_tensor", "unwrap_model"]
+__all__ = [
+    "Records",
+    "flatten_nested_dict",
+    "is_rank_zero",
+    "key_average",
+    "map_nested_tensor",
+    "to_float",
+    "unwrap_model",
+]
 
-Records: TypeAlias = dict[str, Union[Number, torch.Tensor, "Records"]]
+Records: TypeAlias = dict[str, Union[int, float, torch.Tensor, "Records"]]
 """A nested dict of numbers (or scalar tensors), as ``forward`` returns and hooks log."""
 
 
@@ -33,7 +42,13 @@ def map_nested_tensor(fn: Callable[[torch.Tensor], Any], obj: Any) -> Any:
     return obj
 
 
-def _as_float(value: Any, key: str) -> float:
+def to_float(value: Any, key: str) -> float:
+    """A record's value as a Python float (a host sync for a tensor); errors name the ``key``.
+
+    Raises:
+        TypeError: The value is not a number or a tensor.
+        ValueError: The tensor has more than one element.
+    """
     if isinstance(value, torch.Tensor):
         if value.numel() != 1:
             raise ValueError(f"record {key!r} is a tensor of shape {tuple(value.shape)}, not a scalar")
@@ -65,7 +80,7 @@ def _accumulate(sums: dict[str, Any], record: Mapping[str, Any], exclude_nan: bo
         if isinstance(value, Mapping):
             _accumulate(sums.setdefault(key, {}), value, exclude_nan, prefix=f"{path}/")
             continue
-        number = _as_float(value, path)
+        number = to_float(value, path)
         total, count, nan_seen = sums.get(key, (0.0, 0, False))
         if exclude_nan and math.isnan(number):
             sums[key] = (total, count, True)
@@ -112,3 +127,8 @@ def unwrap_model(module: nn.Module) -> nn.Module:
             module = module.module
         else:
             return module
+
+
+def is_rank_zero() -> bool:
+    """Whether this process is rank 0 of the default process group, or runs alone."""
+    return not (dist.is_available() and dist.is_initialized()) or dist.get_rank() == 0

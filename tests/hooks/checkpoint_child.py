@@ -26,8 +26,8 @@ import sys
 import time
 
 import torch
-
 from tiny_trainer import TinyTrainer
+
 from trainloop import BaseHook
 from trainloop.hooks.checkpointing import CheckpointingHook
 

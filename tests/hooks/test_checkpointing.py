@@ -16,8 +16,8 @@ from pathlib import Path
 import pytest
 import torch
 from pydantic import ValidationError
-
 from tiny_trainer import CaptureHook, TinyTrainer
+
 from trainloop import BaseHook
 from trainloop.hooks.checkpointing import (
     CheckpointError,

@@ -58,12 +58,16 @@ class BaseHook:
         """Called in ``exiting``, also when the run ends by an error (``trainer.error``)."""
 
     def on_log(self, trainer: BaseTrainer, records: dict[str, Any], dry_run: bool = False) -> None:
-        """Receive the nested numeric records given to ``trainer.log``."""
+        """Receive the nested numeric records given to ``trainer.log``.
+
+        With ``dry_run`` the caller rehearses: a hook checks the records but writes nothing and
+        changes no state.
+        """
 
     def on_log_images(
         self, trainer: BaseTrainer, records: dict[str, Any], dry_run: bool = False
     ) -> None:
-        """Receive the images given to ``trainer.log_images``."""
+        """Receive the images given to ``trainer.log_images`` (``dry_run``: write nothing)."""
 
     def on_state_dict(self, trainer: BaseTrainer, state_dict: dict[str, Any]) -> None:
         """Add this hook's state to the trainer's ``state_dict`` (key it by ``self.name``)."""

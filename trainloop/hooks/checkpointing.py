@@ -20,7 +20,13 @@ import torch.distributed as dist
 from pydantic import AfterValidator, Field, StrictInt, StrictStr, validate_call
 
 from ..settings import NonNegativeFloat, NonNegativeInt, PositiveInt
-from ._atomic import atomic_directory, clean_leftovers, remove_directory, replace_symlink
+from ..utils import is_rank_zero
+from ._atomic import (
+    atomic_directory,
+    clean_leftovers,
+    remove_directory,
+    replace_symlink,
+)
 from .base import BaseHook
 from .registry import register_hook
 
@@ -138,7 +144,7 @@ class CheckpointingHook(BaseHook):
                     f"CheckpointingHook load={str(self.load)!r}: no checkpoint directory at {directory}"
                 )
         else:  # "latest"
-            if _is_writer():
+            if is_rank_zero():
                 clean_leftovers(root, trainer.logger)
             _barrier()
             found = latest_checkpoint(root)
@@ -194,7 +200,7 @@ class CheckpointingHook(BaseHook):
             trainer.logger.info("Waiting %.1f s (exit_wait) before the exit checkpoint", self.exit_wait)
             time.sleep(self.exit_wait)
         state_dict = trainer.state_dict()  # on every rank: a sharded model gathers collectively
-        if _is_writer():
+        if is_rank_zero():
             root = self.directory(trainer)
             clean_leftovers(root, trainer.logger)
             written = write_checkpoint(root, trainer.step, state_dict)
@@ -238,11 +244,6 @@ class CheckpointingHook(BaseHook):
                 "workspace; set the trainer's workspace or give an absolute path"
             )
         return trainer.workspace / self.path
-
-
-def _is_writer() -> bool:
-    """Whether this process writes full state dict files: rank 0, or the only process."""
-    return not (dist.is_available() and dist.is_initialized()) or dist.get_rank() == 0
 
 
 def _barrier() -> None:

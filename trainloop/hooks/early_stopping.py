@@ -5,14 +5,12 @@ from __future__ import annotations
 import difflib
 import math
 import warnings
-from numbers import Real
 from typing import TYPE_CHECKING, Annotated, Any, Literal
 
-import torch
 from pydantic import Field, validate_call
 
 from ..settings import NonNegativeFloat, PositiveInt
-from ..utils import flatten_nested_dict
+from ..utils import flatten_nested_dict, to_float
 from .base import BaseHook
 from .registry import register_hook
 
@@ -82,7 +80,7 @@ class EarlyStoppingHook(BaseHook):
             if self.observations == 0 and len(self._keys_seen) < 1000:
                 self._keys_seen.update(flat)
             return
-        self._observe(trainer, _as_float(flat[self.monitor], self.monitor))
+        self._observe(trainer, to_float(flat[self.monitor], self.monitor))
 
     def _observe(self, trainer: BaseTrainer, value: float) -> None:
         self.observations += 1
@@ -162,14 +160,3 @@ class EarlyStoppingHook(BaseHook):
         self.bad_count = int(state["bad_count"])
         self.observations = int(state["observations"])
 
-
-def _as_float(value: Any, key: str) -> float:
-    if isinstance(value, torch.Tensor):
-        if value.numel() != 1:
-            raise ValueError(
-                f"monitored record {key!r} is a tensor of shape {tuple(value.shape)}, not a scalar"
-            )
-        return float(value.item())  # a host sync, only when the metric is logged
-    if isinstance(value, Real) and not isinstance(value, bool):
-        return float(value)
-    raise TypeError(f"monitored record {key!r} is a {type(value).__name__}, not a number")

@@ -1,0 +1,59 @@
+"""``CudaMaxMemoryHook``: the peak CUDA memory of each step, in ``step_info["max_memory"]``."""
+
+from __future__ import annotations
+
+import warnings
+from typing import TYPE_CHECKING
+
+import torch
+from pydantic import validate_call
+
+from .base import BaseHook
+from .registry import register_hook
+
+if TYPE_CHECKING:
+    from ..trainer import BaseTrainer
+
+__all__ = ["CudaMaxMemoryHook"]
+
+_GIB = float(1 << 30)
+
+
+@register_hook("cuda_memory")
+class CudaMaxMemoryHook(BaseHook):
+    """Record the peak CUDA memory allocated during each step, in GiB.
+
+    The peak is reset when a step begins and read after the optimizer stepped, into
+    ``trainer.step_info["max_memory"]`` (a float), where logging hooks pick it up. Both calls
+    read the caching allocator's counters on the host: no device sync.
+
+    On a device other than CUDA the hook does nothing, and says so once with a
+    ``RuntimeWarning`` when training starts.
+    """
+
+    @validate_call
+    def __init__(self) -> None:
+        self._device: torch.device | None = None
+
+    def on_before_train(self, trainer: BaseTrainer) -> None:
+        """Check the trainer's device; warn once and stay idle if it is not CUDA."""
+        if trainer.device.type == "cuda":
+            self._device = trainer.device
+        else:
+            self._device = None
+            warnings.warn(
+                f"CudaMaxMemoryHook does nothing: the trainer's device is {str(trainer.device)!r}, "
+                "not CUDA, so step_info['max_memory'] is not recorded",
+                RuntimeWarning,
+                stacklevel=2,
+            )
+
+    def on_before_step(self, trainer: BaseTrainer) -> None:
+        """Reset the peak so it covers this step only."""
+        if self._device is not None:
+            torch.cuda.reset_peak_memory_stats(self._device)
+
+    def on_after_step(self, trainer: BaseTrainer) -> None:
+        """Store the step's peak allocation (GiB) in ``step_info["max_memory"]``."""
+        if self._device is not None:
+            trainer.step_info["max_memory"] = torch.cuda.max_memory_allocated(self._device) / _GIB
