@@ -7,6 +7,7 @@ stale (the test suite runs the check).
 
 from __future__ import annotations
 
+import json
 import re
 import sys
 from pathlib import Path
@@ -43,13 +44,38 @@ def settings_table() -> str:
     for name, field in TrainerSettings.model_fields.items():
         options = schema[name].get("anyOf", [schema[name]])
         kinds = [" or ".join(repr(v) for v in o["enum"]) if "enum" in o else o.get("type", "?") for o in options]
-        default = "required" if field.is_required() else f"`{field.default!r}`"
+        default = "required" if field.is_required() else f"`{json.dumps(schema[name].get('default'))}`"
         description = " ".join((field.description or "").split()).replace("|", "\\|")
         rows.append(f"| `{name}` | {' or '.join(kinds)} | {default} | {description} |")
     return "\n".join(rows)
 
 
+def hooks_reference() -> str:
+    import inspect
+
+    from trainloop.hooks import HOOK_TYPES, hook_settings_model
+
+    parts = []
+    for name, cls in sorted(HOOK_TYPES.items()):
+        summary = (inspect.getdoc(cls) or "").split("\n\n")[0].replace("\n", " ")
+        parts.append(f"### `{cls.__name__}` — `\"type\": \"{name}\"`\n\n{summary}\n")
+        rows = ["| parameter | type | default |", "|---|---|---|"]
+        model = hook_settings_model(cls)
+        schema = model.model_json_schema()
+        for field, info in model.model_fields.items():
+            if field == "type":
+                continue
+            prop = schema["properties"][field]
+            options = prop.get("anyOf", [prop])
+            kinds = [" or ".join(repr(v) for v in o["enum"]) if "enum" in o else repr(o["const"]) if "const" in o else o.get("type", "any") for o in options]
+            default = "required" if info.is_required() else f"`{json.dumps(prop.get('default'))}`"
+            rows.append(f"| `{field}` | {' or '.join(kinds)} | {default} |")
+        parts.append("\n".join(rows) + "\n")
+    return "\n".join(parts).rstrip()
+
+
 GENERATORS = {
+    "hooks-reference": hooks_reference,
     "machine-diagram": machine_diagram,
     "transition-table": transition_table,
     "hook-states": hook_states,

@@ -2,7 +2,20 @@
 state machine."""
 
 from .data import DataExhaustedError
-from .hooks import BaseHook
+from .hooks import (
+    BaseHook,
+    CheckpointingHook,
+    CudaMaxMemoryHook,
+    EarlyStoppingHook,
+    EmaHook,
+    ImageFileLoggerHook,
+    LoggingHook,
+    ProgressHook,
+    StatsHook,
+    TensorBoardHook,
+    ValidationHook,
+    WandbHook,
+)
 from .loss import Loss
 from .machine import TRANSITIONS, State, Trace, TraceEntry, Transition
 from .settings import SettingsFileError, TrainerSettings
@@ -15,6 +28,17 @@ __all__ = [
     "TRANSITIONS",
     "BaseHook",
     "BaseTrainer",
+    "CheckpointingHook",
+    "CudaMaxMemoryHook",
+    "EarlyStoppingHook",
+    "EmaHook",
+    "ImageFileLoggerHook",
+    "LoggingHook",
+    "ProgressHook",
+    "StatsHook",
+    "TensorBoardHook",
+    "ValidationHook",
+    "WandbHook",
     "DataExhaustedError",
     "Loss",
     "LossNoneWarning",

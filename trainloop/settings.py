@@ -10,18 +10,16 @@ from __future__ import annotations
 import json
 import tomllib
 from pathlib import Path
-from typing import Annotated, Any, Literal, Self
+from typing import Any, Literal, Self
 
 import torch
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic import BaseModel, ConfigDict, ValidationError, field_validator
+
+from .hooks import HookSpec
+from .types import NonNegativeInt, PositiveFloat, PositiveInt, StrictBool
 
 __all__ = ["SettingsFileError", "TrainerSettings"]
 
-PositiveInt = Annotated[int, Field(gt=0, strict=True)]
-NonNegativeInt = Annotated[int, Field(ge=0, strict=True)]
-PositiveFloat = Annotated[float, Field(gt=0, strict=True)]
-NonNegativeFloat = Annotated[float, Field(ge=0, strict=True, allow_inf_nan=False)]
-StrictBool = Annotated[bool, Field(strict=True)]
 
 
 class SettingsFileError(ValueError):
@@ -66,6 +64,9 @@ class TrainerSettings(BaseModel):
     """Use the model's ``no_sync()`` (DDP/FSDP) on all but the last microstep of a step."""
     trace: StrictBool = False
     """Record every transition of the machine in ``trainer.trace``."""
+    hooks: tuple[HookSpec, ...] = ()
+    """Hooks declared as data, each ``{"type": ..., <its parameters>}`` (e.g. ``{"type":
+    "checkpointing", "interval": 1000}``); ``build_hooks()`` builds them, in this order."""
 
     @field_validator("gradient_accumulation_steps", mode="before")
     @classmethod

@@ -150,8 +150,11 @@ class BaseTrainer:
         return torch.amp.GradScaler(self.device.type, enabled=self.settings.mixed_precision == "fp16")
 
     def build_hooks(self) -> list[BaseHook]:
-        """Return the hooks of this run, in the order they are called."""
-        return []
+        """Return the hooks of this run, in the order they are called.
+
+        By default, the hooks declared in ``settings.hooks``.
+        """
+        return [spec.build() for spec in self.settings.hooks]
 
     def forward(self, input: Any) -> tuple[torch.Tensor | None, Records]:
         """Compute the loss of one microstep's batch.

@@ -3,7 +3,9 @@
     python examples/digits/train.py                      # settings from settings.json beside this file
     python examples/digits/train.py my_settings.json     # or your own file
 
-Prints progress while training and the validation accuracy at the end (about 97%).
+Prints progress and validation accuracy while training, and the final accuracy (about 97%).
+Checkpoints go to ``runs/digits/checkpoints``; run it again and it resumes from the latest one
+(Ctrl-C saves and exits cleanly; the next run continues from there).
 """
 
 from __future__ import annotations

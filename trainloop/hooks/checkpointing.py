@@ -19,7 +19,7 @@ import torch
 import torch.distributed as dist
 from pydantic import AfterValidator, Field, StrictInt, StrictStr, validate_call
 
-from ..settings import NonNegativeFloat, NonNegativeInt, PositiveInt
+from ..types import NonNegativeFloat, NonNegativeInt, PositiveInt
 from ..utils import is_rank_zero
 from ._atomic import (
     atomic_directory,

@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING, Annotated, Any, Literal
 
 from pydantic import Field, validate_call
 
-from ..settings import NonNegativeFloat, PositiveInt
+from ..types import NonNegativeFloat, PositiveInt
 from ..utils import flatten_nested_dict, to_float
 from .base import BaseHook
 from .registry import register_hook

@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING, Any
 import torch.distributed as dist
 from pydantic import validate_call
 
-from ..settings import NonNegativeInt, PositiveInt, StrictBool
+from ..types import NonNegativeInt, PositiveInt, StrictBool
 from ..utils import flatten_nested_dict
 from .registry import register_hook
 from .stats import StatsHook, TrainingStats

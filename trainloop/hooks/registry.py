@@ -9,13 +9,13 @@ from __future__ import annotations
 
 import inspect
 from functools import cache
-from typing import Any, Literal, TypeVar
+from typing import Annotated, Any, Literal, TypeVar, Union
 
-from pydantic import BaseModel, ConfigDict, create_model
+from pydantic import BaseModel, ConfigDict, Field, create_model
 
 from .base import BaseHook
 
-__all__ = ["HOOK_TYPES", "HookSettings", "hook_settings_model", "register_hook"]
+__all__ = ["HOOK_TYPES", "HookSettings", "hook_settings_model", "hook_spec", "register_hook"]
 
 #: Registered hook classes by type name.
 HOOK_TYPES: dict[str, type[BaseHook]] = {}
@@ -67,3 +67,9 @@ def hook_settings_model(cls: type[BaseHook]) -> type[HookSettings]:
     return create_model(  # type: ignore[call-overload]
         f"{cls.__name__}Settings", __base__=HookSettings, __doc__=inspect.getdoc(cls), **fields
     )
+
+
+def hook_spec() -> Any:
+    """The type of one declared hook: the registered hooks' settings, told apart by ``type``."""
+    models = tuple(hook_settings_model(cls) for cls in HOOK_TYPES.values())
+    return Annotated[Union[models], Field(discriminator="type")]  # type: ignore[valid-type]

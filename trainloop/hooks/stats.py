@@ -20,7 +20,7 @@ import torch
 import torch.distributed as dist
 from pydantic import validate_call
 
-from ..settings import PositiveInt, StrictBool
+from ..types import PositiveInt, StrictBool
 from ..utils import Records, key_average
 from .base import BaseHook
 from .registry import register_hook

@@ -9,7 +9,7 @@ import torch
 from pydantic import Field, validate_call
 from pydantic.json_schema import SkipJsonSchema
 
-from ..settings import PositiveInt, StrictBool
+from ..types import PositiveInt, StrictBool
 from ..utils import Records
 from .base import BaseHook
 from .registry import register_hook

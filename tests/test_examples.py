@@ -1,0 +1,31 @@
+"""The examples run end to end, as the README says."""
+
+import importlib.util
+import logging
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def load(path: Path):
+    spec = importlib.util.spec_from_file_location(path.stem, path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_digits_reaches_95_percent_and_resumes(tmp_path, monkeypatch, caplog):
+    pytest.importorskip("sklearn")
+    monkeypatch.chdir(tmp_path)  # the settings' workspace is relative: runs/digits
+    digits = load(ROOT / "examples" / "digits" / "train.py")
+    with caplog.at_level(logging.INFO, logger="trainloop"):
+        accuracy = digits.main([])
+    assert accuracy >= 0.95
+    assert "Step 400/400" in caplog.text
+    assert sorted(p.name for p in (tmp_path / "runs/digits/checkpoints").iterdir()) == ["200", "400", "latest"]
+    caplog.clear()
+    with caplog.at_level(logging.INFO, logger="trainloop"):
+        assert digits.main([]) == accuracy  # resumed at step 400: nothing left to train
+    assert "Resuming from step 400" in caplog.text and "Step " not in caplog.text
