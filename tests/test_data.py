@@ -67,3 +67,24 @@ def test_close_closes_the_current_iterator():
     next(batches)
     batches.close()
     assert closed == [True]
+
+
+def test_a_resumed_loader_may_start_with_an_empty_epoch():
+    class Restored(Loader):
+        """Saved right at an epoch's end: its first iteration is empty."""
+
+        def __init__(self, items):
+            super().__init__(items)
+            self.first = True
+
+        def __iter__(self):
+            if self.first:
+                self.first = False
+                return iter([])
+            return super().__iter__()
+
+    batches = EpochIterator(Restored([1, 2]), epoch=4, resumed=True)
+    assert take(batches, 3) == [1, 2, 1]
+    assert batches.epoch == 6
+    with pytest.raises(DataExhaustedError, match="yielded no batch in epoch 0"):
+        next(EpochIterator(Restored([1, 2])))

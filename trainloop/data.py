@@ -23,14 +23,16 @@ class EpochIterator:
     Args:
         loader: What ``build_data_loader`` returned.
         epoch: The epoch to start in (restored from a checkpoint).
+        resumed: The loader was restored mid-run: its first epoch may be empty (it was saved
+            right at the end of that epoch), and the next one then begins.
     """
 
-    def __init__(self, loader: Iterable[Any], epoch: int = 0) -> None:
+    def __init__(self, loader: Iterable[Any], epoch: int = 0, resumed: bool = False) -> None:
         self.loader = loader
         self.epoch = epoch
         self._one_shot = isinstance(loader, Iterator)
-        self._drawn_this_epoch = 0
         self._iterator = self._start_epoch()
+        self._may_be_empty = resumed
 
     def _start_epoch(self) -> Iterator[Any]:
         if not self._one_shot:
@@ -60,11 +62,12 @@ class EpochIterator:
                 "batches and cannot be iterated again; return a re-iterable (e.g. a DataLoader) "
                 "or an infinite iterator"
             ) from None
-        if self._drawn_this_epoch == 0:
+        if self._drawn_this_epoch == 0 and not self._may_be_empty:
             raise DataExhaustedError(
                 f"the data loader from build_data_loader() yielded no batch in epoch {self.epoch}"
             ) from None
         self.epoch += 1
+        self._may_be_empty = False
         self._iterator = self._start_epoch()
         try:
             return next(self._iterator)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import json
 import logging
 import warnings
 from collections.abc import Callable, Iterable
@@ -26,13 +27,18 @@ from .grads import NonFiniteGradCheck
 from .hooks.base import BaseHook, hook_dispatch, state_entry_methods
 from .loss import Loss
 from .machine import Handle, State, StateMachine, Trace
+from .rng import get_rng_state, set_rng_state
 from .settings import TrainerSettings
 from .utils import Records, unwrap_model
 
-__all__ = ["BaseTrainer", "LossNoneWarning"]
+__all__ = ["BaseTrainer", "ChangedSettingsWarning", "LossNoneWarning"]
 
 _NO_CONTEXT = contextlib.nullcontext()  # reusable: entering it allocates nothing
 _PRECISIONS = {"bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+class ChangedSettingsWarning(UserWarning):
+    """A run resumes from a checkpoint made with different settings."""
 
 
 class LossNoneWarning(UserWarning):
@@ -100,6 +106,7 @@ class BaseTrainer:
         self._grads_non_finite = False
         self._data: EpochIterator | None = None
         self._agreement: ExitAgreement | None = None
+        self._restored_rng: dict[str, Any] | None = None
         self._machine = StateMachine(
             conditions={
                 "should_exit": self._should_exit,
@@ -316,7 +323,12 @@ class BaseTrainer:
         for fn in self._dispatch["on_before_train"]:
             fn(self)
         self._prepare_step_constants()
-        self._data = EpochIterator(self.data_loader, self.epoch)
+        self._data = EpochIterator(self.data_loader, self.epoch, resumed=self.step > 0)
+        if self._restored_rng is not None:
+            # Only now: creating the data iterator draws from torch's generator (its base seed),
+            # which the uninterrupted run did long before this step.
+            set_rng_state(self._restored_rng)
+            self._restored_rng = None
         self._agreement = ExitAgreement()
         self.model.train()
         self.optimizer.zero_grad()
@@ -538,6 +550,11 @@ class BaseTrainer:
                 "optimizer": optimizer_state,
                 "lr_scheduler": self.lr_scheduler.state_dict() if self.lr_scheduler else None,
                 "grad_scaler": self.grad_scaler.state_dict(),
+                # What resumes the run exactly, per rank (each rank has its own).
+                "rng": _per_rank(get_rng_state()),
+                "data_loader": _per_rank(_loader_state(self.data_loader)),
+                # JSON, never pickled: readable anywhere, and compared on resume.
+                "settings": self.settings.model_dump_json(),
             },
         }
         for fn in self._dispatch["on_state_dict"]:
@@ -555,6 +572,8 @@ class BaseTrainer:
             # lr with its own (pytorch/pytorch#119168).
             self.lr_scheduler.load_state_dict(training_state["lr_scheduler"])
         self.grad_scaler.load_state_dict(training_state["grad_scaler"])
+        self._restore_per_rank(training_state)
+        self._warn_on_changed_settings(training_state.get("settings"))
         set_state_dict(
             self.model,
             self.optimizer,
@@ -564,6 +583,37 @@ class BaseTrainer:
         )
         for fn in self._dispatch["on_load_state_dict"]:
             fn(self, state_dict)
+
+    def _restore_per_rank(self, training_state: dict[str, Any]) -> None:
+        """Restore this rank's generators and data position, if saved for as many ranks."""
+        rngs, loaders = training_state.get("rng"), training_state.get("data_loader")
+        rank, world = _rank_and_world()
+        if rngs is None or len(rngs) != world:
+            if rngs is not None:
+                self.logger.warning(
+                    "The checkpoint holds random states of %d ranks and this run has %d: they are "
+                    "not restored, so the resumed run is not an exact continuation", len(rngs), world,
+                )
+            return
+        if self._data is None:
+            self._restored_rng = rngs[rank]  # applied once the data iterator exists
+        else:
+            set_rng_state(rngs[rank])
+        if loaders is not None and loaders[rank] is not None:
+            self.data_loader.load_state_dict(loaders[rank])
+
+    def _warn_on_changed_settings(self, saved: str | None) -> None:
+        if saved is None:
+            return
+        then = json.loads(saved)
+        now = json.loads(self.settings.model_dump_json())
+        changed = sorted(k for k in then.keys() | now.keys() if then.get(k) != now.get(k))
+        if changed:
+            warnings.warn(
+                f"resuming with settings that differ from the checkpoint's: {', '.join(changed)}",
+                ChangedSettingsWarning,
+                stacklevel=2,
+            )
 
     # -- logging and helpers -------------------------------------------------------------------
 
@@ -592,6 +642,28 @@ def _check_scalar(trainer: BaseTrainer, loss: Any, what: str) -> None:
     if not isinstance(loss, torch.Tensor) or loss.ndim != 0:
         got = f"a tensor of shape {tuple(loss.shape)}" if isinstance(loss, torch.Tensor) else type(loss).__name__
         raise TypeError(f"{type(trainer).__name__}.forward() must return a scalar tensor {what}, got {got}")
+
+
+def _loader_state(loader: Any) -> Any:
+    """The loader's position when it can report one (``StatefulDataLoader``), else ``None``."""
+    state_dict = getattr(loader, "state_dict", None)
+    return state_dict() if callable(state_dict) else None
+
+
+def _rank_and_world() -> tuple[int, int]:
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_rank(), dist.get_world_size()
+    return 0, 1
+
+
+def _per_rank(value: Any) -> list[Any]:
+    """``value`` of every rank, in rank order (a collective under a process group)."""
+    rank, world = _rank_and_world()
+    if world == 1:
+        return [value]
+    gathered: list[Any] = [None] * world
+    dist.all_gather_object(gathered, value)
+    return gathered
 
 
 def _name_hooks(hooks: list[BaseHook]) -> None:

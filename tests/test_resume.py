@@ -1,0 +1,75 @@
+"""Exact resume: a run stopped and resumed ends bitwise identical to one that never stopped."""
+
+import pytest
+import torch
+from tiny_trainer import TinyTrainer, make_data
+from torch import nn
+
+from trainloop import BaseHook, State
+
+StatefulDataLoader = pytest.importorskip("torchdata.stateful_dataloader").StatefulDataLoader
+
+
+class DropoutTrainer(TinyTrainer):
+    """Dropout (consumes torch's RNG every step) over a shuffling StatefulDataLoader of 5 batches
+    per epoch, so stops fall mid-epoch."""
+
+    def build_data_loader(self):
+        # No generator= argument: shuffling then draws from torch's global generator, which the
+        # checkpoint restores (StatefulDataLoader does not save a generator given to it).
+        return StatefulDataLoader(make_data(40), batch_size=8, shuffle=True)
+
+    def build_model(self):
+        torch.manual_seed(0)
+        return nn.Sequential(nn.Linear(4, 16), nn.ReLU(), nn.Dropout(0.3), nn.Linear(16, 1))
+
+
+class StopAt(BaseHook):
+    def __init__(self, step):
+        self.step = step
+
+    def on_after_step(self, trainer):
+        if trainer.step == self.step:
+            trainer.request_exit()
+
+
+def run(max_steps, stop_at=None, resume_from=None, **kwargs):
+    torch.manual_seed(3)  # the shuffle's seed, as a run's seed setting would
+    trainer = DropoutTrainer(max_steps=max_steps, hooks=[StopAt(stop_at)] if stop_at else [], **kwargs)
+    if resume_from is not None:
+        trainer.on_enter(State.RESTORING, lambda t: t.load_state_dict(resume_from))
+    trainer.train()
+    return trainer
+
+
+@pytest.mark.parametrize("accumulation", [1, 3])
+@pytest.mark.parametrize("stop_at", [3, 7, 10])  # mid-epoch, mid-epoch, at an epoch's end
+def test_stopped_and_resumed_equals_uninterrupted(stop_at, accumulation):
+    straight = run(17, gradient_accumulation_steps=accumulation)
+    first = run(17, stop_at=stop_at, gradient_accumulation_steps=accumulation)
+    assert first.step == stop_at
+    saved = first.state_dict()
+    resumed = run(17, resume_from=saved, gradient_accumulation_steps=accumulation)
+    assert resumed.step == 17
+    for a, b in zip(straight.model.parameters(), resumed.model.parameters()):
+        assert torch.equal(a, b)
+
+
+def test_checkpoint_holds_per_rank_rng_and_loader_state_and_settings_json():
+    trainer = run(2)
+    state = trainer.state_dict()["training_state"]
+    assert len(state["rng"]) == 1 and {"python", "torch", "numpy"} <= set(state["rng"][0])
+    assert isinstance(state["data_loader"][0], dict)
+    assert '"max_steps":2' in state["settings"]
+
+
+def test_a_plain_loader_resumes_with_a_note_in_the_docs_but_no_position():
+    trainer = TinyTrainer(max_steps=2)
+    trainer.train()
+    assert trainer.state_dict()["training_state"]["data_loader"] == [None]
+
+
+def test_resuming_with_other_settings_warns_naming_them():
+    saved = run(3).state_dict()
+    with pytest.warns(UserWarning, match="differ from the checkpoint's: grad_clip, max_steps"):
+        run(4, resume_from=saved, grad_clip=1.0)
