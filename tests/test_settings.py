@@ -137,3 +137,59 @@ def test_a_trainer_declares_its_own_settings(tmp_path):
     assert MyTrainer(TrainerSettings(max_steps=2)).settings == MySettings(max_steps=2)
     with pytest.raises(ValidationError, match="hidden_dim"):
         MyTrainer(max_steps=3, hidden_dim="big")
+
+
+def test_precedence_defaults_file_env_overrides(tmp_path):
+    path = tmp_path / "run.yaml"
+    path.write_text("max_steps: 5\ngrad_clip: 1.0\nmixed_precision: bf16\nhooks:\n  - {type: progress, interval: 3}\n")
+    env = {"TRAINLOOP_GRAD_CLIP": "2.5", "trainloop_max_steps": "7", "UNRELATED": "x"}
+    settings = TrainerSettings.load(path, env=env, overrides=["max_steps=9", "hooks.0.interval=4", "trace=true"])
+    assert (settings.max_steps, settings.grad_clip, settings.mixed_precision) == (9, 2.5, "bf16")
+    assert settings.hooks[0].interval == 4 and settings.trace is True
+    assert settings.gradient_accumulation_steps == 1  # the default, untouched
+    assert TrainerSettings.load(path, env=env).max_steps == 7
+
+
+def test_env_and_overrides_without_a_file():
+    settings = TrainerSettings.load(env={"TRAINLOOP_MAX_STEPS": "3", "TRAINLOOP_HOOKS": '[{"type": "ema", "decay": 0.5}]'})
+    assert settings.max_steps == 3 and settings.hooks[0].decay == 0.5
+
+
+@pytest.mark.parametrize(
+    ("overrides", "env", "message"),
+    [
+        (["max_steps"], {}, r"override 'max_steps': expected key=value"),
+        (["hooks.2.interval=1"], {}, r"hooks\.2 is not an item of a 1-item list"),
+        (["max_steps.x=1"], {}, r"max_steps is not a mapping"),
+        ([], {"TRAINLOOP_MAX_STEPS": "ten"}, r"(?s)run\.json: .*max_steps\n.*valid integer"),
+        (['mixed_precision="fp8"'], {}, r"(?s)mixed_precision\n"),
+    ],
+)
+def test_bad_env_and_overrides_are_clear_errors(tmp_path, overrides, env, message):
+    path = tmp_path / "run.json"
+    path.write_text('{"max_steps": 2, "hooks": [{"type": "progress"}]}')
+    with pytest.raises(SettingsFileError, match=message):
+        TrainerSettings.load(path, env=env, overrides=overrides)
+
+
+def test_settings_round_trip_through_json():
+    settings = TrainerSettings(
+        max_steps=10, grad_clip=1.0, workspace="runs/a", seed=3,
+        optimizer={"name": "AdamW", "lr": 1e-3, "betas": [0.9, 0.95], "no_weight_decay": ["bias", "norm"]},
+        lr_schedule={"name": "cosine", "warmup_ratio": 0.1},
+        hooks=[{"type": "checkpointing", "interval": 5}, {"type": "validation", "evaluate": "evaluate", "interval": 2}],
+    )
+    assert TrainerSettings.model_validate_json(settings.model_dump_json()) == settings
+
+
+def test_a_warmup_as_long_as_the_run_is_rejected():
+    with pytest.raises(ValidationError, match=r"warmup \(4 steps\) must be shorter than max_steps \(4\)"):
+        TrainerSettings(max_steps=4, lr_schedule={"name": "linear", "warmup_steps": 4})
+
+
+def test_schema_file_is_current():
+    schema_file = Path(__file__).resolve().parents[1] / "schemas" / "trainer_settings.schema.json"
+    assert json.loads(schema_file.read_text()) == TrainerSettings.json_schema(), (
+        "schemas/trainer_settings.schema.json is stale: run `trainloop schema --output schemas/trainer_settings.schema.json`"
+    )
+    assert "$schema" in TrainerSettings.json_schema()["properties"]

@@ -486,3 +486,32 @@ def test_losses_stay_on_device_until_a_hook_reads_them():
     TinyTrainer(max_steps=2, gradient_accumulation_steps=3, hooks=[hook]).train()
     assert all(isinstance(loss, torch.Tensor) for info in hook.step_infos for loss in info["loss"])
     assert math.isfinite(float(torch.stack(hook.step_infos[-1]["loss"]).mean()))
+
+
+class Declared(TinyTrainer):
+    """Leaves the optimizer and schedule to the settings."""
+
+    build_optimizer = BaseTrainer.build_optimizer
+
+
+def test_optimizer_and_schedule_declared_in_settings_are_built_and_seed_applies():
+    def make():
+        return Declared(
+            max_steps=6, seed=7,
+            optimizer={"name": "AdamW", "lr": 0.01, "no_weight_decay": ["bias"]},
+            lr_schedule={"name": "linear", "warmup_steps": 2},
+        )
+
+    first, second = make(), make()
+    first.train()
+    second.train()
+    assert isinstance(first.optimizer, torch.optim.AdamW)
+    assert [g["name"] for g in first.optimizer.param_groups] == ["decay", "no_decay"]
+    assert isinstance(first.lr_scheduler, torch.optim.lr_scheduler.SequentialLR)
+    for a, b in zip(params(first), params(second)):
+        assert torch.equal(a, b)
+
+
+def test_no_optimizer_anywhere_is_a_clear_error():
+    with pytest.raises(NotImplementedError, match="must implement build_optimizer\\(\\) or declare settings.optimizer"):
+        Declared(max_steps=1).train()

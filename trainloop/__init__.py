@@ -17,7 +17,8 @@ from .hooks import (
     WandbHook,
 )
 from .loss import Loss
-from .machine import TRANSITIONS, State, Trace, TraceEntry, Transition
+from .machine import TRANSITIONS, State, Transition
+from .trace import Trace, TraceEntry, TraceSummary, read_trace, summarize_trace
 from .settings import SettingsFileError, TrainerSettings
 from .trainer import BaseTrainer, LossNoneWarning
 from .utils import flatten_nested_dict, key_average, map_nested_tensor

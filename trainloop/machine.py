@@ -11,16 +11,17 @@ from __future__ import annotations
 
 import inspect
 import logging
-import time
-from collections import Counter
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from enum import Enum
-from typing import Any, NamedTuple
+from typing import TYPE_CHECKING, Any
 
 from transitions import Machine
 
-__all__ = ["Handle", "State", "StateMachine", "Trace", "TraceEntry", "Transition", "TRANSITIONS"]
+if TYPE_CHECKING:
+    from .trace import Trace
+
+__all__ = ["Handle", "State", "StateMachine", "Transition", "TRANSITIONS", "draw"]
 
 # ``transitions`` logs every callback at INFO; keep it quiet unless the user configured it.
 _transitions_logger = logging.getLogger("transitions")
@@ -92,24 +93,6 @@ TRANSITIONS: tuple[Transition, ...] = (
 )
 
 FAIL = "fail"
-
-
-class TraceEntry(NamedTuple):
-    """A transition that fired: when (``time.time()``), at which step, from where to where."""
-
-    time: float
-    step: int
-    source: State
-    dest: State
-    trigger: str
-
-
-class Trace(list[TraceEntry]):
-    """The transitions a run fired, in order."""
-
-    def counts(self) -> Counter[tuple[State, State, str]]:
-        """How often each edge ``(source, dest, trigger)`` fired."""
-        return Counter((e.source, e.dest, e.trigger) for e in self)
 
 
 class Handle:
@@ -201,10 +184,7 @@ class StateMachine:
         else:
             self.model.state = transition.dest
         if self.trace is not None:
-            self.trace.append(
-                TraceEntry(time.time(), self._step(), transition.source, transition.dest,
-                           transition.trigger)
-            )
+            self.trace.record(transition, self._step())
 
     # -- callbacks -----------------------------------------------------------------------------
 

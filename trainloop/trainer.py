@@ -21,15 +21,17 @@ from torch.distributed.checkpoint.state_dict import (
     set_state_dict,
 )
 
+from . import components
 from .agreement import ExitAgreement
 from .data import EpochIterator
 from .grads import NonFiniteGradCheck
 from .hooks.base import BaseHook, hook_dispatch, state_entry_methods
 from .loss import Loss
-from .machine import Handle, State, StateMachine, Trace
-from .rng import get_rng_state, set_rng_state
+from .machine import Handle, State, StateMachine
+from .trace import Trace
+from .rng import get_rng_state, seed_all, set_rng_state
 from .settings import TrainerSettings
-from .utils import Records, unwrap_model
+from .utils import Records, is_rank_zero, unwrap_model
 
 __all__ = ["BaseTrainer", "ChangedSettingsWarning", "LossNoneWarning"]
 
@@ -117,8 +119,6 @@ class BaseTrainer:
             owner=self,
             step=lambda: self.step,
         )
-        if self.settings.trace:
-            self._machine.trace = Trace()
 
     def _resolve_settings(self, settings: TrainerSettings | None, overrides: dict[str, Any]) -> TrainerSettings:
         cls = self.settings_class
@@ -145,12 +145,24 @@ class BaseTrainer:
         raise NotImplementedError(f"{type(self).__name__} must implement build_model()")
 
     def build_optimizer(self) -> torch.optim.Optimizer:
-        """Return the optimizer of ``self.model``'s parameters."""
-        raise NotImplementedError(f"{type(self).__name__} must implement build_optimizer()")
+        """Return the optimizer of ``self.model``'s parameters.
+
+        By default, the one declared in ``settings.optimizer``.
+        """
+        if self.settings.optimizer is None:
+            raise NotImplementedError(
+                f"{type(self).__name__} must implement build_optimizer() or declare settings.optimizer"
+            )
+        return components.build_optimizer(self.settings.optimizer, self.model)
 
     def build_lr_scheduler(self) -> torch.optim.lr_scheduler.LRScheduler | None:
-        """Return a learning-rate scheduler stepped after every optimizer step, or ``None``."""
-        return None
+        """Return a learning-rate scheduler stepped after every optimizer step, or ``None``.
+
+        By default, the one declared in ``settings.lr_schedule``, if any.
+        """
+        if self.settings.lr_schedule is None:
+            return None
+        return components.build_lr_scheduler(self.settings.lr_schedule, self.optimizer, self.settings.max_steps)
 
     def build_grad_scaler(self) -> torch.amp.GradScaler:
         """Return the gradient scaler; by default enabled for fp16 mixed precision only."""
@@ -289,6 +301,7 @@ class BaseTrainer:
             State.RETRYING: self._retry,
             State.CHECKPOINTING: self._checkpoint,
         }
+        self._record_run()
         try:
             state = machine.advance()
             while state is not State.EXITING:
@@ -303,9 +316,22 @@ class BaseTrainer:
         if self.exit_code is not None:
             raise SystemExit(self.exit_code)
 
+    def _record_run(self) -> None:
+        """Write the resolved settings, and open the trace, in the workspace (rank 0)."""
+        workspace = self.settings.workspace if is_rank_zero() else None
+        if workspace is not None:
+            workspace.mkdir(parents=True, exist_ok=True)
+            tmp = workspace / ".settings.json.tmp"
+            tmp.write_text(self.settings.model_dump_json(indent=2) + "\n", encoding="utf-8")
+            tmp.replace(workspace / "settings.json")
+        if self.settings.trace:
+            self._machine.trace = Trace(workspace / "trace.jsonl" if workspace is not None else None)
+
     # -- the work of each state ----------------------------------------------------------------
 
     def _build(self) -> None:
+        if self.settings.seed is not None:
+            seed_all(self.settings.seed)
         self.data_loader = self.build_data_loader()
         self.model = self.build_model()
         self.optimizer = self.build_optimizer()
@@ -505,6 +531,8 @@ class BaseTrainer:
         self._last_checkpoint_step = self.step
 
     def _exit(self) -> None:
+        if self.trace is not None:
+            self.trace.close()
         try:
             for fn in self._dispatch["on_after_train"]:
                 fn(self)

@@ -1,0 +1,576 @@
+"""Optimizer and learning-rate schedule declared in settings: validation, param groups, schedules."""
+
+from __future__ import annotations
+
+import inspect
+import io
+import json
+import math
+
+import pytest
+import torch
+from pydantic import ValidationError
+from tiny_trainer import TinyTrainer
+from torch import nn
+
+from trainloop import BaseHook
+from trainloop.components import (
+    LR_SCHEDULES,
+    OPTIMIZERS,
+    LrScheduleSettings,
+    OptimizerSettings,
+    build_lr_scheduler,
+    build_optimizer,
+)
+from trainloop.hooks.checkpointing import CheckpointingHook
+from trainloop.hooks.stats import StatsHook
+
+# -- helpers ------------------------------------------------------------------------------------
+
+
+def bias_free_mlp() -> nn.Module:
+    # Bias-free so that Muon, which takes only matrices, builds on it like the others.
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(3, 4, bias=False), nn.Tanh(), nn.Linear(4, 2, bias=False))
+
+
+class MyRMSNorm(nn.Module):
+    """A model's own norm layer, as LLM code often defines one."""
+
+    def __init__(self, dim: int) -> None:
+        super().__init__()
+        self.scale = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x):
+        return x * self.scale
+
+
+class ZooModel(nn.Module):
+    """One of each kind of parameter the no-weight-decay rules tell apart."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.emb = nn.Embedding(10, 4)
+        self.lin = nn.Linear(4, 4)
+        self.ln = nn.LayerNorm(4)
+        self.bn = nn.BatchNorm1d(4)
+        self.gn = nn.GroupNorm(2, 4)
+        self.rms = nn.RMSNorm(4)
+        self.own_norm = MyRMSNorm(4)
+        self.attn = nn.MultiheadAttention(4, 2)
+        self.head = nn.Linear(4, 10, bias=False)
+        self.head.weight = self.emb.weight  # tied: one tensor, two owners
+        self.frozen = nn.Linear(4, 4)
+        self.frozen.requires_grad_(False)
+
+
+def lrs_over(scheduler, optimizer, steps: int) -> list[list[float]]:
+    """The lr of every group used at each of ``steps`` optimizer steps, then the one after."""
+    seen = []
+    for _ in range(steps):
+        seen.append([group["lr"] for group in optimizer.param_groups])
+        optimizer.step()
+        scheduler.step()
+    seen.append([group["lr"] for group in optimizer.param_groups])
+    return seen
+
+
+def sgd(*lrs: float) -> torch.optim.Optimizer:
+    groups = [{"params": [nn.Parameter(torch.zeros(2))], "lr": lr} for lr in lrs]
+    return torch.optim.SGD(groups)
+
+
+def schedule(max_steps: int, optimizer=None, **settings):
+    optimizer = optimizer or sgd(1.0)
+    scheduler = build_lr_scheduler(LrScheduleSettings(**settings), optimizer, max_steps)
+    return lrs_over(scheduler, optimizer, max_steps)
+
+
+def firsts(rows: list[list[float]]) -> list[float]:
+    return [row[0] for row in rows]
+
+
+# -- optimizers: discovery and building -----------------------------------------------------------
+
+
+def test_optimizers_are_torch_optim_classes_found_by_discovery():
+    public = {
+        name
+        for name in torch.optim.__all__
+        if inspect.isclass(getattr(torch.optim, name))
+        and issubclass(getattr(torch.optim, name), torch.optim.Optimizer)
+        and name != "Optimizer"
+    }
+    assert {"AdamW", "SGD", "Adam", "LBFGS"} <= set(OPTIMIZERS)
+    assert public <= set(OPTIMIZERS)
+    assert "Optimizer" not in OPTIMIZERS
+    for name, cls in OPTIMIZERS.items():
+        assert getattr(torch.optim, name) is cls
+
+
+@pytest.mark.parametrize("name", sorted(OPTIMIZERS))
+def test_every_optimizer_builds_with_its_defaults_and_steps(name):
+    fields = OptimizerSettings.model_json_schema()["$defs"][f"{name}Settings"]
+    required = set(fields.get("required", [])) - {"name"}
+    settings = OptimizerSettings(name=name, **{key: 0.01 for key in required})  # lr where needed
+    if name == "SparseAdam":  # takes sparse gradients only
+        torch.manual_seed(0)
+        model = nn.Embedding(5, 3, sparse=True)
+
+        def loss_fn():
+            return model(torch.tensor([0, 3])).square().sum()
+    else:
+        model = bias_free_mlp()
+
+        def loss_fn():
+            return model(torch.linspace(-1, 1, 6).reshape(2, 3)).square().sum()
+
+    optimizer = build_optimizer(settings, model)
+    assert type(optimizer) is OPTIMIZERS[name]
+    assert [group["name"] for group in optimizer.param_groups] == ["default"]
+    assert {id(p) for p in optimizer.param_groups[0]["params"]} == {id(p) for p in model.parameters()}
+    before = [p.detach().clone() for p in model.parameters()]
+
+    def closure():
+        optimizer.zero_grad()
+        loss = loss_fn()
+        loss.backward()
+        return loss
+
+    optimizer.step(closure)
+    assert any(not torch.equal(b, p) for b, p in zip(before, model.parameters(), strict=True))
+
+
+def test_declared_arguments_reach_the_constructor():
+    settings = OptimizerSettings.model_validate(
+        {"name": "AdamW", "lr": 3e-4, "betas": [0.9, 0.95], "eps": 1e-6, "weight_decay": 0.2, "amsgrad": True}
+    )
+    optimizer = build_optimizer(settings, bias_free_mlp())
+    group = optimizer.param_groups[0]
+    assert (group["lr"], group["betas"], group["eps"], group["weight_decay"], group["amsgrad"]) == (
+        3e-4, (0.9, 0.95), 1e-6, 0.2, True,
+    )
+    assert settings.name == "AdamW" and settings.optimizer_class is torch.optim.AdamW
+    assert settings.kwargs["betas"] == (0.9, 0.95)
+    # Undeclared arguments keep the constructor's defaults.
+    assert settings.kwargs["maximize"] is False
+    assert OptimizerSettings(name="SGD").kwargs["lr"] == inspect.signature(torch.optim.SGD).parameters["lr"].default
+
+
+def test_an_integer_is_taken_for_a_float_but_a_string_is_not():
+    assert OptimizerSettings(name="SGD", lr=1).kwargs["lr"] == 1
+    with pytest.raises(ValidationError) as info:
+        OptimizerSettings(name="SGD", lr="0.1")
+    assert info.value.errors()[0]["loc"] == ("SGD", "lr")
+
+
+# -- optimizers: invalid settings --------------------------------------------------------------------
+
+
+def test_unknown_optimizer_name_lists_the_valid_ones():
+    with pytest.raises(ValidationError) as info:
+        OptimizerSettings(name="Adamw", lr=1e-3)
+    message = str(info.value)
+    assert "'Adamw'" in message
+    for name in OPTIMIZERS:
+        assert f"'{name}'" in message
+
+
+def test_missing_name_is_an_error():
+    with pytest.raises(ValidationError, match="name"):
+        OptimizerSettings.model_validate({"lr": 1e-3})
+
+
+def test_unknown_argument_is_named_and_the_valid_ones_listed():
+    with pytest.raises(ValidationError) as info:
+        OptimizerSettings(name="AdamW", lrr=1e-3, beta=0.9)
+    message = str(info.value)
+    assert "'lrr'" in message and "'beta'" in message
+    assert "valid arguments: no_weight_decay, lr, betas, eps, weight_decay" in message
+
+
+def test_no_weight_decay_needs_an_optimizer_with_weight_decay():
+    with pytest.raises(ValidationError) as info:
+        OptimizerSettings(name="Rprop", no_weight_decay=["bias"])
+    message = str(info.value)
+    assert "'no_weight_decay'" in message and "etas" in message
+    assert "weight_decay" not in OptimizerSettings(name="Rprop").kwargs
+
+
+@pytest.mark.parametrize(
+    ("arguments", "loc"),
+    [
+        ({"lr": "fast"}, ("AdamW", "lr")),
+        ({"amsgrad": "yes"}, ("AdamW", "amsgrad")),
+        ({"amsgrad": 1}, ("AdamW", "amsgrad")),
+        ({"betas": [0.9]}, ("AdamW", "betas", 1)),
+        ({"lr": float("nan")}, ("AdamW", "lr")),
+        ({"no_weight_decay": ["weights"]}, ("AdamW", "no_weight_decay", 0)),
+    ],
+)
+def test_wrong_types_are_pydantic_errors_at_the_field(arguments, loc):
+    with pytest.raises(ValidationError) as info:
+        OptimizerSettings(name="AdamW", **arguments)
+    assert [error["loc"] for error in info.value.errors()] == [loc]
+
+
+@pytest.mark.parametrize(
+    ("name", "arguments", "named", "said"),
+    [
+        ("AdamW", {"lr": -1.0}, "lr", "Invalid learning rate"),
+        ("AdamW", {"betas": [0.9, 1.5], "lr": 0.1}, "betas", "beta parameter at index 1"),
+        ("SGD", {"momentum": -0.5}, "momentum", "momentum"),
+        ("SGD", {"nesterov": True}, "nesterov", "Nesterov"),  # needs momentum > 0
+        ("AdamW", {"fused": True, "foreach": True}, "foreach, fused", "cannot be `True` together"),
+        ("Muon", {"adjust_lr_fn": "bogus"}, "adjust_lr_fn", "not supported"),
+    ],
+)
+def test_values_the_constructor_rejects_fail_with_the_settings_naming_the_argument(name, arguments, named, said):
+    with pytest.raises(ValidationError) as info:
+        OptimizerSettings(name=name, **arguments)
+    message = info.value.errors()[0]["msg"]
+    assert f"{named}: {name} rejected its arguments" in message
+    assert said in message
+
+
+# -- optimizers: param groups ------------------------------------------------------------------------
+
+
+def groups_by_name(optimizer):
+    return {group["name"]: group for group in optimizer.param_groups}
+
+
+def names_of(model, params):
+    by_id = {id(p): name for name, p in model.named_parameters()}
+    return {by_id[id(p)] for p in params}
+
+
+def test_biases_and_norm_weights_get_no_weight_decay():
+    model = ZooModel()
+    settings = OptimizerSettings(name="AdamW", lr=1e-3, weight_decay=0.1, no_weight_decay=["bias", "norm"])
+    optimizer = build_optimizer(settings, model)
+    groups = groups_by_name(optimizer)
+    assert list(groups) == ["decay", "no_decay"]
+    assert groups["decay"]["weight_decay"] == 0.1
+    assert groups["no_decay"]["weight_decay"] == 0.0
+    assert names_of(model, groups["no_decay"]["params"]) == {
+        "lin.bias",
+        "ln.weight", "ln.bias",
+        "bn.weight", "bn.bias",
+        "gn.weight", "gn.bias",
+        "rms.weight",
+        "own_norm.scale",
+        "attn.in_proj_bias", "attn.out_proj.bias",
+    }
+    # The tied embedding/head matrix is one parameter, listed once under its first name.
+    assert names_of(model, groups["decay"]["params"]) == {
+        "emb.weight", "lin.weight", "attn.in_proj_weight", "attn.out_proj.weight",
+    }
+
+
+def test_every_trainable_parameter_is_in_exactly_one_group():
+    model = ZooModel()
+    settings = OptimizerSettings(name="AdamW", weight_decay=0.1, no_weight_decay=["bias", "norm", "embedding"])
+    optimizer = build_optimizer(settings, model)
+    in_groups = [id(p) for group in optimizer.param_groups for p in group["params"]]
+    trainable = [id(p) for p in model.parameters() if p.requires_grad]
+    assert sorted(in_groups) == sorted(trainable)
+    assert len(in_groups) == len(set(in_groups))
+    frozen = {id(p) for p in model.frozen.parameters()}
+    assert not frozen & set(in_groups)
+    # "embedding" exempts the tied matrix, wherever else it is used.
+    assert "emb.weight" in names_of(model, groups_by_name(optimizer)["no_decay"]["params"])
+
+
+def test_groups_drive_the_update_weight_decay_only_where_declared():
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(2, 2), nn.LayerNorm(2))
+    settings = OptimizerSettings(name="SGD", lr=0.5, weight_decay=0.1, no_weight_decay=["bias", "norm"])
+    optimizer = build_optimizer(settings, model)
+    before = {name: p.detach().clone() for name, p in model.named_parameters()}
+    for p in model.parameters():
+        p.grad = torch.zeros_like(p)  # only the weight decay moves parameters
+    optimizer.step()
+    after = dict(model.named_parameters())
+    torch.testing.assert_close(after["0.weight"], before["0.weight"] * (1 - 0.5 * 0.1))
+    for name in ("0.bias", "1.weight", "1.bias"):
+        torch.testing.assert_close(after[name], before[name], rtol=0, atol=0)
+
+
+def test_an_empty_group_is_left_out():
+    model = bias_free_mlp()  # no bias, no norm: nothing to exempt
+    optimizer = build_optimizer(OptimizerSettings(name="AdamW", no_weight_decay=["bias", "norm"]), model)
+    assert [group["name"] for group in optimizer.param_groups] == ["decay"]
+    only_norm = nn.LayerNorm(3)
+    optimizer = build_optimizer(OptimizerSettings(name="AdamW", no_weight_decay=["norm"]), only_norm)
+    assert [group["name"] for group in optimizer.param_groups] == ["no_decay"]
+
+
+def test_the_optimizer_rejecting_the_model_parameters_is_an_error():
+    with pytest.raises(ValueError, match="Muon only supports 2D parameters"):
+        build_optimizer(OptimizerSettings(name="Muon"), nn.Linear(2, 2))
+
+
+def test_a_model_without_trainable_parameters_is_an_error():
+    model = nn.Linear(2, 2).requires_grad_(False)
+    with pytest.raises(ValueError, match="no trainable parameter"):
+        build_optimizer(OptimizerSettings(name="SGD"), model)
+
+
+# -- optimizer settings as data ----------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("name", sorted(OPTIMIZERS))
+def test_optimizer_settings_round_trip_through_json(name):
+    settings = OptimizerSettings(name=name)
+    assert OptimizerSettings.model_validate_json(settings.model_dump_json()) == settings
+    assert OptimizerSettings.model_validate(json.loads(settings.model_dump_json())) == settings
+
+
+def test_optimizer_settings_round_trip_with_arguments():
+    settings = OptimizerSettings.model_validate(
+        {"name": "AdamW", "lr": 3e-4, "betas": [0.8, 0.9], "no_weight_decay": ["bias", "norm"]}
+    )
+    again = OptimizerSettings.model_validate_json(settings.model_dump_json())
+    assert again == settings
+    assert again.no_weight_decay == ("bias", "norm")
+
+
+def test_optimizer_settings_are_frozen():
+    settings = OptimizerSettings(name="SGD", lr=0.1)
+    with pytest.raises(ValidationError):
+        settings.root.lr = 0.2
+    with pytest.raises(ValidationError):
+        settings.root = None
+
+
+def test_optimizer_json_schema_describes_each_optimizer():
+    schema = OptimizerSettings.model_json_schema()
+    assert set(schema["discriminator"]["mapping"]) == set(OPTIMIZERS)
+    adamw = schema["$defs"]["AdamWSettings"]
+    assert adamw["additionalProperties"] is False
+    assert adamw["properties"]["lr"]["type"] == "number"
+    assert adamw["properties"]["lr"]["default"] == 1e-3
+    assert "learning rate" in adamw["properties"]["lr"]["description"]
+    assert adamw["properties"]["no_weight_decay"]["items"]["enum"] == ["bias", "norm", "embedding"]
+    assert "no_weight_decay" not in schema["$defs"]["LBFGSSettings"]["properties"]
+    json.dumps(schema)
+
+
+# -- learning-rate schedules -----------------------------------------------------------------------
+
+
+def test_constant_without_and_with_warmup():
+    assert firsts(schedule(5, name="constant")) == [1.0] * 6
+    lrs = firsts(schedule(6, name="constant", warmup_steps=3))
+    assert lrs == pytest.approx([1 / 4, 2 / 4, 3 / 4, 1.0, 1.0, 1.0, 1.0])
+
+
+@pytest.mark.parametrize("final", [None, 0.1])
+def test_linear_decays_to_the_final_ratio(final):
+    base, steps = 0.2, 8
+    lrs = firsts(schedule(steps, sgd(base), name="linear", final_lr_ratio=final))
+    r = final or 0.0
+    expected = [base * (1 - (1 - r) * j / steps) for j in range(steps + 1)]
+    assert lrs == pytest.approx(expected)
+    assert lrs[0] == pytest.approx(base) and lrs[-1] == pytest.approx(base * r)
+
+
+@pytest.mark.parametrize("final", [None, 0.25])
+def test_cosine_after_warmup(final):
+    base, warmup, steps = 0.4, 2, 10
+    lrs = firsts(schedule(steps, sgd(base), name="cosine", warmup_steps=warmup, final_lr_ratio=final))
+    r = final or 0.0
+    decay = steps - warmup
+    ramp = [base * k / (warmup + 1) for k in range(1, warmup + 1)]
+    cosine = [base * (r + (1 - r) * (1 + math.cos(math.pi * j / decay)) / 2) for j in range(decay + 1)]
+    assert lrs == pytest.approx(ramp + cosine)
+    assert lrs[warmup] == pytest.approx(base)  # the peak, right after warmup
+    assert lrs[-1] == pytest.approx(base * r)  # reached as the last step completes
+    assert min(lrs[warmup:]) == pytest.approx(base * r)
+
+
+def test_linear_with_warmup_scales_every_group_by_its_own_lr():
+    rows = schedule(6, sgd(1.0, 0.1), name="linear", warmup_steps=2, final_lr_ratio=0.5)
+    for column, base in enumerate((1.0, 0.1)):
+        expected = [base / 3, base * 2 / 3] + [base * (1 - 0.5 * j / 4) for j in range(5)]
+        assert [row[column] for row in rows] == pytest.approx(expected)
+
+
+def test_warmup_ratio_is_rounded_up_to_whole_steps():
+    settings = LrScheduleSettings(name="constant", warmup_ratio=0.25)
+    assert settings.warmup_steps_for(10) == 3
+    assert settings.warmup_steps_for(8) == 2
+    assert LrScheduleSettings(name="constant", warmup_steps=4).warmup_steps_for(100) == 4
+    assert LrScheduleSettings(name="constant").warmup_steps_for(100) == 0
+    assert schedule(10, name="cosine", warmup_ratio=0.25) == schedule(10, name="cosine", warmup_steps=3)
+
+
+def test_cosine_floor_needs_one_lr_across_groups():
+    with pytest.raises(ValueError, match="one learning rate across param groups"):
+        build_lr_scheduler(LrScheduleSettings(name="cosine", final_lr_ratio=0.1), sgd(1.0, 0.5), 10)
+    # To zero, the floor is the same for every group.
+    rows = schedule(4, sgd(1.0, 0.5), name="cosine")
+    assert rows[-1] == pytest.approx([0.0, 0.0])
+    assert [row[1] for row in rows] == pytest.approx([0.5 * row[0] for row in rows])
+
+
+def test_scheduler_is_made_of_torch_schedulers():
+    optimizer = sgd(1.0)
+    plain = build_lr_scheduler(LrScheduleSettings(name="cosine"), optimizer, 10)
+    assert type(plain) is torch.optim.lr_scheduler.CosineAnnealingLR
+    warm = build_lr_scheduler(LrScheduleSettings(name="linear", warmup_steps=2), sgd(1.0), 10)
+    assert type(warm) is torch.optim.lr_scheduler.SequentialLR
+    assert [type(s).__name__ for s in warm._schedulers] == ["LinearLR", "LinearLR"]
+
+
+@pytest.mark.parametrize("name", LR_SCHEDULES)
+@pytest.mark.parametrize("stop", [1, 3, 6])
+def test_state_dict_resumes_the_same_lrs(name, stop):
+    steps, settings = 9, LrScheduleSettings(name=name, warmup_steps=3)
+    optimizer = sgd(0.3, 0.3)
+    straight = lrs_over(build_lr_scheduler(settings, optimizer, steps), optimizer, steps)
+
+    optimizer = sgd(0.3, 0.3)
+    scheduler = build_lr_scheduler(settings, optimizer, steps)
+    lrs_over(scheduler, optimizer, stop)
+    saved = io.BytesIO()
+    torch.save({"scheduler": scheduler.state_dict(), "optimizer": optimizer.state_dict()}, saved)
+    saved.seek(0)
+    state = torch.load(saved, weights_only=True)
+
+    optimizer = sgd(0.3, 0.3)
+    resumed = build_lr_scheduler(settings, optimizer, steps)
+    # In the trainer's order: the scheduler first, then the optimizer (whose lr wins).
+    resumed.load_state_dict(state["scheduler"])
+    optimizer.load_state_dict(state["optimizer"])
+    torch.testing.assert_close(torch.tensor(lrs_over(resumed, optimizer, steps - stop)), torch.tensor(straight[stop:]))
+
+
+# -- schedules: invalid settings -------------------------------------------------------------------
+
+
+def test_unknown_schedule_name_lists_the_valid_ones():
+    with pytest.raises(ValidationError) as info:
+        LrScheduleSettings(name="exponential")
+    message = str(info.value)
+    assert all(f"'{name}'" in message for name in LR_SCHEDULES)
+    assert info.value.errors()[0]["loc"] == ("name",)
+
+
+def test_both_warmup_forms_are_an_error():
+    with pytest.raises(ValidationError, match="warmup_steps or warmup_ratio, not both"):
+        LrScheduleSettings(name="linear", warmup_steps=10, warmup_ratio=0.1)
+
+
+def test_final_lr_ratio_does_not_apply_to_constant():
+    with pytest.raises(ValidationError, match="final_lr_ratio applies to the linear and cosine"):
+        LrScheduleSettings(name="constant", final_lr_ratio=0.1)
+
+
+@pytest.mark.parametrize(
+    ("arguments", "field"),
+    [
+        ({"warmup_steps": -1}, "warmup_steps"),
+        ({"warmup_steps": 2.0}, "warmup_steps"),
+        ({"warmup_steps": "5"}, "warmup_steps"),
+        ({"warmup_ratio": -0.1}, "warmup_ratio"),
+        ({"warmup_ratio": 1.0}, "warmup_ratio"),
+        ({"final_lr_ratio": -0.5}, "final_lr_ratio"),
+        ({"final_lr_ratio": 1.5}, "final_lr_ratio"),
+        ({"final_lr_ratio": "0.1"}, "final_lr_ratio"),
+        ({"decay": 0.1}, "decay"),
+    ],
+)
+def test_bad_schedule_values_are_errors_at_the_field(arguments, field):
+    with pytest.raises(ValidationError) as info:
+        LrScheduleSettings(name="linear", **arguments)
+    assert {error["loc"][0] for error in info.value.errors()} == {field}
+
+
+@pytest.mark.parametrize(
+    ("settings", "max_steps", "warmup"),
+    [
+        ({"warmup_steps": 10}, 10, 10),
+        ({"warmup_steps": 12}, 10, 12),
+        ({"warmup_ratio": 0.95}, 10, 10),  # rounded up to every step
+    ],
+)
+def test_warmup_must_leave_a_step_for_the_schedule(settings, max_steps, warmup):
+    with pytest.raises(ValueError, match=rf"warmup of {warmup} steps must be shorter than max_steps \({max_steps}\)"):
+        build_lr_scheduler(LrScheduleSettings(name="cosine", **settings), sgd(1.0), max_steps)
+
+
+@pytest.mark.parametrize("max_steps", [0, -3, True, 2.0])
+def test_max_steps_must_be_a_positive_integer(max_steps):
+    with pytest.raises(ValueError, match="max_steps must be a positive integer"):
+        build_lr_scheduler(LrScheduleSettings(name="constant"), sgd(1.0), max_steps)
+
+
+def test_schedule_settings_round_trip_frozen_and_schema():
+    for settings in (
+        LrScheduleSettings(name="cosine", warmup_ratio=0.1, final_lr_ratio=0.1),
+        LrScheduleSettings(name="linear", warmup_steps=5),
+        LrScheduleSettings(name="constant"),
+    ):
+        assert LrScheduleSettings.model_validate_json(settings.model_dump_json()) == settings
+    with pytest.raises(ValidationError):
+        settings.warmup_steps = 3
+    schema = LrScheduleSettings.model_json_schema()
+    assert schema["properties"]["name"]["enum"] == list(LR_SCHEDULES)
+    assert schema["additionalProperties"] is False
+    assert all(field.get("description") for field in schema["properties"].values())
+
+
+# -- in a trainer --------------------------------------------------------------------------------
+
+
+class LrRecorder(StatsHook):
+    """Keeps each emission's per-group learning rates."""
+
+    def __init__(self) -> None:
+        super().__init__(interval=1)
+        self.lrs: list[dict[str, float]] = []
+
+    def emit(self, trainer, stats):
+        self.lrs.append(stats.lrs)
+
+
+class ExitAt(BaseHook):
+    def __init__(self, step: int) -> None:
+        self.step = step
+
+    def on_after_step(self, trainer):
+        if trainer.step == self.step:
+            trainer.request_exit()
+
+
+class DeclaredTrainer(TinyTrainer):
+    """TinyTrainer whose optimizer and schedule come from settings."""
+
+    optimizer_settings = OptimizerSettings(name="AdamW", lr=0.01, weight_decay=0.1, no_weight_decay=["bias"])
+    schedule_settings = LrScheduleSettings(name="cosine", warmup_steps=2, final_lr_ratio=0.1)
+
+    def build_optimizer(self):
+        return build_optimizer(self.optimizer_settings, self.model)
+
+    def build_lr_scheduler(self):
+        return build_lr_scheduler(self.schedule_settings, self.optimizer, self.max_steps)
+
+
+def test_trainer_runs_the_schedule_shows_group_lrs_and_resumes_it(tmp_path):
+    steps = 8
+    straight = LrRecorder()
+    DeclaredTrainer(max_steps=steps, hooks=[straight], workspace=tmp_path / "straight").train()
+    expected = firsts(schedule(steps, sgd(0.01), name="cosine", warmup_steps=2, final_lr_ratio=0.1))[:steps]
+    assert [set(lrs) for lrs in straight.lrs] == [{"decay", "no_decay"}] * steps
+    assert [lrs["decay"] for lrs in straight.lrs] == pytest.approx(expected)
+    assert [lrs["no_decay"] for lrs in straight.lrs] == pytest.approx(expected)
+
+    first = LrRecorder()
+    split = tmp_path / "split"
+    DeclaredTrainer(max_steps=steps, hooks=[first, ExitAt(3), CheckpointingHook(interval=3)], workspace=split).train()
+    second = LrRecorder()
+    DeclaredTrainer(max_steps=steps, hooks=[second, CheckpointingHook(interval=100)], workspace=split).train()
+    assert len(first.lrs) == 3
+    assert first.lrs + second.lrs == straight.lrs

@@ -1,0 +1,447 @@
+"""The optimizer and the learning-rate schedule, declared in settings.
+
+An optimizer is any ``torch.optim`` optimizer, named as torch names it, with its constructor's
+keyword arguments beside the name, and optionally which parameters get no weight decay::
+
+    {"name": "AdamW", "lr": 3e-4, "betas": [0.9, 0.95], "weight_decay": 0.1,
+     "no_weight_decay": ["bias", "norm"]}
+
+A schedule is constant, linear or cosine, with an optional linear warmup::
+
+    {"name": "cosine", "warmup_steps": 500, "final_lr_ratio": 0.1}
+
+:func:`build_optimizer` and :func:`build_lr_scheduler` turn them into torch objects. Both
+settings models are frozen and strict, produce a JSON Schema and round-trip through JSON.
+"""
+
+from __future__ import annotations
+
+import inspect
+import math
+import re
+import types
+import typing
+from functools import cache
+from typing import Annotated, Any, Literal, Union
+
+import torch
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    RootModel,
+    create_model,
+    model_validator,
+)
+from torch import nn
+from torch.optim.lr_scheduler import (
+    ConstantLR,
+    CosineAnnealingLR,
+    LinearLR,
+    LRScheduler,
+    SequentialLR,
+)
+
+from .types import NonNegativeInt, StrictBool
+
+__all__ = [
+    "LR_SCHEDULES",
+    "OPTIMIZERS",
+    "LrScheduleSettings",
+    "OptimizerSettings",
+    "build_lr_scheduler",
+    "build_optimizer",
+]
+
+# -- optimizers ----------------------------------------------------------------------------------
+
+
+def _discover_optimizers() -> dict[str, type[torch.optim.Optimizer]]:
+    found = {}
+    for name in dir(torch.optim):
+        obj = getattr(torch.optim, name)
+        if inspect.isclass(obj) and issubclass(obj, torch.optim.Optimizer) and obj is not torch.optim.Optimizer:
+            found[name] = obj
+    return dict(sorted(found.items()))
+
+
+#: Every optimizer class of ``torch.optim``, by its class name.
+OPTIMIZERS: dict[str, type[torch.optim.Optimizer]] = _discover_optimizers()
+
+#: What ``no_weight_decay`` can name: see :class:`OptimizerSettings`.
+NoWeightDecayRule = Literal["bias", "norm", "embedding"]
+
+_StrictFloat = Annotated[float, Field(strict=True, allow_inf_nan=False)]
+_StrictInt = Annotated[int, Field(strict=True)]
+_StrictStr = Annotated[str, Field(strict=True)]
+
+# torch's own normalisation layers; a model's own (an ``RMSNorm`` in the user's code) is
+# recognised by its class name instead, see ``_is_norm``.
+_NORM_TYPES: tuple[type[nn.Module], ...] = (
+    nn.LayerNorm,
+    nn.RMSNorm,
+    nn.GroupNorm,
+    nn.LocalResponseNorm,
+    nn.BatchNorm1d,
+    nn.BatchNorm2d,
+    nn.BatchNorm3d,
+    nn.SyncBatchNorm,
+    nn.LazyBatchNorm1d,
+    nn.LazyBatchNorm2d,
+    nn.LazyBatchNorm3d,
+    nn.InstanceNorm1d,
+    nn.InstanceNorm2d,
+    nn.InstanceNorm3d,
+    nn.LazyInstanceNorm1d,
+    nn.LazyInstanceNorm2d,
+    nn.LazyInstanceNorm3d,
+)
+_EMBEDDING_TYPES: tuple[type[nn.Module], ...] = (nn.Embedding, nn.EmbeddingBag)
+
+
+def _settings_type(annotation: Any) -> Any:
+    """The strict, JSON-able counterpart of a constructor annotation, or ``None`` if it has none.
+
+    Tensors are dropped from unions (``lr: float | Tensor`` becomes a strict float): a settings
+    file holds numbers. Containers stay lax so a JSON/YAML list is taken for a tuple.
+    """
+    if annotation is float:
+        return _StrictFloat
+    if annotation is bool:
+        return StrictBool
+    if annotation is int:
+        return _StrictInt
+    if annotation is str:
+        return _StrictStr
+    if annotation is None or annotation is type(None):
+        return type(None)
+    origin = typing.get_origin(annotation)
+    args = typing.get_args(annotation)
+    if origin is Literal:
+        return annotation
+    if origin in (Union, types.UnionType):
+        mapped = [_settings_type(arg) for arg in args if arg is not torch.Tensor]
+        if not mapped or any(m is None for m in mapped):
+            return None
+        return mapped[0] if len(mapped) == 1 else Union[tuple(mapped)]  # noqa: UP007
+    if origin is tuple:
+        if len(args) == 2 and args[1] is Ellipsis:
+            item = _settings_type(args[0])
+            return None if item is None else tuple[item, ...]  # type: ignore[valid-type]
+        mapped = [_settings_type(arg) for arg in args]
+        if not mapped or any(m is None for m in mapped):
+            return None
+        return tuple[tuple(mapped)]  # type: ignore[misc]
+    return None
+
+
+def _argument_descriptions(cls: type) -> dict[str, str]:
+    """Descriptions of a torch optimizer's arguments, read from its docstring's ``Args:``."""
+    doc = inspect.getdoc(cls) or ""
+    match = re.search(r"^Args:\n((?:[ \t]+\S.*\n?|\n)+)", doc, re.MULTILINE)
+    if not match:
+        return {}
+    descriptions: dict[str, str] = {}
+    current: str | None = None
+    for line in match.group(1).splitlines():
+        head = re.match(r"^ {4}(\w+) \([^)]*\):\s*(.*)$", line)
+        if head:
+            current = head.group(1)
+            descriptions[current] = head.group(2)
+        elif current is not None and line.startswith("     "):
+            descriptions[current] += " " + line.strip()
+    return {name: " ".join(text.split()) for name, text in descriptions.items()}
+
+
+class _OptimizerArgs(BaseModel):
+    """Base of each optimizer's settings model: its name and constructor arguments."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid", validate_default=True, use_attribute_docstrings=True)
+
+    name: str
+    """The ``torch.optim`` optimizer's class name."""
+
+    @model_validator(mode="before")
+    @classmethod
+    def _known_arguments(cls, data: Any) -> Any:
+        # pydantic's own "Extra inputs are not permitted" does not say what is permitted.
+        if isinstance(data, dict):
+            unknown = sorted(str(key) for key in data if key not in cls.model_fields)
+            if unknown:
+                valid = ", ".join(name for name in cls.model_fields if name != "name")
+                raise ValueError(
+                    f"unknown argument(s) {', '.join(map(repr, unknown))} for {cls._optimizer_name()}; "
+                    f"valid arguments: {valid}"
+                )
+        return data
+
+    @model_validator(mode="after")
+    def _constructor_accepts(self) -> _OptimizerArgs:
+        # The constructor holds the value checks (lr >= 0, betas in [0, 1)...): run it once on a
+        # throwaway 2-D parameter (Muon takes only matrices) so a bad value fails with the
+        # settings, not after the model is built.
+        cls = OPTIMIZERS[self.name]
+        kwargs = self.kwargs()
+        error = _constructor_error(cls, kwargs)
+        if error is None:
+            return self
+        # Name the argument(s) at fault: those whose own default makes the constructor succeed.
+        defaults = type(self).model_fields
+        culprits = [
+            key
+            for key in self.model_fields_set & kwargs.keys()
+            if _constructor_error(cls, {**kwargs, key: defaults[key].default}) is None
+        ]
+        where = f"{', '.join(sorted(culprits))}: " if culprits else ""
+        raise ValueError(f"{where}{self.name} rejected its arguments: {error}")
+
+    @classmethod
+    def _optimizer_name(cls) -> str:
+        return typing.get_args(cls.model_fields["name"].annotation)[0]
+
+    def kwargs(self) -> dict[str, Any]:
+        """The optimizer constructor's keyword arguments (every declared argument)."""
+        return {name: getattr(self, name) for name in type(self).model_fields if name not in ("name", "no_weight_decay")}
+
+
+class _DecayOptimizerArgs(_OptimizerArgs):
+    """Base of the settings of an optimizer that takes ``weight_decay``."""
+
+    no_weight_decay: tuple[NoWeightDecayRule, ...] = ()
+    """Parameters that get no weight decay (their own param group, ``"no_decay"``): ``"bias"``
+    (parameters named ``bias`` or ``*_bias``), ``"norm"`` (every parameter of a normalisation
+    layer: torch's LayerNorm, RMSNorm, GroupNorm, BatchNorm*, InstanceNorm*, and any module whose
+    class name ends in ``Norm``), ``"embedding"`` (``nn.Embedding`` / ``nn.EmbeddingBag``)."""
+
+
+def _constructor_error(cls: type[torch.optim.Optimizer], kwargs: dict[str, Any]) -> str | None:
+    probe = nn.Parameter(torch.zeros(1, 1))
+    try:
+        cls([probe], **kwargs)
+    except (ValueError, TypeError, RuntimeError) as error:
+        return str(error)
+    return None
+
+
+@cache
+def _optimizer_args_model(name: str) -> type[_OptimizerArgs] | None:
+    """The settings model of one optimizer, derived from its constructor; ``None`` if its
+    required arguments cannot be declared as data."""
+    cls = OPTIMIZERS[name]
+    init = inspect.unwrap(cls.__init__)
+    signature = inspect.signature(init)
+    hints = typing.get_type_hints(init)
+    descriptions = _argument_descriptions(cls)
+    fields: dict[str, Any] = {"name": (Literal[name], ...)}  # type: ignore[valid-type]
+    for param_name, param in list(signature.parameters.items())[2:]:  # self, params
+        if param.kind in (param.VAR_POSITIONAL, param.VAR_KEYWORD):
+            continue
+        field_type = _settings_type(hints.get(param_name))
+        required = param.default is param.empty
+        if field_type is None:
+            if required:
+                return None
+            continue  # left to the constructor's default
+        default = ... if required else param.default
+        fields[param_name] = (field_type, Field(default, description=descriptions.get(param_name)))
+    base = _DecayOptimizerArgs if "weight_decay" in fields else _OptimizerArgs
+    doc = f"Settings of ``torch.optim.{name}``: its constructor's keyword arguments."
+    return create_model(f"{name}Settings", __base__=base, __doc__=doc, **fields)  # type: ignore[call-overload]
+
+
+_ARGS_MODELS = tuple(model for model in map(_optimizer_args_model, OPTIMIZERS) if model is not None)
+_OptimizerArgsUnion = Annotated[Union[_ARGS_MODELS], Field(discriminator="name")]  # type: ignore[valid-type]  # noqa: UP007
+
+
+class OptimizerSettings(RootModel[_OptimizerArgsUnion]):  # type: ignore[valid-type]
+    """A ``torch.optim`` optimizer declared as data: ``{"name": ..., <its arguments>}``.
+
+    ``name`` is the class name in ``torch.optim`` (``"AdamW"``, ``"SGD"``...); the other keys
+    are the constructor's keyword arguments, validated against its signature (strict types;
+    tensors are not declarable, so ``lr`` is a number) and then by the constructor itself, so
+    an invalid value fails here, naming the argument. An optimizer that takes ``weight_decay``
+    also accepts ``no_weight_decay``, a list of ``"bias"``, ``"norm"`` and ``"embedding"``:
+    those parameters go to a second param group with ``weight_decay`` 0.
+
+    Build it from keywords (``OptimizerSettings(name="AdamW", lr=1e-3)``) or a mapping
+    (``OptimizerSettings.model_validate({...})``); :func:`build_optimizer` makes the optimizer.
+    """
+
+    model_config = ConfigDict(frozen=True)
+
+    @property
+    def name(self) -> str:
+        """The optimizer's class name in ``torch.optim``."""
+        return self.root.name
+
+    @property
+    def optimizer_class(self) -> type[torch.optim.Optimizer]:
+        """The optimizer's class."""
+        return OPTIMIZERS[self.root.name]
+
+    @property
+    def kwargs(self) -> dict[str, Any]:
+        """The constructor's keyword arguments (every declarable one, defaults included)."""
+        return self.root.kwargs()
+
+    @property
+    def no_weight_decay(self) -> tuple[str, ...]:
+        """The kinds of parameters that get no weight decay (empty: one param group)."""
+        return getattr(self.root, "no_weight_decay", ())
+
+
+def _is_norm(module: nn.Module) -> bool:
+    return isinstance(module, _NORM_TYPES) or type(module).__name__.endswith("Norm")
+
+
+def _no_decay_ids(model: nn.Module, rules: tuple[str, ...]) -> set[int]:
+    """Ids of the parameters the rules exempt from weight decay.
+
+    Module by module, so a parameter shared by two modules (tied weights) is exempt when
+    either owner matches.
+    """
+    exempt: set[int] = set()
+    for module in model.modules():
+        whole = ("norm" in rules and _is_norm(module)) or (
+            "embedding" in rules and isinstance(module, _EMBEDDING_TYPES)
+        )
+        for attr, param in module.named_parameters(recurse=False):
+            if whole or ("bias" in rules and (attr == "bias" or attr.endswith("_bias"))):
+                exempt.add(id(param))
+    return exempt
+
+
+def build_optimizer(settings: OptimizerSettings, model: nn.Module) -> torch.optim.Optimizer:
+    """Build the optimizer that ``settings`` declare over ``model``'s trainable parameters.
+
+    Param groups carry a ``"name"`` (what :class:`~trainloop.hooks.stats.StatsHook` keys
+    learning rates by): one group ``"default"`` without ``no_weight_decay``; with it, ``"decay"``
+    (the declared ``weight_decay``) and ``"no_decay"`` (``weight_decay`` 0), an empty one left
+    out. Every trainable parameter is in exactly one group, shared parameters once.
+
+    Args:
+        settings: The optimizer's settings.
+        model: The model whose parameters with ``requires_grad`` are optimized (frozen ones
+            are left out).
+
+    Returns:
+        The optimizer.
+
+    Raises:
+        ValueError: The model has no trainable parameter, or the optimizer rejects its
+            parameters (``Muon`` takes only 2-D ones).
+    """
+    params = [param for param in model.parameters() if param.requires_grad]
+    if not params:
+        raise ValueError(f"{type(model).__name__} has no trainable parameter to optimize")
+    rules = settings.no_weight_decay
+    if rules:
+        exempt = _no_decay_ids(model, rules)
+        groups = [
+            {"name": "decay", "params": [p for p in params if id(p) not in exempt]},
+            {"name": "no_decay", "params": [p for p in params if id(p) in exempt], "weight_decay": 0.0},
+        ]
+        groups = [group for group in groups if group["params"]]
+    else:
+        groups = [{"name": "default", "params": params}]
+    return settings.optimizer_class(groups, **settings.kwargs)
+
+
+# -- learning-rate schedules -----------------------------------------------------------------------
+
+#: The schedule names :class:`LrScheduleSettings` accepts.
+LR_SCHEDULES = ("constant", "linear", "cosine")
+
+_WarmupRatio = Annotated[float, Field(ge=0, lt=1, strict=True, allow_inf_nan=False)]
+_UnitRatio = Annotated[float, Field(ge=0, le=1, strict=True, allow_inf_nan=False)]
+
+
+class LrScheduleSettings(BaseModel):
+    """A learning-rate schedule over ``max_steps`` optimizer steps, with optional linear warmup.
+
+    Warmup: steps ``1..W`` use ``lr * k / (W + 1)`` (no step is wasted at lr 0), and the
+    schedule proper starts at ``lr`` on step ``W + 1``. It then runs for the remaining
+    ``D = max_steps - W`` steps, ``j = 0..D-1``: ``constant`` keeps ``lr``; ``linear`` uses
+    ``lr * (1 - (1 - r) * j / D)``; ``cosine`` uses ``lr * (r + (1 - r) * (1 + cos(pi * j / D)) / 2)``,
+    where ``r`` is ``final_lr_ratio``; both reach ``lr * r`` as the last step completes.
+    ``lr`` is each param group's initial learning rate. :func:`build_lr_scheduler` builds it.
+    """
+
+    model_config = ConfigDict(frozen=True, extra="forbid", validate_default=True, use_attribute_docstrings=True)
+
+    name: Literal["constant", "linear", "cosine"]
+    """The schedule after warmup: ``constant``, ``linear`` (decay) or ``cosine`` (decay)."""
+    warmup_steps: NonNegativeInt | None = None
+    """Linear warmup length in steps; excludes ``warmup_ratio``. ``None``/``0``: no warmup."""
+    warmup_ratio: _WarmupRatio | None = None
+    """Linear warmup length as a fraction of ``max_steps``, in [0, 1), rounded up to whole
+    steps; excludes ``warmup_steps``."""
+    final_lr_ratio: _UnitRatio | None = None
+    """For ``linear`` and ``cosine``: the learning rate reached at the end, as a fraction of the
+    initial one, in [0, 1]; ``None`` means 0."""
+
+    @model_validator(mode="after")
+    def _consistent(self) -> LrScheduleSettings:
+        if self.warmup_steps is not None and self.warmup_ratio is not None:
+            raise ValueError("give warmup_steps or warmup_ratio, not both")
+        if self.name == "constant" and self.final_lr_ratio is not None:
+            raise ValueError("final_lr_ratio applies to the linear and cosine schedules, not to constant")
+        return self
+
+    def warmup_steps_for(self, max_steps: int) -> int:
+        """The number of warmup steps in a run of ``max_steps`` steps."""
+        if self.warmup_ratio is not None:
+            return math.ceil(self.warmup_ratio * max_steps)
+        return self.warmup_steps or 0
+
+
+def build_lr_scheduler(settings: LrScheduleSettings, optimizer: torch.optim.Optimizer, max_steps: int) -> LRScheduler:
+    """Build the scheduler ``settings`` declare, to be stepped once after each optimizer step.
+
+    Made of ``torch.optim.lr_scheduler`` classes: the warmup is a ``LinearLR``, followed through
+    a ``SequentialLR`` by ``ConstantLR``, ``LinearLR`` or ``CosineAnnealingLR``. Its
+    ``state_dict`` resumes the schedule where it stopped.
+
+    Args:
+        settings: The schedule's settings.
+        optimizer: The optimizer whose param groups' ``lr`` the schedule scales; its current
+            ``lr`` (or ``initial_lr``, when a scheduler already set one) is the peak.
+        max_steps: Optimizer steps in the run.
+
+    Returns:
+        The scheduler.
+
+    Raises:
+        ValueError: ``max_steps`` is not a positive integer; the warmup does not leave at
+            least one step; or ``cosine`` with a ``final_lr_ratio`` above 0 is asked of param
+            groups whose learning rates differ (``CosineAnnealingLR`` has one absolute floor).
+    """
+    if isinstance(max_steps, bool) or not isinstance(max_steps, int) or max_steps < 1:
+        raise ValueError(f"max_steps must be a positive integer, got {max_steps!r}")
+    warmup = settings.warmup_steps_for(max_steps)
+    if warmup >= max_steps:
+        raise ValueError(
+            f"warmup of {warmup} steps must be shorter than max_steps ({max_steps}): "
+            "the schedule needs at least one step after it"
+        )
+    decay_steps = max_steps - warmup
+    final = settings.final_lr_ratio or 0.0
+    base_lrs = [group.get("initial_lr", group["lr"]) for group in optimizer.param_groups]
+
+    if warmup:
+        # Built before the main phase so it records ``initial_lr`` from the untouched lr.
+        warmup_scheduler = LinearLR(optimizer, start_factor=1 / (warmup + 1), end_factor=1.0, total_iters=warmup)
+    if settings.name == "constant":
+        main: LRScheduler = ConstantLR(optimizer, factor=1.0, total_iters=0)
+    elif settings.name == "linear":
+        main = LinearLR(optimizer, start_factor=1.0, end_factor=final, total_iters=decay_steps)
+    else:
+        if final > 0 and len(set(base_lrs)) > 1:
+            raise ValueError(
+                f"cosine with final_lr_ratio {final} needs one learning rate across param groups, "
+                f"got {base_lrs}: CosineAnnealingLR has a single absolute eta_min"
+            )
+        main = CosineAnnealingLR(optimizer, T_max=decay_steps, eta_min=final * base_lrs[0])
+    if not warmup:
+        return main
+    return SequentialLR(optimizer, [warmup_scheduler, main], milestones=[warmup])

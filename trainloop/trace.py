@@ -1,0 +1,120 @@
+"""Traces: the transitions a run fired, in memory and as ``<workspace>/trace.jsonl``."""
+
+from __future__ import annotations
+
+import json
+import time
+from collections import Counter, deque
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import IO, NamedTuple
+
+from .machine import State, Transition
+
+__all__ = ["Trace", "TraceEntry", "TraceSummary", "read_trace", "summarize_trace"]
+
+
+class TraceEntry(NamedTuple):
+    """A transition that fired: when (``time.time()``), at which step, from where to where."""
+
+    time: float
+    step: int
+    source: State
+    dest: State
+    trigger: str
+
+
+class Trace(deque[TraceEntry]):
+    """The transitions a run fired, in order, with bounded memory.
+
+    Holds the last ``keep`` entries and counts every edge over the whole run; with a ``path``,
+    every entry is also appended to that JSON-lines file (buffered: a write is a memory copy,
+    flushed in blocks and on :meth:`close`).
+
+    Args:
+        path: A ``trace.jsonl`` file to append to, or ``None``.
+        keep: How many of the latest entries to keep in memory.
+    """
+
+    def __init__(self, path: Path | None = None, keep: int = 100_000) -> None:
+        super().__init__(maxlen=keep)
+        self.path = path
+        self._counts: Counter[tuple[State, State, str]] = Counter()
+        self._file: IO[str] | None = None
+        if path is not None:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            self._file = path.open("a", encoding="utf-8")
+
+    def record(self, transition: Transition, step: int) -> None:
+        """Record that ``transition`` fired now, at ``step``."""
+        self.append(TraceEntry(time.time(), step, transition.source, transition.dest, transition.trigger))
+
+    def append(self, entry: TraceEntry) -> None:
+        """Record one transition."""
+        super().append(entry)
+        self._counts[(entry.source, entry.dest, entry.trigger)] += 1
+        if self._file is not None:
+            self._file.write(
+                f'{{"time": {entry.time!r}, "step": {entry.step}, "source": "{entry.source.value}", '
+                f'"dest": "{entry.dest.value}", "trigger": "{entry.trigger}"}}\n'
+            )
+
+    def counts(self) -> Counter[tuple[State, State, str]]:
+        """How often each edge ``(source, dest, trigger)`` fired over the whole run."""
+        return Counter(self._counts)
+
+    def close(self) -> None:
+        """Flush and close the file, if any."""
+        if self._file is not None:
+            self._file.close()
+            self._file = None
+
+
+def read_trace(path: Path | str) -> list[TraceEntry]:
+    """Read a ``trace.jsonl`` back.
+
+    Raises:
+        ValueError: A line is not a trace entry; the message names the file and line.
+    """
+    entries = []
+    with Path(path).open(encoding="utf-8") as lines:
+        for number, line in enumerate(lines, 1):
+            try:
+                row = json.loads(line)
+                entries.append(
+                    TraceEntry(float(row["time"]), int(row["step"]), State(row["source"]), State(row["dest"]), str(row["trigger"]))
+                )
+            except (ValueError, KeyError, TypeError) as error:
+                raise ValueError(f"{path}:{number}: not a trace entry ({error})") from None
+    return entries
+
+
+@dataclass(frozen=True)
+class TraceSummary:
+    """What a trace says about a run.
+
+    Attributes:
+        counts: How often each edge ``(source, dest, trigger)`` fired.
+        seconds_in_state: Wall time spent in each state (from entering it to leaving it).
+        steps: The highest step reached.
+    """
+
+    counts: Counter[tuple[State, State, str]] = field(default_factory=Counter)
+    seconds_in_state: dict[State, float] = field(default_factory=dict)
+    steps: int = 0
+
+
+def summarize_trace(entries: Iterable[TraceEntry]) -> TraceSummary:
+    """Count the edges of a trace and the time spent in each state."""
+    counts: Counter[tuple[State, State, str]] = Counter()
+    seconds: dict[State, float] = {}
+    previous: TraceEntry | None = None
+    steps = 0
+    for entry in entries:
+        counts[(entry.source, entry.dest, entry.trigger)] += 1
+        if previous is not None:
+            seconds[previous.dest] = seconds.get(previous.dest, 0.0) + (entry.time - previous.time)
+        previous = entry
+        steps = max(steps, entry.step)
+    return TraceSummary(counts, seconds, steps)
