@@ -17,8 +17,10 @@ from .hooks import (
     WandbHook,
 )
 from .loss import Loss
+from .lr_find import LrFindComponents, LrFindResult, lr_find
 from .machine import TRANSITIONS, State, Transition
 from .trace import Trace, TraceEntry, TraceSummary, read_trace, summarize_trace
+from .rng import seed_all
 from .settings import SettingsFileError, TrainerSettings
 from .trainer import BaseTrainer, LossNoneWarning
 from .utils import flatten_nested_dict, key_average, map_nested_tensor
@@ -42,6 +44,8 @@ __all__ = [
     "WandbHook",
     "DataExhaustedError",
     "Loss",
+    "LrFindComponents",
+    "LrFindResult",
     "LossNoneWarning",
     "SettingsFileError",
     "State",
@@ -51,5 +55,7 @@ __all__ = [
     "Transition",
     "flatten_nested_dict",
     "key_average",
+    "lr_find",
     "map_nested_tensor",
+    "seed_all",
 ]

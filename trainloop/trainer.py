@@ -20,18 +20,20 @@ from torch.distributed.checkpoint.state_dict import (
     get_state_dict,
     set_state_dict,
 )
+from torch.distributed.tensor import DTensor
 
 from . import components
 from .agreement import ExitAgreement
 from .data import EpochIterator
+from .distributed import gradient_sync
 from .grads import NonFiniteGradCheck
 from .hooks.base import BaseHook, hook_dispatch, state_entry_methods
 from .loss import Loss
 from .machine import Handle, State, StateMachine
-from .trace import Trace
 from .rng import get_rng_state, seed_all, set_rng_state
 from .settings import TrainerSettings
-from .utils import Records, is_rank_zero, unwrap_model
+from .trace import Trace
+from .utils import Records, is_distributed_model, is_rank_zero, unwrap_model
 
 __all__ = ["BaseTrainer", "ChangedSettingsWarning", "LossNoneWarning"]
 
@@ -365,8 +367,11 @@ class BaseTrainer:
         self._accumulation = settings.gradient_accumulation_steps
         self._scaling = self.grad_scaler.is_enabled()
         self._autocast = self.autocast()  # reused: an autocast object can be entered again
-        self._no_sync = settings.no_sync_accumulate and hasattr(self.model, "no_sync")
-        self._distributed_model = _is_distributed(self.model)  # it also averages gradients over ranks
+        # Built once, entered on every microstep but a step's last: DDP's no_sync(), FSDP2's
+        # set_requires_gradient_sync(False).
+        sync_off = gradient_sync(self.model, enabled=False)
+        self._sync_off = sync_off if settings.no_sync_accumulate and sync_off.controls_sync else None
+        self._distributed_model = is_distributed_model(self.model)  # it also averages gradients over ranks
         # GradScaler finds non-finite gradients itself (and skips the step), so no check then.
         self._grad_check = (
             NonFiniteGradCheck(self.model.parameters())
@@ -392,7 +397,7 @@ class BaseTrainer:
 
     def _microstep_once(self) -> None:
         last = self._microstep + 1 == self._accumulation
-        with self.model.no_sync() if self._no_sync and not last else _NO_CONTEXT:
+        with self._sync_off if self._sync_off is not None and not last else _NO_CONTEXT:
             loss = self._forward_until_loss()
             if self._scaling:
                 loss = self.grad_scaler.scale(loss)
@@ -457,6 +462,8 @@ class BaseTrainer:
         grad_clip = self.settings.grad_clip
         if grad_clip is not None:
             grad_norm = nn.utils.clip_grad_norm_(self.model.parameters(), grad_clip)
+            if isinstance(grad_norm, DTensor):  # FSDP2: replicated, so no communication here
+                grad_norm = grad_norm.full_tensor()
             self.step_info["grad_norm"] = grad_norm
         if self._check_grads:
             # The step's one host sync: a retry must be decided before the optimizer steps.
@@ -705,10 +712,3 @@ def _name_hooks(hooks: list[BaseHook]) -> None:
         if seen[base] > 1:
             hook.name = f"{base}_{seen[base]}"
 
-
-def _is_distributed(model: nn.Module) -> bool:
-    if isinstance(model, nn.parallel.DistributedDataParallel):
-        return True
-    from torch.distributed.fsdp import FSDPModule, FullyShardedDataParallel
-
-    return isinstance(model, (FSDPModule, FullyShardedDataParallel))

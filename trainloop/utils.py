@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
+import contextlib
 import math
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from numbers import Number
 from typing import Any, TypeAlias, Union
 
@@ -14,9 +15,11 @@ from torch import nn
 __all__ = [
     "Records",
     "flatten_nested_dict",
+    "is_distributed_model",
     "is_rank_zero",
     "key_average",
     "map_nested_tensor",
+    "module_modes_kept",
     "to_float",
     "unwrap_model",
 ]
@@ -127,6 +130,34 @@ def unwrap_model(module: nn.Module) -> nn.Module:
             module = module.module
         else:
             return module
+
+
+@contextlib.contextmanager
+def module_modes_kept(model: nn.Module, train: bool) -> Iterator[None]:
+    """Put ``model`` in train or eval mode for the block, then give every submodule its own mode
+    back (also when the block raises)."""
+    modules = list(model.modules())
+    modes = [m.training for m in modules]
+    model.train(train)
+    try:
+        yield
+    finally:
+        # ``model.train(mode)`` first, so modules that override ``train()`` (to keep a BatchNorm
+        # frozen, say) run their own logic; then the recorded flags, because ``train(mode)`` alone
+        # would flatten a model whose submodules were in mixed modes.
+        model.train(modes[0])
+        for module, mode in zip(modules, modes):
+            module.training = mode
+
+
+def is_distributed_model(model: nn.Module) -> bool:
+    """Whether ``model`` is wrapped by DDP or sharded by FSDP (1 or 2): it averages gradients
+    over ranks."""
+    if isinstance(model, nn.parallel.DistributedDataParallel):
+        return True
+    from torch.distributed.fsdp import FSDPModule, FullyShardedDataParallel
+
+    return isinstance(model, (FSDPModule, FullyShardedDataParallel))
 
 
 def is_rank_zero() -> bool:

@@ -10,7 +10,7 @@ from pydantic import Field, validate_call
 from pydantic.json_schema import SkipJsonSchema
 
 from ..types import PositiveInt, StrictBool
-from ..utils import Records
+from ..utils import Records, module_modes_kept
 from .base import BaseHook
 from .registry import register_hook
 
@@ -116,18 +116,11 @@ class ValidationHook(BaseHook):
         Raises:
             TypeError: The evaluation did not return a dict of records.
         """
-        model = trainer.model
-        modules = list(model.modules())
-        modes = [m.training for m in modules]
-        model.eval()
-        try:
-            with torch.no_grad(), trainer.autocast():
-                if isinstance(self.evaluate, str):
-                    records = getattr(trainer, self.evaluate)()
-                else:
-                    records = self.evaluate(trainer)
-        finally:
-            _restore_modes(model, modules, modes)
+        with module_modes_kept(trainer.model, train=False), torch.no_grad(), trainer.autocast():
+            if isinstance(self.evaluate, str):
+                records = getattr(trainer, self.evaluate)()
+            else:
+                records = self.evaluate(trainer)
         if not isinstance(records, Mapping):
             raise TypeError(
                 f"{type(self).__name__}: the evaluation {self._describe()} returned a "
@@ -143,14 +136,3 @@ class ValidationHook(BaseHook):
             return f"trainer.{self.evaluate}()"
         return getattr(self.evaluate, "__qualname__", repr(self.evaluate))
 
-
-def _restore_modes(
-    model: torch.nn.Module, modules: list[torch.nn.Module], modes: list[bool]
-) -> None:
-    # ``model.train(mode)`` first, so modules that override ``train()`` (to keep a BatchNorm
-    # frozen, say) run their own logic; then the recorded flags, because ``train(mode)`` alone
-    # would flatten a model whose submodules were in mixed modes before the evaluation.
-    model.train(modes[0])
-    for module, mode in zip(modules, modes):
-        if module.training != mode:
-            module.training = mode

@@ -1,0 +1,516 @@
+"""Opt-in ``torch.distributed`` helpers for the user's own set-up (the trainer wraps nothing).
+
+A script launched by ``torchrun`` joins the process group, wraps its model and trains::
+
+    with init_distributed() as ctx:          # rank, world_size, local_rank, device
+        MyTrainer(max_steps=1000, device=str(ctx.device)).train()
+
+    class MyTrainer(BaseTrainer):
+        def build_model(self):
+            return wrap_model(Net().to(self.device), "fsdp", shard_modules=(Block,))
+
+Run alone (no ``torchrun`` environment), the same script trains in one process: the context
+is a no-op, and ``wrap_model(..., "auto")`` returns the model unchanged.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from datetime import timedelta
+from types import TracebackType
+from typing import Annotated, Any, Literal, Self
+
+import torch
+import torch.distributed as dist
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    StrictStr,
+    field_validator,
+    validate_call,
+)
+from torch import nn
+from torch.distributed.fsdp import (
+    FSDPModule,
+    MixedPrecisionPolicy,
+    OffloadPolicy,
+    fully_shard,
+)
+
+from .types import PositiveFloat, StrictBool
+from .utils import is_rank_zero
+
+try:  # DeviceMesh is only importable where torch.distributed is built in
+    from torch.distributed.device_mesh import DeviceMesh
+except ImportError:  # pragma: no cover
+    DeviceMesh = Any  # type: ignore[misc,assignment]
+
+__all__ = [
+    "DDPOptions",
+    "DistributedContext",
+    "FSDPOptions",
+    "Strategy",
+    "destroy",
+    "get_device",
+    "gradient_sync",
+    "init_distributed",
+    "is_main",
+    "local_rank",
+    "rank",
+    "world_size",
+    "wrap_model",
+]
+
+logger = logging.getLogger(__name__)
+
+Strategy = Literal["auto", "ddp", "fsdp", "none"]
+"""How :func:`wrap_model` wraps: DDP, FSDP2 ``fully_shard``, nothing, or DDP when there are
+two or more ranks (``"auto"``)."""
+
+# torchrun's rendezvous variables that init_process_group("env://") reads.
+_REQUIRED_ENV = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+_ARBITRARY = ConfigDict(arbitrary_types_allowed=True, strict=True)
+
+
+# -- the process group ---------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class DistributedContext:
+    """Where this process stands: what :func:`init_distributed` set up (or found).
+
+    Use it as a context manager to destroy the process group on exit, if
+    :func:`init_distributed` created it (a group it found already initialised is left alone).
+
+    Attributes:
+        rank: This process's rank in the default group (0 when alone).
+        world_size: The number of processes (1 when alone).
+        local_rank: The rank on this machine (torchrun's ``LOCAL_RANK``; 0 when alone).
+        device: The device this process should use (see :func:`get_device`).
+        backend: The process group's backend (``"gloo"``, ``"nccl"``...), or ``None`` when no
+            group is initialised.
+        owns_group: Whether :func:`init_distributed` created the group, so exiting the context
+            destroys it.
+    """
+
+    rank: int
+    world_size: int
+    local_rank: int
+    device: torch.device
+    backend: str | None = None
+    owns_group: bool = field(default=False, repr=False)
+
+    @property
+    def is_distributed(self) -> bool:
+        """Whether a process group is set up (even of one process)."""
+        return self.backend is not None
+
+    @property
+    def is_main(self) -> bool:
+        """Whether this is rank 0 (the process that writes files and prints)."""
+        return self.rank == 0
+
+    def __enter__(self) -> Self:
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        traceback: TracebackType | None,
+    ) -> None:
+        if self.owns_group:
+            destroy()
+
+
+@validate_call(config=_ARBITRARY)
+def init_distributed(
+    *,
+    backend: StrictStr | None = None,
+    device: StrictStr | torch.device | None = None,
+    timeout: timedelta | None = None,
+) -> DistributedContext:
+    """Join the default process group described by torchrun's environment, if there is one.
+
+    Under ``torchrun`` (``RANK``, ``WORLD_SIZE``, ``MASTER_ADDR`` and ``MASTER_PORT`` set;
+    ``LOCAL_RANK`` too, else it is taken to be ``RANK``), this selects the device, makes it
+    current (on an accelerator) and calls ``init_process_group`` with the device's default
+    backend: ``nccl`` on CUDA, ``gloo`` on the CPU. Without that environment nothing is
+    initialised and the context describes a single process. If a group is already initialised
+    it is described, not initialised again.
+
+    Args:
+        backend: The backend to use instead of the device's default (any string
+            ``init_process_group`` accepts, e.g. ``"cpu:gloo,cuda:nccl"``).
+        device: The device to use instead of :func:`get_device`'s choice (e.g. ``"cpu"`` to run
+            on the CPU on a machine with GPUs).
+        timeout: The process group's timeout for collectives; torch's default if omitted.
+
+    Returns:
+        A :class:`DistributedContext`; ``with init_distributed() as ctx:`` destroys the group
+        on exit.
+
+    Raises:
+        RuntimeError: The torchrun environment is incomplete or not numbers (names the variable).
+        pydantic.ValidationError: An argument has the wrong type; the error names it.
+    """
+    chosen = torch.device(device) if device is not None else None
+    if dist.is_available() and dist.is_initialized():
+        return DistributedContext(
+            rank=dist.get_rank(),
+            world_size=dist.get_world_size(),
+            local_rank=_env_local_rank(),
+            device=chosen or get_device(),
+            backend=str(dist.get_backend()),
+        )
+    env = _torchrun_env()
+    if env is None:
+        return DistributedContext(rank=0, world_size=1, local_rank=0, device=chosen or get_device())
+    if not dist.is_available():
+        raise RuntimeError("torchrun's environment is set but this torch build has no torch.distributed")
+    target = chosen or get_device(env["LOCAL_RANK"])
+    accelerator = target.type != "cpu"
+    if accelerator and target.index is not None:
+        torch.accelerator.set_device_index(target.index)  # collectives and kernels default to it
+    backend = backend or _default_backend(target)
+    logger.debug(
+        "Joining the process group: rank %d of %d, local rank %d, %s, backend %s",
+        env["RANK"], env["WORLD_SIZE"], env["LOCAL_RANK"], target, backend,
+    )
+    dist.init_process_group(
+        backend=backend,
+        timeout=timeout,
+        # Binding the group to the device avoids a guessed device (and nccl's warning about it).
+        device_id=target if accelerator else None,
+    )
+    return DistributedContext(
+        rank=dist.get_rank(),
+        world_size=dist.get_world_size(),
+        local_rank=env["LOCAL_RANK"],
+        device=target,
+        backend=str(dist.get_backend()),
+        owns_group=True,
+    )
+
+
+def _torchrun_env() -> dict[str, int] | None:
+    """The launcher's ranks (None when not launched by one); the address is read by torch."""
+    if not any(name in os.environ for name in ("RANK", "WORLD_SIZE")):
+        return None
+    missing = [name for name in _REQUIRED_ENV if not os.environ.get(name)]
+    if missing:
+        raise RuntimeError(
+            f"incomplete torchrun environment: {', '.join(missing)} not set (need "
+            f"{', '.join(_REQUIRED_ENV)}; launch with torchrun, or unset RANK and WORLD_SIZE "
+            "to run in one process)"
+        )
+    env = {name: _env_int(name) for name in ("RANK", "WORLD_SIZE", "MASTER_PORT")}
+    env["LOCAL_RANK"] = _env_int("LOCAL_RANK") if os.environ.get("LOCAL_RANK") else env["RANK"]
+    if not 0 <= env["RANK"] < env["WORLD_SIZE"]:
+        raise RuntimeError(f"RANK={env['RANK']} is not in [0, WORLD_SIZE={env['WORLD_SIZE']})")
+    return env
+
+
+def _env_int(name: str) -> int:
+    value = os.environ[name]
+    try:
+        number = int(value)
+    except ValueError:
+        raise RuntimeError(f"environment variable {name}={value!r} is not an integer") from None
+    if number < 0:
+        raise RuntimeError(f"environment variable {name}={value!r} is negative")
+    return number
+
+
+def _default_backend(device: torch.device) -> str:
+    lookup = getattr(dist, "get_default_backend_for_device", None)  # torch >= 2.7
+    if lookup is not None:
+        try:
+            return lookup(device)
+        except (RuntimeError, ValueError):  # an accelerator without a registered backend
+            return "gloo"
+    return "nccl" if device.type == "cuda" else "gloo"
+
+
+def get_device(local_rank: int | None = None) -> torch.device:
+    """The device this process should use: its accelerator by local rank, else the CPU.
+
+    Args:
+        local_rank: The local rank choosing among the machine's accelerators (modulo their
+            number); the ``LOCAL_RANK`` environment variable (0 if unset) when omitted.
+    """
+    if not torch.accelerator.is_available():
+        return torch.device("cpu")
+    accelerator = torch.accelerator.current_accelerator()
+    index = _env_local_rank() if local_rank is None else local_rank
+    return torch.device(accelerator.type, index % torch.accelerator.device_count())
+
+
+def rank() -> int:
+    """This process's rank in the default group; 0 when no group is initialised."""
+    return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
+
+
+def world_size() -> int:
+    """The number of processes in the default group; 1 when no group is initialised."""
+    return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
+
+
+def local_rank() -> int:
+    """This process's rank on its machine (torchrun's ``LOCAL_RANK``); 0 when unset."""
+    return _env_local_rank()
+
+
+def _env_local_rank() -> int:
+    return _env_int("LOCAL_RANK") if os.environ.get("LOCAL_RANK") else 0
+
+
+def is_main() -> bool:
+    """Whether this is rank 0, or the only process."""
+    return is_rank_zero()
+
+
+def destroy() -> None:
+    """Destroy the default process group if one is initialised; otherwise do nothing."""
+    if dist.is_available() and dist.is_initialized():
+        dist.destroy_process_group()
+
+
+# -- wrapping ------------------------------------------------------------------------------------
+
+
+class DDPOptions(BaseModel):
+    """:func:`wrap_model` options for ``strategy="ddp"`` (and ``"auto"``): DDP's own arguments.
+
+    Only the options given are passed on, so DDP's defaults apply to the others.
+
+    Attributes:
+        broadcast_buffers: Broadcast rank 0's buffers at each forward (deprecated by torch 2.13
+            in favour of ``forward_sync_buffers``, which older versions lack).
+        bucket_cap_mb: Gradient bucket size in MiB (DDP's default if ``None``).
+        find_unused_parameters: Allow parameters that get no gradient in some forward.
+        gradient_as_bucket_view: Let gradients be views into the buckets (saves memory).
+        static_graph: The set of used parameters never changes (enables optimisations).
+    """
+
+    model_config = ConfigDict(extra="forbid", frozen=True, title="wrap_model DDP options")
+
+    broadcast_buffers: StrictBool | None = None
+    bucket_cap_mb: PositiveFloat | None = None
+    find_unused_parameters: StrictBool = False
+    gradient_as_bucket_view: StrictBool = False
+    static_graph: StrictBool = False
+
+
+ShardPredicate = Callable[[nn.Module], bool]
+
+
+class FSDPOptions(BaseModel):
+    """:func:`wrap_model` options for ``strategy="fsdp"`` (FSDP2 ``fully_shard``).
+
+    Attributes:
+        shard_modules: Which submodules get their own ``fully_shard`` group (one all-gather and
+            one reduce-scatter each), before the root gets the rest: module classes (e.g.
+            ``(nn.TransformerEncoderLayer,)``) or a predicate ``fn(module) -> bool``. ``None``:
+            the root alone (one group, no memory saving from layer-by-layer gathering).
+        reshard_after_forward: ``fully_shard``'s: ``True`` frees gathered parameters after
+            forward, ``False`` keeps them for backward, an int reshards to that smaller world
+            size; ``None`` (torch's default) is ``True`` for the submodules, ``False`` for the root.
+        mesh: The device mesh to shard over; every rank of the default group if ``None``.
+        mp_policy: Mixed-precision policy (parameter, reduction and output dtypes).
+        offload_policy: e.g. ``CPUOffloadPolicy()`` to keep sharded parameters on the CPU.
+    """
+
+    model_config = ConfigDict(
+        extra="forbid", frozen=True, arbitrary_types_allowed=True, title="wrap_model FSDP options"
+    )
+
+    shard_modules: tuple[type[nn.Module], ...] | ShardPredicate | None = None
+    reshard_after_forward: StrictBool | Annotated[int, Field(ge=2, strict=True)] | None = None
+    mesh: DeviceMesh | None = None
+    mp_policy: MixedPrecisionPolicy | None = None
+    offload_policy: OffloadPolicy | None = None
+
+    @field_validator("shard_modules", mode="before")
+    @classmethod
+    def _one_class_is_a_tuple(cls, value: Any) -> Any:
+        # A class is callable too: without this it would be taken for a predicate.
+        if isinstance(value, type):
+            return (value,)
+        if isinstance(value, list):
+            return tuple(value)
+        return value
+
+    @field_validator("shard_modules")
+    @classmethod
+    def _non_empty(cls, value: Any) -> Any:
+        if isinstance(value, tuple) and not value:
+            raise ValueError("give at least one module class, or None to shard the root alone")
+        return value
+
+    def matches(self, module: nn.Module) -> bool:
+        """Whether ``module`` gets its own ``fully_shard`` group."""
+        rule = self.shard_modules
+        if rule is None:
+            return False
+        if isinstance(rule, tuple):
+            return isinstance(module, rule)
+        return bool(rule(module))
+
+    def fully_shard_kwargs(self) -> dict[str, Any]:
+        """The keyword arguments for ``fully_shard``, leaving torch's defaults where unset."""
+        names = ("reshard_after_forward", "mesh", "mp_policy", "offload_policy")
+        return {name: getattr(self, name) for name in names if getattr(self, name) is not None}
+
+
+class _NoOptions(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True, title="wrap_model options for strategy='none'")
+
+
+class _WrapArguments(BaseModel):
+    # Validated by name, so an error names the parameter even when it was passed by position.
+    model_config = ConfigDict(arbitrary_types_allowed=True, strict=True, title="wrap_model")
+
+    model: nn.Module
+    strategy: Strategy
+
+
+_OPTIONS: dict[str, type[BaseModel]] = {
+    "ddp": DDPOptions,
+    "auto": DDPOptions,
+    "fsdp": FSDPOptions,
+    "none": _NoOptions,
+}
+
+
+def wrap_model(model: nn.Module, strategy: Strategy = "auto", **options: Any) -> nn.Module:
+    """Wrap ``model`` for data-parallel training; a one-liner for ``build_model``.
+
+    Move the model to its device first (``model.to(self.device)``).
+
+    - ``"ddp"``: ``DistributedDataParallel(model, **options)`` (see :class:`DDPOptions`).
+    - ``"fsdp"``: FSDP2. Every submodule that ``shard_modules`` matches is passed to
+      ``fully_shard`` (innermost first), then the root; the model is changed in place and
+      returned, its parameters now ``DTensor`` shards (see :class:`FSDPOptions`). For
+      checkpoints, give the trainer ``state_dict_options=StateDictOptions(full_state_dict=True,
+      cpu_offload=True)`` so rank 0 holds (and ``CheckpointingHook`` writes) full tensors.
+    - ``"none"``: the model itself.
+    - ``"auto"``: ``"ddp"`` with two or more ranks, else ``"none"`` (DDP options are
+      validated either way, so one script runs alone and under torchrun).
+
+    Args:
+        model: The module to wrap, on its device.
+        strategy: One of ``"auto"``, ``"ddp"``, ``"fsdp"``, ``"none"``.
+        **options: The chosen strategy's options (:class:`DDPOptions` or :class:`FSDPOptions`).
+
+    Returns:
+        The wrapped module.
+
+    Raises:
+        pydantic.ValidationError: An argument or option is invalid or does not belong to the
+            strategy; the error names it.
+        RuntimeError: ``"ddp"`` or ``"fsdp"`` without an initialised process group.
+        ValueError: ``shard_modules`` matched no submodule.
+    """
+    _WrapArguments(model=model, strategy=strategy)
+    settings = _OPTIONS[strategy].model_validate(options)
+    if strategy == "auto":
+        strategy = "ddp" if world_size() > 1 else "none"
+    if strategy == "none":
+        return model
+    if not (dist.is_available() and dist.is_initialized()):
+        raise RuntimeError(
+            f"wrap_model(strategy={strategy!r}) needs an initialised process group: call "
+            "init_distributed() first (under torchrun), or use strategy='auto' to run alone"
+        )
+    if strategy == "ddp":
+        assert isinstance(settings, DDPOptions)
+        # Only what the user set: DDP's own defaults then hold (and no deprecated argument is passed).
+        return nn.parallel.DistributedDataParallel(model, **settings.model_dump(exclude_unset=True))
+    assert isinstance(settings, FSDPOptions)
+    return _fully_shard(model, settings)
+
+
+def _fully_shard(model: nn.Module, options: FSDPOptions) -> nn.Module:
+    kwargs = options.fully_shard_kwargs()
+    # named_modules() lists a parent before its children; reversed, every matched module is
+    # sharded after the matched modules nested inside it, as fully_shard requires (bottom-up).
+    groups = [m for _, m in reversed(list(model.named_modules())) if m is not model and options.matches(m)]
+    if options.shard_modules is not None and not groups:
+        raise ValueError(
+            f"wrap_model shard_modules={options.shard_modules!r} matched no submodule of "
+            f"{type(model).__name__}; pass None to shard the root alone"
+        )
+    for module in groups:
+        fully_shard(module, **kwargs)
+    fully_shard(model, **kwargs)
+    logger.debug("fully_shard: %d submodule groups and the root", len(groups))
+    return model
+
+
+# -- gradient synchronisation ----------------------------------------------------------------------
+
+
+class gradient_sync:  # lower case: used like torch.no_grad
+    """Run backward with or without synchronising gradients across ranks.
+
+    Gradient accumulation skips the synchronisation on all but a step's last microstep::
+
+        with gradient_sync(model, enabled=is_last_microstep):
+            loss.backward()
+
+    - DDP (and FSDP1): ``enabled=False`` enters ``model.no_sync()``.
+    - FSDP2 (``fully_shard``), which has no ``no_sync()``: ``enabled`` is passed to
+      ``set_requires_gradient_sync`` of every FSDP module in the model; with ``False`` the
+      unsharded gradients accumulate locally and the next synchronised backward reduce-scatters
+      them. Leaving a ``False`` context turns synchronisation back on.
+    - Any other model: nothing happens.
+
+    The object may be built once and entered again and again (the hot loop need not allocate):
+    what the model supports is looked up at construction.
+
+    Args:
+        model: The model as wrapped (DDP, FSDP2, or plain; ``torch.compile`` seen through).
+        enabled: Whether this backward synchronises gradients.
+    """
+
+    __slots__ = ("_entered", "_fsdp", "_no_sync", "enabled", "model")
+
+    def __init__(self, model: nn.Module, enabled: bool = True) -> None:
+        self.model = model
+        self.enabled = enabled
+        self._fsdp = tuple(m for m in model.modules() if isinstance(m, FSDPModule))
+        self._no_sync = getattr(model, "no_sync", None) if not self._fsdp else None
+        self._entered: Any = None
+
+    @property
+    def controls_sync(self) -> bool:
+        """Whether the model has gradient synchronisation to switch (DDP, FSDP1 or FSDP2)."""
+        return bool(self._fsdp) or self._no_sync is not None
+
+    def __enter__(self) -> Self:
+        if self._fsdp:
+            for module in self._fsdp:
+                module.set_requires_gradient_sync(self.enabled, recurse=False)
+        elif not self.enabled and self._no_sync is not None:
+            self._entered = self._no_sync()
+            self._entered.__enter__()
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        traceback: TracebackType | None,
+    ) -> None:
+        if self._fsdp:
+            if not self.enabled:
+                for module in self._fsdp:
+                    module.set_requires_gradient_sync(True, recurse=False)
+        elif self._entered is not None:
+            entered, self._entered = self._entered, None
+            entered.__exit__(exc_type, exc, traceback)

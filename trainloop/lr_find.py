@@ -1,0 +1,532 @@
+"""The learning-rate range test: sweep the lr exponentially over a few optimizer steps and
+suggest the one at which the loss falls fastest.
+
+The test (Smith, "Cyclical Learning Rates for Training Neural Networks", 2017) trains for
+``num_iterations`` steps while the learning rate grows from ``start_lr`` to ``end_lr`` by a
+constant factor per step, records the loss, and stops early once the loss blows up. The model,
+the optimizer (and a grad scaler) and the global random generators are put back exactly as
+they were, so the test leaves no trace on the run that follows::
+
+    result = lr_find(MyTrainer(max_steps=10_000))
+    result.suggestion           # e.g. 0.03
+    result.plot("lr_find.png")  # needs matplotlib
+
+    result = lr_find(LrFindComponents(model, optimizer, loader, lambda batch: loss_of(batch)))
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import logging
+import math
+import warnings
+from collections.abc import Callable, Iterable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Annotated, Any
+
+import torch
+import torch.distributed as dist
+from pydantic import (
+    Field,
+    InstanceOf,
+    SkipValidation,
+    ValidationError,
+    validate_call,
+)
+from pydantic.dataclasses import dataclass as pydantic_dataclass
+from pydantic_core import PydanticCustomError
+from torch import nn
+
+from .data import EpochIterator
+from .loss import Loss
+from .machine import State
+from .rng import get_rng_state, seed_all, set_rng_state
+from .trainer import BaseTrainer
+from .types import PositiveFloat, PositiveInt
+from .utils import is_distributed_model, module_modes_kept
+
+__all__ = ["LrFindComponents", "LrFindResult", "lr_find"]
+
+logger = logging.getLogger("trainloop")
+
+AtLeastTwo = Annotated[int, Field(ge=2, strict=True)]
+Smoothing = Annotated[float, Field(ge=0, lt=1, strict=True, allow_inf_nan=False)]
+AboveOne = Annotated[float, Field(gt=1, strict=True, allow_inf_nan=False)]
+
+
+@pydantic_dataclass(frozen=True)
+class LrFindComponents:
+    """What :func:`lr_find` trains when there is no trainer: the pieces of one training step.
+
+    Args:
+        model: The model (in train mode during the test; its modes are restored afterwards).
+        optimizer: The optimizer of the model's parameters. Each param group's lr is swept in
+            proportion to the lr it has now (see :func:`lr_find`).
+        data: The batches: a re-iterable (a ``DataLoader``, a list), iterated again when it runs
+            out, or an iterator that yields at least ``num_iterations`` batches.
+        loss_fn: ``fn(batch) -> loss``: a scalar tensor, a :class:`~trainloop.loss.Loss`
+            ``(sum, count)``, or ``None`` to skip the batch (the next one is drawn). Run any
+            autocast inside it.
+        gradient_accumulation_steps: Batches (forward + backward) per optimizer step.
+        grad_clip: Max gradient norm (L2) before each optimizer step; ``None``: no clipping.
+        grad_scaler: A ``torch.amp.GradScaler`` for fp16; its state is restored afterwards too.
+    """
+
+    model: InstanceOf[nn.Module]
+    optimizer: InstanceOf[torch.optim.Optimizer]
+    # InstanceOf: pydantic would otherwise wrap an Iterable in a one-shot validating iterator.
+    data: InstanceOf[Iterable]  # type: ignore[type-arg]
+    loss_fn: Callable[[Any], Any]
+    gradient_accumulation_steps: PositiveInt = 1
+    grad_clip: PositiveFloat | None = None
+    grad_scaler: InstanceOf[torch.amp.GradScaler] | None = None
+
+
+@dataclass(frozen=True)
+class LrFindResult:
+    """The outcome of a learning-rate range test.
+
+    Attributes:
+        lrs: The learning rate of each iteration run, increasing exponentially. With several
+            param groups it is the lr of the group whose lr was the largest (the others moved
+            in proportion).
+        losses: The smoothed loss of each iteration (an exponential moving average of
+            ``raw_losses``; the same values when ``smoothing`` was 0). Iteration ``i``'s loss
+            is computed before its optimizer step, at ``lrs[i]``.
+        suggestion: The learning rate at which the smoothed loss fell fastest per unit of
+            ``log(lr)`` (its steepest descent; the slope at iteration ``i`` is taken between
+            iterations ``i - k`` and ``i + k``, ``k`` = 5% of the iterations run, at least 1).
+            The noisy ends are left out: the first tenth of the iterations (or, if longer, the
+            moving average's warm-up of ``1 / smoothing`` iterations, at most a quarter) and
+            the last ``k``. ``None`` when the loss never fell there or too few iterations ran.
+        diverged_at: The learning rate at which the smoothed loss exceeded
+            ``divergence_threshold`` times its best value (or the loss became non-finite) and
+            the sweep stopped (it is ``lrs[-1]``); ``None`` when the sweep ran to ``end_lr``.
+        raw_losses: The loss of each iteration as computed (the mean over its microsteps).
+    """
+
+    lrs: tuple[float, ...]
+    losses: tuple[float, ...]
+    suggestion: float | None
+    diverged_at: float | None
+    raw_losses: tuple[float, ...]
+
+    def plot(self, path: str | Path) -> Path:
+        """Draw the loss against the learning rate (log scale) into a PNG file.
+
+        Shows the raw losses faintly, the smoothed losses, and marks the suggestion and the
+        divergence point. Needs matplotlib (imported only here); uses no pyplot state, so it
+        neither changes the user's backend nor leaves figures open.
+
+        Args:
+            path: The PNG file to write (its directory must exist).
+
+        Returns:
+            ``path`` as a ``Path``.
+
+        Raises:
+            ImportError: matplotlib is not installed.
+        """
+        try:
+            from matplotlib.figure import Figure
+        except ImportError as error:
+            raise ImportError("LrFindResult.plot() needs matplotlib: pip install matplotlib") from error
+        path = Path(path)
+        figure = Figure(figsize=(7, 4.5), layout="tight")
+        axes = figure.subplots()
+        axes.plot(self.lrs, self.raw_losses, color="tab:blue", alpha=0.3, linewidth=1, label="loss")
+        axes.plot(self.lrs, self.losses, color="tab:blue", linewidth=2, label="smoothed loss")
+        if self.suggestion is not None:
+            axes.axvline(self.suggestion, color="tab:green", linestyle="--",
+                         label=f"suggestion {self.suggestion:.3g}")
+        if self.diverged_at is not None:
+            axes.axvline(self.diverged_at, color="tab:red", linestyle=":",
+                         label=f"diverged at {self.diverged_at:.3g}")
+        smoothed = [loss for loss in self.losses if math.isfinite(loss)]
+        if smoothed:
+            # Up to the smoothed curve's top only: raw spikes and a raw blow-up at the end would
+            # squash the curve flat. Down to the lowest raw loss, which may lie below it.
+            low = min(smoothed + [loss for loss in self.raw_losses if math.isfinite(loss)])
+            high = max(smoothed)
+            margin = 0.05 * (high - low) or 0.05 * abs(high) or 0.05
+            axes.set_ylim(low - margin, high + margin)
+        axes.set_xscale("log")
+        axes.set_xlabel("learning rate")
+        axes.set_ylabel("loss")
+        axes.set_title("Learning-rate range test")
+        axes.legend()
+        figure.savefig(path, format="png")
+        return path
+
+
+@validate_call
+def lr_find(
+    # Checked in the body: pydantic would name a positional argument by its index, not its name.
+    trainer_or_components: SkipValidation[InstanceOf[BaseTrainer] | InstanceOf[LrFindComponents]],
+    *,
+    start_lr: PositiveFloat = 1e-7,
+    end_lr: PositiveFloat = 1.0,
+    num_iterations: AtLeastTwo = 100,
+    smoothing: Smoothing = 0.05,
+    divergence_threshold: AboveOne = 4.0,
+) -> LrFindResult:
+    """Run a learning-rate range test and restore everything it changed.
+
+    Iteration ``i`` (``0 <= i < num_iterations``) takes one optimizer step at
+    ``lr = start_lr * (end_lr / start_lr) ** (i / (num_iterations - 1))``, set by a
+    ``torch.optim.lr_scheduler.LambdaLR``. With several param groups the group with the largest
+    lr follows that sweep and every other group keeps its ratio to it (a group at lr 0 stays
+    frozen). The sweep stops early when the smoothed loss exceeds ``divergence_threshold``
+    times the best smoothed loss so far (for a negative best: rises above it by
+    ``(divergence_threshold - 1) * |best|``) or the loss is not finite; that iteration takes no
+    optimizer step.
+
+    Afterwards the parameters and buffers, the optimizer's state and param groups, the grad
+    scaler's state, the parameters' ``.grad``, the modules' train/eval modes and the global
+    random generators (Python, NumPy, torch, CUDA) are exactly what they were before.
+
+    Given a trainer (not yet trained), the test seeds like ``train()`` (``settings.seed``),
+    builds the data loader, model, optimizer and grad scaler through its ``build_*`` methods,
+    and computes the loss with ``trainer.forward`` under ``trainer.autocast()``, honouring
+    ``gradient_accumulation_steps`` and ``grad_clip`` from its settings. It builds no lr
+    scheduler and no hooks, does not touch the state machine, and afterwards gives the
+    trainer's ``data_loader``, ``model``, ``optimizer`` and ``grad_scaler`` attributes back what
+    they held before (``train()`` builds its own).
+
+    Under DDP/FSDP every rank must call it; the loss is averaged over ranks each iteration (one
+    collective) so that all ranks stop together and agree on the suggestion.
+
+    Args:
+        trainer_or_components: A :class:`~trainloop.trainer.BaseTrainer` that has not started
+            ``train()``, or the pieces of a training step as :class:`LrFindComponents`.
+        start_lr: The first learning rate (> 0).
+        end_lr: The last learning rate (> ``start_lr``).
+        num_iterations: Optimizer steps of the full sweep (>= 2).
+        smoothing: Weight of the newest loss in the exponential moving average of the losses,
+            in [0, 1); ``0`` turns smoothing off. Smaller smooths more.
+        divergence_threshold: Stop once the smoothed loss is this many times its best (> 1).
+
+    Returns:
+        The learning rates, smoothed and raw losses, the suggestion, and where it diverged.
+
+    Raises:
+        pydantic.ValidationError: A parameter is invalid; the error names it.
+        RuntimeError: The trainer has already started ``train()``.
+        ValueError: Every param group has learning rate 0.
+        TypeError: The loss is not a scalar tensor (or ``forward`` returned no ``(loss, records)``).
+    """
+    if not isinstance(trainer_or_components, (BaseTrainer, LrFindComponents)):
+        raise ValidationError.from_exception_data(
+            "lr_find",
+            [{
+                "type": PydanticCustomError(
+                    "is_instance_of", "Input should be a BaseTrainer or LrFindComponents, got {got}",
+                    {"got": type(trainer_or_components).__name__},
+                ),
+                "loc": ("trainer_or_components",),
+                "input": trainer_or_components,
+            }],
+        )
+    if end_lr <= start_lr:
+        raise ValidationError.from_exception_data(
+            "lr_find",
+            [{"type": "greater_than", "loc": ("end_lr",), "input": end_lr, "ctx": {"gt": start_lr}}],
+        )
+    with contextlib.ExitStack() as stack:
+        stack.enter_context(_random_state_kept())
+        if isinstance(trainer_or_components, BaseTrainer):
+            components = stack.enter_context(_trainer_components(trainer_or_components))
+            log = trainer_or_components.logger
+        else:
+            components = trainer_or_components
+            log = logger
+        stack.enter_context(_training_state_kept(components))
+        sweep = _Sweep(components, start_lr, end_lr, num_iterations)
+        result = sweep.run(smoothing, divergence_threshold)
+    log.info(
+        "LR range test: %d of %d iterations, lr %.3g to %.3g; suggestion %s; diverged at %s",
+        len(result.lrs), num_iterations, result.lrs[0], result.lrs[-1],
+        _Lr(result.suggestion), _Lr(result.diverged_at),
+    )
+    return result
+
+
+class _Lr:
+    """An optional lr for a log message, formatted only if the message is emitted."""
+
+    def __init__(self, value: float | None) -> None:
+        self.value = value
+
+    def __str__(self) -> str:
+        return "none" if self.value is None else format(self.value, ".3g")
+
+
+class _Sweep:
+    """One range test over prepared components: the optimizer steps and the loss bookkeeping."""
+
+    def __init__(
+        self, components: LrFindComponents, start_lr: float, end_lr: float, num_iterations: int
+    ) -> None:
+        self.components = components
+        self.optimizer = components.optimizer
+        self.num_iterations = num_iterations
+        self.model_params = [p for p in components.model.parameters()]
+        scaler = components.grad_scaler
+        self.scaler = scaler if scaler is not None and scaler.is_enabled() else None
+        self.count: torch.Tensor | None = None  # the current iteration's Loss item count
+        self.distributed = is_distributed_model(components.model) and dist.is_available() and dist.is_initialized()
+        lrs = [float(group["lr"]) for group in self.optimizer.param_groups]
+        self.reference = max(range(len(lrs)), key=lrs.__getitem__)
+        reference_lr = lrs[self.reference]
+        if reference_lr <= 0:
+            raise ValueError(
+                "lr_find(): every param group of the optimizer has learning rate 0, so there is no "
+                "ratio to sweep them by; give the optimizer a positive lr (its value does not matter)"
+            )
+        span = end_lr / start_lr
+        last = num_iterations - 1
+
+        def factor(i: int) -> float:
+            # Closed form rather than repeated multiplication: lands exactly on end_lr.
+            return start_lr * span ** (min(i, last) / last) / reference_lr
+
+        self.factor = factor
+
+    def run(self, smoothing: float, divergence_threshold: float) -> LrFindResult:
+        optimizer = self.optimizer
+        for group in optimizer.param_groups:
+            # A scheduler built earlier left its own base lr here, which LambdaLR would take
+            # instead of the current lr; the optimizer's state dict, restored afterwards, has it.
+            group.pop("initial_lr", None)
+        scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, self.factor)
+        data = EpochIterator(self.components.data)
+        lrs: list[float] = []
+        raw: list[float] = []
+        smoothed: list[float] = []
+        best = math.inf
+        ema = 0.0
+        diverged_at = None
+        try:
+            for i in range(self.num_iterations):
+                lr = float(optimizer.param_groups[self.reference]["lr"])
+                loss_tensor = self._forward_backward(data)
+                loss = float(loss_tensor)  # the iteration's one host sync: divergence is decided now
+                # Bias-corrected moving average: starting it at the first loss instead would give
+                # that one noisy batch a weight of (1 - smoothing) ** i: a false early descent.
+                ema = (1 - smoothing) * ema + smoothing * loss
+                average = ema / (1 - (1 - smoothing) ** (i + 1)) if smoothing else loss
+                lrs.append(lr)
+                raw.append(loss)
+                smoothed.append(average)
+                if not math.isfinite(average) or average > best + (divergence_threshold - 1) * abs(best):
+                    diverged_at = lr
+                    break
+                best = min(best, average)
+                self._optimizer_step()
+                if i + 1 < self.num_iterations:
+                    with warnings.catch_warnings():
+                        # A grad scaler may skip the first optimizer step (inf gradients): harmless here.
+                        warnings.filterwarnings("ignore", "Detected call of `lr_scheduler.step\\(\\)` before")
+                        scheduler.step()
+        finally:
+            data.close()
+            optimizer.zero_grad(set_to_none=True)
+        return LrFindResult(
+            lrs=tuple(lrs),
+            losses=tuple(smoothed),
+            suggestion=_steepest_descent(lrs, smoothed, smoothing),
+            diverged_at=diverged_at,
+            raw_losses=tuple(raw),
+        )
+
+    def _forward_backward(self, data: Iterator[Any]) -> torch.Tensor:
+        """All microsteps of one iteration; returns the iteration's mean loss (a detached tensor).
+
+        With :class:`~trainloop.loss.Loss` the gradients are left summed, and the item count kept
+        for :meth:`_optimizer_step` to divide by: nothing is unscaled or divided before the
+        divergence check decides that this iteration steps at all.
+        """
+        components = self.components
+        accumulation = components.gradient_accumulation_steps
+        total: torch.Tensor | None = None
+        items: torch.Tensor | int | None = None
+        for microstep in range(accumulation):
+            while (loss := components.loss_fn(next(data))) is None:
+                pass  # a skipped batch does not count as a microstep
+            if isinstance(loss, Loss):
+                if microstep and items is None:
+                    raise TypeError(_MIXED)
+                _check_scalar(loss.sum, "Loss.sum")
+                items = loss.count if items is None else items + loss.count
+                backward, value = loss.sum, loss.sum.detach()
+            else:
+                if items is not None:
+                    raise TypeError(_MIXED)
+                _check_scalar(loss, "loss")
+                backward = loss / accumulation if accumulation > 1 else loss
+                value = loss.detach() / accumulation
+            if self.scaler is not None:
+                backward = self.scaler.scale(backward)
+            backward.backward()
+            total = value if total is None else total + value
+        assert total is not None
+        # Copies: the all-reduces below work in place, and the count may be the caller's tensor.
+        total = total.float().clone()
+        if self.distributed:
+            dist.all_reduce(total)
+        if items is None:
+            self.count = None
+            return total / dist.get_world_size() if self.distributed else total
+        count = torch.as_tensor(items, dtype=torch.float32, device=total.device).clone()
+        if self.distributed:
+            dist.all_reduce(count)
+        self.count = count
+        return total / count
+
+    def _optimizer_step(self) -> None:
+        optimizer = self.optimizer
+        scaler = self.scaler
+        clip = self.components.grad_clip
+        if scaler is not None and (clip is not None or self.count is not None):
+            scaler.unscale_(optimizer)
+        if self.count is not None:
+            # Summed-loss gradients become mean-loss gradients, as the trainer does at a step's
+            # end. Under DDP the gradients are already averaged over ranks: hence the world size.
+            world = dist.get_world_size() if self.distributed else 1
+            grads = [p.grad for p in self.model_params if p.grad is not None]
+            if grads:
+                torch._foreach_mul_(grads, world / self.count)
+        if clip is not None:
+            nn.utils.clip_grad_norm_(self.model_params, clip)
+        if scaler is not None:
+            scaler.step(optimizer)
+            scaler.update()
+        else:
+            optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+
+
+_MIXED = "lr_find(): the loss function mixed plain losses and Loss(sum, count) in one step"
+
+
+def _check_scalar(loss: Any, what: str) -> None:
+    if not isinstance(loss, torch.Tensor) or loss.ndim != 0:
+        got = f"a tensor of shape {tuple(loss.shape)}" if isinstance(loss, torch.Tensor) else type(loss).__name__
+        raise TypeError(f"lr_find(): the {what} must be a scalar tensor, got {got}")
+
+
+def _steepest_descent(lrs: list[float], losses: list[float], smoothing: float) -> float | None:
+    """The lr where ``d loss / d log(lr)`` is most negative, the noisy ends left out."""
+    n = len(losses)
+    # The slope is taken across +-5% of the sweep, not between neighbours: batch-to-batch noise
+    # that the average still lets through would otherwise win over the real descent.
+    half = max(1, n // 20)
+    # While the moving average has seen fewer than ~1 / smoothing losses it is the mean of a
+    # few batches, whose swings look like descents: skip that warm-up (at most a quarter).
+    warm_up = min(math.ceil(1 / smoothing), n // 4) if smoothing else 0
+    first, stop = max(half, n // 10, warm_up), n - half
+    best_slope, best_lr = 0.0, None
+    for i in range(first, stop):
+        slope = (losses[i + half] - losses[i - half]) / (math.log(lrs[i + half]) - math.log(lrs[i - half]))
+        if slope < best_slope:  # False for NaN: a non-finite neighbour never wins
+            best_slope, best_lr = slope, lrs[i]
+    return best_lr
+
+
+@contextlib.contextmanager
+def _trainer_components(trainer: BaseTrainer) -> Iterator[LrFindComponents]:
+    """Build a trainer's step components through its ``build_*`` methods, outside ``train()``.
+
+    ``forward`` reads ``self.model`` (and maybe the others), so the built objects are set on the
+    trainer for the test's duration; the attributes get their previous values (or absence) back.
+    """
+    if trainer.state is not State.IDLE:
+        raise RuntimeError(
+            "lr_find() needs a trainer that has not started train(); this one is in state "
+            f"{trainer.state.value!r}"
+        )
+    names = ("data_loader", "model", "optimizer", "grad_scaler")
+    missing = object()
+    saved = {name: trainer.__dict__.get(name, missing) for name in names}
+    try:
+        # What train()'s building state does, in its order (build_optimizer reads self.model).
+        if trainer.settings.seed is not None:
+            seed_all(trainer.settings.seed)
+        trainer.data_loader = trainer.build_data_loader()
+        trainer.model = trainer.build_model()
+        trainer.optimizer = trainer.build_optimizer()
+        trainer.grad_scaler = trainer.build_grad_scaler()
+        settings = trainer.settings
+        yield LrFindComponents(
+            model=trainer.model,
+            optimizer=trainer.optimizer,
+            data=trainer.data_loader,
+            loss_fn=lambda batch: _trainer_loss(trainer, batch),
+            gradient_accumulation_steps=settings.gradient_accumulation_steps,
+            grad_clip=settings.grad_clip,
+            grad_scaler=trainer.grad_scaler,
+        )
+    finally:
+        for name, value in saved.items():
+            if value is missing:
+                trainer.__dict__.pop(name, None)
+            else:
+                setattr(trainer, name, value)
+
+
+def _trainer_loss(trainer: BaseTrainer, batch: Any) -> Any:
+    with trainer.autocast():
+        output = trainer.forward(batch)
+    try:
+        loss, _records = output
+    except (TypeError, ValueError):
+        raise TypeError(
+            f"{type(trainer).__name__}.forward() must return (loss, records), got {type(output).__name__}"
+        ) from None
+    return loss
+
+
+@contextlib.contextmanager
+def _random_state_kept() -> Iterator[None]:
+    """Put the global generators (Python, NumPy, torch, CUDA) back afterwards: the test draws
+    (shuffling, dropout, a seed_all), but a run started afterwards sees the same numbers."""
+    state = get_rng_state()
+    try:
+        yield
+    finally:
+        set_rng_state(state)
+
+
+@contextlib.contextmanager
+def _training_state_kept(components: LrFindComponents) -> Iterator[None]:
+    """Snapshot what the sweep changes and put it back exactly, also when the sweep raises."""
+    model, optimizer, scaler = components.model, components.optimizer, components.grad_scaler
+    model_state = copy.deepcopy(model.state_dict())
+    optimizer_state = copy.deepcopy(optimizer.state_dict())
+    scaler_state = copy.deepcopy(scaler.state_dict()) if scaler is not None else None
+    params = list(model.parameters())
+    # The original gradient tensors are kept aside (not copied): the sweep accumulates into
+    # fresh ones, so these stay untouched.
+    grads = [p.grad for p in params]
+    for p in params:
+        p.grad = None
+    # LRScheduler wraps optimizer.step in an instance attribute; remember whether one was there.
+    patched = {key: optimizer.__dict__[key] for key in ("step", "_opt_called") if key in optimizer.__dict__}
+    try:
+        with module_modes_kept(model, train=True):
+            yield
+    finally:
+        with torch.no_grad():
+            model.load_state_dict(model_state)
+        optimizer.load_state_dict(optimizer_state)
+        if scaler is not None and scaler_state:
+            scaler.load_state_dict(scaler_state)
+        for p, grad in zip(params, grads):
+            p.grad = grad
+        for key in ("step", "_opt_called"):
+            if key in patched:
+                optimizer.__dict__[key] = patched[key]
+            else:
+                optimizer.__dict__.pop(key, None)
