@@ -156,10 +156,12 @@ def _argument_descriptions(cls: type) -> dict[str, str]:
 class _OptimizerArgs(BaseModel):
     """Base of each optimizer's settings model: its name and constructor arguments."""
 
-    model_config = ConfigDict(frozen=True, extra="forbid", validate_default=True, use_attribute_docstrings=True)
+    # Descriptions are given as Field(description=...), not attribute docstrings: reading those
+    # makes pydantic inspect the source of every frame on the import stack for each of the ~15
+    # models derived from this base, which cost seconds at `import trainloop`.
+    model_config = ConfigDict(frozen=True, extra="forbid", validate_default=True)
 
-    name: str
-    """The ``torch.optim`` optimizer's class name."""
+    name: str = Field(description="The ``torch.optim`` optimizer's class name.")
 
     @model_validator(mode="before")
     @classmethod
@@ -207,11 +209,15 @@ class _OptimizerArgs(BaseModel):
 class _DecayOptimizerArgs(_OptimizerArgs):
     """Base of the settings of an optimizer that takes ``weight_decay``."""
 
-    no_weight_decay: tuple[NoWeightDecayRule, ...] = ()
-    """Parameters that get no weight decay (their own param group, ``"no_decay"``): ``"bias"``
-    (parameters named ``bias`` or ``*_bias``), ``"norm"`` (every parameter of a normalisation
-    layer: torch's LayerNorm, RMSNorm, GroupNorm, BatchNorm*, InstanceNorm*, and any module whose
-    class name ends in ``Norm``), ``"embedding"`` (``nn.Embedding`` / ``nn.EmbeddingBag``)."""
+    no_weight_decay: tuple[NoWeightDecayRule, ...] = Field(
+        (),
+        description=(
+            'Parameters that get no weight decay (their own param group, ``"no_decay"``): ``"bias"`` '
+            '(parameters named ``bias`` or ``*_bias``), ``"norm"`` (every parameter of a normalisation '
+            "layer: torch's LayerNorm, RMSNorm, GroupNorm, BatchNorm*, InstanceNorm*, and any module whose "
+            'class name ends in ``Norm``), ``"embedding"`` (``nn.Embedding`` / ``nn.EmbeddingBag``).'
+        ),
+    )
 
 
 def _constructor_error(cls: type[torch.optim.Optimizer], kwargs: dict[str, Any]) -> str | None:

@@ -6,11 +6,11 @@ import contextlib
 import json
 import logging
 import warnings
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping
 from logging import Logger
 from pathlib import Path
 from time import perf_counter
-from typing import Any, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar
 
 import torch
 import torch.distributed as dist
@@ -20,7 +20,6 @@ from torch.distributed.checkpoint.state_dict import (
     get_state_dict,
     set_state_dict,
 )
-from torch.distributed.tensor import DTensor
 
 from . import components
 from .agreement import ExitAgreement
@@ -34,6 +33,9 @@ from .rng import get_rng_state, seed_all, set_rng_state
 from .settings import TrainerSettings
 from .trace import Trace
 from .utils import Records, is_distributed_model, is_rank_zero, unwrap_model
+
+if TYPE_CHECKING:
+    from torch.distributed.checkpoint.state_dict import StateDictOptions
 
 __all__ = ["BaseTrainer", "ChangedSettingsWarning", "LossNoneWarning"]
 
@@ -427,6 +429,13 @@ class BaseTrainer:
                     f"{type(self).__name__}.forward() must return (loss, records), "
                     f"got {type(output).__name__}"
                 ) from None
+            if records is None:
+                records = {}
+            elif type(records) is not dict and not isinstance(records, Mapping):
+                raise TypeError(
+                    f"{type(self).__name__}.forward() must return records as a dict of numbers "
+                    f"(or None), got {type(records).__name__}"
+                )
             if loss is not None:
                 break
             if self._distributed_model:
@@ -462,7 +471,7 @@ class BaseTrainer:
         grad_clip = self.settings.grad_clip
         if grad_clip is not None:
             grad_norm = nn.utils.clip_grad_norm_(self.model.parameters(), grad_clip)
-            if isinstance(grad_norm, DTensor):  # FSDP2: replicated, so no communication here
+            if hasattr(grad_norm, "full_tensor"):  # an FSDP2 DTensor, replicated: no communication
                 grad_norm = grad_norm.full_tensor()
             self.step_info["grad_norm"] = grad_norm
         if self._check_grads:
@@ -574,6 +583,8 @@ class BaseTrainer:
         Model and optimizer go through ``torch.distributed.checkpoint.state_dict`` so DDP and
         FSDP models give the same layout as plain ones.
         """
+        # Imported here: torch.distributed.checkpoint costs ~0.8 s to import, and many runs never save.
+
         model_state, optimizer_state = get_state_dict(
             self.model, self.optimizer, options=self.state_dict_options
         )
@@ -598,6 +609,7 @@ class BaseTrainer:
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Restore what :meth:`state_dict` returned."""
+
         training_state = state_dict["training_state"]
         self.step = training_state["step"]
         self.epoch = training_state.get("epoch", 0)
