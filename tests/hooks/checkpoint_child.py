@@ -1,7 +1,7 @@
-"""A training run that tests/hooks/test_checkpointing.py starts as a subprocess, to signal or kill.
+"""Processes the checkpoint tests start: a run to signal or kill, and 2-rank gloo workers.
 
-Needs ``tests/`` and the repository root on ``PYTHONPATH``. Prints one line per event, flushed,
-so the parent can time its signal:
+Needs ``tests/`` and the repository root on ``PYTHONPATH`` (or ``sys.path``). As a script it
+prints one line per event, flushed, so the parent can time its signal:
 
     started <step>           after any checkpoint was loaded (in on_before_train)
     step <step>              after each step
@@ -13,23 +13,101 @@ so the parent can time its signal:
 
 Modes:
     signal <workspace> <max_steps>   sleeps a little per step; saves only at the end or on SIGTERM
-    save-loop <workspace>            for each line read from stdin, forks a run that saves a
-                                     ~16 MB checkpoint every step, endlessly, and waits for it to
-                                     be killed (forking spares a second torch import per run)
+    save-loop <workspace>            for each line ``<format> <async 0|1>`` read from stdin,
+                                     forks a run that resumes from ``latest`` and saves a ~16 MB
+                                     checkpoint every step, endlessly, in that format, and waits
+                                     for it to be killed (forking spares a torch import per run)
+
+Imported by the tests, it provides :class:`Child`, which runs this script and reads its lines,
+and :func:`formats_worker`, a rank of a 2-process gloo group started with
+``torch.multiprocessing``.
 """
 
 from __future__ import annotations
 
 import argparse
+import itertools
 import os
+import queue
+import subprocess
 import sys
+import threading
 import time
+from pathlib import Path
 
 import torch
-from tiny_trainer import TinyTrainer
+import torch.distributed as dist
+from tiny_trainer import TinyTrainer, make_data
+from torch import nn
 
 from trainloop import BaseHook
 from trainloop.hooks.checkpointing import CheckpointingHook
+
+TESTS = Path(__file__).resolve().parents[1]
+
+
+class Child:
+    """This script running in a subprocess, its stdout lines read on a thread.
+
+    Args:
+        tmp_path: Where its stderr is kept (shown when it ends unexpectedly).
+        *args: The script's arguments (mode, workspace...).
+    """
+
+    def __init__(self, tmp_path: Path, *args: str) -> None:
+        env = dict(os.environ)
+        env["PYTHONPATH"] = os.pathsep.join(
+            [str(TESTS), str(TESTS.parent), *filter(None, [env.get("PYTHONPATH")])]
+        )
+        self.stderr_path = tmp_path / f"stderr-{os.urandom(4).hex()}.txt"
+        with open(self.stderr_path, "w") as stderr:
+            self.proc = subprocess.Popen(
+                [sys.executable, __file__, *args],
+                stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=stderr, text=True, env=env,
+            )
+        self.lines: list[str] = []
+        self._queue: queue.Queue[str | None] = queue.Queue()
+        threading.Thread(target=self._read, daemon=True).start()
+
+    def _read(self) -> None:
+        for line in self.proc.stdout:  # type: ignore[union-attr]
+            self._queue.put(line.strip())
+        self._queue.put(None)
+
+    def send(self, line: str) -> None:
+        """Write one line to its stdin."""
+        self.proc.stdin.write(line + "\n")  # type: ignore[union-attr]
+        self.proc.stdin.flush()  # type: ignore[union-attr]
+
+    def wait_for(self, prefix: str, count: int = 1, timeout: float = 120) -> str:
+        """Block until the ``count``-th new line starting with ``prefix``; return it."""
+        seen = 0
+        while True:
+            try:
+                line = self._queue.get(timeout=timeout)
+            except queue.Empty:
+                self.proc.kill()
+                raise AssertionError(f"no {prefix!r} line in {timeout} s: {self.lines}") from None
+            if line is None:
+                stderr = self.stderr_path.read_text()
+                raise AssertionError(f"child ended before {prefix!r}: {self.lines}\n{stderr}")
+            self.lines.append(line)
+            if line.startswith(prefix):
+                seen += 1
+                if seen == count:
+                    return line
+
+    def finish(self, timeout: float = 120) -> int:
+        """Wait for the exit; read the remaining lines; return the exit code."""
+        code = self.proc.wait(timeout=timeout)
+        while (line := self._queue.get(timeout=timeout)) is not None:
+            self.lines.append(line)
+        return code
+
+
+def say(*words: object) -> None:
+    """Print one line in a single write: a process killed while saying it says all or nothing."""
+    os.write(sys.stdout.fileno(), (" ".join(map(str, words)) + "\n").encode())
 
 
 class ReportHook(BaseHook):
@@ -39,7 +117,7 @@ class ReportHook(BaseHook):
         self.sleep = sleep
 
     def _say(self, *words: object) -> None:
-        print(*words, flush=True)
+        say(*words)
 
     def on_before_train(self, trainer):
         self._say("started", trainer.step)
@@ -68,19 +146,144 @@ class BallastHook(BaseHook):
         state_dict[self.name] = {"weights": self.weights, "step": trainer.step}
 
 
+def warm_up() -> None:
+    """Save and resume once in each format, in a scratch directory, so that the forked runs
+    start with every lazy import and first-call set-up done."""
+    import tempfile
+
+    with tempfile.TemporaryDirectory() as scratch:
+        for format in ("full", "sharded"):
+            for max_steps in (1, 2):
+                hook = CheckpointingHook(interval=1, format=format, async_save=max_steps == 2)
+                TinyTrainer(max_steps=max_steps, workspace=Path(scratch) / format, hooks=[BallastHook(16), hook]).train()
+
+
 def fork_save_loops(workspace: str) -> None:
     """Per line on stdin, run the save loop in a forked process and report its pid and its end."""
-    while sys.stdin.readline():
+    warm_up()
+    while line := sys.stdin.readline():
+        format, async_save = line.split()
         pid = os.fork()
         if pid == 0:
             try:
-                hooks = [BallastHook(), ReportHook(), CheckpointingHook(interval=1, keep_previous=1)]
+                hook = CheckpointingHook(interval=1, keep_previous=1, format=format, async_save=async_save == "1")
+                hooks = [BallastHook(), ReportHook(), hook]
                 TinyTrainer(max_steps=1_000_000, workspace=workspace, hooks=hooks).train()
             finally:
                 os._exit(1)  # only reached if the run was not killed
-        print("forked", pid, flush=True)
+        say("forked", pid)
         _, status = os.waitpid(pid, 0)
-        print("reaped", pid, os.waitstatus_to_exitcode(status), flush=True)
+        say("reaped", pid, os.waitstatus_to_exitcode(status))
+
+
+# -- 2-rank workers ------------------------------------------------------------------------------
+
+DATA = make_data(64)
+GLOBAL_BATCH = 8
+
+
+class StepDataTrainer(TinyTrainer):
+    """TinyTrainer whose data is a function of the step alone, split over however many ranks.
+
+    Step ``s`` trains on the rows ``8(s-1) .. 8s-1`` (mod 64) of ``make_data(64)``; rank ``r``
+    of ``w`` takes every ``w``-th of them from row ``r``. DDP and FSDP average the ranks'
+    gradients, so any world size computes the same steps, and a run resumed on another number
+    of ranks continues the same training. SGD with momentum and a step schedule give the
+    checkpoint state that matters.
+
+    Args:
+        wrap: ``"ddp"`` or ``"fsdp"`` (FSDP2 ``fully_shard``) under a process group.
+    """
+
+    def __init__(self, *args, wrap: str = "ddp", **kwargs):
+        super().__init__(*args, **kwargs)
+        self.wrap = wrap
+
+    def build_data_loader(self):
+        return itertools.repeat(None)
+
+    def build_model(self):
+        model = super().build_model()
+        if not dist.is_initialized():
+            return model
+        if self.wrap == "fsdp":
+            from torch.distributed.fsdp import fully_shard
+
+            fully_shard(model)
+            return model
+        return nn.parallel.DistributedDataParallel(model)
+
+    def build_optimizer(self):
+        return torch.optim.SGD(self.model.parameters(), lr=self.lr, momentum=0.9)
+
+    def build_lr_scheduler(self):
+        return torch.optim.lr_scheduler.StepLR(self.optimizer, step_size=3, gamma=0.5)
+
+    def forward(self, _):
+        rank, world = (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
+        start = GLOBAL_BATCH * ((self.step - 1) % (len(DATA) // GLOBAL_BATCH))
+        rows = torch.arange(start + rank, start + GLOBAL_BATCH, world)
+        x, y = DATA.tensors[0][rows], DATA.tensors[1][rows]
+        loss = nn.functional.mse_loss(self.model(x), y)
+        return loss, {"mse": loss.detach()}
+
+
+class StartedAt(BaseHook):
+    """Records the step training started from (after any checkpoint was loaded)."""
+
+    step: int | None = None
+
+    def on_before_train(self, trainer):
+        self.step = trainer.step
+
+
+def full_params(model: nn.Module) -> list[torch.Tensor]:
+    """Every parameter as a whole tensor (a collective for FSDP's DTensor shards)."""
+    from torch.distributed.tensor import DTensor
+
+    return [(p.full_tensor() if isinstance(p, DTensor) else p).detach().clone() for p in model.parameters()]
+
+
+#: label: (wrap, format, async_save) of the 2-rank runs that save at step 4 and resume to 8.
+FORMAT_CASES = {
+    "ddp_sharded": ("ddp", "sharded", False),
+    "ddp_sharded_async": ("ddp", "sharded", True),
+    "ddp_full_async": ("ddp", "full", True),
+    "fsdp_sharded_async": ("fsdp", "sharded", True),
+}
+
+
+def formats_worker(rank: int, world: int, port: int, out: str) -> None:
+    """One rank: an uninterrupted run, then each of :data:`FORMAT_CASES` saved at step 4 and
+    resumed (same world size) to step 8, then an FSDP run that the full format refuses;
+    results in ``<out>/rank<rank>.pt``."""
+    os.environ["MASTER_ADDR"] = "127.0.0.1"
+    os.environ["MASTER_PORT"] = str(port)
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    try:
+        results: dict[str, object] = {}
+        straight = StepDataTrainer(max_steps=8)
+        straight.train()
+        results["straight"] = full_params(straight.model)
+        for label, (wrap, format, async_save) in FORMAT_CASES.items():
+            workspace = Path(out) / label
+            hook = CheckpointingHook(interval=2, format=format, async_save=async_save)
+            StepDataTrainer(max_steps=4, workspace=workspace, wrap=wrap, hooks=[hook]).train()
+            started = StartedAt()
+            hook = CheckpointingHook(interval=100, keep_previous=1, format=format, async_save=async_save)
+            resumed = StepDataTrainer(max_steps=8, workspace=workspace, wrap=wrap, hooks=[started, hook])
+            resumed.train()
+            results[label] = {"started": started.step, "params": full_params(resumed.model)}
+        # FSDP's default state dict is sharded: a full checkpoint of it would be rank 0's shard.
+        hook = CheckpointingHook(interval=2, format="full", load=None)
+        try:
+            StepDataTrainer(max_steps=2, workspace=Path(out) / "refused", wrap="fsdp", hooks=[hook]).train()
+        except ValueError as error:
+            results["full_refused"] = str(error)
+        torch.save(results, os.path.join(out, f"rank{rank}.pt"))
+    finally:
+        dist.destroy_process_group()
 
 
 def main() -> None:

@@ -1,54 +1,53 @@
-"""Checkpoints: saving on a schedule and on exit signals, pruning, and resuming.
+"""CheckpointingHook: saving on a schedule and on exit signals, pruning, and resuming.
 
-A checkpoint is a directory ``<path>/<step>/`` holding one ``torch.save`` file per top-level
-key of ``trainer.state_dict()``: ``model.pt``, ``training_state.pt``, and one file per hook
-that has state (named after its key). ``<path>/latest`` is a symlink to the newest one.
+The files themselves (layout, formats, manifest, atomic writes) are :mod:`trainloop.checkpoint`'s;
+its reading and writing functions are re-exported here.
 """
 
 from __future__ import annotations
 
-import re
+import dataclasses
 import signal
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager, nullcontext
 from logging import Logger
 from pathlib import Path
 from types import FrameType
 from typing import TYPE_CHECKING, Annotated, Any, Literal, cast
 
-import torch
-import torch.distributed as dist
 from pydantic import AfterValidator, Field, StrictInt, StrictStr, validate_call
 
-from ..types import NonNegativeFloat, NonNegativeInt, PositiveInt
-from ..utils import is_rank_zero
-from ._atomic import (
-    atomic_directory,
-    clean_leftovers,
-    remove_directory,
-    replace_symlink,
+from ..checkpoint.atomic import clean_leftovers, remove_directory
+from ..checkpoint.errors import CheckpointError, CheckpointSaveError
+from ..checkpoint.files import (
+    LATEST,
+    checkpoint_format,
+    checkpoint_steps,
+    latest_checkpoint,
+    read_checkpoint,
+    write_checkpoint,
 )
+from ..checkpoint.manifest import make_metadata, verify_checkpoint
+from ..types import NonNegativeFloat, NonNegativeInt, PositiveInt, StrictBool
+from ..utils import flatten_nested_dict, is_rank_zero
 from .base import BaseHook
 from .registry import register_hook
 
 if TYPE_CHECKING:
+    from ..checkpoint.saver import CheckpointSaver
     from ..trainer import BaseTrainer
 
 __all__ = [
+    "LATEST",
     "CheckpointError",
+    "CheckpointSaveError",
     "CheckpointingHook",
     "checkpoint_steps",
     "latest_checkpoint",
     "read_checkpoint",
     "write_checkpoint",
 ]
-
-LATEST = "latest"
-_REQUIRED = ("model", "training_state")
-_FILE_KEY = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.\-]*")
-
-
-class CheckpointError(RuntimeError):
-    """A checkpoint cannot be read (incomplete, corrupt, or refused as unsafe); names the file."""
 
 
 def _as_signal(value: str | int) -> signal.Signals:
@@ -76,9 +75,18 @@ class CheckpointingHook(BaseHook):
 
     Saves happen in the ``checkpointing`` state, at the end of every ``interval``-th step, of
     every step kept by ``keep_interval`` or ``keep_steps``, of the last step of a run that ends
-    cleanly, and of the step during which an exit signal arrived. Each save is atomic (see
-    :func:`write_checkpoint`); leftovers of a crashed save are cleaned at the next save or load.
-    Under ``torch.distributed`` every rank builds the state dict and rank 0 writes it.
+    cleanly, and of the step during which an exit signal arrived. A checkpoint is a directory
+    ``<path>/<step>/`` (see :mod:`trainloop.checkpoint.files`) with a ``metadata.json`` (step,
+    epoch, time, the last metrics logged, versions, format) and, written last, a
+    ``manifest.json`` of every file's size and SHA-256. Each save is atomic: a crash leaves the
+    previous checkpoints and at most a hidden leftover, cleaned at the next save or load.
+    ``<path>/latest`` points at the newest checkpoint once it is complete.
+
+    Under ``torch.distributed``, with ``format="full"`` every rank builds the state dict and
+    rank 0 writes it (under FSDP, give the trainer full-state-dict options); with
+    ``format="sharded"`` every rank writes its own shard through ``torch.distributed.checkpoint``
+    (the natural choice for FSDP), and such a checkpoint resumes on another number of ranks.
+    A checkpoint is loaded in its own format, whatever ``format`` says.
 
     Args:
         interval: Save every ``interval`` steps.
@@ -87,9 +95,11 @@ class CheckpointingHook(BaseHook):
         keep_steps: Also save, and never prune, these steps.
         path: Directory of the checkpoints; a relative path is resolved under the trainer's
             ``workspace``.
-        load: What to resume from in ``restoring``: ``"latest"`` (the newest checkpoint under
-            ``path``, if any), a checkpoint directory (relative to the working directory;
-            must exist), or ``None`` (start fresh).
+        load: What to resume from in ``restoring``: ``"latest"`` (the newest complete
+            checkpoint under ``path``, if any: one that fails its manifest is skipped with a
+            warning naming it), a checkpoint directory (relative to the working directory;
+            must exist and be complete, else an error names the bad file), or ``None`` (start
+            fresh).
         exit_signals: Signals (names or numbers) that end the run cleanly: the current step
             finishes (under a process group, the next one: the step all ranks agree on), is
             saved, and ``train()`` raises ``SystemExit(exit_code)``. The handlers are installed
@@ -98,6 +108,19 @@ class CheckpointingHook(BaseHook):
             143 for SIGTERM) or a number.
         exit_wait: Seconds to wait before that last save (e.g. for a cluster scheduler that
             signals every task of a job a little apart).
+        format: ``"full"``: rank 0 writes whole tensors, one ``torch.save`` file per state
+            entry. ``"sharded"``: every rank writes its shard of the model, optimizer and hook
+            states with ``torch.distributed.checkpoint``.
+        async_save: Write in the background: the loop is blocked only while the state is copied
+            to CPU memory; ``latest`` and pruning follow once the write is complete. One save
+            is in flight at most: the next save, a load and the end of the run wait for it.
+            Costs a copy of the state in CPU memory (kept and reused between full saves).
+        on_save_error: When the system refuses a write (disk full, permission denied...),
+            nothing partial is left and earlier checkpoints are intact; then ``"raise"`` a
+            :class:`CheckpointSaveError` naming the checkpoint and the error, or ``"warn"``
+            and train on. A background save's failure is reported when the next save
+            begins, or at the end of the run. A state that cannot be written at all (an
+            object that cannot be pickled) raises a :class:`CheckpointError` either way.
 
     Raises:
         pydantic.ValidationError: A parameter is invalid; the error names it.
@@ -115,6 +138,9 @@ class CheckpointingHook(BaseHook):
         exit_signals: list[ExitSignal] | None = None,
         exit_code: Literal["128+signal"] | ExitCode = "128+signal",
         exit_wait: NonNegativeFloat = 0.0,
+        format: Literal["full", "sharded"] = "full",
+        async_save: StrictBool = False,
+        on_save_error: Literal["raise", "warn"] = "raise",
     ) -> None:
         self.interval = interval
         self.keep_previous = keep_previous
@@ -126,39 +152,71 @@ class CheckpointingHook(BaseHook):
         self.exit_signals = tuple(dict.fromkeys(cast("list[signal.Signals]", exit_signals or [])))
         self.exit_code = exit_code
         self.exit_wait = exit_wait
+        self.format = format
+        self.async_save = async_save
+        self.on_save_error = on_save_error
         self._caught: signal.Signals | None = None
         self._exit_asked = False
         self._previous_handlers: dict[signal.Signals, Any] = {}
+        self._metrics: dict[str, Any] = {}
+        self._saver: CheckpointSaver | None = None
 
     # -- restoring -----------------------------------------------------------------------------
 
     def on_enter_restoring(self, trainer: BaseTrainer) -> None:
         """Load the checkpoint ``load`` names, if any, into the trainer."""
         root = self.directory(trainer)  # fails early on a relative path without workspace
+        self._settle(trainer, agree=False)  # a hook used again: its last run's save completes first
+        # Imported here: torch.distributed.checkpoint costs ~0.8 s to import, paid only by runs
+        # that checkpoint.
+        from ..checkpoint.saver import CheckpointSaver
+
+        self._saver = CheckpointSaver(self.format, self.async_save, trainer.logger)
         if self.load is None:
             return
-        if isinstance(self.load, Path):
-            directory = self.load.expanduser()
-            if not directory.is_dir():
-                raise FileNotFoundError(
-                    f"CheckpointingHook load={str(self.load)!r}: no checkpoint directory at {directory}"
-                )
-        else:  # "latest"
-            if is_rank_zero():
-                clean_leftovers(root, trainer.logger)
-            _barrier()
-            found = latest_checkpoint(root)
-            if found is None:
-                trainer.logger.info("No checkpoint in %s; starting from scratch", root)
-                return
-            directory = found
+        directory = self._choose(trainer, root)
+        if directory is None:
+            trainer.logger.info("No checkpoint in %s; starting from scratch", root)
+            return
         trainer.logger.info("Loading checkpoint %s", directory)
-        trainer.load_state_dict(read_checkpoint(directory))
+        if checkpoint_format(directory) == "full":
+            trainer.load_state_dict(read_checkpoint(directory, verify=False))  # rank 0 verified it
+            return
+        from ..checkpoint.sharded import load_sharded
+
+        with _sharded_state_dict(trainer):
+            trainer.load_state_dict(load_sharded(directory, trainer.state_dict()))
+
+    def _choose(self, trainer: BaseTrainer, root: Path) -> Path | None:
+        """The checkpoint to load, chosen and verified by rank 0 and told to every rank."""
+        found: Path | None = None
+        error: BaseException | None = None
+        if is_rank_zero():
+            try:
+                if isinstance(self.load, Path):
+                    found = self.load.expanduser()
+                    if not found.is_dir():
+                        raise FileNotFoundError(
+                            f"CheckpointingHook load={str(self.load)!r}: no checkpoint directory at {found}"
+                        )
+                    verify_checkpoint(found)
+                else:  # "latest"
+                    clean_leftovers(root, trainer.logger)
+                    found = latest_checkpoint(root, logger=trainer.logger)
+            except (OSError, CheckpointError) as failure:
+                error = failure
+        from ..checkpoint.saver import broadcast_from_rank_zero
+
+        found, shared_error = broadcast_from_rank_zero((found, error))
+        if error is not None or shared_error is not None:
+            raise error or shared_error
+        return found
 
     def on_before_train(self, trainer: BaseTrainer) -> None:
         """Ask for a save at the end of the run, and install the exit-signal handlers."""
         trainer.request_checkpoint(at_exit=True)
         self._caught, self._exit_asked = None, False
+        self._metrics = {}
         try:
             for signum in self.exit_signals:
                 # A bound method gets the signal number from the OS: no loop variable to close over.
@@ -192,21 +250,44 @@ class CheckpointingHook(BaseHook):
     def _is_kept(self, step: int) -> bool:
         return (self.keep_interval > 0 and step % self.keep_interval == 0) or step in self.keep_steps
 
+    def on_log(self, trainer: BaseTrainer, records: dict[str, Any], dry_run: bool = False) -> None:
+        """Remember the last value of every logged metric, for the next ``metadata.json``."""
+        if not dry_run:
+            # Kept as given: converting a tensor to a float is a host sync, done only at a save.
+            self._metrics.update(flatten_nested_dict(records))
+
     # -- checkpointing -------------------------------------------------------------------------
 
     def on_enter_checkpointing(self, trainer: BaseTrainer) -> None:
-        """Write the trainer's state (rank 0), point ``latest`` at it, prune old checkpoints."""
+        """Save the trainer's state; ``latest`` and pruning follow once it is complete."""
         if self._caught is not None and self.exit_wait > 0:
             trainer.logger.info("Waiting %.1f s (exit_wait) before the exit checkpoint", self.exit_wait)
             time.sleep(self.exit_wait)
-        state_dict = trainer.state_dict()  # on every rank: a sharded model gathers collectively
-        if is_rank_zero():
-            root = self.directory(trainer)
-            clean_leftovers(root, trainer.logger)
-            written = write_checkpoint(root, trainer.step, state_dict)
-            trainer.logger.info("Saved checkpoint %s", written)
-            self._prune(root, trainer.step, trainer.logger)
-        _barrier()  # no rank runs ahead of (or loads) a checkpoint rank 0 has not finished
+        if self.async_save:
+            self._settle(trainer, agree=True)  # one save in flight at most
+        with _sharded_state_dict(trainer) if self.format == "sharded" else nullcontext():
+            state_dict = trainer.state_dict()  # on every rank: collectives gather and shard
+        training_state = state_dict["training_state"]
+        metadata = make_metadata(training_state["step"], training_state["epoch"], self.format, self._metrics)
+        root = self.directory(trainer)
+        step = trainer.step
+        from ..checkpoint.saver import CheckpointSaver
+
+        saver = self._saver or CheckpointSaver(self.format, self.async_save, trainer.logger)
+        self._saver = saver
+        error = saver.save(root, step, state_dict, metadata, lambda _: self._prune(root, step, trainer.logger))
+        self._report(trainer, error)
+
+    def _report(self, trainer: BaseTrainer, error: BaseException | None) -> None:
+        if error is None:
+            return
+        if self.on_save_error == "raise" or not isinstance(error, CheckpointSaveError):
+            raise error
+        trainer.logger.warning("%s; training goes on (on_save_error='warn')", error)
+
+    def _settle(self, trainer: BaseTrainer, agree: bool) -> None:
+        if self._saver is not None:
+            self._report(trainer, self._saver.settle(agree))
 
     def _prune(self, root: Path, newest: int, logger: Logger) -> None:
         earlier = [step for step in checkpoint_steps(root) if step != newest]
@@ -222,11 +303,21 @@ class CheckpointingHook(BaseHook):
     # -- exiting -------------------------------------------------------------------------------
 
     def on_after_train(self, trainer: BaseTrainer) -> None:
-        """Give the exit signals back to the handlers they had before the run."""
+        """Wait for a save in flight; give the exit signals back to their previous handlers."""
         while self._previous_handlers:
             signum, handler = self._previous_handlers.popitem()
             # None: the previous handler was not installed from Python; the default is closest.
             signal.signal(signum, handler if handler is not None else signal.SIG_DFL)
+        saver, self._saver = self._saver, None
+        if saver is None:
+            return
+        # No agreement across ranks here: exiting may follow an error on one rank only.
+        error = saver.settle(agree=False)
+        saver.close()
+        if error is not None and trainer.error is not None:
+            trainer.logger.error("The last checkpoint was not saved either: %s", error)
+            return
+        self._report(trainer, error)
 
     # -- helpers -------------------------------------------------------------------------------
 
@@ -246,100 +337,20 @@ class CheckpointingHook(BaseHook):
         return trainer.workspace / self.path
 
 
-def _barrier() -> None:
-    if dist.is_available() and dist.is_initialized():
-        dist.barrier()
+@contextmanager
+def _sharded_state_dict(trainer: BaseTrainer) -> Iterator[None]:
+    """Make ``trainer.state_dict()`` and ``load_state_dict()`` keep each rank's shards.
 
-
-def checkpoint_steps(root: Path) -> list[int]:
-    """The steps of the (complete) checkpoints under ``root``, ascending.
-
-    Only complete checkpoints carry a step number as their name: one being written is hidden.
+    The trainer's own options may ask for full tensors (for full checkpoints); DCP needs the
+    sharded form, so the other options are kept and these two switched off for the moment.
     """
-    if not root.is_dir():
-        return []
-    return sorted(int(p.name) for p in root.iterdir() if p.name.isdigit() and p.is_dir())
+    from torch.distributed.checkpoint.state_dict import StateDictOptions
 
-
-def latest_checkpoint(root: Path) -> Path | None:
-    """The checkpoint ``root/latest`` points to, else the highest step under ``root``, else ``None``."""
-    link = root / LATEST
-    if link.is_dir():
-        return link.resolve()
-    steps = checkpoint_steps(root)
-    return root / str(steps[-1]) if steps else None
-
-
-def write_checkpoint(root: Path, step: int, state_dict: dict[str, Any]) -> Path:
-    """Write ``state_dict`` atomically as ``root/<step>/<key>.pt`` and point ``root/latest`` at it.
-
-    The files are written into a hidden directory, fsynced, and renamed into place; then
-    ``latest`` is replaced. A crash at any moment leaves the previous checkpoint or the new
-    complete one, never a half-written directory under a step name. An existing
-    ``root/<step>`` is replaced the same way.
-
-    Args:
-        root: The checkpoints directory (created if needed).
-        step: The step, which names the directory.
-        state_dict: A trainer's ``state_dict()``; each top-level key becomes one file.
-
-    Returns:
-        The checkpoint directory.
-
-    Raises:
-        ValueError: A top-level key cannot name a file.
-    """
-    for key in state_dict:
-        if not _FILE_KEY.fullmatch(key):
-            raise ValueError(
-                f"state_dict key {key!r} cannot name a checkpoint file; use letters, digits, '_', '-', '.'"
-            )
-    target = root / str(step)
-    with atomic_directory(target) as tmp:
-        for key, value in state_dict.items():
-            torch.save(value, tmp / f"{key}.pt")
-    replace_symlink(root / LATEST, target.name)
-    return target
-
-
-def read_checkpoint(directory: Path) -> dict[str, Any]:
-    """Read a checkpoint directory back into a trainer state dict (tensors on the CPU).
-
-    Files are read with ``torch.load(weights_only=True)``: tensors, numbers, strings and plain
-    containers only, so a checkpoint cannot run code when it is loaded.
-
-    Raises:
-        CheckpointError: A required file is missing, or a file is corrupt or holds other objects
-            (the message names the file).
-    """
-    files = {path.stem: path for path in sorted(directory.glob("*.pt"))}
-    missing = [f"{key}.pt" for key in _REQUIRED if key not in files]
-    if missing:
-        raise CheckpointError(f"{directory} is not a complete checkpoint: missing {', '.join(missing)}")
-    return {key: _load_file(path) for key, path in files.items()}
-
-
-def _load_file(path: Path) -> Any:
+    saved = trainer.state_dict_options
+    trainer.state_dict_options = dataclasses.replace(
+        saved or StateDictOptions(), full_state_dict=False, cpu_offload=False, broadcast_from_rank0=False
+    )
     try:
-        return torch.load(path, map_location="cpu", weights_only=True)
-    except Exception as error:
-        refused = _refusal(error)
-        if refused is not None:
-            raise CheckpointError(
-                f"{path}: refused to load: it holds objects other than tensors and plain "
-                f"containers, and unpickling them could run code ({refused})"
-            ) from error
-        raise CheckpointError(f"{path}: cannot load: {error}") from error
-
-
-def _refusal(error: BaseException) -> str | None:
-    """What ``weights_only`` refused, if that is why loading failed (else ``None``)."""
-    # torch's message is long and advises weights_only=False; keep only what it refused.
-    text = str(error)
-    if "Weights only load failed" not in text:
-        return None
-    marker = "WeightsUnpickler error:"
-    for line in text.splitlines():
-        if marker in line:
-            return line.split(marker, 1)[1].split(" Please use", 1)[0].strip()
-    return "weights_only=True"
+        yield
+    finally:
+        trainer.state_dict_options = saved

@@ -22,7 +22,15 @@ from contextlib import contextmanager
 from logging import Logger
 from pathlib import Path
 
-__all__ = ["atomic_directory", "clean_leftovers", "remove_directory", "replace_symlink"]
+__all__ = [
+    "atomic_directory",
+    "clean_leftovers",
+    "discard",
+    "make_temporary",
+    "publish",
+    "remove_directory",
+    "replace_symlink",
+]
 
 _HIDDEN = re.compile(r"\.(?P<name>.+)\.(?P<kind>tmp|old|del)-[0-9a-f]+")
 
@@ -60,18 +68,40 @@ def atomic_directory(target: Path) -> Iterator[Path]:
     Args:
         target: The directory to create or replace. Its parent is created if needed.
     """
+    tmp = make_temporary(target)
+    try:
+        yield tmp
+        publish(tmp, target)
+    except BaseException:
+        discard(tmp)
+        raise
+
+
+def make_temporary(target: Path) -> Path:
+    """Create the hidden, empty directory that will become ``target`` (its parent if needed).
+
+    For writers that cannot use :func:`atomic_directory` as one block: several processes
+    filling one directory, or a write finished on another thread. Hand it to :func:`publish`
+    when complete, or to :func:`discard`.
+    """
     target.parent.mkdir(parents=True, exist_ok=True)
     tmp = _hidden_name(target, "tmp")
     tmp.mkdir()
-    try:
-        yield tmp
-        for path in tmp.rglob("*"):
-            _fsync(path)
-        _fsync(tmp)
-        _swap_into_place(tmp, target)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
+    return tmp
+
+
+def publish(tmp: Path, target: Path) -> None:
+    """Fsync everything in ``tmp`` and rename it to ``target`` (replacing an existing one)."""
+    for path in tmp.rglob("*"):
+        _fsync(path)
+    _fsync(tmp)
+    _swap_into_place(tmp, target)
+
+
+def discard(tmp: Path) -> None:
+    """Remove an unpublished temporary directory; what cannot be removed now, a later
+    :func:`clean_leftovers` removes."""
+    shutil.rmtree(tmp, ignore_errors=True)
 
 
 def _swap_into_place(new: Path, target: Path) -> None:

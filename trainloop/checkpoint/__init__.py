@@ -1,0 +1,39 @@
+"""Checkpoints on disk: layout, formats (full and sharded), integrity manifest, atomic writes.
+
+:class:`~trainloop.hooks.checkpointing.CheckpointingHook` saves and resumes a run with these;
+they also serve tools that inspect or convert checkpoints. ``metadata.json`` and
+``manifest.json`` are plain JSON, readable without torch.
+"""
+
+from .errors import CheckpointError, CheckpointSaveError
+from .files import (
+    LATEST,
+    checkpoint_format,
+    checkpoint_steps,
+    latest_checkpoint,
+    read_checkpoint,
+    write_checkpoint,
+)
+from .manifest import (
+    MANIFEST,
+    METADATA,
+    make_metadata,
+    read_metadata,
+    verify_checkpoint,
+)
+
+__all__ = [
+    "LATEST",
+    "MANIFEST",
+    "METADATA",
+    "CheckpointError",
+    "CheckpointSaveError",
+    "checkpoint_format",
+    "checkpoint_steps",
+    "latest_checkpoint",
+    "make_metadata",
+    "read_checkpoint",
+    "read_metadata",
+    "verify_checkpoint",
+    "write_checkpoint",
+]

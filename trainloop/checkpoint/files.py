@@ -1,0 +1,245 @@
+"""Checkpoint directories on disk: the layout, the full format, finding and reading checkpoints.
+
+``<root>/<step>/`` is one checkpoint and ``<root>/latest`` a relative symlink to the newest.
+Both formats hold ``metadata.json`` and, written last, ``manifest.json`` (see
+:mod:`trainloop.checkpoint.manifest`). Besides them:
+
+- ``full``: one ``torch.save`` file per top-level key of ``trainer.state_dict()``:
+  ``model.pt``, ``training_state.pt``, and one file per hook with state, named after its key.
+- ``sharded``: ``sharded/``, a ``torch.distributed.checkpoint`` directory (model, optimizer and
+  hooks' states, one file per rank), and ``training_state.pt``, the rest of the training
+  state (see :mod:`trainloop.checkpoint.sharded`).
+
+A directory only takes its step's name once complete (see :mod:`trainloop.checkpoint.atomic`).
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+from logging import Logger
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from .atomic import atomic_directory, replace_symlink
+from .errors import CheckpointError, CheckpointSaveError
+from .manifest import (
+    METADATA,
+    FileDigest,
+    make_metadata,
+    save_torch,
+    verify_checkpoint,
+    write_json,
+    write_manifest,
+)
+
+__all__ = [
+    "LATEST",
+    "check_keys",
+    "checkpoint_format",
+    "checkpoint_steps",
+    "latest_checkpoint",
+    "load_file",
+    "read_checkpoint",
+    "save_error",
+    "write_checkpoint",
+]
+
+LATEST = "latest"
+SHARDED_DIR = "sharded"
+_REQUIRED = ("model", "training_state")
+_FILE_KEY = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.\-]*")
+
+
+def check_keys(state_dict: dict[str, Any]) -> None:
+    """Check that every top-level key of a trainer state dict can name a file.
+
+    Raises:
+        ValueError: A key cannot (the message names it).
+    """
+    for key in state_dict:
+        if not _FILE_KEY.fullmatch(key):
+            raise ValueError(
+                f"state_dict key {key!r} cannot name a checkpoint file; use letters, digits, '_', '-', '.'"
+            )
+
+
+def checkpoint_steps(root: Path) -> list[int]:
+    """The steps of the checkpoints under ``root``, ascending.
+
+    Only a complete save gives a directory its step's name (one being written is hidden);
+    whether its files are still intact, :func:`~trainloop.checkpoint.verify_checkpoint` tells.
+    """
+    if not root.is_dir():
+        return []
+    return sorted(int(p.name) for p in root.iterdir() if p.name.isdigit() and p.is_dir())
+
+
+def latest_checkpoint(root: Path, verify: bool = True, logger: Logger | None = None) -> Path | None:
+    """The newest complete checkpoint under ``root``, or ``None``.
+
+    The one ``root/latest`` points to comes first, then the others from the highest step down.
+    With ``verify``, each is checked against its manifest; one that fails is skipped with a
+    warning naming it and what is wrong, and the next is tried.
+
+    Args:
+        root: The checkpoints directory.
+        verify: Check the files against the manifest (hashing them); without it, the first
+            candidate is returned unchecked.
+        logger: Where the warnings go; ``logging.getLogger("trainloop")`` if omitted.
+    """
+    candidates: list[Path] = []
+    link = root / LATEST
+    if link.is_dir():
+        candidates.append(link.resolve())
+    for step in reversed(checkpoint_steps(root)):
+        path = root / str(step)
+        if not candidates or path.resolve() != candidates[0]:
+            candidates.append(path)
+    if not verify:
+        return candidates[0] if candidates else None
+    for candidate in candidates:
+        try:
+            verify_checkpoint(candidate)
+        except CheckpointError as error:
+            (logger or logging.getLogger("trainloop")).warning(
+                "Skipping checkpoint %s, which is incomplete or corrupt: %s", candidate, error
+            )
+            continue
+        return candidate
+    return None
+
+
+def save_error(target: Path, error: BaseException) -> CheckpointSaveError:
+    """The error to raise when writing the checkpoint ``target`` failed with ``error``."""
+    return CheckpointSaveError(f"could not save checkpoint {target}: {error}")
+
+
+def write_checkpoint(
+    root: Path, step: int, state_dict: dict[str, Any], metadata: dict[str, Any] | None = None
+) -> Path:
+    """Write ``state_dict`` atomically as a full checkpoint ``root/<step>/`` and point ``root/latest`` at it.
+
+    The files (one ``<key>.pt`` per top-level key, ``metadata.json``, then ``manifest.json``)
+    are written into a hidden directory, hashed as they are written, fsynced, and renamed into
+    place; then ``latest`` is replaced. A crash at any moment leaves the previous checkpoint or
+    the new complete one, never a half-written directory under a step name. An existing
+    ``root/<step>`` is replaced the same way.
+
+    Args:
+        root: The checkpoints directory (created if needed).
+        step: The step, which names the directory.
+        state_dict: A trainer's ``state_dict()``; each top-level key becomes one file.
+        metadata: The contents of ``metadata.json``; by default made from the state's step and
+            epoch (see :func:`~trainloop.checkpoint.make_metadata`).
+
+    Returns:
+        The checkpoint directory.
+
+    Raises:
+        ValueError: A top-level key cannot name a file.
+        CheckpointSaveError: Writing failed (disk full, permission denied...); nothing is left
+            under the step's name and the previous checkpoints are untouched.
+    """
+    check_keys(state_dict)
+    if metadata is None:
+        training_state = state_dict.get("training_state") or {}
+        metadata = make_metadata(step, training_state.get("epoch", 0), "full")
+    target = root / str(step)
+    try:
+        with atomic_directory(target) as tmp:
+            digests: dict[str, FileDigest] = {}
+            for key, value in state_dict.items():
+                digests[f"{key}.pt"] = _named(tmp / f"{key}.pt", save_torch, value)
+            digests[METADATA] = _named(tmp / METADATA, write_json, metadata)
+            write_manifest(tmp, digests)
+        replace_symlink(root / LATEST, target.name)
+    except OSError as error:
+        raise save_error(target, error) from error
+    return target
+
+
+def _named(path: Path, write: Any, value: Any) -> FileDigest:
+    """``write(value, path)``; an OS error that does not name its file is given ``path``."""
+    try:
+        return write(value, path)
+    except OSError as error:
+        if error.filename is None:
+            raise OSError(error.errno, error.strerror or str(error), str(path)) from error
+        raise
+
+
+def checkpoint_format(directory: Path) -> str:
+    """``"sharded"`` or ``"full"``: the format of the checkpoint in ``directory``."""
+    return "sharded" if (Path(directory) / SHARDED_DIR).is_dir() else "full"
+
+
+def read_checkpoint(directory: Path, verify: bool = True) -> dict[str, Any]:
+    """Read a checkpoint directory back into a trainer state dict (tensors on the CPU).
+
+    Full checkpoints are read file by file, sharded ones whole into this one process (their
+    tensors reassembled from every rank's shards). Files are read with
+    ``torch.load(weights_only=True)`` (and a sharded checkpoint's index with a loader that
+    knows only its own classes): tensors, numbers, strings and plain containers only, so a
+    checkpoint cannot run code when it is loaded.
+
+    Args:
+        directory: The checkpoint directory.
+        verify: First check the files against the manifest (see
+            :func:`~trainloop.checkpoint.verify_checkpoint`).
+
+    Raises:
+        CheckpointError: The checkpoint is incomplete (no valid manifest, a missing file), a
+            file is truncated, corrupt or holds other objects; the message names the file.
+    """
+    directory = Path(directory)
+    if verify:
+        verify_checkpoint(directory)
+    if checkpoint_format(directory) == "sharded":
+        from .sharded import read_sharded
+
+        return read_sharded(directory)
+    files = {path.stem: path for path in sorted(directory.glob("*.pt"))}
+    missing = [f"{key}.pt" for key in _REQUIRED if key not in files]
+    if missing:
+        raise CheckpointError(f"{directory} is not a complete checkpoint: missing {', '.join(missing)}")
+    return {key: load_file(path) for key, path in files.items()}
+
+
+def load_file(path: Path) -> Any:
+    """``torch.load(path, weights_only=True)`` onto the CPU.
+
+    Raises:
+        CheckpointError: The file is corrupt, or holds objects that unpickling could run code
+            with (the message names the file and what was refused).
+    """
+    try:
+        return torch.load(path, map_location="cpu", weights_only=True)
+    except Exception as error:
+        raise refused_or_corrupt(str(path), error) from error
+
+
+def refused_or_corrupt(what: str, error: BaseException) -> CheckpointError:
+    """The error for ``what`` (a file, an entry) that ``torch.load(weights_only=True)`` failed on."""
+    refused = _refusal(error)
+    if refused is not None:
+        return CheckpointError(
+            f"{what}: refused to load: it holds objects other than tensors and plain "
+            f"containers, and unpickling them could run code ({refused})"
+        )
+    return CheckpointError(f"{what}: cannot load: {error}")
+
+
+def _refusal(error: BaseException) -> str | None:
+    """What ``weights_only`` refused, if that is why loading failed (else ``None``)."""
+    # torch's message is long and advises weights_only=False; keep only what it refused.
+    text = str(error)
+    if "Weights only load failed" not in text:
+        return None
+    marker = "WeightsUnpickler error:"
+    for line in text.splitlines():
+        if marker in line:
+            return line.split(marker, 1)[1].split(" Please use", 1)[0].strip()
+    return "weights_only=True"

@@ -1,0 +1,248 @@
+"""What a checkpoint holds, for people and for checks: ``metadata.json`` and ``manifest.json``.
+
+``metadata.json`` is plain JSON, readable without torch::
+
+    {"step": 1000, "epoch": 3, "time": "2025-01-31T12:00:00+00:00", "format": "full",
+     "metrics": {"train/loss": 0.25}, "trainloop_version": "0.1.0", "torch_version": "2.7.0"}
+
+``manifest.json`` is written last, once every other file is complete, and lists each of them
+(paths relative to the checkpoint, ``/``-separated) with its size and SHA-256::
+
+    {"manifest_version": 1, "files": {"model.pt": {"size": 1234, "sha256": "9f86d0..."}, ...}}
+
+A checkpoint without a valid manifest, or whose files differ from it, is incomplete: a save
+that did not finish, or a file truncated or corrupted since.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+from collections.abc import Mapping
+from dataclasses import dataclass
+from datetime import UTC, datetime
+from pathlib import Path, PurePosixPath
+from typing import Any, BinaryIO
+
+import torch
+
+from ..utils import flatten_nested_dict, to_float
+from .errors import CheckpointError
+
+__all__ = [
+    "MANIFEST",
+    "METADATA",
+    "FileDigest",
+    "hash_file",
+    "make_metadata",
+    "read_metadata",
+    "save_torch",
+    "verify_checkpoint",
+    "write_json",
+    "write_manifest",
+]
+
+MANIFEST = "manifest.json"
+METADATA = "metadata.json"
+MANIFEST_VERSION = 1
+
+
+@dataclass(frozen=True)
+class FileDigest:
+    """A file's size in bytes and its SHA-256 (hex)."""
+
+    size: int
+    sha256: str
+
+
+class _HashingFile:
+    """A binary file that hashes what is written through it, so a file is not read back."""
+
+    def __init__(self, file: BinaryIO) -> None:
+        self._file = file
+        self._hash = hashlib.sha256()
+        self._size = 0
+        self.error: OSError | None = None
+
+    def write(self, data: Any) -> int:
+        view = memoryview(data)
+        self._hash.update(view)
+        try:
+            self._file.write(view)
+        except OSError as error:
+            self.error = error
+            raise
+        self._size += view.nbytes
+        return view.nbytes
+
+    def flush(self) -> None:
+        self._file.flush()
+
+    def digest(self) -> FileDigest:
+        return FileDigest(self._size, self._hash.hexdigest())
+
+
+def save_torch(obj: Any, path: Path) -> FileDigest:
+    """``torch.save(obj, path)``, hashing the bytes on their way to the file."""
+    with open(path, "wb") as file:
+        hashing = _HashingFile(file)
+        try:
+            torch.save(obj, hashing)  # type: ignore[arg-type]
+        except RuntimeError:
+            # torch's writer turns a failed write (disk full...) into a RuntimeError about
+            # positions; the OS error is what tells the user what happened.
+            if hashing.error is not None:
+                raise hashing.error from None
+            raise
+    return hashing.digest()
+
+
+def write_json(obj: Any, path: Path) -> FileDigest:
+    """Write ``obj`` as indented JSON (strict: no NaN) and return the file's digest."""
+    data = (json.dumps(obj, indent=2, allow_nan=False) + "\n").encode("utf-8")
+    with open(path, "wb") as file:
+        file.write(data)
+    return FileDigest(len(data), hashlib.sha256(data).hexdigest())
+
+
+def hash_file(path: Path) -> FileDigest:
+    """The size and SHA-256 of a file on disk."""
+    with open(path, "rb") as file:
+        digest = hashlib.file_digest(file, "sha256")
+        return FileDigest(file.tell(), digest.hexdigest())
+
+
+def make_metadata(step: int, epoch: int, format: str, metrics: Mapping[str, Any] | None = None) -> dict[str, Any]:
+    """The contents of ``metadata.json`` for a checkpoint made now.
+
+    Args:
+        step: The checkpoint's step.
+        epoch: The data loader's epoch at that step.
+        format: ``"full"`` or ``"sharded"``.
+        metrics: The last logged records, flattened (``"a/b"`` keys); values that are not
+            numbers are left out, non-finite ones are written as ``null`` (JSON has no NaN).
+    """
+    from .. import __version__
+
+    metadata: dict[str, Any] = {
+        "step": step,
+        "epoch": epoch,
+        "time": datetime.now(UTC).isoformat(timespec="seconds"),
+        "format": format,
+    }
+    if metrics:
+        metadata["metrics"] = _as_floats(metrics)
+    metadata["trainloop_version"] = __version__
+    metadata["torch_version"] = torch.__version__
+    return metadata
+
+
+def _as_floats(metrics: Mapping[str, Any]) -> dict[str, float | None]:
+    floats: dict[str, float | None] = {}
+    for key, value in flatten_nested_dict(metrics).items():
+        try:
+            number = to_float(value, key)  # a host sync for a tensor: only ever at a save
+        except (TypeError, ValueError):
+            continue
+        floats[key] = number if math.isfinite(number) else None
+    return floats
+
+
+def write_manifest(directory: Path, known: Mapping[str, FileDigest] | None = None) -> None:
+    """Write ``directory/manifest.json`` listing every other file in ``directory``; call it last.
+
+    Args:
+        directory: The checkpoint directory, complete but for its manifest.
+        known: Digests already computed while writing, by relative path; other files are hashed.
+    """
+    known = known or {}
+    files: dict[str, dict[str, Any]] = {}
+    for rel, path in _files(directory):
+        if rel == MANIFEST:
+            continue
+        digest = known.get(rel) or hash_file(path)
+        files[rel] = {"size": digest.size, "sha256": digest.sha256}
+    write_json({"manifest_version": MANIFEST_VERSION, "files": files}, directory / MANIFEST)
+
+
+def _files(directory: Path) -> list[tuple[str, Path]]:
+    return sorted((p.relative_to(directory).as_posix(), p) for p in directory.rglob("*") if p.is_file())
+
+
+def verify_checkpoint(directory: Path) -> dict[str, FileDigest]:
+    """Check that ``directory`` is a complete checkpoint: its files match its manifest.
+
+    Sizes are compared first (a truncated file is found without hashing), then every file is
+    hashed.
+
+    Returns:
+        The manifest's entries, by relative path.
+
+    Raises:
+        CheckpointError: No manifest, an invalid one, or a file missing, truncated, corrupt or
+            not listed; the message names the file.
+    """
+    directory = Path(directory)
+    if not directory.is_dir():
+        raise CheckpointError(f"{directory}: no checkpoint directory there")
+    manifest_path = directory / MANIFEST
+    try:
+        raw = manifest_path.read_bytes()
+    except FileNotFoundError:
+        raise CheckpointError(
+            f"{directory} is not a complete checkpoint: it has no {MANIFEST} (written last, so its "
+            "save did not finish, or a trainloop without manifests wrote it)"
+        ) from None
+    expected = _parse_manifest(manifest_path, raw)
+    for rel, digest in expected.items():
+        path = directory / rel
+        if not path.is_file():
+            raise CheckpointError(f"{directory} is not a complete checkpoint: missing {rel} (listed in its manifest)")
+        size = path.stat().st_size
+        if size != digest.size:
+            raise CheckpointError(
+                f"{path}: cannot load: truncated or altered ({size} bytes; its manifest says {digest.size})"
+            )
+    for rel, path in _files(directory):
+        if rel != MANIFEST and rel not in expected:
+            raise CheckpointError(f"{path}: not listed in {manifest_path}; the checkpoint was altered")
+    for rel, digest in expected.items():
+        if hash_file(directory / rel).sha256 != digest.sha256:
+            raise CheckpointError(f"{directory / rel}: cannot load: corrupt (its SHA-256 differs from its manifest's)")
+    return expected
+
+
+def _parse_manifest(path: Path, raw: bytes) -> dict[str, FileDigest]:
+    try:
+        manifest = json.loads(raw)
+        if manifest["manifest_version"] != MANIFEST_VERSION:
+            raise ValueError(f"manifest_version {manifest['manifest_version']!r} is not {MANIFEST_VERSION}")
+        files = {}
+        for rel, entry in manifest["files"].items():
+            parts = PurePosixPath(rel).parts
+            if not parts or rel.startswith("/") or ".." in parts:
+                raise ValueError(f"{rel!r} is not a path inside the checkpoint")
+            size, sha256 = entry["size"], entry["sha256"]
+            if not isinstance(size, int) or not isinstance(sha256, str):
+                raise TypeError(f"the entry of {rel!r} is not a size and a SHA-256")
+            files[rel] = FileDigest(size, sha256)
+    except (ValueError, TypeError, KeyError, AttributeError) as error:
+        raise CheckpointError(f"{path}: not a valid manifest ({type(error).__name__}: {error})") from None
+    return files
+
+
+def read_metadata(directory: Path) -> dict[str, Any]:
+    """The contents of a checkpoint's ``metadata.json`` (plain JSON, no torch needed).
+
+    Raises:
+        CheckpointError: The file is missing or not a JSON object; the message names it.
+    """
+    path = Path(directory) / METADATA
+    try:
+        metadata = json.loads(path.read_bytes())
+    except (OSError, ValueError) as error:
+        raise CheckpointError(f"{path}: cannot read the checkpoint's metadata ({error})") from None
+    if not isinstance(metadata, dict):
+        raise CheckpointError(f"{path}: not a JSON object")
+    return metadata

@@ -1,0 +1,234 @@
+"""The sharded format: ``torch.distributed.checkpoint`` (DCP) for what is big or sharded.
+
+A sharded checkpoint directory holds, besides ``metadata.json`` and ``manifest.json``:
+
+- ``sharded/``: a DCP checkpoint of the model, the optimizer and the hooks' states, laid out
+  like ``trainer.state_dict()`` (``{"model", "training_state": {"optimizer"}, <hook>...}``).
+  Every rank writes its own shard (``__<rank>_<n>.distcp``); a tensor replicated on every rank
+  (DDP) is written once. DCP reshards on load, so it can be read by another number of ranks,
+  or by one process without a process group.
+- ``training_state.pt``: the rest of ``training_state`` (step, epoch, scheduler, scaler,
+  every rank's random and data-loader state, settings JSON), the same on every rank and
+  written by rank 0.
+
+Loading is as careful as in the full format: entries are read with ``weights_only=True``, and
+DCP's pickled index (``.metadata``) with an unpickler that accepts only DCP's own classes.
+"""
+
+from __future__ import annotations
+
+import io
+import pickle
+import warnings
+from collections.abc import Iterator, Mapping
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
+from torch.distributed.checkpoint.api import CheckpointException
+from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
+from torch.distributed.checkpoint.metadata import (
+    Metadata,
+    StorageMeta,
+    TensorStorageMetadata,
+)
+
+from .errors import CheckpointError
+from .files import SHARDED_DIR, load_file, refused_or_corrupt
+from .manifest import FileDigest, hash_file
+
+__all__ = [
+    "REST_FILE",
+    "SHARDED_DIR",
+    "CheckpointException",
+    "hash_own_shards",
+    "join_state",
+    "load_sharded",
+    "read_sharded",
+    "shard_writer",
+    "split_state",
+]
+
+REST_FILE = "training_state.pt"
+
+
+def split_state(state_dict: Mapping[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
+    """Split a trainer state dict into what DCP writes and the rest of ``training_state``."""
+    training_state = dict(state_dict["training_state"])
+    optimizer = training_state.pop("optimizer")
+    sharded = {key: value for key, value in state_dict.items() if key != "training_state"}
+    sharded["training_state"] = {"optimizer": optimizer}
+    return sharded, training_state
+
+
+def join_state(sharded: Mapping[str, Any], rest: Mapping[str, Any]) -> dict[str, Any]:
+    """The inverse of :func:`split_state`."""
+    state_dict = {key: value for key, value in sharded.items() if key != "training_state"}
+    optimizer = sharded.get("training_state", {}).get("optimizer", {})
+    state_dict["training_state"] = {**rest, "optimizer": optimizer}
+    return state_dict
+
+
+def shard_writer(directory: Path) -> FileSystemWriter:
+    """A DCP writer of ``directory`` that fsyncs every file it writes, one file per rank."""
+    return FileSystemWriter(directory, single_file_per_rank=True, sync_files=True)
+
+
+def hash_own_shards(checkpoint: Path, rank: int) -> dict[str, FileDigest]:
+    """Digests of the shard files rank ``rank`` wrote, by path relative to ``checkpoint``.
+
+    Each rank hashes its own files right after writing them (from the page cache), so no rank
+    reads the whole checkpoint back.
+    """
+    return {
+        f"{SHARDED_DIR}/{path.name}": hash_file(path)
+        for path in sorted((checkpoint / SHARDED_DIR).glob(f"__{rank}_*.distcp"))
+    }
+
+
+def no_dist() -> bool:
+    """Whether DCP must run in this process alone (no process group)."""
+    return not (dist.is_available() and dist.is_initialized())
+
+
+@contextmanager
+def quiet_single_process() -> Iterator[None]:
+    """Silence DCP's warning that it runs in one process: without a process group, we mean it."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavailable or uninitialized")
+        yield
+
+
+def load_sharded(directory: Path, template: dict[str, Any]) -> dict[str, Any]:
+    """Load a sharded checkpoint into ``template``, a trainer's ``state_dict()`` (all ranks).
+
+    DCP fills the template's tensors in place (each rank reading the pieces of its shards). A
+    hook whose state the checkpoint lacks keeps no entry, so the hook sees it missing.
+
+    Raises:
+        CheckpointError: A file is corrupt or refused, or the checkpoint does not hold what the
+            template needs (another model); the message names the checkpoint.
+    """
+    sharded, _ = split_state(template)
+    reader = _SafeReader(directory / SHARDED_DIR)
+    saved = {path[0] for path in _planner_paths(reader.read_metadata()).values()}
+    sharded = {key: value for key, value in sharded.items() if key in saved or key == "model"}
+    _dcp_load(directory, sharded, reader, no_dist())
+    return join_state(sharded, load_file(directory / REST_FILE))
+
+
+def read_sharded(directory: Path) -> dict[str, Any]:
+    """Read a whole sharded checkpoint into this process, without a template or process group."""
+    reader = _SafeReader(directory / SHARDED_DIR)
+    metadata = reader.read_metadata()
+    tree: dict[Any, Any] = {}
+    for fqn, path in _planner_paths(metadata).items():
+        item = metadata.state_dict_metadata[fqn]
+        value = torch.empty(item.size, dtype=item.properties.dtype) if isinstance(item, TensorStorageMetadata) else None
+        node = tree
+        for key in path[:-1]:
+            node = node.setdefault(key, {})
+        node[path[-1]] = value
+    sharded = _lists_back(tree)
+    _dcp_load(directory, sharded, reader, no_dist=True)
+    sharded.setdefault("training_state", {}).setdefault("optimizer", {}).setdefault("state", {})
+    return join_state(sharded, load_file(directory / REST_FILE))
+
+
+def _planner_paths(metadata: Metadata) -> dict[str, tuple[Any, ...]]:
+    """Each saved entry's path in the nested state dict (DCP flattens it to dotted names)."""
+    planner_data = metadata.planner_data or {}
+    return {fqn: tuple(planner_data.get(fqn, (fqn,))) for fqn in metadata.state_dict_metadata}
+
+
+def _lists_back(node: Any) -> Any:
+    """Turn the dicts keyed 0..n-1 (lists DCP flattened) back into lists."""
+    if not isinstance(node, dict):
+        return node
+    items = {key: _lists_back(value) for key, value in node.items()}
+    if items and all(isinstance(key, int) for key in items) and sorted(items) == list(range(len(items))):
+        return [items[i] for i in range(len(items))]
+    return items
+
+
+def _dcp_load(directory: Path, state_dict: dict[str, Any], reader: FileSystemReader, no_dist: bool) -> None:
+    try:
+        with quiet_single_process():
+            dcp.load(state_dict, storage_reader=reader, planner=_SafeLoadPlanner(), no_dist=no_dist)
+    except CheckpointException as error:
+        failures = [failure[0] for failure in error.failures.values()]
+        first = next((f for f in failures if isinstance(f, CheckpointError)), failures[0] if failures else error)
+        if isinstance(first, CheckpointError):
+            raise first from None
+        raise CheckpointError(f"{directory / SHARDED_DIR}: cannot load: {first}") from None
+    except (RuntimeError, ValueError, KeyError) as error:
+        if isinstance(error, CheckpointError):
+            raise
+        raise CheckpointError(f"{directory / SHARDED_DIR}: cannot load: {error}") from error
+
+
+class _SafeLoadPlanner(DefaultLoadPlanner):
+    """DCP's planner, but non-tensor entries are unpickled with ``weights_only=True``."""
+
+    def load_bytes(self, read_item: Any, value: io.BytesIO) -> None:
+        name = read_item.dest_index.fqn
+        try:
+            obj = torch.load(value, weights_only=True)
+        except Exception as error:
+            raise refused_or_corrupt(f"{SHARDED_DIR} entry {name!r}", error) from error
+        # The parent unpickles without restriction: hand it the object re-serialised, now
+        # known to hold nothing but plain data.
+        safe = io.BytesIO()
+        torch.save(obj, safe)
+        safe.seek(0)
+        super().load_bytes(read_item, safe)
+
+
+# What DCP's index may refer to: its own metadata classes, torch's dtypes and sizes, paths.
+_INDEX_GLOBALS = {
+    "torch.distributed.checkpoint.filesystem": {"_StorageInfo"},
+    "torch.serialization": {"_get_layout"},
+    "torch": {"Size"},
+    "pathlib": {"PosixPath", "PurePosixPath", "WindowsPath", "PureWindowsPath", "Path"},
+    "collections": {"OrderedDict"},
+}
+
+
+class _Refused(pickle.UnpicklingError):
+    """The index names a global outside what a checkpoint index holds."""
+
+
+class _IndexUnpickler(pickle.Unpickler):
+    def find_class(self, module: str, name: str) -> Any:
+        if module == "torch.distributed.checkpoint.metadata" or name in _INDEX_GLOBALS.get(module, ()):
+            return super().find_class(module, name)
+        if module == "torch" and isinstance(getattr(torch, name, None), (torch.dtype, torch.layout, torch.memory_format)):
+            return getattr(torch, name)
+        raise _Refused(f"{module}.{name} is not part of a checkpoint index")
+
+
+class _SafeReader(FileSystemReader):
+    """DCP's file reader, unpickling the index only into DCP's own classes."""
+
+    def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
+        rank = kwargs.get("rank")
+        path = Path(self.path) / (".metadata" if rank is None else f"__{rank}.metadata")
+        try:
+            with open(path, "rb") as file:
+                metadata = _IndexUnpickler(file).load()
+        except FileNotFoundError:
+            raise CheckpointError(f"{path.parent} is not a complete checkpoint: missing {path.name}") from None
+        except _Refused as error:
+            raise CheckpointError(f"{path}: refused to load: unpickling it could run code ({error})") from None
+        except Exception as error:
+            raise refused_or_corrupt(str(path), error) from error
+        if not isinstance(metadata, Metadata):
+            raise CheckpointError(f"{path}: not a checkpoint index (a {type(metadata).__name__})")
+        storage_meta = getattr(metadata, "storage_meta", None) or StorageMeta()
+        storage_meta.load_id = self.load_id
+        metadata.storage_meta = storage_meta
+        return metadata
