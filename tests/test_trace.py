@@ -39,3 +39,24 @@ def test_a_bad_trace_line_names_the_file_and_line(tmp_path):
     path.write_text('{"time": 1, "step": 0, "source": "idle", "dest": "building", "trigger": "start"}\n{"time": 2}\n')
     with pytest.raises(ValueError, match=r"trace\.jsonl:2: not a trace entry"):
         read_trace(path)
+
+
+def entry(time, source, dest, trigger, step=0):
+    return TraceEntry(time, step, State(source), State(dest), trigger)
+
+
+def test_a_resumed_run_appending_to_the_trace_adds_no_time_between_runs():
+    runs = [
+        entry(0.0, "idle", "building", "start"), entry(1.0, "building", "restoring", "restore"),
+        entry(2.0, "restoring", "exiting", "finish"),
+        entry(100.0, "idle", "building", "start"), entry(103.0, "building", "restoring", "restore"),
+    ]
+    summary = summarize_trace(runs)
+    assert summary.seconds_in_state[State.BUILDING] == 4.0
+    assert State.EXITING not in summary.seconds_in_state  # the 98 s between the runs
+
+
+def test_a_cut_off_last_line_of_a_live_trace_is_skipped(tmp_path):
+    path = tmp_path / "trace.jsonl"
+    path.write_text('{"time": 1, "step": 0, "source": "idle", "dest": "building", "trigger": "start"}\n{"time": 2, "st')
+    assert len(read_trace(path)) == 1

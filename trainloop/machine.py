@@ -1,6 +1,6 @@
 """The training state machine: its states, its transition table, and the runner around it.
 
-The table :data:`TRANSITIONS` is the single description of the loop. Rows that leave the same
+The table ``TRANSITIONS`` is the single description of the loop. Rows that leave the same
 state are tried top to bottom; the first whose condition holds fires. The ``transitions``
 library runs an edge whenever a callback listens to it (a state's entry or exit, or the edge
 itself); edges nobody listens to take a fast path that only sets the state, because a
@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import inspect
 import logging
+import math
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from enum import Enum
@@ -62,7 +63,7 @@ class Transition:
         source: The state the edge leaves.
         dest: The state the edge enters.
         condition: Name of the policy that must hold for the edge to fire (a key of the
-            ``conditions`` mapping given to :class:`StateMachine`); ``None`` always holds.
+            ``conditions`` mapping given to ``StateMachine``); ``None`` always holds.
     """
 
     trigger: str
@@ -96,7 +97,7 @@ FAIL = "fail"
 
 
 class Handle:
-    """Returned by callback registration; :meth:`remove` detaches the callback again."""
+    """Returned by callback registration; ``remove`` detaches the callback again."""
 
     def __init__(self, remove: Callable[[], None]) -> None:
         self._remove: Callable[[], None] | None = remove
@@ -119,7 +120,7 @@ class _Model:
 
 
 class StateMachine:
-    """Runs :data:`TRANSITIONS` for one trainer.
+    """Runs ``TRANSITIONS`` for one trainer.
 
     Args:
         conditions: The policies named in the table, each a zero-argument callable.
@@ -179,12 +180,13 @@ class StateMachine:
             self._fire(fail, self._is_listened(fail))
 
     def _fire(self, transition: Transition, listened: bool) -> None:
+        if self.trace is not None:
+            # Recorded first: the time the entry callbacks take (a save, a load) is the new state's.
+            self.trace.record(transition, self._step())
         if listened:
             self._machine.events[transition.trigger].trigger(self.model)
         else:
             self.model.state = transition.dest
-        if self.trace is not None:
-            self.trace.record(transition, self._step())
 
     # -- callbacks -----------------------------------------------------------------------------
 
@@ -265,25 +267,60 @@ class StateMachine:
         return draw(self.table, format)
 
 
+# Edges into these states are rare and telling: coloured in a drawing of a run that took them.
+_RARE_EDGE_COLORS = {State.RETRYING: "darkorange", State.CHECKPOINTING: "royalblue"}
+
+
 def _label(t: Transition) -> str:
     return f"{t.trigger} [{t.condition}]" if t.condition else t.trigger
 
 
-def draw(table: Iterable[Transition] = TRANSITIONS, format: str = "mermaid") -> str:
-    """Render a transition table as Mermaid ``stateDiagram-v2`` or Graphviz DOT source."""
+def draw(
+    table: Iterable[Transition] = TRANSITIONS,
+    format: str = "mermaid",
+    counts: Mapping[tuple[State, State, str], int] | None = None,
+) -> str:
+    """Render a transition table as Mermaid ``stateDiagram-v2`` or Graphviz DOT source.
+
+    Args:
+        table: The transitions to draw.
+        format: ``"mermaid"`` or ``"dot"``.
+        counts: How often each edge ``(source, dest, trigger)`` fired in a run (e.g.
+            ``summarize_trace(...).counts``). Each edge's label then ends with ``(n=<count>)``;
+            in DOT the line's width grows with the count, an edge that never fired is grey and
+            dashed, and fired edges into ``retrying``, ``checkpointing`` (and ``fail``) are coloured.
+
+    Raises:
+        ValueError: ``format`` is neither.
+    """
     table = tuple(table)
+
+    def label(t: Transition) -> str:
+        return _label(t) if counts is None else f"{_label(t)} (n={counts.get((t.source, t.dest, t.trigger), 0)})"
+
     if format == "mermaid":
         lines = ["stateDiagram-v2", f"    [*] --> {State.IDLE.value}"]
-        lines += [f"    {t.source.value} --> {t.dest.value}: {_label(t)}" for t in table]
+        lines += [f"    {t.source.value} --> {t.dest.value}: {label(t)}" for t in table]
         lines.append(f"    {State.EXITING.value} --> [*]")
         return "\n".join(lines) + "\n"
     if format == "dot":
         lines = ["digraph trainloop {", "    rankdir=LR;", "    node [shape=box, style=rounded];"]
         lines.append(f'    "{State.EXITING.value}" [peripheries=2];')
         for t in table:
-            style = ", style=dashed" if t.trigger == FAIL else ""
-            lines.append(f'    "{t.source.value}" -> "{t.dest.value}" [label="{_label(t)}"{style}];')
+            attributes = [f'label="{label(t)}"']
+            if t.trigger == FAIL:
+                attributes.append("style=dashed")
+            if counts is not None:
+                fired = counts.get((t.source, t.dest, t.trigger), 0)
+                if fired:
+                    # Logarithmic: a per-microstep edge must not drown the rare ones (retries, saves).
+                    attributes.append(f"penwidth={min(1.0 + 1.5 * math.log10(fired), 8.0):.2f}")
+                    color = "red" if t.trigger == FAIL else _RARE_EDGE_COLORS.get(t.dest)
+                    if color is not None:
+                        attributes.append(f"color={color}, fontcolor={color}")
+                else:
+                    attributes.append("color=gray70, fontcolor=gray55" + ("" if t.trigger == FAIL else ", style=dashed"))
+            lines.append(f'    "{t.source.value}" -> "{t.dest.value}" [{", ".join(attributes)}];')
         lines.append("}")
         return "\n".join(lines) + "\n"
     raise ValueError(f"unknown diagram format {format!r}; use 'mermaid' or 'dot'")
-

@@ -30,7 +30,7 @@ class Trace(deque[TraceEntry]):
 
     Holds the last ``keep`` entries and counts every edge over the whole run; with a ``path``,
     every entry is also appended to that JSON-lines file (buffered: a write is a memory copy,
-    flushed in blocks and on :meth:`close`).
+    flushed in blocks and on ``close``).
 
     Args:
         path: A ``trace.jsonl`` file to append to, or ``None``.
@@ -72,7 +72,7 @@ class Trace(deque[TraceEntry]):
 
 
 def read_trace(path: Path | str) -> list[TraceEntry]:
-    """Read a ``trace.jsonl`` back.
+    """Read a ``trace.jsonl`` back (of a finished run, or of one still writing it).
 
     Raises:
         ValueError: A line is not a trace entry; the message names the file and line.
@@ -80,6 +80,8 @@ def read_trace(path: Path | str) -> list[TraceEntry]:
     entries = []
     with Path(path).open(encoding="utf-8") as lines:
         for number, line in enumerate(lines, 1):
+            if not line.endswith("\n"):
+                break  # a run still writing: its last line may be cut off
             try:
                 row = json.loads(line)
                 entries.append(
@@ -98,11 +100,13 @@ class TraceSummary:
         counts: How often each edge ``(source, dest, trigger)`` fired.
         seconds_in_state: Wall time spent in each state (from entering it to leaving it).
         steps: The highest step reached.
+        runs: How many runs the trace holds (a resumed run appends to the same file).
     """
 
     counts: Counter[tuple[State, State, str]] = field(default_factory=Counter)
     seconds_in_state: dict[State, float] = field(default_factory=dict)
     steps: int = 0
+    runs: int = 0
 
 
 def summarize_trace(entries: Iterable[TraceEntry]) -> TraceSummary:
@@ -110,11 +114,13 @@ def summarize_trace(entries: Iterable[TraceEntry]) -> TraceSummary:
     counts: Counter[tuple[State, State, str]] = Counter()
     seconds: dict[State, float] = {}
     previous: TraceEntry | None = None
-    steps = 0
+    steps = runs = 0
     for entry in entries:
+        runs += entry.trigger == "start"
         counts[(entry.source, entry.dest, entry.trigger)] += 1
-        if previous is not None:
+        # A resumed run appends to the same file: the gap before its "start" is no state's time.
+        if previous is not None and entry.trigger != "start":
             seconds[previous.dest] = seconds.get(previous.dest, 0.0) + (entry.time - previous.time)
         previous = entry
         steps = max(steps, entry.step)
-    return TraceSummary(counts, seconds, steps)
+    return TraceSummary(counts, seconds, steps, runs)

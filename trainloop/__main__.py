@@ -1,0 +1,8 @@
+"""``python -m trainloop``: the same command line as the ``trainloop`` script."""
+
+import sys
+
+from .cli import main
+
+if __name__ == "__main__":
+    sys.exit(main())

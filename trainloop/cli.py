@@ -1,0 +1,661 @@
+"""The ``trainloop`` command line: run, validate, schema, graph, inspect.
+
+::
+
+    trainloop run run.yaml --trainer train:MyTrainer [--set max_steps=100 ...]
+    trainloop validate run.yaml [--trainer train:MyTrainer] [--set ...]
+    trainloop schema [--trainer train:MyTrainer] [--output schema.json]
+    trainloop graph [--format mermaid|dot|svg|png] [--trace runs/exp1] [--output machine.svg]
+    trainloop inspect runs/exp1/checkpoints
+
+Exit codes: 0 success; 1 a file cannot be used (a missing or corrupt checkpoint or trace, no
+Graphviz); 2 a usage error (invalid settings, a ``--trainer`` that cannot be used, bad
+arguments); a run that ends on an exit signal exits with the code its hook chose (128+signal).
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import json
+import logging
+import os
+import shutil
+import signal
+import subprocess
+import sys
+from collections.abc import Callable, Iterable, Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+from pydantic import ValidationError
+
+from .checkpoint import (
+    MANIFEST,
+    METADATA,
+    CheckpointError,
+    checkpoint_format,
+    latest_checkpoint,
+    read_checkpoint,
+    read_metadata,
+    verify_checkpoint,
+)
+from .checkpoint.files import SHARDED_DIR
+from .components import OPTIMIZERS
+from .machine import TRANSITIONS, State, draw
+from .settings import ENV_PREFIX, SettingsFileError, TrainerSettings
+from .trace import TraceSummary, read_trace, summarize_trace
+from .trainer import BaseTrainer
+
+__all__ = ["CliError", "describe_checkpoint", "load_trainer_class", "main"]
+
+PROG = "trainloop"
+USAGE_ERROR = 2
+FAILURE = 1
+_GRAPHVIZ_HINT = (
+    "install Graphviz (`apt-get install graphviz`, `conda install graphviz` or `brew install graphviz`) "
+    "or use --format mermaid / --format dot, which need no binary"
+)
+
+
+class CliError(Exception):
+    """An error the command line reports as one message and an exit code, without a traceback.
+
+    Args:
+        message: What went wrong, naming the file, field or argument.
+        exit_code: The process's exit code (2: usage, 1: a file cannot be used).
+    """
+
+    def __init__(self, message: str, exit_code: int = USAGE_ERROR) -> None:
+        super().__init__(message)
+        self.exit_code = exit_code
+
+
+# -- shared pieces -------------------------------------------------------------------------------
+
+
+def load_trainer_class(spec: str) -> type[BaseTrainer]:
+    """Import the trainer class named ``module:Class`` (``Class`` may be dotted: ``Outer.Inner``).
+
+    The working directory is importable, so ``train:MyTrainer`` finds ``./train.py`` whether
+    the command runs as ``trainloop`` or ``python -m trainloop``.
+
+    Args:
+        spec: ``"package.module:ClassName"``.
+
+    Raises:
+        CliError: The spec is malformed, the module does not import, the attribute is missing, or
+            it is not a ``BaseTrainer`` subclass.
+    """
+    module_name, sep, attribute = spec.partition(":")
+    if not sep or not module_name.strip() or not attribute.strip():
+        raise CliError(f"--trainer {spec!r}: expected module:Class (e.g. my_project.train:MyTrainer)")
+    if os.getcwd() not in sys.path and "" not in sys.path:
+        sys.path.insert(0, os.getcwd())
+    try:
+        obj: Any = importlib.import_module(module_name)
+    except ModuleNotFoundError as error:
+        if error.name is not None and (module_name == error.name or module_name.startswith(error.name + ".")):
+            raise CliError(f"--trainer {spec!r}: no module named {error.name!r}") from None
+        raise CliError(f"--trainer {spec!r}: importing {module_name!r} failed: {error}") from None
+    except Exception as error:  # noqa: BLE001 - the module's own code failed: say what, in one line
+        raise CliError(
+            f"--trainer {spec!r}: importing {module_name!r} failed: {type(error).__name__}: {error}"
+        ) from None
+    for part in attribute.split("."):
+        try:
+            obj = getattr(obj, part)
+        except AttributeError:
+            raise CliError(f"--trainer {spec!r}: {module_name!r} has no attribute {attribute!r}") from None
+    if not isinstance(obj, type) or not issubclass(obj, BaseTrainer):
+        raise CliError(f"--trainer {spec!r}: {attribute} is not a subclass of trainloop.BaseTrainer")
+    if obj is BaseTrainer:
+        raise CliError(f"--trainer {spec!r}: name your BaseTrainer subclass, not BaseTrainer itself")
+    return obj
+
+
+def _settings_class_for(trainer_spec: str | None) -> type[TrainerSettings]:
+    """The settings class to validate with: the trainer's ``settings_class``, or the base one."""
+    if trainer_spec is None:
+        return TrainerSettings
+    return load_trainer_class(trainer_spec).settings_class
+
+
+def _resolve_settings(cls: type[TrainerSettings], path: str, overrides: Sequence[str]) -> TrainerSettings:
+    """Validate defaults < ``path`` < ``TRAINLOOP_*`` environment < ``overrides`` with ``cls``.
+
+    Raises:
+        CliError: The file cannot be read or parsed, or the settings do not validate; the
+            message names the file and every offending field.
+    """
+    try:
+        return cls.load(path, overrides=overrides)
+    except SettingsFileError as error:
+        cause = error.__cause__
+        if not isinstance(cause, ValidationError):
+            raise CliError(str(error)) from None
+        layers = [name for name, used in (
+            ("TRAINLOOP_* environment variables", any(k.upper().startswith(ENV_PREFIX) for k in os.environ)),
+            ("--set", bool(overrides)),
+        ) if used]
+        where = f"{path} (with {' and '.join(layers)})" if layers else path
+        raise CliError(f"{where}: invalid settings:\n{_format_validation_error(cause)}") from None
+
+
+def _format_validation_error(error: ValidationError) -> str:
+    """One indented line per error of a pydantic ``ValidationError``: field, message, input."""
+    lines = []
+    for item in error.errors(include_url=False):
+        field = ".".join(str(part) for part in item["loc"]) or "(settings)"
+        line = f"  {field}: {item['msg']}"
+        if item["type"] != "missing":
+            shown = repr(item.get("input"))
+            line += f" (got {shown if len(shown) <= 60 else shown[:57] + '...'})"
+        lines.append(line)
+    return "\n".join(lines)
+
+
+def _configure_logging(level: str) -> None:
+    """Send log records to stderr at ``level`` unless the user's code configured logging."""
+    if logging.getLogger().handlers or logging.getLogger("trainloop").handlers:
+        return
+    logging.basicConfig(
+        level=level.upper(), stream=sys.stderr, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
+    )
+
+
+def _write_output(output: str | None, data: str | bytes) -> None:
+    """Write to ``output`` if given, else to stdout (bytes: to its binary buffer)."""
+    if output is not None:
+        try:
+            if isinstance(data, bytes):
+                Path(output).write_bytes(data)
+            else:
+                Path(output).write_text(data, encoding="utf-8")
+        except OSError as error:
+            raise CliError(f"{output}: cannot write: {error.strerror}", FAILURE) from None
+        return
+    if isinstance(data, bytes):
+        sys.stdout.flush()
+        sys.stdout.buffer.write(data)
+        sys.stdout.buffer.flush()
+    else:
+        sys.stdout.write(data)
+
+
+# -- run -----------------------------------------------------------------------------------------
+
+
+def _cmd_run(args: argparse.Namespace) -> int:
+    """``trainloop run``: validate the settings with the trainer's class, then train."""
+    trainer_class = load_trainer_class(args.trainer)
+    settings = _resolve_settings(trainer_class.settings_class, args.settings_file, args.set)
+    _configure_logging(args.log_level)
+    try:
+        # A signal exit raises SystemExit(code) from train(): it propagates as the exit code.
+        trainer_class(settings).train()
+    except KeyboardInterrupt:
+        print(f"{PROG}: interrupted", file=sys.stderr)
+        return 128 + signal.SIGINT
+    return 0
+
+
+# -- validate ------------------------------------------------------------------------------------
+
+
+def _cmd_validate(args: argparse.Namespace) -> int:
+    """``trainloop validate``: print the resolved settings as JSON; build and write nothing."""
+    settings = _resolve_settings(_settings_class_for(args.trainer), args.settings_file, args.set)
+    sys.stdout.write(settings.model_dump_json(indent=2) + "\n")
+    return 0
+
+
+# -- schema --------------------------------------------------------------------------------------
+
+
+def _schema_text(cls: type[TrainerSettings]) -> str:
+    """The JSON Schema of ``cls`` as ``schemas/trainer_settings.schema.json`` holds it."""
+    return json.dumps(cls.json_schema(), indent=2) + "\n"
+
+
+def _cmd_schema(args: argparse.Namespace) -> int:
+    """``trainloop schema``: print or write the settings' JSON Schema."""
+    _write_output(args.output, _schema_text(_settings_class_for(args.trainer)))
+    return 0
+
+
+# -- graph ---------------------------------------------------------------------------------------
+
+
+def _trace_file(path: str) -> Path:
+    """``path`` if it is a trace file, ``path/trace.jsonl`` if it is a workspace.
+
+    Raises:
+        CliError: There is no trace there.
+    """
+    candidate = Path(path)
+    if candidate.is_dir():
+        candidate = candidate / "trace.jsonl"
+    if not candidate.is_file():
+        raise CliError(
+            f"{candidate}: no trace file (a run records one in its workspace when its settings have "
+            "\"trace\": true)",
+            FAILURE,
+        )
+    return candidate
+
+
+def _describe_trace(path: Path, summary: TraceSummary) -> str:
+    """A short, human summary of a trace: steps, rare events, and time per state."""
+    total = sum(summary.seconds_in_state.values())
+    fired = sum(summary.counts.values())
+    retries = sum(n for (_, dest, _), n in summary.counts.items() if dest is State.RETRYING)
+    saves = sum(n for (_, dest, _), n in summary.counts.items() if dest is State.CHECKPOINTING)
+    failures = [source.value for (source, _, trigger), n in summary.counts.items() if trigger == "fail" and n]
+    runs_text = f" in {summary.runs} runs" if summary.runs > 1 else ""
+    lines = [
+        f"{path}: {summary.steps} steps{runs_text}, {fired} transitions, {total:.3f} s traced; "
+        f"retries: {retries}, checkpoints: {saves}"
+        + (f"; ended by an error in {', '.join(failures)}" if failures else "")
+    ]
+    for state, seconds in sorted(summary.seconds_in_state.items(), key=lambda item: -item[1]):
+        share = 100.0 * seconds / total if total > 0 else 0.0
+        lines.append(f"  {state.value:<14} {seconds:10.3f} s {share:6.1f}%")
+    return "\n".join(lines) + "\n"
+
+
+def _find_dot(format: str) -> str:
+    """The path of Graphviz's ``dot`` program.
+
+    Raises:
+        CliError: It is not on ``PATH``; the message says how to install it.
+    """
+    dot = shutil.which("dot")
+    if dot is None:
+        raise CliError(f"--format {format} needs Graphviz's `dot` program, which is not on PATH: {_GRAPHVIZ_HINT}", FAILURE)
+    return dot
+
+
+def _render_with_dot(source: str, format: str) -> bytes:
+    """Run Graphviz's ``dot`` on DOT ``source``.
+
+    Raises:
+        CliError: ``dot`` is not installed, or it failed.
+    """
+    dot = _find_dot(format)
+    result = subprocess.run([dot, f"-T{format}"], input=source.encode(), capture_output=True, check=False)
+    if result.returncode != 0:
+        message = result.stderr.decode(errors="replace").strip()
+        raise CliError(f"{dot} -T{format} failed (exit {result.returncode}): {message}", FAILURE)
+    return result.stdout
+
+
+def _cmd_graph(args: argparse.Namespace) -> int:
+    """``trainloop graph``: draw the machine, optionally weighted by a run's trace."""
+    binary = args.format in ("svg", "png")
+    if binary:
+        _find_dot(args.format)  # before reading anything: fail fast
+    if args.format == "png" and args.output is None and sys.stdout.isatty():
+        raise CliError("--format png writes binary data: give --output PATH or redirect stdout")
+    counts = None
+    if args.trace is not None:
+        path = _trace_file(args.trace)
+        try:
+            entries = read_trace(path)
+        except (OSError, ValueError) as error:
+            raise CliError(str(error), FAILURE) from None
+        summary = summarize_trace(entries)
+        counts = summary.counts
+        sys.stderr.write(_describe_trace(path, summary))
+    source = draw(TRANSITIONS, "mermaid" if args.format == "mermaid" else "dot", counts=counts)
+    _write_output(args.output, _render_with_dot(source, args.format) if binary else source)
+    return 0
+
+
+# -- inspect -------------------------------------------------------------------------------------
+
+
+def _is_checkpoint(directory: Path) -> bool:
+    """Whether ``directory`` looks like one checkpoint (rather than a root of several)."""
+    return (
+        any(directory.glob("*.pt"))
+        or any((directory / name).exists() for name in (MANIFEST, METADATA, SHARDED_DIR))
+    )
+
+
+def _find_checkpoint(path: str) -> tuple[Path, Path | None]:
+    """The checkpoint directory ``path`` names: itself, or the latest under a checkpoints root
+    (or under ``<workspace>/checkpoints``).
+
+    Returns:
+        The checkpoint directory, and the root it was found under (``None`` if given directly).
+
+    Raises:
+        CliError: Nothing there is a checkpoint.
+    """
+    given = Path(path)
+    if not given.exists():
+        raise CliError(f"{given}: no such file or directory", FAILURE)
+    if not given.is_dir():
+        raise CliError(f"{given}: not a directory (give a checkpoint directory or a checkpoints root)", FAILURE)
+    if _is_checkpoint(given):
+        return given, None
+    for root in (given, given / "checkpoints"):
+        # Unverified: the one `latest` names is the one to report on, intact or not.
+        found = latest_checkpoint(root, verify=False)
+        if found is not None:
+            return found, root
+    leftovers = sorted(p.name for p in given.iterdir() if p.name.startswith(".") and "-" in p.name)
+    hint = f" (only an interrupted save's leftovers: {', '.join(leftovers)})" if leftovers else ""
+    raise CliError(f"{given}: no checkpoint here: no checkpoint files and no complete step directory{hint}", FAILURE)
+
+
+def _intact_alternative(root: Path, broken: Path) -> str:
+    """Which checkpoint under ``root`` a resume would use instead of the broken one, as a hint."""
+    quiet = logging.getLogger("trainloop.cli.quiet")  # the skipped ones are reported already
+    if not quiet.handlers:
+        quiet.addHandler(logging.NullHandler())
+        quiet.propagate = False
+    found = latest_checkpoint(root, verify=True, logger=quiet)
+    if found is None:
+        return f"; no checkpoint under {root} is intact"
+    if found.resolve() == broken.resolve():
+        return ""
+    return f"; the newest intact checkpoint under {root} is {found}, which a resume from \"latest\" loads"
+
+
+def _tensors(value: Any) -> Iterable[Any]:
+    """The tensors nested anywhere in ``value`` (dicts, lists, tuples)."""
+    if isinstance(value, torch.Tensor):
+        yield value
+    elif isinstance(value, dict):
+        for item in value.values():
+            yield from _tensors(item)
+    elif isinstance(value, (list, tuple)):
+        for item in value:
+            yield from _tensors(item)
+
+
+def _tensor_stats(value: Any) -> dict[str, Any]:
+    tensors = list(_tensors(value))
+    dtypes = sorted({str(t.dtype).removeprefix("torch.") for t in tensors})
+    return {
+        "tensors": len(tensors),
+        "elements": sum(t.numel() for t in tensors),
+        "bytes": sum(t.numel() * t.element_size() for t in tensors),
+        "dtypes": dtypes,
+    }
+
+
+# Keys torch or trainloop add to a param group beyond the optimizer's own defaults.
+_GROUP_EXTRAS = frozenset({"params", "initial_lr", "name"})
+
+
+def _infer_optimizer(groups: list[dict[str, Any]]) -> str | None:
+    """The ``torch.optim`` class whose param-group keys match the saved groups', if one does."""
+
+    if not groups or not isinstance(groups[0], dict):
+        return None
+    keys = set(groups[0]) - _GROUP_EXTRAS
+    matches = []
+    probe = torch.zeros(2, 2, requires_grad=True)  # 2-D: Muon takes nothing else
+    for name, cls in OPTIMIZERS.items():
+        try:
+            defaults = cls([probe]).defaults  # type: ignore[call-arg]
+        except Exception:  # noqa: BLE001, S112 - one that needs more arguments cannot be matched
+            continue
+        if set(defaults) == keys:
+            matches.append((name, defaults))
+    if len(matches) > 1 and "decoupled_weight_decay" in keys:
+        # Adam and AdamW share their keys; the flag tells them apart.
+        matches = [(n, d) for n, d in matches if d.get("decoupled_weight_decay") == groups[0]["decoupled_weight_decay"]]
+    return " or ".join(name for name, _ in matches) or None
+
+
+def describe_checkpoint(directory: Path) -> dict[str, Any]:
+    """What a checkpoint holds, as plain data (what ``trainloop inspect --json`` prints).
+
+    The files are checked against the checkpoint's manifest first, then read with
+    ``weights_only=True`` (nothing in them can run code).
+
+    Args:
+        directory: One checkpoint directory (``<checkpoints>/<step>``).
+
+    Raises:
+        trainloop.checkpoint.CheckpointError: The checkpoint is incomplete or corrupt; the
+            message names the file.
+        CliError: The files load but are not a trainloop checkpoint.
+    """
+    manifest = verify_checkpoint(directory)
+    state = read_checkpoint(directory, verify=False)
+    try:
+        metadata: dict[str, Any] | None = read_metadata(directory)
+    except CheckpointError:  # optional: the state itself says the step
+        metadata = None
+    training = state.get("training_state")
+    if not isinstance(training, dict) or "step" not in training:
+        raise CliError(f"{directory / 'training_state.pt'}: not a trainloop training state (no 'step')", FAILURE)
+    if not isinstance(state.get("model"), dict):
+        raise CliError(f"{directory}: its model state is not a state dict", FAILURE)
+
+    settings: Any = None
+    if training.get("settings") is not None:
+        try:
+            settings = json.loads(training["settings"])
+        except (TypeError, ValueError) as error:
+            raise CliError(f"{directory / 'training_state.pt'}: its settings are not JSON ({error})", FAILURE) from None
+
+    optimizer_state = training.get("optimizer")
+    optimizer: dict[str, Any] | None = None
+    if isinstance(optimizer_state, dict):
+        groups = optimizer_state.get("param_groups") or []
+        declared = settings.get("optimizer") if isinstance(settings, dict) else None
+        declared_name = declared.get("name") if isinstance(declared, dict) else None
+        # The param groups tell what was built; the settings only what was declared, which a
+        # trainer's own build_optimizer() may ignore.
+        inferred = _infer_optimizer(groups)
+        optimizer = {
+            "class": inferred or declared_name,
+            "class_from": "param groups" if inferred else "settings" if declared_name else None,
+            "declared": declared_name,
+            "param_groups": [
+                {k: v for k, v in group.items() if k in ("name", "lr", "weight_decay")} | {"params": len(group.get("params", ()))}
+                for group in groups
+                if isinstance(group, dict)
+            ],
+            "params_with_state": len(optimizer_state.get("state") or {}),
+            **_tensor_stats(optimizer_state.get("state")),
+        }
+
+    scheduler = training.get("lr_scheduler")
+    scaler = training.get("grad_scaler")
+    rng, loaders = training.get("rng"), training.get("data_loader")
+    hooks = {key: _tensor_stats(value) | {"keys": sorted(map(str, value)) if isinstance(value, dict) else []}
+             for key, value in state.items() if key not in ("model", "training_state")}
+    return {
+        "checkpoint": str(directory),
+        "step": training["step"],
+        "epoch": training.get("epoch"),
+        "format": checkpoint_format(directory),
+        "files": {rel: digest.size for rel, digest in sorted(manifest.items())},
+        "metadata": metadata,
+        "model": _tensor_stats(state["model"]),
+        "optimizer": optimizer,
+        "lr_scheduler": None if scheduler is None else {
+            "last_epoch": scheduler.get("last_epoch"), "last_lr": scheduler.get("_last_lr"),
+        },
+        "grad_scaler": {"enabled": bool(scaler), **({"scale": float(scaler["scale"])} if scaler and "scale" in scaler else {})},
+        "rng": None if rng is None else {"ranks": len(rng), "generators": sorted(rng[0]) if rng and isinstance(rng[0], dict) else []},
+        "data_loader": None if loaders is None or all(item is None for item in loaders) else {"ranks": len(loaders)},
+        "hooks": hooks,
+        "settings": settings,
+    }
+
+
+def _jsonable(value: Any) -> Any:
+    # A tensor lr (capturable optimizers) or scheduler value; anything else, as text.
+    return value.tolist() if isinstance(value, torch.Tensor) else str(value)
+
+
+def _size(nbytes: int) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if nbytes < 1024 or unit == "GiB":
+            return f"{nbytes:.0f} {unit}" if unit == "B" else f"{nbytes:.1f} {unit}"
+        nbytes /= 1024  # type: ignore[assignment]
+    raise AssertionError("unreachable")
+
+
+def _tensors_text(stats: dict[str, Any]) -> str:
+    dtypes = f", {'/'.join(stats['dtypes'])}" if stats["dtypes"] else ""
+    return f"{stats['tensors']} tensors, {stats['elements']:,} elements, {_size(stats['bytes'])}{dtypes}"
+
+
+def _format_checkpoint(info: dict[str, Any], root: Path | None) -> str:
+    """The human-readable report of ``describe_checkpoint``."""
+    lines = [f"checkpoint:   {info['checkpoint']}" + (f"  (latest of {root})" if root is not None else "")]
+    lines.append(f"step:         {info['step']}" + (f"  (epoch {info['epoch']})" if info["epoch"] is not None else ""))
+    metadata = info["metadata"] or {}
+    made = [f"{info['format']} format"] + [
+        f"{name} {metadata[key]}" for key, name in (("trainloop_version", "trainloop"), ("torch_version", "torch")) if key in metadata
+    ]
+    lines.append(f"saved:        {metadata.get('time', 'at an unknown time')} ({', '.join(made)})")
+    files = info["files"]
+    listed = ", ".join(f"{rel} ({_size(size)})" for rel, size in files.items()) if len(files) <= 6 else f"{len(files)} files"
+    lines.append(f"files:        {listed}; {_size(sum(files.values()))} in all, matching its manifest")
+    if metadata.get("metrics"):
+        lines.append("metrics:      " + ", ".join(f"{k}={v:.6g}" if isinstance(v, float) else f"{k}={v}" for k, v in metadata["metrics"].items()))
+    lines.append(f"model:        {_tensors_text(info['model'])}")
+    optimizer = info["optimizer"]
+    if optimizer is None:
+        lines.append("optimizer:    none saved")
+    else:
+        name = f"{optimizer['class']} (from its {optimizer['class_from']})" if optimizer["class"] else "unknown class"
+        if optimizer["declared"] and optimizer["class"] and optimizer["declared"] not in optimizer["class"].split(" or "):
+            name += f", although the settings declare {optimizer['declared']}"
+        groups = "; ".join(
+            ", ".join(f"{k}={v}" for k, v in group.items()) for group in optimizer["param_groups"]
+        )
+        lines.append(f"optimizer:    {name}, {len(optimizer['param_groups'])} param group(s): {groups}")
+        lines.append(f"              state for {optimizer['params_with_state']} params: {_tensors_text(optimizer)}")
+    scheduler = info["lr_scheduler"]
+    lines.append("lr scheduler: " + ("none" if scheduler is None else f"yes (last_epoch={scheduler['last_epoch']}, last lr={scheduler['last_lr']})"))
+    scaler = info["grad_scaler"]
+    lines.append("grad scaler:  " + (f"enabled (scale={scaler['scale']:g})" if scaler["enabled"] and "scale" in scaler else "enabled" if scaler["enabled"] else "disabled"))
+    rng = info["rng"]
+    lines.append("rng state:    " + ("not saved" if rng is None else f"saved for {rng['ranks']} rank(s): {', '.join(rng['generators'])}"))
+    loader = info["data_loader"]
+    lines.append("data loader:  " + ("no position saved (not a stateful loader)" if loader is None else f"position saved for {loader['ranks']} rank(s)"))
+    if info["hooks"]:
+        for key, stats in info["hooks"].items():
+            keys = f" [{', '.join(stats['keys'])}]" if stats["keys"] else ""
+            lines.append(f"hook state:   {key}{keys}: {_tensors_text(stats)}")
+    else:
+        lines.append("hook state:   none")
+    if info["settings"] is None:
+        lines.append("settings:     not saved")
+    else:
+        lines.append("settings:")
+        lines += ["  " + line for line in json.dumps(info["settings"], indent=2).splitlines()]
+    return "\n".join(lines) + "\n"
+
+
+def _cmd_inspect(args: argparse.Namespace) -> int:
+    """``trainloop inspect``: report what a checkpoint holds, or why it cannot be read."""
+    directory, root = _find_checkpoint(args.checkpoint)
+    try:
+        info = describe_checkpoint(directory)
+    except CheckpointError as error:
+        hint = _intact_alternative(root, directory) if root is not None else ""
+        raise CliError(f"{error}{hint}", FAILURE) from None
+    sys.stdout.write(json.dumps(info, indent=2, default=_jsonable) + "\n" if args.json else _format_checkpoint(info, root))
+    return 0
+
+
+# -- the parser ----------------------------------------------------------------------------------
+
+
+def _build_parser() -> argparse.ArgumentParser:
+    """The ``trainloop`` argument parser and its subcommands."""
+    parser = argparse.ArgumentParser(
+        prog=PROG,
+        description="Run, check and look into trainloop training runs.",
+        epilog="Exit codes: 0 ok, 1 a file cannot be used, 2 usage or settings error, 128+N a signal exit.",
+    )
+    commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+    def settings_args(sub: argparse.ArgumentParser, trainer_required: bool) -> None:
+        sub.add_argument("settings_file", metavar="SETTINGS_FILE", help="a .json, .yaml/.yml or .toml settings file")
+        sub.add_argument(
+            "--trainer", required=trainer_required, metavar="MODULE:CLASS",
+            help="the BaseTrainer subclass (its settings_class validates the settings)",
+        )
+        sub.add_argument(
+            "--set", action="append", default=[], metavar="KEY=VALUE",
+            help="override a setting (repeatable; nested: hooks.0.interval=5); values are JSON or plain text",
+        )
+
+    run = commands.add_parser(
+        "run", help="validate the settings and train",
+        description="Validate the settings (file < TRAINLOOP_* environment < --set), then train.",
+    )
+    settings_args(run, trainer_required=True)
+    run.add_argument(
+        "--log-level", default="info", choices=["debug", "info", "warning", "error"],
+        help="log level on stderr, unless the trainer's module configured logging (default: info)",
+    )
+    run.set_defaults(handler=_cmd_run)
+
+    validate = commands.add_parser(
+        "validate", help="print the resolved settings, or what is wrong with them",
+        description="Resolve and validate the settings and print them as JSON; builds and writes nothing.",
+    )
+    settings_args(validate, trainer_required=False)
+    validate.set_defaults(handler=_cmd_validate)
+
+    schema = commands.add_parser("schema", help="print the settings' JSON Schema", description="Print or write the settings' JSON Schema.")
+    schema.add_argument("--output", metavar="PATH", help="write it here instead of stdout")
+    schema.add_argument("--trainer", metavar="MODULE:CLASS", help="the schema of this trainer's settings_class")
+    schema.set_defaults(handler=_cmd_schema)
+
+    graph = commands.add_parser(
+        "graph", help="draw the state machine",
+        description="Draw the state machine; with --trace, weight each edge by how often it fired in a run.",
+    )
+    graph.add_argument("--format", default="mermaid", choices=["mermaid", "dot", "svg", "png"],
+                       help="mermaid or dot source text, or svg/png rendered by Graphviz's dot (default: mermaid)")
+    graph.add_argument("--trace", metavar="WORKSPACE_OR_TRACE_FILE", help="a run's workspace or its trace.jsonl")
+    graph.add_argument("--output", metavar="PATH", help="write it here instead of stdout")
+    graph.set_defaults(handler=_cmd_graph)
+
+    inspect = commands.add_parser(
+        "inspect", help="show what a checkpoint holds",
+        description="Show what a checkpoint holds. Give a checkpoint directory, a checkpoints root "
+        "(its latest is shown) or a workspace with a checkpoints/ directory.",
+    )
+    inspect.add_argument("checkpoint", metavar="CHECKPOINT_DIR")
+    inspect.add_argument("--json", action="store_true", help="print the report as JSON")
+    inspect.set_defaults(handler=_cmd_inspect)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Run the ``trainloop`` command line.
+
+    Args:
+        argv: The arguments (without the program name); ``sys.argv[1:]`` when ``None``.
+
+    Returns:
+        The exit code. A run ended by an exit signal raises ``SystemExit`` with its code instead.
+    """
+    args = _build_parser().parse_args(argv)
+    handler: Callable[[argparse.Namespace], int] = args.handler
+    try:
+        return handler(args)
+    except CliError as error:
+        print(f"{PROG} {args.command}: error: {error}", file=sys.stderr)
+        return error.exit_code
+
+
+if __name__ == "__main__":
+    sys.exit(main())
