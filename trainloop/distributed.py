@@ -35,12 +35,12 @@ from pydantic import (
 )
 from torch import nn
 from torch.distributed.fsdp import (
-    FSDPModule,
     MixedPrecisionPolicy,
     OffloadPolicy,
     fully_shard,
 )
 
+from .sync import gradient_sync
 from .types import PositiveFloat, StrictBool
 from .utils import is_rank_zero
 
@@ -68,7 +68,7 @@ __all__ = [
 logger = logging.getLogger(__name__)
 
 Strategy = Literal["auto", "ddp", "fsdp", "none"]
-"""How :func:`wrap_model` wraps: DDP, FSDP2 ``fully_shard``, nothing, or DDP when there are
+"""How ``wrap_model`` wraps: DDP, FSDP2 ``fully_shard``, nothing, or DDP when there are
 two or more ranks (``"auto"``)."""
 
 # torchrun's rendezvous variables that init_process_group("env://") reads.
@@ -81,19 +81,19 @@ _ARBITRARY = ConfigDict(arbitrary_types_allowed=True, strict=True)
 
 @dataclass(frozen=True)
 class DistributedContext:
-    """Where this process stands: what :func:`init_distributed` set up (or found).
+    """Where this process stands: what ``init_distributed`` set up (or found).
 
     Use it as a context manager to destroy the process group on exit, if
-    :func:`init_distributed` created it (a group it found already initialised is left alone).
+    ``init_distributed`` created it (a group it found already initialised is left alone).
 
     Attributes:
         rank: This process's rank in the default group (0 when alone).
         world_size: The number of processes (1 when alone).
         local_rank: The rank on this machine (torchrun's ``LOCAL_RANK``; 0 when alone).
-        device: The device this process should use (see :func:`get_device`).
+        device: The device this process should use (see ``get_device``).
         backend: The process group's backend (``"gloo"``, ``"nccl"``...), or ``None`` when no
             group is initialised.
-        owns_group: Whether :func:`init_distributed` created the group, so exiting the context
+        owns_group: Whether ``init_distributed`` created the group, so exiting the context
             destroys it.
     """
 
@@ -146,12 +146,12 @@ def init_distributed(
     Args:
         backend: The backend to use instead of the device's default (any string
             ``init_process_group`` accepts, e.g. ``"cpu:gloo,cuda:nccl"``).
-        device: The device to use instead of :func:`get_device`'s choice (e.g. ``"cpu"`` to run
+        device: The device to use instead of ``get_device``'s choice (e.g. ``"cpu"`` to run
             on the CPU on a machine with GPUs).
         timeout: The process group's timeout for collectives; torch's default if omitted.
 
     Returns:
-        A :class:`DistributedContext`; ``with init_distributed() as ctx:`` destroys the group
+        A ``DistributedContext``; ``with init_distributed() as ctx:`` destroys the group
         on exit.
 
     Raises:
@@ -284,7 +284,7 @@ def destroy() -> None:
 
 
 class DDPOptions(BaseModel):
-    """:func:`wrap_model` options for ``strategy="ddp"`` (and ``"auto"``): DDP's own arguments.
+    """``wrap_model`` options for ``strategy="ddp"`` (and ``"auto"``): DDP's own arguments.
 
     Only the options given are passed on, so DDP's defaults apply to the others.
 
@@ -310,7 +310,7 @@ ShardPredicate = Callable[[nn.Module], bool]
 
 
 class FSDPOptions(BaseModel):
-    """:func:`wrap_model` options for ``strategy="fsdp"`` (FSDP2 ``fully_shard``).
+    """``wrap_model`` options for ``strategy="fsdp"`` (FSDP2 ``fully_shard``).
 
     Attributes:
         shard_modules: Which submodules get their own ``fully_shard`` group (one all-gather and
@@ -392,10 +392,10 @@ def wrap_model(model: nn.Module, strategy: Strategy = "auto", **options: Any) ->
 
     Move the model to its device first (``model.to(self.device)``).
 
-    - ``"ddp"``: ``DistributedDataParallel(model, **options)`` (see :class:`DDPOptions`).
+    - ``"ddp"``: ``DistributedDataParallel(model, **options)`` (see ``DDPOptions``).
     - ``"fsdp"``: FSDP2. Every submodule that ``shard_modules`` matches is passed to
       ``fully_shard`` (innermost first), then the root; the model is changed in place and
-      returned, its parameters now ``DTensor`` shards (see :class:`FSDPOptions`). For
+      returned, its parameters now ``DTensor`` shards (see ``FSDPOptions``). For
       checkpoints, give the trainer ``state_dict_options=StateDictOptions(full_state_dict=True,
       cpu_offload=True)`` so rank 0 holds (and ``CheckpointingHook`` writes) full tensors.
     - ``"none"``: the model itself.
@@ -405,7 +405,7 @@ def wrap_model(model: nn.Module, strategy: Strategy = "auto", **options: Any) ->
     Args:
         model: The module to wrap, on its device.
         strategy: One of ``"auto"``, ``"ddp"``, ``"fsdp"``, ``"none"``.
-        **options: The chosen strategy's options (:class:`DDPOptions` or :class:`FSDPOptions`).
+        **options: The chosen strategy's options (``DDPOptions`` or ``FSDPOptions``).
 
     Returns:
         The wrapped module.
@@ -450,67 +450,3 @@ def _fully_shard(model: nn.Module, options: FSDPOptions) -> nn.Module:
     fully_shard(model, **kwargs)
     logger.debug("fully_shard: %d submodule groups and the root", len(groups))
     return model
-
-
-# -- gradient synchronisation ----------------------------------------------------------------------
-
-
-class gradient_sync:  # lower case: used like torch.no_grad
-    """Run backward with or without synchronising gradients across ranks.
-
-    Gradient accumulation skips the synchronisation on all but a step's last microstep::
-
-        with gradient_sync(model, enabled=is_last_microstep):
-            loss.backward()
-
-    - DDP (and FSDP1): ``enabled=False`` enters ``model.no_sync()``.
-    - FSDP2 (``fully_shard``), which has no ``no_sync()``: ``enabled`` is passed to
-      ``set_requires_gradient_sync`` of every FSDP module in the model; with ``False`` the
-      unsharded gradients accumulate locally and the next synchronised backward reduce-scatters
-      them. Leaving a ``False`` context turns synchronisation back on.
-    - Any other model: nothing happens.
-
-    The object may be built once and entered again and again (the hot loop need not allocate):
-    what the model supports is looked up at construction.
-
-    Args:
-        model: The model as wrapped (DDP, FSDP2, or plain; ``torch.compile`` seen through).
-        enabled: Whether this backward synchronises gradients.
-    """
-
-    __slots__ = ("_entered", "_fsdp", "_no_sync", "enabled", "model")
-
-    def __init__(self, model: nn.Module, enabled: bool = True) -> None:
-        self.model = model
-        self.enabled = enabled
-        self._fsdp = tuple(m for m in model.modules() if isinstance(m, FSDPModule))
-        self._no_sync = getattr(model, "no_sync", None) if not self._fsdp else None
-        self._entered: Any = None
-
-    @property
-    def controls_sync(self) -> bool:
-        """Whether the model has gradient synchronisation to switch (DDP, FSDP1 or FSDP2)."""
-        return bool(self._fsdp) or self._no_sync is not None
-
-    def __enter__(self) -> Self:
-        if self._fsdp:
-            for module in self._fsdp:
-                module.set_requires_gradient_sync(self.enabled, recurse=False)
-        elif not self.enabled and self._no_sync is not None:
-            self._entered = self._no_sync()
-            self._entered.__enter__()
-        return self
-
-    def __exit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        traceback: TracebackType | None,
-    ) -> None:
-        if self._fsdp:
-            if not self.enabled:
-                for module in self._fsdp:
-                    module.set_requires_gradient_sync(True, recurse=False)
-        elif self._entered is not None:
-            entered, self._entered = self._entered, None
-            entered.__exit__(exc_type, exc, traceback)

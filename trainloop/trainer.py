@@ -15,22 +15,17 @@ from typing import TYPE_CHECKING, Any, ClassVar
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.distributed.checkpoint.state_dict import (
-    StateDictOptions,
-    get_state_dict,
-    set_state_dict,
-)
 
 from . import components
 from .agreement import ExitAgreement
 from .data import EpochIterator
-from .distributed import gradient_sync
 from .grads import NonFiniteGradCheck
 from .hooks.base import BaseHook, hook_dispatch, state_entry_methods
 from .loss import Loss
 from .machine import Handle, State, StateMachine
 from .rng import get_rng_state, seed_all, set_rng_state
 from .settings import TrainerSettings
+from .sync import gradient_sync
 from .trace import Trace
 from .utils import Records, is_distributed_model, is_rank_zero, unwrap_model
 
@@ -54,9 +49,9 @@ class LossNoneWarning(UserWarning):
 class BaseTrainer:
     """A training loop whose sequencing is an explicit state machine.
 
-    Subclass it and implement :meth:`build_data_loader`, :meth:`build_model`,
-    :meth:`build_optimizer` and :meth:`forward`; optionally :meth:`build_lr_scheduler`,
-    :meth:`build_grad_scaler` and :meth:`build_hooks`. Construct it from keyword arguments,
+    Subclass it and implement ``build_data_loader``, ``build_model``,
+    ``build_optimizer`` and ``forward``; optionally ``build_lr_scheduler``,
+    ``build_grad_scaler`` and ``build_hooks``. Construct it from keyword arguments,
     a settings object, or both (keywords override)::
 
         MyTrainer(max_steps=1000, mixed_precision="bf16", workspace="runs/a").train()
@@ -70,7 +65,7 @@ class BaseTrainer:
         state_dict_options: Options for ``torch.distributed.checkpoint.state_dict`` (runtime
             only, not part of the settings).
         logger: Where the trainer and its hooks log; ``logging.getLogger("trainloop")`` if omitted.
-        **kwargs: Fields of ``settings_class`` (see :class:`TrainerSettings`).
+        **kwargs: Fields of ``settings_class`` (see ``TrainerSettings``).
 
     Raises:
         pydantic.ValidationError: A setting is invalid; the error names the field.
@@ -256,7 +251,7 @@ class BaseTrainer:
     def request_exit(self, exit_code: int | None = None) -> None:
         """Ask the run to end cleanly at the end of the current step.
 
-        Under a process group the ranks agree first (see :class:`~trainloop.agreement.ExitAgreement`):
+        Under a process group the ranks agree first (see ``ExitAgreement``):
         all of them stop after the same step, one step after the first request.
 
         Args:
@@ -287,7 +282,7 @@ class BaseTrainer:
               checkpointing: on_enter_checkpointing hooks save
             exiting:        on_after_train; close the data iterator
 
-        The next state is chosen by :data:`trainloop.machine.TRANSITIONS`.
+        The next state is chosen by ``trainloop.machine.TRANSITIONS``.
 
         Raises:
             RuntimeError: Gradients stayed non-finite beyond ``max_non_finite_grad_retries``.
@@ -412,8 +407,8 @@ class BaseTrainer:
         """Draw batches until ``forward`` returns a loss; record it, return what to backpropagate.
 
         A ``None`` loss does not count. A plain loss is divided by the number of microsteps; a
-        :class:`~trainloop.loss.Loss` is backpropagated as its sum and its count added up, for
-        :meth:`_normalise_by_items` to divide the gradients by at the end of the step.
+        ``Loss`` is backpropagated as its sum and its count added up, for
+        ``_normalise_by_items`` to divide the gradients by at the end of the step.
         """
         info = self.step_info
         while True:
@@ -584,6 +579,7 @@ class BaseTrainer:
         FSDP models give the same layout as plain ones.
         """
         # Imported here: torch.distributed.checkpoint costs ~0.8 s to import, and many runs never save.
+        from torch.distributed.checkpoint.state_dict import get_state_dict
 
         model_state, optimizer_state = get_state_dict(
             self.model, self.optimizer, options=self.state_dict_options
@@ -608,7 +604,8 @@ class BaseTrainer:
         return state_dict
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        """Restore what :meth:`state_dict` returned."""
+        """Restore what ``state_dict`` returned."""
+        from torch.distributed.checkpoint.state_dict import set_state_dict
 
         training_state = state_dict["training_state"]
         self.step = training_state["step"]

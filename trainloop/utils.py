@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import math
+import sys
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from numbers import Number
 from typing import Any, TypeAlias, Union
@@ -155,9 +156,8 @@ def is_distributed_model(model: nn.Module) -> bool:
     over ranks."""
     if isinstance(model, nn.parallel.DistributedDataParallel):
         return True
-    from torch.distributed.fsdp import FSDPModule, FullyShardedDataParallel
-
-    return isinstance(model, (FSDPModule, FullyShardedDataParallel))
+    fsdp = sys.modules.get("torch.distributed.fsdp")  # never imported: no FSDP model exists
+    return fsdp is not None and isinstance(model, (fsdp.FSDPModule, fsdp.FullyShardedDataParallel))
 
 
 def is_rank_zero() -> bool:
