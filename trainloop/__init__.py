@@ -19,9 +19,9 @@ from .hooks import (
 from .loss import Loss
 from .lr_find import LrFindComponents, LrFindResult, lr_find
 from .machine import TRANSITIONS, State, Transition
-from .trace import Trace, TraceEntry, TraceSummary, read_trace, summarize_trace
 from .rng import seed_all
 from .settings import SettingsFileError, TrainerSettings
+from .trace import Trace, TraceEntry, TraceSummary, read_trace, summarize_trace
 from .trainer import BaseTrainer, LossNoneWarning
 from .utils import flatten_nested_dict, key_average, map_nested_tensor
 

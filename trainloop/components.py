@@ -10,7 +10,7 @@ A schedule is constant, linear or cosine, with an optional linear warmup::
 
     {"name": "cosine", "warmup_steps": 500, "final_lr_ratio": 0.1}
 
-:func:`build_optimizer` and :func:`build_lr_scheduler` turn them into torch objects. Both
+``build_optimizer`` and ``build_lr_scheduler`` turn them into torch objects. Both
 settings models are frozen and strict, produce a JSON Schema and round-trip through JSON.
 """
 
@@ -68,7 +68,7 @@ def _discover_optimizers() -> dict[str, type[torch.optim.Optimizer]]:
 #: Every optimizer class of ``torch.optim``, by its class name.
 OPTIMIZERS: dict[str, type[torch.optim.Optimizer]] = _discover_optimizers()
 
-#: What ``no_weight_decay`` can name: see :class:`OptimizerSettings`.
+#: What ``no_weight_decay`` can name: see ``OptimizerSettings``.
 NoWeightDecayRule = Literal["bias", "norm", "embedding"]
 
 _StrictFloat = Annotated[float, Field(strict=True, allow_inf_nan=False)]
@@ -270,7 +270,7 @@ class OptimizerSettings(RootModel[_OptimizerArgsUnion]):  # type: ignore[valid-t
     those parameters go to a second param group with ``weight_decay`` 0.
 
     Build it from keywords (``OptimizerSettings(name="AdamW", lr=1e-3)``) or a mapping
-    (``OptimizerSettings.model_validate({...})``); :func:`build_optimizer` makes the optimizer.
+    (``OptimizerSettings.model_validate({...})``); ``build_optimizer`` makes the optimizer.
     """
 
     model_config = ConfigDict(frozen=True)
@@ -320,7 +320,7 @@ def _no_decay_ids(model: nn.Module, rules: tuple[str, ...]) -> set[int]:
 def build_optimizer(settings: OptimizerSettings, model: nn.Module) -> torch.optim.Optimizer:
     """Build the optimizer that ``settings`` declare over ``model``'s trainable parameters.
 
-    Param groups carry a ``"name"`` (what :class:`~trainloop.hooks.stats.StatsHook` keys
+    Param groups carry a ``"name"`` (what ``StatsHook`` keys
     learning rates by): one group ``"default"`` without ``no_weight_decay``; with it, ``"decay"``
     (the declared ``weight_decay``) and ``"no_decay"`` (``weight_decay`` 0), an empty one left
     out. Every trainable parameter is in exactly one group, shared parameters once.
@@ -355,7 +355,7 @@ def build_optimizer(settings: OptimizerSettings, model: nn.Module) -> torch.opti
 
 # -- learning-rate schedules -----------------------------------------------------------------------
 
-#: The schedule names :class:`LrScheduleSettings` accepts.
+#: The schedule names ``LrScheduleSettings`` accepts.
 LR_SCHEDULES = ("constant", "linear", "cosine")
 
 _WarmupRatio = Annotated[float, Field(ge=0, lt=1, strict=True, allow_inf_nan=False)]
@@ -370,7 +370,7 @@ class LrScheduleSettings(BaseModel):
     ``D = max_steps - W`` steps, ``j = 0..D-1``: ``constant`` keeps ``lr``; ``linear`` uses
     ``lr * (1 - (1 - r) * j / D)``; ``cosine`` uses ``lr * (r + (1 - r) * (1 + cos(pi * j / D)) / 2)``,
     where ``r`` is ``final_lr_ratio``; both reach ``lr * r`` as the last step completes.
-    ``lr`` is each param group's initial learning rate. :func:`build_lr_scheduler` builds it.
+    ``lr`` is each param group's initial learning rate. ``build_lr_scheduler`` builds it.
     """
 
     model_config = ConfigDict(frozen=True, extra="forbid", validate_default=True, use_attribute_docstrings=True)

@@ -58,15 +58,15 @@ AboveOne = Annotated[float, Field(gt=1, strict=True, allow_inf_nan=False)]
 
 @pydantic_dataclass(frozen=True)
 class LrFindComponents:
-    """What :func:`lr_find` trains when there is no trainer: the pieces of one training step.
+    """What ``lr_find`` trains when there is no trainer: the pieces of one training step.
 
-    Args:
+    Attributes:
         model: The model (in train mode during the test; its modes are restored afterwards).
         optimizer: The optimizer of the model's parameters. Each param group's lr is swept in
-            proportion to the lr it has now (see :func:`lr_find`).
+            proportion to the lr it has now (see ``lr_find``).
         data: The batches: a re-iterable (a ``DataLoader``, a list), iterated again when it runs
             out, or an iterator that yields at least ``num_iterations`` batches.
-        loss_fn: ``fn(batch) -> loss``: a scalar tensor, a :class:`~trainloop.loss.Loss`
+        loss_fn: ``fn(batch) -> loss``: a scalar tensor, a ``Loss``
             ``(sum, count)``, or ``None`` to skip the batch (the next one is drawn). Run any
             autocast inside it.
         gradient_accumulation_steps: Batches (forward + backward) per optimizer step.
@@ -199,8 +199,8 @@ def lr_find(
     collective) so that all ranks stop together and agree on the suggestion.
 
     Args:
-        trainer_or_components: A :class:`~trainloop.trainer.BaseTrainer` that has not started
-            ``train()``, or the pieces of a training step as :class:`LrFindComponents`.
+        trainer_or_components: A ``BaseTrainer`` that has not started
+            ``train()``, or the pieces of a training step as ``LrFindComponents``.
         start_lr: The first learning rate (> 0).
         end_lr: The last learning rate (> ``start_lr``).
         num_iterations: Optimizer steps of the full sweep (>= 2).
@@ -344,8 +344,8 @@ class _Sweep:
     def _forward_backward(self, data: Iterator[Any]) -> torch.Tensor:
         """All microsteps of one iteration; returns the iteration's mean loss (a detached tensor).
 
-        With :class:`~trainloop.loss.Loss` the gradients are left summed, and the item count kept
-        for :meth:`_optimizer_step` to divide by: nothing is unscaled or divided before the
+        With ``Loss`` the gradients are left summed, and the item count kept
+        for ``_optimizer_step`` to divide by: nothing is unscaled or divided before the
         divergence check decides that this iteration steps at all.
         """
         components = self.components

@@ -45,7 +45,7 @@ def get_rng_state() -> dict[str, Any]:
 
 
 def set_rng_state(state: dict[str, Any]) -> None:
-    """Restore what :func:`get_rng_state` returned (parts this process lacks are skipped)."""
+    """Restore what ``get_rng_state`` returned (parts this process lacks are skipped)."""
     version, internal, gauss = state["python"]
     random.setstate((version, tuple(internal), gauss))
     torch.set_rng_state(state["torch"])

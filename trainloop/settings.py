@@ -1,6 +1,6 @@
 """Validated, immutable settings that drive a trainer.
 
-Keyword arguments, a :class:`TrainerSettings` object and a settings file all end up as one
+Keyword arguments, a ``TrainerSettings`` object and a settings file all end up as one
 frozen ``TrainerSettings`` (or a subclass a trainer declares for its own knobs). Numbers and
 booleans are strict: ``"10"`` is not taken for ``10``, and unknown keys are errors.
 """

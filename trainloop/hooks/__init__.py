@@ -1,7 +1,7 @@
 """Hooks: the pieces that plug into a trainer's loop, one module per hook.
 
 Every built-in hook registers a type name, so a settings file can declare it as
-``{"type": "<name>", ...parameters}``; :data:`HookSpec` is the validated form of one such entry.
+``{"type": "<name>", ...parameters}``; ``HookSpec`` is the validated form of one such entry.
 Heavy optional packages (wandb, tensorboard, PIL, tqdm) are imported only when a hook uses them.
 """
 

@@ -21,7 +21,7 @@ __all__ = ["EarlyStoppingHook", "MonitorNotFoundWarning"]
 
 
 class MonitorNotFoundWarning(UserWarning):
-    """The metric an :class:`EarlyStoppingHook` monitors never appeared in the logged records."""
+    """The metric an ``EarlyStoppingHook`` monitors never appeared in the logged records."""
 
 
 @register_hook("early_stopping")
@@ -29,7 +29,7 @@ class EarlyStoppingHook(BaseHook):
     """Ask the run to end cleanly when a logged metric has stopped improving.
 
     The hook reads the records given to ``trainer.log`` (for example by a
-    :class:`~trainloop.hooks.validation.ValidationHook`, which logs under ``"val"``), flattened
+    ``ValidationHook``, which logs under ``"val"``), flattened
     with ``/``: ``{"val": {"loss": 0.3}}`` is ``"val/loss"``. Each time ``monitor`` appears is
     one observation. An observation improves when it beats the best so far by more than
     ``min_delta``; after ``patience`` observations in a row without improvement the hook calls
@@ -135,7 +135,7 @@ class EarlyStoppingHook(BaseHook):
         }
 
     def on_load_state_dict(self, trainer: BaseTrainer, state_dict: dict[str, Any]) -> None:
-        """Restore the state saved by :meth:`on_state_dict`.
+        """Restore the state saved by ``on_state_dict``.
 
         A checkpoint without this hook's state, or one that monitored another metric or mode,
         leaves the hook starting afresh (with a warning in the trainer's log).

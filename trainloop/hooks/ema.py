@@ -24,10 +24,10 @@ class EmaHook(BaseHook):
 
     After each optimizer step, ``ema = decay * ema + (1 - decay) * weights``; the first update
     copies the weights. Buffers (e.g. batch-norm statistics) are averaged the same way.
-    :attr:`ema_model` is a ``torch.optim.swa_utils.AveragedModel`` of
+    ``ema_model`` is a ``torch.optim.swa_utils.AveragedModel`` of
     ``trainer.unwrapped_model``; call it like the model (``hook.ema_model(x)``) or read
     ``hook.ema_model.module``. Its state (weights and the count of updates) is saved in the
-    trainer's ``state_dict`` under the hook's :attr:`name` and restored from it.
+    trainer's ``state_dict`` under the hook's ``name`` and restored from it.
 
     Args:
         decay: Weight of the running average at each update, in (0, 1).

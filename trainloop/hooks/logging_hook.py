@@ -19,7 +19,7 @@ class LoggingHook(StatsHook):
 
     The records are :meth:`TrainingStats.to_records
     <trainloop.hooks.stats.TrainingStats.to_records>` of the aggregate over the steps since
-    the previous call (see :class:`~trainloop.hooks.stats.StatsHook`)::
+    the previous call (see ``StatsHook``)::
 
         {"loss": 0.52, "grad_norm": 2.3, "lr": {"group_0": 1e-3}, "step_time": 0.25,
          "data_time": 0.01, "non_finite_grad_retries": 0, "records": {...forward's...}}

@@ -36,10 +36,10 @@ class ProgressHook(StatsHook):
 
     ``eta`` appears once ``eta_warmup`` steps have run; ``mem`` when a hook records peak
     memory (``step_info["max_memory"]``, in GiB as
-    :class:`~trainloop.hooks.cuda_memory.CudaMaxMemoryHook` records it); ``grad_norm`` when the
+    ``CudaMaxMemoryHook`` records it); ``grad_norm`` when the
     trainer clips; ``retries`` when steps were retried; ``lr/<group>`` per group when the
     optimizer has several; ``| key value ...`` with ``with_records``. The numbers are the
-    :class:`~trainloop.hooks.stats.StatsHook` aggregate of the steps since the last report.
+    ``StatsHook`` aggregate of the steps since the last report.
 
     When standard output is a terminal, ``bar`` is on, ``tqdm`` is installed and this is rank 0,
     a live progress bar replaces the lines (its postfix carries the same numbers), and console

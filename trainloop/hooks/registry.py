@@ -1,6 +1,6 @@
 """Hooks declared in settings: ``{"type": "checkpointing", "interval": 1000}``.
 
-A hook class registers under a type name with :func:`register_hook`. Its settings model is
+A hook class registers under a type name with ``register_hook``. Its settings model is
 derived from its ``__init__`` signature (annotations and defaults), so a hook's parameters are
 declared once, in Python, and validated the same way from code and from a settings file.
 """
@@ -24,7 +24,7 @@ H = TypeVar("H", bound=type[BaseHook])
 
 
 class HookSettings(BaseModel):
-    """Base of every hook's settings model; :meth:`build` makes the hook."""
+    """Base of every hook's settings model; ``build`` makes the hook."""
 
     model_config = ConfigDict(frozen=True, extra="forbid")
 

@@ -1,8 +1,8 @@
 """``StatsHook``: training statistics aggregated over microsteps, steps and ranks.
 
-It is the shared core of :class:`~trainloop.hooks.logging_hook.LoggingHook` and
-:class:`~trainloop.hooks.progress.ProgressHook`: both subclass it and override only
-:meth:`StatsHook.emit`, which receives each new :class:`TrainingStats`.
+It is the shared core of ``LoggingHook`` and
+``ProgressHook``: both subclass it and override only
+``StatsHook.emit``, which receives each new ``TrainingStats``.
 
 Cost: on a step that does not emit, the hook appends references to the step's tensors and adds
 a few floats; no tensor is read. At an emission the window's losses and gradient norms are
@@ -33,7 +33,7 @@ __all__ = ["StatsHook", "TrainingStats"]
 
 @dataclass(frozen=True)
 class TrainingStats:
-    """What a :class:`StatsHook` emits: the steps since its previous emission, aggregated.
+    """What a ``StatsHook`` emits: the steps since its previous emission, aggregated.
 
     Attributes:
         step: The step at which these were emitted (the last step aggregated).
@@ -47,7 +47,7 @@ class TrainingStats:
             gradients (the maximum over ranks, when synced: ranks retry the same steps).
         max_memory: Peak of ``step_info["max_memory"]`` over these steps (and ranks), in the
             unit the recording hook uses (GiB for
-            :class:`~trainloop.hooks.cuda_memory.CudaMaxMemoryHook`); ``None`` when no hook
+            ``CudaMaxMemoryHook``); ``None`` when no hook
             records it.
         lrs: Learning rate of each optimizer param group at the last step, as the optimizer
             used it (before the scheduler stepped), keyed by the group's ``"name"`` entry or
@@ -98,12 +98,12 @@ class StatsHook(BaseHook):
     records it (that hook must come before this one), ``forward``'s records, and each param
     group's learning rate before the scheduler steps. At every multiple of ``interval``, at
     ``max_steps``, and when a run ends cleanly before (an exit request) with steps not yet
-    emitted, it reduces them into a :class:`TrainingStats` and calls :meth:`emit`.
+    emitted, it reduces them into a ``TrainingStats`` and calls ``emit``.
 
-    Used on its own, the hook keeps the newest statistics in :attr:`latest` and publishes
+    Used on its own, the hook keeps the newest statistics in ``latest`` and publishes
     them as ``trainer.step_info["stats"]`` on the steps where it emits, for later hooks to read.
-    Subclasses (:class:`~trainloop.hooks.logging_hook.LoggingHook`,
-    :class:`~trainloop.hooks.progress.ProgressHook`) override :meth:`emit`.
+    Subclasses (``LoggingHook``,
+    ``ProgressHook``) override ``emit``.
 
     Args:
         interval: Emit at every multiple of this many steps, and at the last step.
@@ -113,7 +113,7 @@ class StatsHook(BaseHook):
             rank's CUDA device first, as usual).
 
     Attributes:
-        latest: The last :class:`TrainingStats` emitted, or ``None``.
+        latest: The last ``TrainingStats`` emitted, or ``None``.
 
     Raises:
         pydantic.ValidationError: A parameter is invalid; the error names it.

@@ -34,8 +34,8 @@ class ValidationHook(BaseHook):
     ``trainer.device``). Afterwards every submodule gets back the train/eval mode it had, also
     when the evaluation raises. The returned records are logged with
     ``trainer.log({prefix: records})``, so an
-    :class:`~trainloop.hooks.early_stopping.EarlyStoppingHook` can monitor e.g. ``"val/loss"``,
-    and kept in :attr:`last_records`.
+    ``EarlyStoppingHook`` can monitor e.g. ``"val/loss"``,
+    and kept in ``last_records``.
 
     In Python ``evaluate`` may be any callable; in a settings file it is the name of a trainer
     method::
