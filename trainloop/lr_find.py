@@ -42,7 +42,7 @@ from torch import nn
 from .data import EpochIterator
 from .loss import Loss
 from .machine import State
-from .rng import get_rng_state, seed_all, set_rng_state
+from .rng import get_rng_state, set_rng_state
 from .trainer import BaseTrainer
 from .types import PositiveFloat, PositiveInt
 from .utils import is_distributed_model, module_modes_kept
@@ -451,12 +451,7 @@ def _trainer_components(trainer: BaseTrainer) -> Iterator[LrFindComponents]:
     missing = object()
     saved = {name: trainer.__dict__.get(name, missing) for name in names}
     try:
-        # What train()'s building state does, in its order (build_optimizer reads self.model).
-        if trainer.settings.seed is not None:
-            seed_all(trainer.settings.seed)
-        trainer.data_loader = trainer.build_data_loader()
-        trainer.model = trainer.build_model()
-        trainer.optimizer = trainer.build_optimizer()
+        trainer._build_components()  # what train()'s building state does first, in its order
         trainer.grad_scaler = trainer.build_grad_scaler()
         settings = trainer.settings
         yield LrFindComponents(

@@ -329,11 +329,7 @@ class BaseTrainer:
     # -- the work of each state ----------------------------------------------------------------
 
     def _build(self) -> None:
-        if self.settings.seed is not None:
-            seed_all(self.settings.seed)
-        self.data_loader = self.build_data_loader()
-        self.model = self.build_model()
-        self.optimizer = self.build_optimizer()
+        self._build_components()
         self.lr_scheduler = self.build_lr_scheduler()
         self.grad_scaler = self.build_grad_scaler()
         self.hooks = list(self.build_hooks())
@@ -342,6 +338,15 @@ class BaseTrainer:
         for hook in self.hooks:
             for state, method in state_entry_methods(hook):
                 self._machine.on_enter(state, method)
+
+    def _build_components(self) -> None:
+        """Seed, then build data loader, model and optimizer, in that order (each may read the
+        ones before it); ``lr_find`` builds these alone."""
+        if self.settings.seed is not None:
+            seed_all(self.settings.seed)
+        self.data_loader = self.build_data_loader()
+        self.model = self.build_model()
+        self.optimizer = self.build_optimizer()
 
     def _restore(self) -> None:
         # A checkpoint, if any, was loaded by on_enter_restoring callbacks before this runs.
