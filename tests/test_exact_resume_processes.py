@@ -13,19 +13,15 @@ from __future__ import annotations
 
 import functools
 import json
-import os
-import queue
 import signal
-import socket
-import subprocess
-import sys
-import threading
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
+from child_process import ChildProcess
+from ddp_worker import free_port
 
 from trainloop import State
 from trainloop.hooks.checkpointing import (
@@ -54,69 +50,24 @@ DDP_TERM_AT = 5  # rank 1 is signalled as step 5 begins; the ranks agree to stop
 STARTED: list[Child] = []  # every child, so that none outlives a failed test
 
 
-class Child:
-    """``resume_child.py`` in a new process, its stdout lines read on a thread."""
+class Child(ChildProcess):
+    """``resume_child.py`` in a new process, registered so that none outlives a failed test."""
 
     def __init__(self, tmp: Path, runs: list[dict[str, Any]], env: dict[str, str] | None = None) -> None:
-        full_env = dict(os.environ)
-        full_env["PYTHONPATH"] = os.pathsep.join(
-            [str(TESTS), str(TESTS.parent), *filter(None, [full_env.get("PYTHONPATH")])]
-        )
-        full_env.update(env or {})
-        self.stderr_path = tmp / f"stderr-{os.urandom(4).hex()}.txt"
-        with open(self.stderr_path, "w") as stderr:
-            self.proc = subprocess.Popen(
-                [sys.executable, str(CHILD), json.dumps(runs)],
-                stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=stderr, text=True, env=full_env,
-            )
+        super().__init__(CHILD, [json.dumps(runs)], tmp, env)
         STARTED.append(self)
-        self.lines: list[str] = []
-        self._queue: queue.Queue[str | None] = queue.Queue()
-        threading.Thread(target=self._read, daemon=True).start()
 
-    def _read(self) -> None:
-        for line in self.proc.stdout:  # type: ignore[union-attr]
-            self._queue.put(line.strip())
-        self._queue.put(None)
-
-    def stderr(self) -> str:
-        return self.stderr_path.read_text()
-
-    def wait_for(self, line: str) -> None:
-        """Block until the child prints ``line``."""
-        while True:
-            try:
-                got = self._queue.get(timeout=TIMEOUT)
-            except queue.Empty:
-                self.proc.kill()
-                raise AssertionError(f"no {line!r} in {TIMEOUT} s: {self.lines}") from None
-            if got is None:
-                raise AssertionError(f"child ended before {line!r}: {self.lines}\n{self.stderr()}")
-            self.lines.append(got)
-            if got == line:
-                return
+    def wait_for(self, line: str) -> str:  # type: ignore[override]
+        """Block until the child prints exactly ``line``."""
+        return super().wait_for(line, timeout=TIMEOUT, exact=True)
 
     def resume(self) -> None:
         """Let a paused child go on."""
-        self.proc.stdin.write("\n")  # type: ignore[union-attr]
-        self.proc.stdin.flush()  # type: ignore[union-attr]
+        self.send("")
 
-    def finish(self) -> int:
+    def finish(self) -> int:  # type: ignore[override]
         """Wait for the exit; read the remaining lines; return the exit code."""
-        try:
-            code = self.proc.wait(timeout=TIMEOUT)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-            raise
-        while (line := self._queue.get(timeout=TIMEOUT)) is not None:
-            self.lines.append(line)
-        return code
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+        return super().finish(timeout=TIMEOUT)
 
 
 def ranks(tmp: Path, runs: list[dict[str, Any]], world: int = 2) -> list[Child]:

@@ -4,7 +4,7 @@ import warnings
 
 import pytest
 import torch
-from tiny_trainer import CaptureHook, TinyTrainer, make_data
+from tiny_trainer import CaptureHook, CounterHook, TinyTrainer, make_data
 from torch import nn
 from torch.utils.data import DataLoader
 
@@ -311,26 +311,13 @@ def test_state_dict_round_trip_resumes_to_the_same_result():
 
 
 def test_hooks_add_and_restore_their_state():
-    class Counter(BaseHook):
-        def __init__(self):
-            self.count = 0
-
-        def on_after_step(self, trainer):
-            self.count += 1
-
-        def on_state_dict(self, trainer, state_dict):
-            state_dict[self.name] = {"count": self.count}
-
-        def on_load_state_dict(self, trainer, state_dict):
-            self.count = state_dict[self.name]["count"]
-
-    a, b = Counter(), Counter()
+    a, b = CounterHook(), CounterHook()
     trainer = TinyTrainer(max_steps=2, hooks=[a, b])
     trainer.train()
-    assert (a.name, b.name) == ("counter", "counter_2")
+    assert (a.name, b.name) == ("counter_hook", "counter_hook_2")
     state = trainer.state_dict()
-    assert state["counter"] == {"count": 2} and state["counter_2"] == {"count": 2}
-    c = Counter()
+    assert state["counter_hook"] == {"count": 2} and state["counter_hook_2"] == {"count": 2}
+    c = CounterHook()
     restored = TinyTrainer(max_steps=2, hooks=[c])
     restored.on_enter(State.RESTORING, lambda t: t.load_state_dict(state))
     restored.train()

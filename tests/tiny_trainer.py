@@ -88,3 +88,19 @@ class CaptureHook(BaseHook):
     def events(self, name: str) -> list[tuple[str, str, int]]:
         """The recorded calls of one method."""
         return [c for c in self.calls if c[0] == name]
+
+
+class CounterHook(BaseHook):
+    """A hook with state: counts the steps it saw, saved under its name."""
+
+    def __init__(self) -> None:
+        self.count = 0
+
+    def on_after_step(self, trainer: BaseTrainer) -> None:
+        self.count += 1
+
+    def on_state_dict(self, trainer: BaseTrainer, state_dict: dict[str, Any]) -> None:
+        state_dict[self.name] = {"count": self.count}
+
+    def on_load_state_dict(self, trainer: BaseTrainer, state_dict: dict[str, Any]) -> None:
+        self.count = state_dict[self.name]["count"]

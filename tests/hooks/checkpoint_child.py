@@ -28,15 +28,13 @@ from __future__ import annotations
 import argparse
 import itertools
 import os
-import queue
-import subprocess
 import sys
-import threading
 import time
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
+from child_process import ChildProcess
 from tiny_trainer import TinyTrainer, make_data
 from torch import nn
 
@@ -46,8 +44,8 @@ from trainloop.hooks.checkpointing import CheckpointingHook
 TESTS = Path(__file__).resolve().parents[1]
 
 
-class Child:
-    """This script running in a subprocess, its stdout lines read on a thread.
+class Child(ChildProcess):
+    """This script running in a subprocess (see ``ChildProcess``).
 
     Args:
         tmp_path: Where its stderr is kept (shown when it ends unexpectedly).
@@ -55,54 +53,7 @@ class Child:
     """
 
     def __init__(self, tmp_path: Path, *args: str) -> None:
-        env = dict(os.environ)
-        env["PYTHONPATH"] = os.pathsep.join(
-            [str(TESTS), str(TESTS.parent), *filter(None, [env.get("PYTHONPATH")])]
-        )
-        self.stderr_path = tmp_path / f"stderr-{os.urandom(4).hex()}.txt"
-        with open(self.stderr_path, "w") as stderr:
-            self.proc = subprocess.Popen(
-                [sys.executable, __file__, *args],
-                stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=stderr, text=True, env=env,
-            )
-        self.lines: list[str] = []
-        self._queue: queue.Queue[str | None] = queue.Queue()
-        threading.Thread(target=self._read, daemon=True).start()
-
-    def _read(self) -> None:
-        for line in self.proc.stdout:  # type: ignore[union-attr]
-            self._queue.put(line.strip())
-        self._queue.put(None)
-
-    def send(self, line: str) -> None:
-        """Write one line to its stdin."""
-        self.proc.stdin.write(line + "\n")  # type: ignore[union-attr]
-        self.proc.stdin.flush()  # type: ignore[union-attr]
-
-    def wait_for(self, prefix: str, count: int = 1, timeout: float = 120) -> str:
-        """Block until the ``count``-th new line starting with ``prefix``; return it."""
-        seen = 0
-        while True:
-            try:
-                line = self._queue.get(timeout=timeout)
-            except queue.Empty:
-                self.proc.kill()
-                raise AssertionError(f"no {prefix!r} line in {timeout} s: {self.lines}") from None
-            if line is None:
-                stderr = self.stderr_path.read_text()
-                raise AssertionError(f"child ended before {prefix!r}: {self.lines}\n{stderr}")
-            self.lines.append(line)
-            if line.startswith(prefix):
-                seen += 1
-                if seen == count:
-                    return line
-
-    def finish(self, timeout: float = 120) -> int:
-        """Wait for the exit; read the remaining lines; return the exit code."""
-        code = self.proc.wait(timeout=timeout)
-        while (line := self._queue.get(timeout=timeout)) is not None:
-            self.lines.append(line)
-        return code
+        super().__init__(__file__, list(args), tmp_path)
 
 
 def say(*words: object) -> None:

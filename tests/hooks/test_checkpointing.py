@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 import torch
 from pydantic import ValidationError
-from tiny_trainer import CaptureHook, TinyTrainer
+from tiny_trainer import CaptureHook, CounterHook, TinyTrainer
 
 from trainloop import BaseHook
 from trainloop.checkpoint.manifest import write_manifest
@@ -35,22 +35,6 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))  # checkpoint_child, be
 from checkpoint_child import Child
 
 # -- helpers ---------------------------------------------------------------------------------
-
-
-class CounterHook(BaseHook):
-    """A hook with state: counts the steps it saw, saved under its name."""
-
-    def __init__(self) -> None:
-        self.count = 0
-
-    def on_after_step(self, trainer):
-        self.count += 1
-
-    def on_state_dict(self, trainer, state_dict):
-        state_dict[self.name] = {"count": self.count}
-
-    def on_load_state_dict(self, trainer, state_dict):
-        self.count = state_dict[self.name]["count"]
 
 
 class SaveRecorder(BaseHook):
