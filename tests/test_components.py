@@ -10,10 +10,9 @@ import math
 import pytest
 import torch
 from pydantic import ValidationError
-from tiny_trainer import TinyTrainer
+from tiny_trainer import ExitAt, TinyTrainer
 from torch import nn
 
-from trainloop import BaseHook
 from trainloop.components import (
     LR_SCHEDULES,
     OPTIMIZERS,
@@ -535,14 +534,6 @@ class LrRecorder(StatsHook):
     def emit(self, trainer, stats):
         self.lrs.append(stats.lrs)
 
-
-class ExitAt(BaseHook):
-    def __init__(self, step: int) -> None:
-        self.step = step
-
-    def on_after_step(self, trainer):
-        if trainer.step == self.step:
-            trainer.request_exit()
 
 
 class DeclaredTrainer(TinyTrainer):

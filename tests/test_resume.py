@@ -2,10 +2,10 @@
 
 import pytest
 import torch
-from tiny_trainer import TinyTrainer, make_data
+from tiny_trainer import ExitAt, TinyTrainer, make_data
 from torch import nn
 
-from trainloop import BaseHook, State
+from trainloop import State
 
 StatefulDataLoader = pytest.importorskip("torchdata.stateful_dataloader").StatefulDataLoader
 
@@ -24,18 +24,10 @@ class DropoutTrainer(TinyTrainer):
         return nn.Sequential(nn.Linear(4, 16), nn.ReLU(), nn.Dropout(0.3), nn.Linear(16, 1))
 
 
-class StopAt(BaseHook):
-    def __init__(self, step):
-        self.step = step
-
-    def on_after_step(self, trainer):
-        if trainer.step == self.step:
-            trainer.request_exit()
-
 
 def run(max_steps, stop_at=None, resume_from=None, **kwargs):
     torch.manual_seed(3)  # the shuffle's seed, as a run's seed setting would
-    trainer = DropoutTrainer(max_steps=max_steps, hooks=[StopAt(stop_at)] if stop_at else [], **kwargs)
+    trainer = DropoutTrainer(max_steps=max_steps, hooks=[ExitAt(stop_at)] if stop_at else [], **kwargs)
     if resume_from is not None:
         trainer.on_enter(State.RESTORING, lambda t: t.load_state_dict(resume_from))
     trainer.train()

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -104,3 +106,46 @@ class CounterHook(BaseHook):
 
     def on_load_state_dict(self, trainer: BaseTrainer, state_dict: dict[str, Any]) -> None:
         self.count = state_dict[self.name]["count"]
+
+
+class ExitAt(BaseHook):
+    """Requests a clean exit after the given step."""
+
+    def __init__(self, step: int) -> None:
+        self.step = step
+
+    def on_after_step(self, trainer: BaseTrainer) -> None:
+        if trainer.step == self.step:
+            trainer.request_exit()
+
+
+class SaveAtStep(BaseHook):
+    """Keeps a copy of the trainer's state dict at one step, as a checkpoint would."""
+
+    def __init__(self, step: int, path: Path) -> None:
+        self.step, self.path = step, path
+
+    def on_after_step(self, trainer: BaseTrainer) -> None:
+        if trainer.step == self.step:
+            torch.save(trainer.state_dict(), self.path)
+
+
+class LoadHook(BaseHook):
+    """Loads a state dict saved by ``SaveAtStep`` when the run restores."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+
+    def on_enter_restoring(self, trainer: BaseTrainer) -> None:
+        trainer.load_state_dict(torch.load(self.path, weights_only=True))
+
+
+class SignalAtStep(BaseHook):
+    """Sends this process a real signal as the given step begins."""
+
+    def __init__(self, step: int, signum: int) -> None:
+        self.step, self.signum = step, signum
+
+    def on_before_step(self, trainer: BaseTrainer) -> None:
+        if trainer.step == self.step:
+            os.kill(os.getpid(), self.signum)

@@ -14,7 +14,7 @@ import pytest
 import torch
 import torch.multiprocessing as mp
 from ddp_worker import free_port
-from tiny_trainer import CaptureHook, TinyTrainer
+from tiny_trainer import CaptureHook, SignalAtStep, TinyTrainer
 
 from trainloop import BaseHook
 from trainloop.checkpoint import checkpoint_format, read_metadata, verify_checkpoint
@@ -237,16 +237,6 @@ def test_one_background_save_at_a_time(tmp_path, format):
     assert not [t for t in threading.enumerate() if t.name.startswith("checkpoint-")]
     assert checkpoint_steps(root) == [4, 5] and os.readlink(root / "latest") == "5"
 
-
-class SignalAtStep(BaseHook):
-    """Sends this process a real signal as the given step begins."""
-
-    def __init__(self, step: int, signum: int) -> None:
-        self.step, self.signum = step, signum
-
-    def on_before_step(self, trainer):
-        if trainer.step == self.step:
-            os.kill(os.getpid(), self.signum)
 
 
 @pytest.mark.parametrize("format", FORMATS)

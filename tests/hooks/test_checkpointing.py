@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 import torch
 from pydantic import ValidationError
-from tiny_trainer import CaptureHook, CounterHook, TinyTrainer
+from tiny_trainer import CaptureHook, CounterHook, SignalAtStep, TinyTrainer
 
 from trainloop import BaseHook
 from trainloop.checkpoint.manifest import write_manifest
@@ -46,16 +46,6 @@ class SaveRecorder(BaseHook):
     def on_enter_checkpointing(self, trainer):
         self.saved.append(trainer.step)
 
-
-class SignalAtStep(BaseHook):
-    """Sends this process a real signal as the given step begins."""
-
-    def __init__(self, step: int, signum: int) -> None:
-        self.step, self.signum = step, signum
-
-    def on_before_step(self, trainer):
-        if trainer.step == self.step:
-            os.kill(os.getpid(), self.signum)
 
 
 class MomentumTrainer(TinyTrainer):

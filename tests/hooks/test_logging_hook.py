@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 from pydantic import ValidationError
-from tiny_trainer import CaptureHook, TinyTrainer
+from tiny_trainer import CaptureHook, ExitAt, TinyTrainer
 
 from trainloop import BaseHook
 from trainloop.hooks.logging_hook import LoggingHook
@@ -22,14 +22,6 @@ class LogCapture(BaseHook):
     def on_log(self, trainer, records, dry_run=False):
         self.logged.append((trainer.step, records, dry_run))
 
-
-class ExitAt(BaseHook):
-    def __init__(self, step: int):
-        self.step = step
-
-    def on_after_step(self, trainer):
-        if trainer.step == self.step:
-            trainer.request_exit()
 
 
 class MemoryHook(BaseHook):

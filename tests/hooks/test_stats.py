@@ -12,7 +12,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 from pydantic import ValidationError
-from tiny_trainer import CaptureHook, TinyTrainer, make_data
+from tiny_trainer import CaptureHook, ExitAt, TinyTrainer, make_data
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.data import DataLoader
 
@@ -55,14 +55,6 @@ class MemoryHook(BaseHook):
         if trainer.step in self.by_step:
             trainer.step_info["max_memory"] = self.by_step[trainer.step]
 
-
-class ExitAt(BaseHook):
-    def __init__(self, step: int):
-        self.step = step
-
-    def on_after_step(self, trainer):
-        if trainer.step == self.step:
-            trainer.request_exit()
 
 
 class RecordsTrainer(TinyTrainer):

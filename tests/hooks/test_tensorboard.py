@@ -10,7 +10,7 @@ import torch
 from PIL import Image
 from pydantic import ValidationError
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
-from tiny_trainer import TinyTrainer
+from tiny_trainer import LoadHook, SaveAtStep, TinyTrainer
 
 from trainloop import BaseHook
 from trainloop.hooks.registry import HOOK_TYPES, hook_settings_model
@@ -42,23 +42,6 @@ class LogHook(BaseHook):
             trainer.log_images(self.images[trainer.step], dry_run=self.dry_run)
 
 
-class SaveAtStep(BaseHook):
-    """Keeps a copy of the trainer's state dict at one step, as a checkpoint would."""
-
-    def __init__(self, step, path):
-        self.step, self.path = step, path
-
-    def on_after_step(self, trainer):
-        if trainer.step == self.step:
-            torch.save(trainer.state_dict(), self.path)
-
-
-class LoadHook(BaseHook):
-    def __init__(self, path):
-        self.path = path
-
-    def on_enter_restoring(self, trainer):
-        trainer.load_state_dict(torch.load(self.path, weights_only=True))
 
 
 def picture() -> Image.Image:

@@ -12,7 +12,7 @@ import pytest
 import torch
 from PIL import Image
 from pydantic import ValidationError
-from tiny_trainer import TinyTrainer
+from tiny_trainer import LoadHook, SaveAtStep, TinyTrainer
 
 from trainloop import BaseHook
 from trainloop.hooks.registry import HOOK_TYPES, hook_settings_model
@@ -150,21 +150,6 @@ class LogHook(BaseHook):
             trainer.log_images({"dry_pic": picture()}, dry_run=True)
 
 
-class SaveAtStep(BaseHook):
-    def __init__(self, step, path):
-        self.step, self.path = step, path
-
-    def on_after_step(self, trainer):
-        if trainer.step == self.step:
-            torch.save(trainer.state_dict(), self.path)
-
-
-class LoadHook(BaseHook):
-    def __init__(self, path):
-        self.path = path
-
-    def on_enter_restoring(self, trainer):
-        trainer.load_state_dict(torch.load(self.path, weights_only=True))
 
 
 # -- tests -----------------------------------------------------------------------------------
