@@ -184,7 +184,9 @@ def test_graph_with_a_trace_labels_edges_with_their_counts(after_run):
     assert mermaid.startswith("stateDiagram-v2\n")
     assert "    stepping --> retrying: retry [grads_non_finite] (n=1)\n" in mermaid
     assert "    stepping --> checkpointing: checkpoint [checkpoint_due] (n=2)\n" in mermaid
-    assert "    stepping --> stepping: begin_step (n=4)\n" in mermaid  # 6 steps - the retried - the saved
+    assert "    stepping --> accumulating: begin_step / begin_step() (n=4)\n" in mermaid  # 6 steps - the first - the one after a save
+    assert "    accumulating --> stepping: update (n=7)\n" in mermaid  # 6 steps and a retry
+    assert "    retrying --> accumulating: redo_step / redo_step() (n=1)\n" in mermaid
     assert "    building --> exiting: fail (n=0)\n" in mermaid
     # The per-state time summary goes to stderr.
     summary = result.stderr
@@ -200,9 +202,9 @@ def test_graph_dot_with_a_trace_weights_edges_in_process(trained, capsys):
     # Retries and saves stand out in colour; the width grows with the count.
     assert '"stepping" -> "retrying" [label="retry [grads_non_finite] (n=1)", penwidth=1.00, color=darkorange, fontcolor=darkorange];' in dot
     assert '"stepping" -> "checkpointing" [label="checkpoint [checkpoint_due] (n=2)", penwidth=1.45, color=royalblue, fontcolor=royalblue];' in dot
-    assert '"stepping" -> "stepping" [label="begin_step (n=4)", penwidth=1.90];' in dot
+    assert '"stepping" -> "accumulating" [label="begin_step / begin_step() (n=4)", penwidth=1.90];' in dot
     # Edges this run never took are drawn faint and dashed.
-    assert '"stepping" -> "accumulating" [label="accumulate [microsteps_remain] (n=0)", color=gray70, fontcolor=gray55, style=dashed];' in dot
+    assert '"accumulating" -> "accumulating" [label="accumulate [microsteps_remain] (n=0)", color=gray70, fontcolor=gray55, style=dashed];' in dot
     assert "retries: 1, checkpoints: 2" in err
 
 
@@ -508,25 +510,25 @@ def test_graph_trace_errors(tmp_path, capsys):
 
 
 def test_draw_with_counts():
-    counts = Counter({(State.STEPPING, State.STEPPING, "begin_step"): 1000, (State.STEPPING, State.EXITING, "fail"): 1})
+    counts = Counter({(State.ACCUMULATING, State.STEPPING, "update"): 1000, (State.STEPPING, State.EXITING, "fail"): 1})
     dot = draw(format="dot", counts=counts)
-    assert '"stepping" -> "stepping" [label="begin_step (n=1000)", penwidth=5.50];' in dot
+    assert '"accumulating" -> "stepping" [label="update (n=1000)", penwidth=5.50];' in dot
     assert '"stepping" -> "exiting" [label="fail (n=1)", style=dashed, penwidth=1.00, color=red, fontcolor=red];' in dot
     assert '"idle" -> "building" [label="start (n=0)", color=gray70, fontcolor=gray55, style=dashed];' in dot
     mermaid = draw(format="mermaid", counts=counts)
-    assert "    stepping --> stepping: begin_step (n=1000)\n" in mermaid
+    assert "    accumulating --> stepping: update (n=1000)\n" in mermaid
     assert draw(format="mermaid", counts=None) == draw(format="mermaid")  # unchanged without counts
 
 
 def test_a_resumed_runs_trace_does_not_count_the_gap_between_runs():
     def run(start: float) -> list[TraceEntry]:
-        states = [State.IDLE, State.BUILDING, State.RESTORING, State.STEPPING, State.EXITING]
-        triggers = ["start", "restore", "begin_step", "finish"]
+        states = [State.IDLE, State.BUILDING, State.RESTORING, State.ACCUMULATING, State.STEPPING, State.EXITING]
+        triggers = ["start", "restore", "begin_step", "update", "finish"]
         return [TraceEntry(start + i, 1, a, b, t) for i, (a, b, t) in enumerate(zip(states, states[1:], triggers))]
 
     summary = summarize_trace(run(0.0) + run(1000.0))  # the second run began 1000 s later
     assert summary.runs == 2
-    assert summary.seconds_in_state == {State.BUILDING: 2.0, State.RESTORING: 2.0, State.STEPPING: 2.0}
+    assert summary.seconds_in_state == {State.BUILDING: 2.0, State.RESTORING: 2.0, State.ACCUMULATING: 2.0, State.STEPPING: 2.0}
     assert summary.counts[(State.IDLE, State.BUILDING, "start")] == 2
 
 

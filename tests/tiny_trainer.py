@@ -57,6 +57,22 @@ class TinyTrainer(BaseTrainer):
         return loss, {"mse": loss.detach()}
 
 
+class FlakyTrainer(TinyTrainer):
+    """Returns a NaN loss for the microsteps listed in ``nan_at`` (counted over the run)."""
+
+    def __init__(self, *args, nan_at=(), **kwargs):
+        super().__init__(*args, **kwargs)
+        self.nan_at = set(nan_at)
+        self.calls = 0
+
+    def forward(self, batch):
+        loss, records = super().forward(batch)
+        self.calls += 1
+        if self.calls in self.nan_at or "all" in self.nan_at:
+            loss = loss * float("nan")
+        return loss, records
+
+
 class CaptureHook(BaseHook):
     """Records every call it receives, with the trainer's state and step at that moment."""
 

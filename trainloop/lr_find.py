@@ -43,6 +43,7 @@ from .data import EpochIterator
 from .loss import Loss
 from .machine import State
 from .rng import get_rng_state, set_rng_state
+from .step import StepPlan, StepRunner
 from .trainer import BaseTrainer
 from .types import PositiveFloat, PositiveInt
 from .utils import is_distributed_model, module_modes_kept
@@ -237,13 +238,13 @@ def lr_find(
     with contextlib.ExitStack() as stack:
         stack.enter_context(_random_state_kept())
         if isinstance(trainer_or_components, BaseTrainer):
-            components = stack.enter_context(_trainer_components(trainer_or_components))
+            plan, data = stack.enter_context(_trainer_plan(trainer_or_components))
             log = trainer_or_components.logger
         else:
-            components = trainer_or_components
+            plan, data = _components_plan(trainer_or_components), trainer_or_components.data
             log = logger
-        stack.enter_context(_training_state_kept(components))
-        sweep = _Sweep(components, start_lr, end_lr, num_iterations)
+        stack.enter_context(_training_state_kept(plan))
+        sweep = _Sweep(plan, data, start_lr, end_lr, num_iterations)
         result = sweep.run(smoothing, divergence_threshold)
     log.info(
         "LR range test: %d of %d iterations, lr %.3g to %.3g; suggestion %s; diverged at %s",
@@ -264,19 +265,20 @@ class _Lr:
 
 
 class _Sweep:
-    """One range test over prepared components: the optimizer steps and the loss bookkeeping."""
+    """One range test over a step plan: the optimizer steps and the loss bookkeeping.
+
+    The microsteps and the update are the trainer's own (``StepRunner``); the sweep adds the
+    lr schedule, the loss average over ranks, and the divergence check before each update.
+    """
 
     def __init__(
-        self, components: LrFindComponents, start_lr: float, end_lr: float, num_iterations: int
+        self, plan: StepPlan, data: Iterable[Any], start_lr: float, end_lr: float, num_iterations: int
     ) -> None:
-        self.components = components
-        self.optimizer = components.optimizer
+        self.plan = plan
+        self.data = data
+        self.optimizer = plan.optimizer
         self.num_iterations = num_iterations
-        self.model_params = [p for p in components.model.parameters()]
-        scaler = components.grad_scaler
-        self.scaler = scaler if scaler is not None and scaler.is_enabled() else None
-        self.count: torch.Tensor | None = None  # the current iteration's Loss item count
-        self.distributed = is_distributed_model(components.model) and dist.is_available() and dist.is_initialized()
+        self.distributed = is_distributed_model(plan.model) and dist.is_available() and dist.is_initialized()
         lrs = [float(group["lr"]) for group in self.optimizer.param_groups]
         self.reference = max(range(len(lrs)), key=lrs.__getitem__)
         reference_lr = lrs[self.reference]
@@ -301,7 +303,8 @@ class _Sweep:
             # instead of the current lr; the optimizer's state dict, restored afterwards, has it.
             group.pop("initial_lr", None)
         scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, self.factor)
-        data = EpochIterator(self.components.data)
+        data = EpochIterator(self.data)
+        runner = StepRunner(self.plan, data)
         lrs: list[float] = []
         raw: list[float] = []
         smoothed: list[float] = []
@@ -311,7 +314,7 @@ class _Sweep:
         try:
             for i in range(self.num_iterations):
                 lr = float(optimizer.param_groups[self.reference]["lr"])
-                loss_tensor = self._forward_backward(data)
+                loss_tensor = self._forward_backward(runner)
                 loss = float(loss_tensor)  # the iteration's one host sync: divergence is decided now
                 # Bias-corrected moving average: starting it at the first loss instead would give
                 # that one noisy batch a weight of (1 - smoothing) ** i: a false early descent.
@@ -324,7 +327,8 @@ class _Sweep:
                     diverged_at = lr
                     break
                 best = min(best, average)
-                self._optimizer_step()
+                runner.update()  # a grad scaler may skip it (inf gradients): harmless here
+                optimizer.zero_grad(set_to_none=True)
                 if i + 1 < self.num_iterations:
                     with warnings.catch_warnings():
                         # A grad scaler may skip the first optimizer step (inf gradients): harmless here.
@@ -341,80 +345,30 @@ class _Sweep:
             raw_losses=tuple(raw),
         )
 
-    def _forward_backward(self, data: Iterator[Any]) -> torch.Tensor:
+    def _forward_backward(self, runner: StepRunner) -> torch.Tensor:
         """All microsteps of one iteration; returns the iteration's mean loss (a detached tensor).
 
-        With ``Loss`` the gradients are left summed, and the item count kept
-        for ``_optimizer_step`` to divide by: nothing is unscaled or divided before the
-        divergence check decides that this iteration steps at all.
+        With ``Loss`` the gradients are left summed, and the item count kept by the runner to
+        divide by in its update: nothing is unscaled or divided before the divergence check
+        decides that this iteration steps at all.
         """
-        components = self.components
-        accumulation = components.gradient_accumulation_steps
+        runner.begin()
         total: torch.Tensor | None = None
-        items: torch.Tensor | int | None = None
-        for microstep in range(accumulation):
-            while (loss := components.loss_fn(next(data))) is None:
-                pass  # a skipped batch does not count as a microstep
-            if isinstance(loss, Loss):
-                if microstep and items is None:
-                    raise TypeError(_MIXED)
-                _check_scalar(loss.sum, "Loss.sum")
-                items = loss.count if items is None else items + loss.count
-                backward, value = loss.sum, loss.sum.detach()
-            else:
-                if items is not None:
-                    raise TypeError(_MIXED)
-                _check_scalar(loss, "loss")
-                backward = loss / accumulation if accumulation > 1 else loss
-                value = loss.detach() / accumulation
-            if self.scaler is not None:
-                backward = self.scaler.scale(backward)
-            backward.backward()
+        for _ in range(self.plan.accumulation):
+            loss = runner.microstep().loss
+            value = loss.sum.detach() if isinstance(loss, Loss) else loss.detach() / self.plan.accumulation
             total = value if total is None else total + value
         assert total is not None
         # Copies: the all-reduces below work in place, and the count may be the caller's tensor.
         total = total.float().clone()
         if self.distributed:
             dist.all_reduce(total)
-        if items is None:
-            self.count = None
+        if runner.items is None:
             return total / dist.get_world_size() if self.distributed else total
-        count = torch.as_tensor(items, dtype=torch.float32, device=total.device).clone()
+        count = torch.as_tensor(runner.items, dtype=torch.float32, device=total.device).clone()
         if self.distributed:
             dist.all_reduce(count)
-        self.count = count
         return total / count
-
-    def _optimizer_step(self) -> None:
-        optimizer = self.optimizer
-        scaler = self.scaler
-        clip = self.components.grad_clip
-        if scaler is not None and (clip is not None or self.count is not None):
-            scaler.unscale_(optimizer)
-        if self.count is not None:
-            # Summed-loss gradients become mean-loss gradients, as the trainer does at a step's
-            # end. Under DDP the gradients are already averaged over ranks: hence the world size.
-            world = dist.get_world_size() if self.distributed else 1
-            grads = [p.grad for p in self.model_params if p.grad is not None]
-            if grads:
-                torch._foreach_mul_(grads, world / self.count)
-        if clip is not None:
-            nn.utils.clip_grad_norm_(self.model_params, clip)
-        if scaler is not None:
-            scaler.step(optimizer)
-            scaler.update()
-        else:
-            optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
-
-
-_MIXED = "lr_find(): the loss function mixed plain losses and Loss(sum, count) in one step"
-
-
-def _check_scalar(loss: Any, what: str) -> None:
-    if not isinstance(loss, torch.Tensor) or loss.ndim != 0:
-        got = f"a tensor of shape {tuple(loss.shape)}" if isinstance(loss, torch.Tensor) else type(loss).__name__
-        raise TypeError(f"lr_find(): the {what} must be a scalar tensor, got {got}")
 
 
 def _steepest_descent(lrs: list[float], losses: list[float], smoothing: float) -> float | None:
@@ -435,9 +389,23 @@ def _steepest_descent(lrs: list[float], losses: list[float], smoothing: float) -
     return best_lr
 
 
+def _components_plan(components: LrFindComponents) -> StepPlan:
+    loss_fn = components.loss_fn
+    return StepPlan(
+        model=components.model,
+        optimizer=components.optimizer,
+        forward=lambda batch: (loss_fn(batch), None),
+        owner="lr_find()'s loss function",
+        accumulation=components.gradient_accumulation_steps,
+        grad_clip=components.grad_clip,
+        grad_scaler=components.grad_scaler,
+        check_grads=False,  # the sweep checks the loss instead, before each update
+    )
+
+
 @contextlib.contextmanager
-def _trainer_components(trainer: BaseTrainer) -> Iterator[LrFindComponents]:
-    """Build a trainer's step components through its ``build_*`` methods, outside ``train()``.
+def _trainer_plan(trainer: BaseTrainer) -> Iterator[tuple[StepPlan, Iterable[Any]]]:
+    """Build a trainer's step through its ``build_*`` methods, outside ``train()``.
 
     ``forward`` reads ``self.model`` (and maybe the others), so the built objects are set on the
     trainer for the test's duration; the attributes get their previous values (or absence) back.
@@ -454,33 +422,24 @@ def _trainer_components(trainer: BaseTrainer) -> Iterator[LrFindComponents]:
         trainer._build_components()  # what train()'s building state does first, in its order
         trainer.grad_scaler = trainer.build_grad_scaler()
         settings = trainer.settings
-        yield LrFindComponents(
+        yield StepPlan(
             model=trainer.model,
             optimizer=trainer.optimizer,
-            data=trainer.data_loader,
-            loss_fn=lambda batch: _trainer_loss(trainer, batch),
-            gradient_accumulation_steps=settings.gradient_accumulation_steps,
+            forward=trainer.forward,
+            owner=f"{type(trainer).__name__}.forward()",
+            accumulation=settings.gradient_accumulation_steps,
             grad_clip=settings.grad_clip,
             grad_scaler=trainer.grad_scaler,
-        )
+            check_grads=False,  # the sweep checks the loss instead, before each update
+            no_sync=settings.no_sync_accumulate,
+            autocast=trainer.autocast(),
+        ), trainer.data_loader
     finally:
         for name, value in saved.items():
             if value is missing:
                 trainer.__dict__.pop(name, None)
             else:
                 setattr(trainer, name, value)
-
-
-def _trainer_loss(trainer: BaseTrainer, batch: Any) -> Any:
-    with trainer.autocast():
-        output = trainer.forward(batch)
-    try:
-        loss, _records = output
-    except (TypeError, ValueError):
-        raise TypeError(
-            f"{type(trainer).__name__}.forward() must return (loss, records), got {type(output).__name__}"
-        ) from None
-    return loss
 
 
 @contextlib.contextmanager
@@ -495,9 +454,9 @@ def _random_state_kept() -> Iterator[None]:
 
 
 @contextlib.contextmanager
-def _training_state_kept(components: LrFindComponents) -> Iterator[None]:
+def _training_state_kept(plan: StepPlan) -> Iterator[None]:
     """Snapshot what the sweep changes and put it back exactly, also when the sweep raises."""
-    model, optimizer, scaler = components.model, components.optimizer, components.grad_scaler
+    model, optimizer, scaler = plan.model, plan.optimizer, plan.grad_scaler
     model_state = copy.deepcopy(model.state_dict())
     optimizer_state = copy.deepcopy(optimizer.state_dict())
     scaler_state = copy.deepcopy(scaler.state_dict()) if scaler is not None else None

@@ -56,8 +56,9 @@ class TrainerSettings(BaseModel):
     grad_clip: PositiveFloat | None = None
     """Max gradient norm (L2); gradients are clipped before the optimizer step."""
     max_non_finite_grad_retries: NonNegativeInt | None = None
-    """How often a step whose gradients are non-finite is redone before giving up with
-    ``RuntimeError``; ``None`` or ``0``: raise at once."""
+    """How often a step whose gradients are non-finite is redone (on fresh batches, the step
+    not counted) before giving up with ``RuntimeError``; ``None`` or ``0``: raise at once.
+    Under fp16 every update GradScaler would skip is such a retry, so fp16 requires it set."""
     detect_non_finite_grads: StrictBool = True
     """Check gradients for inf/NaN before each optimizer step (one host sync per step). Off: a
     sync-free hot loop, and the optimizer steps on whatever the gradients hold."""
@@ -106,6 +107,16 @@ class TrainerSettings(BaseModel):
             except RuntimeError as error:
                 raise ValueError(f"not a torch device: {value!r}") from error
         return value
+
+    @model_validator(mode="after")
+    def _fp16_declares_retries(self) -> Self:
+        if self.mixed_precision == "fp16" and self.max_non_finite_grad_retries is None:
+            raise ValueError(
+                "mixed_precision 'fp16' needs max_non_finite_grad_retries: GradScaler lowers its "
+                "scale by refusing updates with inf gradients, and each refused update is a retry "
+                "of the step; declare how many a step may take (e.g. 10), or 0 to fail at the first"
+            )
+        return self
 
     @model_validator(mode="after")
     def _warmup_fits(self) -> Self:

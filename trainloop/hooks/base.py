@@ -46,13 +46,15 @@ class BaseHook:
         """Called once in ``restoring``, after any checkpoint was loaded."""
 
     def on_before_step(self, trainer: BaseTrainer) -> None:
-        """Called when a new step begins (not again when the step is retried)."""
+        """Called when a new step begins (the ``begin_step`` edge into ``accumulating``; not
+        again when the step is retried)."""
 
     def on_before_optimizer_step(self, trainer: BaseTrainer) -> None:
-        """Called after the last backward of a step, gradients unscaled, before clipping."""
+        """Called in ``stepping``, gradients unscaled and normalised, before clipping."""
 
     def on_after_step(self, trainer: BaseTrainer) -> None:
-        """Called after the optimizer and scheduler stepped; ``trainer.step_info`` is complete."""
+        """Called in ``stepping`` after the optimizer and scheduler stepped (never for an update
+        that found non-finite gradients); ``trainer.step_info`` is complete."""
 
     def on_after_train(self, trainer: BaseTrainer) -> None:
         """Called in ``exiting``, also when the run ends by an error (``trainer.error``)."""
@@ -76,17 +78,15 @@ class BaseHook:
         """Restore this hook's state from a trainer ``state_dict``."""
 
 
-_MICROSTEP = (State.STEPPING, State.ACCUMULATING)
-
-#: The methods a trainer dispatches to hooks, and the states they run in (``None``: whenever
-#: the trainer's method that dispatches them is called). The docs' table is generated from this,
-#: and a test checks a real run against it.
-HOOK_EVENTS: dict[str, tuple[State, ...] | None] = {
-    "on_before_train": (State.RESTORING,),
-    "on_before_step": (State.STEPPING,),
-    "on_before_optimizer_step": _MICROSTEP,  # the last microstep of a step
-    "on_after_step": _MICROSTEP,  # the last microstep of a step
-    "on_after_train": (State.EXITING,),
+#: The methods a trainer dispatches to hooks, and the one state each runs in (``None``: whenever
+#: the trainer's method that dispatches it is called). The docs' table is generated from this,
+#: and a test checks real runs against it.
+HOOK_EVENTS: dict[str, State | None] = {
+    "on_before_train": State.RESTORING,
+    "on_before_step": State.ACCUMULATING,  # by the begin_step edge, before the first microstep
+    "on_before_optimizer_step": State.STEPPING,
+    "on_after_step": State.STEPPING,  # only after an applied update
+    "on_after_train": State.EXITING,
     "on_log": None,  # trainer.log()
     "on_log_images": None,  # trainer.log_images()
     "on_state_dict": None,  # trainer.state_dict()
