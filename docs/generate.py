@@ -1,4 +1,4 @@
-"""Regenerate the parts of docs/ that are derived from code, so they cannot drift.
+"""Regenerate the parts of docs/ (and README.md) that are derived from code, so they cannot drift.
 
 Each generated part sits between ``<!-- generated: NAME -->`` and ``<!-- end generated -->``.
 ``python docs/generate.py`` rewrites them; ``python docs/generate.py --check`` exits 1 if any is
@@ -21,6 +21,11 @@ DOCS = Path(__file__).resolve().parent
 
 def machine_diagram() -> str:
     return "```mermaid\n" + draw(TRANSITIONS, "mermaid") + "```"
+
+
+def machine_diagram_without_fail() -> str:
+    """The README's picture: the table without its ``fail`` edges (one from every state)."""
+    return "```mermaid\n" + draw([t for t in TRANSITIONS if t.trigger != "fail"], "mermaid") + "```"
 
 
 def transition_table() -> str:
@@ -80,6 +85,7 @@ def hooks_reference() -> str:
 GENERATORS = {
     "hooks-reference": hooks_reference,
     "machine-diagram": machine_diagram,
+    "machine-diagram-without-fail": machine_diagram_without_fail,
     "transition-table": transition_table,
     "hook-states": hook_states,
     "settings-table": settings_table,
@@ -94,7 +100,7 @@ def render(text: str) -> str:
 
 def main(check: bool) -> int:
     stale = []
-    for path in sorted(DOCS.glob("*.md")):
+    for path in [*sorted(DOCS.glob("*.md")), DOCS.parent / "README.md"]:
         text = path.read_text()
         new = render(text)
         if new != text:

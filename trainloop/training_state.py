@@ -36,7 +36,7 @@ def training_state(trainer: BaseTrainer) -> dict[str, Any]:
     model_state, optimizer_state = get_state_dict(
         trainer.model, trainer.optimizer, options=trainer.state_dict_options
     )
-    data = trainer._data
+    data = trainer._loop.data
     state_dict: dict[str, Any] = {
         "model": model_state,
         "training_state": {
@@ -94,8 +94,8 @@ def _restore_per_rank(trainer: BaseTrainer, saved: dict[str, Any]) -> None:
                 "not restored, so the resumed run is not an exact continuation", len(rngs), world,
             )
         return
-    if trainer._data is None:
-        trainer._restored_rng = rngs[rank]  # applied once the data iterator exists
+    if trainer._loop.data is None:
+        trainer._loop.restored_rng = rngs[rank]  # applied once the data iterator exists
     else:
         set_rng_state(rngs[rank])
     if loaders is not None and loaders[rank] is not None:

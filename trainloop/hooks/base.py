@@ -11,7 +11,7 @@ from ..machine import State
 if TYPE_CHECKING:
     from ..trainer import BaseTrainer
 
-__all__ = ["BaseHook", "HOOK_EVENTS", "hook_dispatch", "state_entry_methods"]
+__all__ = ["BaseHook", "HOOK_EVENTS", "hook_dispatch", "name_hooks", "state_entry_methods"]
 
 
 class BaseHook:
@@ -115,3 +115,15 @@ def hook_dispatch(hooks: Sequence[BaseHook]) -> dict[str, tuple[Callable[..., No
         )
         for event in HOOK_EVENTS
     }
+
+
+def name_hooks(hooks: list[BaseHook]) -> None:
+    """Check the hooks' types and make their names unique (``name``, ``name_2``, ...)."""
+    seen: dict[str, int] = {}
+    for i, hook in enumerate(hooks):
+        if not isinstance(hook, BaseHook):
+            raise TypeError(f"build_hooks() item {i} is a {type(hook).__name__}, not a BaseHook")
+        base = hook.name
+        seen[base] = seen.get(base, 0) + 1
+        if seen[base] > 1:
+            hook.name = f"{base}_{seen[base]}"
