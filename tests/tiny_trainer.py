@@ -97,6 +97,10 @@ class CaptureHook(BaseHook):
         self._record(trainer, "on_after_step")
         self.step_infos.append(dict(trainer.step_info))
 
+    def on_exception(self, trainer, error):
+        self._record(trainer, "on_exception")
+        self.error = error
+
     def on_after_train(self, trainer):
         self._record(trainer, "on_after_train")
 

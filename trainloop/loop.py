@@ -76,9 +76,13 @@ class Loop:
         except BaseException as error:
             trainer.error = error
             machine.fail()
+            try:
+                for fn in trainer._dispatch["on_exception"]:
+                    fn(trainer, error)
+            finally:
+                self.exit()
             raise
-        finally:
-            self.exit()
+        self.exit()
 
     # -- the work of each state ----------------------------------------------------------------
 
