@@ -234,4 +234,4 @@ class Loop:
         return not self.applied
 
     def checkpoint_due(self) -> bool:
-        return self.requests.checkpoint_due(self.trainer.step, ending=self.should_exit())
+        return self.requests.checkpoint_due(self.trainer.step, ending=self.should_exit)

@@ -102,6 +102,7 @@ class StepRunner:
         # set_requires_gradient_sync(False).
         sync_off = gradient_sync(plan.model, enabled=False)
         self._sync_off = sync_off if plan.no_sync and sync_off.controls_sync else None
+        self._autocast = None if isinstance(plan.autocast, contextlib.nullcontext) else plan.autocast
         self._scaler = plan.grad_scaler if plan.grad_scaler is not None and plan.grad_scaler.is_enabled() else None
         # With clipping on, the total norm clip_grad_norm_ returns answers the check for free.
         self._grad_check = (
@@ -128,29 +129,37 @@ class StepRunner:
         ``update`` to divide the gradients by. Gradients are synchronised across ranks only on
         the step's last microstep.
         """
-        plan = self.plan
-        last = self.microsteps + 1 >= plan.accumulation
+        if self._sync_off is not None and self.microsteps + 1 < self.plan.accumulation:
+            with self._sync_off:
+                return self._microstep()
+        return self._microstep()
+
+    def _microstep(self) -> Microstep:
+        plan, autocast = self.plan, self._autocast
         data_time = 0.0
-        with self._sync_off if self._sync_off is not None and not last else _NO_CONTEXT:
-            while True:
-                start = perf_counter()
-                batch = next(self.data)
-                data_time += perf_counter() - start
-                with plan.autocast:
-                    loss, records = unpack_forward_output(plan.forward(batch), plan.owner)
-                if loss is not None:
-                    break
-                if self.distributed:
-                    warnings.warn(
-                        "forward() returned loss=None under DDP/FSDP; the wrapped model must not "
-                        "have been called for this batch, or its next backward may hang or be wrong",
-                        LossNoneWarning,
-                        stacklevel=3,
-                    )
-            backward = self._to_backpropagate(loss)
-            if self._scaler is not None:
-                backward = self._scaler.scale(backward)
-            backward.backward()
+        while True:
+            start = perf_counter()
+            batch = next(self.data)
+            data_time += perf_counter() - start
+            if autocast is None:  # no `with` on a no-op context: two Python calls saved per microstep
+                output = plan.forward(batch)
+            else:
+                with autocast:
+                    output = plan.forward(batch)
+            loss, records = unpack_forward_output(output, plan.owner)
+            if loss is not None:
+                break
+            if self.distributed:
+                warnings.warn(
+                    "forward() returned loss=None under DDP/FSDP; the wrapped model must not "
+                    "have been called for this batch, or its next backward may hang or be wrong",
+                    LossNoneWarning,
+                    stacklevel=4,
+                )
+        backward = self._to_backpropagate(loss)
+        if self._scaler is not None:
+            backward = self._scaler.scale(backward)
+        backward.backward()
         self.microsteps += 1
         return Microstep(loss, records, data_time)
 
