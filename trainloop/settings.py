@@ -24,7 +24,7 @@ from pydantic import (
 )
 
 from .components import LrScheduleSettings, OptimizerSettings
-from .hooks import HookSpec
+from .hooks.registry import HookSpec
 from .types import NonNegativeInt, PositiveFloat, PositiveInt, StrictBool
 
 __all__ = ["SettingsFileError", "TrainerSettings"]

@@ -54,9 +54,9 @@ def test_declared_hooks_round_trip_through_json():
 @pytest.mark.parametrize(
     ("hook", "location"),
     [
-        ({"type": "checkpointing"}, ("hooks", 0, "checkpointing", "interval")),
-        ({"type": "checkpointing", "interval": "5"}, ("hooks", 0, "checkpointing", "interval")),
-        ({"type": "progress", "colour": "red"}, ("hooks", 0, "progress", "colour")),
+        ({"type": "checkpointing"}, ("hooks", 0, "interval")),
+        ({"type": "checkpointing", "interval": "5"}, ("hooks", 0, "interval")),
+        ({"type": "progress", "colour": "red"}, ("hooks", 0, "colour")),
         ({"type": "teleport"}, ("hooks", 0)),
         ({"interval": 3}, ("hooks", 0)),
     ],
