@@ -88,6 +88,15 @@ def _model_of(annotation: Any, node: Any) -> type[BaseModel] | None:
 
 
 def _message(item: dict[str, Any]) -> str:
+    context = item.get("ctx") or {}
+    if item["type"] == "union_tag_not_found":
+        return f"needs a {context.get('discriminator', 'tag')} key"
+    if item["type"] == "union_tag_invalid":
+        tag, expected = str(context.get("tag")), str(context.get("expected_tags", ""))
+        tags = {t.strip(" '").lower(): t.strip(" '") for t in expected.split(",")}
+        close = difflib.get_close_matches(tag.lower(), list(tags), n=1)
+        hint = f" (did you mean {tags[close[0]]!r}?)" if close else ""
+        return f"unknown {str(context.get('discriminator')).strip(chr(39))} {tag!r}{hint}; expected one of {expected}"
     message: str = item["msg"]
     for prefix in ("Value error, ", "Assertion failed, "):
         message = message.removeprefix(prefix)

@@ -85,7 +85,10 @@ class SettingsInput:
                 node[step] = value
             else:
                 if isinstance(node, dict) and step not in node:
+                    if path == ["hooks"]:  # a hook addressed by type: there must be one
+                        _list_index([], keys[i + 1], source, "hooks")
                     node[step] = {}
+                    self.sources[tuple(path)] = source  # made for this value: blame it for it
                 node = node[step]
         # A layer set this value whole: forget the sources of what it replaced.
         cut = tuple(path)
