@@ -16,11 +16,12 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from . import components
+from . import components, preflight
 from .agreement import ExitAgreement
 from .data import EpochIterator
 from .grads import NonFiniteGradCheck
 from .hooks.base import BaseHook, hook_dispatch, state_entry_methods
+from .hooks.registry import build_declared_hooks
 from .loss import Loss
 from .machine import Handle, State, StateMachine
 from .rng import get_rng_state, seed_all, set_rng_state
@@ -168,11 +169,11 @@ class BaseTrainer:
         return torch.amp.GradScaler(self.device.type, enabled=self.settings.mixed_precision == "fp16")
 
     def build_hooks(self) -> list[BaseHook]:
-        """Return the hooks of this run, in the order they are called.
+        """Return the hooks built in code; the run calls them, then those ``settings.hooks`` declares.
 
-        By default, the hooks declared in ``settings.hooks``.
+        By default none. An override need not (and should not) build the declared hooks.
         """
-        return [spec.build() for spec in self.settings.hooks]
+        return []
 
     def forward(self, input: Any) -> tuple[torch.Tensor | None, Records]:
         """Compute the loss of one microstep's batch.
@@ -289,6 +290,7 @@ class BaseTrainer:
             trainloop.data.DataExhaustedError: A one-shot iterator ran out before ``max_steps``.
             SystemExit: A hook requested exit with an exit code.
         """
+        preflight.check(self)  # before anything is built or written: see trainloop.preflight
         if self.state is not State.IDLE:
             raise RuntimeError(f"train() runs once per trainer; this one is in state {self.state.value!r}")
         machine = self._machine
@@ -332,7 +334,7 @@ class BaseTrainer:
         self._build_components()
         self.lr_scheduler = self.build_lr_scheduler()
         self.grad_scaler = self.build_grad_scaler()
-        self.hooks = list(self.build_hooks())
+        self.hooks = build_declared_hooks(self.settings.hooks, self.build_hooks())
         _name_hooks(self.hooks)
         self._dispatch = hook_dispatch(self.hooks)
         for hook in self.hooks:
