@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import inspect
+import itertools
 import io
 import json
 import math
@@ -13,6 +14,7 @@ from pydantic import ValidationError
 from tiny_trainer import ExitAt, TinyTrainer
 from torch import nn
 
+from trainloop import BaseHook, BaseTrainer, TrainerSettings
 from trainloop.components import (
     LR_SCHEDULES,
     OPTIMIZERS,
@@ -405,22 +407,44 @@ def test_warmup_ratio_is_rounded_up_to_whole_steps():
     assert schedule(10, name="cosine", warmup_ratio=0.25) == schedule(10, name="cosine", warmup_steps=3)
 
 
-def test_cosine_floor_needs_one_lr_across_groups():
-    with pytest.raises(ValueError, match="one learning rate across param groups"):
-        build_lr_scheduler(LrScheduleSettings(name="cosine", final_lr_ratio=0.1), sgd(1.0, 0.5), 10)
-    # To zero, the floor is the same for every group.
-    rows = schedule(4, sgd(1.0, 0.5), name="cosine")
-    assert rows[-1] == pytest.approx([0.0, 0.0])
-    assert [row[1] for row in rows] == pytest.approx([0.5 * row[0] for row in rows])
+def test_cosine_scales_every_group_by_its_own_lr():
+    # Groups of different learning rates each decay to their own final_lr_ratio of it.
+    base, warmup, steps, r = (1.0, 0.5, 0.01), 2, 10, 0.1
+    rows = schedule(steps, sgd(*base), name="cosine", warmup_steps=warmup, final_lr_ratio=r)
+    decay = steps - warmup
+    for column, lr in enumerate(base):
+        ramp = [lr * k / (warmup + 1) for k in range(1, warmup + 1)]
+        cosine = [lr * (r + (1 - r) * (1 + math.cos(math.pi * j / decay)) / 2) for j in range(decay + 1)]
+        assert [row[column] for row in rows] == pytest.approx(ramp + cosine)
+        assert rows[-1][column] == pytest.approx(lr * r)
 
 
-def test_scheduler_is_made_of_torch_schedulers():
+def test_a_declared_cosine_trains_groups_of_different_lrs():
+    class TwoGroups(BaseTrainer):
+        def build_data_loader(self):
+            return itertools.repeat(torch.ones(2, 4))
+
+        def build_model(self):
+            return nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 1))
+
+        def build_optimizer(self):
+            first, second = self.model
+            return torch.optim.SGD([{"params": first.parameters(), "lr": 0.1}, {"params": second.parameters(), "lr": 0.01}])
+
+        def forward(self, batch):
+            return self.model(batch).pow(2).mean(), {}
+
+    trainer = TwoGroups(max_steps=4, lr_schedule={"name": "cosine", "final_lr_ratio": 0.5})
+    trainer.train()
+    assert [group["lr"] for group in trainer.optimizer.param_groups] == pytest.approx([0.05, 0.005])
+
+
+def test_scheduler_is_a_torch_lambda_lr():
     optimizer = sgd(1.0)
-    plain = build_lr_scheduler(LrScheduleSettings(name="cosine"), optimizer, 10)
-    assert type(plain) is torch.optim.lr_scheduler.CosineAnnealingLR
-    warm = build_lr_scheduler(LrScheduleSettings(name="linear", warmup_steps=2), sgd(1.0), 10)
-    assert type(warm) is torch.optim.lr_scheduler.SequentialLR
-    assert [type(s).__name__ for s in warm._schedulers] == ["LinearLR", "LinearLR"]
+    scheduler = build_lr_scheduler(LrScheduleSettings(name="cosine"), optimizer, 10)
+    assert type(scheduler) is torch.optim.lr_scheduler.LambdaLR
+    # The factor is a function of the step: not saved, so a resumed run uses its own settings.
+    assert scheduler.state_dict()["lr_lambdas"] == [None]
 
 
 @pytest.mark.parametrize("name", LR_SCHEDULES)
@@ -565,3 +589,35 @@ def test_trainer_runs_the_schedule_shows_group_lrs_and_resumes_it(tmp_path):
     DeclaredTrainer(max_steps=steps, hooks=[second, CheckpointingHook(interval=100)], workspace=split).train()
     assert len(first.lrs) == 3
     assert first.lrs + second.lrs == straight.lrs
+
+
+def test_resuming_with_a_larger_max_steps_says_what_the_schedule_does(tmp_path):
+    from trainloop.components import lr_factor
+    from trainloop.trainer import ChangedSettingsWarning
+
+    class LrAfterStep(BaseHook):
+        def __init__(self):
+            self.lrs = {}
+
+        def on_after_step(self, trainer):
+            self.lrs[trainer.step] = trainer.optimizer.param_groups[0]["lr"]  # the next step's
+
+    def make(max_steps, hook):
+        settings = TrainerSettings(
+            max_steps=max_steps, workspace=tmp_path, lr_schedule={"name": "cosine", "final_lr_ratio": 0.1},
+            hooks=[{"type": "checkpointing", "interval": 4}],
+        )
+        return TinyTrainer(settings, hooks=[hook], lr=0.1)
+
+    make(4, LrAfterStep()).train()
+    hook = LrAfterStep()
+    with pytest.warns(ChangedSettingsWarning) as caught:
+        make(8, hook).train()
+    factor = lr_factor(LrScheduleSettings(name="cosine", final_lr_ratio=0.1), 8)
+    (note,) = [str(w.message) for w in caught if str(w.message).startswith("lr_schedule:")]
+    assert "resuming after step 4 with max_steps 8" in note and "the checkpoint's run had max_steps 4" in note
+    assert f"step 6 runs at {factor(5):.4g} x each group's initial lr" in note
+    assert "(the checkpoint's schedule had 0.1 there)" in note  # the old cosine had ended
+    # The learning rate follows the schedule over the new max_steps, not back up a cosine.
+    assert [hook.lrs[k] for k in range(5, 9)] == pytest.approx([0.1 * factor(k) for k in range(5, 9)])
+    assert hook.lrs[8] == pytest.approx(0.1 * 0.1)

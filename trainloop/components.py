@@ -6,7 +6,8 @@ keyword arguments beside the name, and optionally which parameters get no weight
     {"name": "AdamW", "lr": 3e-4, "betas": [0.9, 0.95], "weight_decay": 0.1,
      "no_weight_decay": ["bias", "norm"]}
 
-A schedule is constant, linear or cosine, with an optional linear warmup::
+A schedule is constant, linear or cosine, with an optional linear warmup, scaling each param
+group's own learning rate::
 
     {"name": "cosine", "warmup_steps": 500, "final_lr_ratio": 0.1}
 
@@ -21,6 +22,7 @@ import math
 import re
 import types
 import typing
+from collections.abc import Callable, Mapping
 from functools import cache
 from typing import Annotated, Any, Literal, Union
 
@@ -34,13 +36,7 @@ from pydantic import (
     model_validator,
 )
 from torch import nn
-from torch.optim.lr_scheduler import (
-    ConstantLR,
-    CosineAnnealingLR,
-    LinearLR,
-    LRScheduler,
-    SequentialLR,
-)
+from torch.optim.lr_scheduler import LambdaLR, LRScheduler
 
 from .types import NonNegativeInt, StrictBool
 
@@ -51,6 +47,8 @@ __all__ = [
     "OptimizerSettings",
     "build_lr_scheduler",
     "build_optimizer",
+    "describe_schedule_change",
+    "lr_factor",
 ]
 
 # -- optimizers ----------------------------------------------------------------------------------
@@ -401,26 +399,14 @@ class LrScheduleSettings(BaseModel):
         return self.warmup_steps or 0
 
 
-def build_lr_scheduler(settings: LrScheduleSettings, optimizer: torch.optim.Optimizer, max_steps: int) -> LRScheduler:
-    """Build the scheduler ``settings`` declare, to be stepped once after each optimizer step.
+def lr_factor(settings: LrScheduleSettings, max_steps: int) -> Callable[[int], float]:
+    """The schedule as a function: completed steps -> multiplier of each group's initial lr.
 
-    Made of ``torch.optim.lr_scheduler`` classes: the warmup is a ``LinearLR``, followed through
-    a ``SequentialLR`` by ``ConstantLR``, ``LinearLR`` or ``CosineAnnealingLR``. Its
-    ``state_dict`` resumes the schedule where it stopped.
-
-    Args:
-        settings: The schedule's settings.
-        optimizer: The optimizer whose param groups' ``lr`` the schedule scales; its current
-            ``lr`` (or ``initial_lr``, when a scheduler already set one) is the peak.
-        max_steps: Optimizer steps in the run.
-
-    Returns:
-        The scheduler.
+    ``factor(k)`` is the learning rate of step ``k + 1`` over the initial one (see
+    ``LrScheduleSettings``); past ``max_steps`` it stays at the final value.
 
     Raises:
-        ValueError: ``max_steps`` is not a positive integer; the warmup does not leave at
-            least one step; or ``cosine`` with a ``final_lr_ratio`` above 0 is asked of param
-            groups whose learning rates differ (``CosineAnnealingLR`` has one absolute floor).
+        ValueError: ``max_steps`` is not a positive integer, or the warmup leaves no step.
     """
     if isinstance(max_steps, bool) or not isinstance(max_steps, int) or max_steps < 1:
         raise ValueError(f"max_steps must be a positive integer, got {max_steps!r}")
@@ -432,22 +418,76 @@ def build_lr_scheduler(settings: LrScheduleSettings, optimizer: torch.optim.Opti
         )
     decay_steps = max_steps - warmup
     final = settings.final_lr_ratio or 0.0
-    base_lrs = [group.get("initial_lr", group["lr"]) for group in optimizer.param_groups]
+    name = settings.name
 
-    if warmup:
-        # Built before the main phase so it records ``initial_lr`` from the untouched lr.
-        warmup_scheduler = LinearLR(optimizer, start_factor=1 / (warmup + 1), end_factor=1.0, total_iters=warmup)
-    if settings.name == "constant":
-        main: LRScheduler = ConstantLR(optimizer, factor=1.0, total_iters=0)
-    elif settings.name == "linear":
-        main = LinearLR(optimizer, start_factor=1.0, end_factor=final, total_iters=decay_steps)
-    else:
-        if final > 0 and len(set(base_lrs)) > 1:
-            raise ValueError(
-                f"cosine with final_lr_ratio {final} needs one learning rate across param groups, "
-                f"got {base_lrs}: CosineAnnealingLR has a single absolute eta_min"
-            )
-        main = CosineAnnealingLR(optimizer, T_max=decay_steps, eta_min=final * base_lrs[0])
-    if not warmup:
-        return main
-    return SequentialLR(optimizer, [warmup_scheduler, main], milestones=[warmup])
+    def factor(completed: int) -> float:
+        if completed < warmup:
+            return (completed + 1) / (warmup + 1)
+        progress = min(completed - warmup, decay_steps) / decay_steps
+        if name == "linear":
+            return 1.0 - (1.0 - final) * progress
+        if name == "cosine":
+            return final + (1.0 - final) * (1.0 + math.cos(math.pi * progress)) / 2.0
+        return 1.0
+
+    return factor
+
+
+def build_lr_scheduler(settings: LrScheduleSettings, optimizer: torch.optim.Optimizer, max_steps: int) -> LRScheduler:
+    """Build the scheduler ``settings`` declare, to be stepped once after each optimizer step.
+
+    A ``torch.optim.lr_scheduler.LambdaLR`` whose factor is the closed form of ``lr_factor``:
+    each param group's own initial lr is scaled, so groups with different learning rates each
+    warm up to their own lr and decay to their own ``final_lr_ratio`` of it. The factor is a
+    function of the step count alone, and is not part of the scheduler's ``state_dict``: a run
+    resumed with another ``max_steps`` follows the schedule of its own ``max_steps``.
+
+    Args:
+        settings: The schedule's settings.
+        optimizer: The optimizer whose param groups' ``lr`` the schedule scales; its current
+            ``lr`` (or ``initial_lr``, when a scheduler already set one) is the peak.
+        max_steps: Optimizer steps in the run.
+
+    Returns:
+        The scheduler.
+
+    Raises:
+        ValueError: ``max_steps`` is not a positive integer, or the warmup does not leave at
+            least one step.
+    """
+    return LambdaLR(optimizer, lr_factor(settings, max_steps))
+
+
+def describe_schedule_change(saved: Mapping[str, Any], settings: Any, step: int) -> str | None:
+    """What a declared schedule does when a run resumes with other ``max_steps`` or schedule.
+
+    Args:
+        saved: The checkpoint's settings, as JSON data.
+        settings: This run's ``TrainerSettings``.
+        step: The step the run resumes after.
+
+    Returns:
+        A sentence for the user, or ``None`` when nothing about the schedule changed (or none
+        is declared now).
+    """
+    schedule = settings.lr_schedule
+    if schedule is None or step >= settings.max_steps:
+        return None
+    then_steps, then_schedule = saved.get("max_steps"), saved.get("lr_schedule")
+    if then_steps == settings.max_steps and then_schedule == schedule.model_dump(mode="json"):
+        return None
+    now = lr_factor(schedule, settings.max_steps)
+    text = (
+        f"lr_schedule: resuming after step {step} with max_steps {settings.max_steps} and lr_schedule "
+        f"{schedule.model_dump(exclude_none=True)}, where the checkpoint's run had max_steps {then_steps} and "
+        f"lr_schedule {then_schedule}. The schedule is a function of the step and this run's settings: step "
+        f"{step + 1} keeps the checkpoint's learning rate, then step {step + 2} runs at {now(step + 1):.4g} x "
+        f"each group's initial lr"
+    )
+    try:
+        then = lr_factor(LrScheduleSettings.model_validate(then_schedule), then_steps)
+        text += f" (the checkpoint's schedule had {then(step + 1):.4g} there)"
+    except (ValueError, TypeError):  # no schedule then, or an unreadable one
+        pass
+    final = now(settings.max_steps)
+    return text + f", and it reaches {final:.4g} x at step {settings.max_steps}."

@@ -665,6 +665,9 @@ class BaseTrainer:
                 ChangedSettingsWarning,
                 stacklevel=2,
             )
+        note = components.describe_schedule_change(then, self.settings, self.step)
+        if note is not None:  # what a declared schedule does now, beyond "settings differ"
+            warnings.warn(note, ChangedSettingsWarning, stacklevel=2)
 
     # -- logging and helpers -------------------------------------------------------------------
 
