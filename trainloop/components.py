@@ -477,10 +477,11 @@ def describe_schedule_change(saved: Mapping[str, Any], settings: Any, step: int)
     if then_steps == settings.max_steps and then_schedule == schedule.model_dump(mode="json"):
         return None
     now = lr_factor(schedule, settings.max_steps)
+    shown_then = {k: v for k, v in then_schedule.items() if v is not None} if isinstance(then_schedule, dict) else then_schedule
     text = (
         f"lr_schedule: resuming after step {step} with max_steps {settings.max_steps} and lr_schedule "
         f"{schedule.model_dump(exclude_none=True)}, where the checkpoint's run had max_steps {then_steps} and "
-        f"lr_schedule {then_schedule}. The schedule is a function of the step and this run's settings: step "
+        f"lr_schedule {shown_then}. The schedule is a function of the step and this run's settings: step "
         f"{step + 1} keeps the checkpoint's learning rate, then step {step + 2} runs at {now(step + 1):.4g} x "
         f"each group's initial lr"
     )
