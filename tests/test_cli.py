@@ -75,7 +75,12 @@ def launched(tmp_path_factory: pytest.TempPathFactory) -> dict[str, tuple[Cli, P
         "invalid": (Cli("run", "bad.yaml", "--trainer", TRAINER, cwd=dirs["invalid"]), dirs["invalid"]),
         "validate": (Cli(
             "validate", "run.yaml", "--trainer", TRAINER, "--set", "seed=2", "--set", "hooks.0.interval=5",
-            cwd=dirs["validate"], env=cli_env(TRAINLOOP_SEED="1", TRAINLOOP_MAX_STEPS="9", TRAINLOOP_LR="0.5"),
+            cwd=dirs["validate"], env=cli_env(
+                TRAINLOOP_SEED="1", TRAINLOOP_MAX_STEPS="9", TRAINLOOP_LR="0.5",
+                # Nested: a field of the optimizer, of the schedule, of a hook named by its type.
+                TRAINLOOP_OPTIMIZER__LR="0.02", trainloop_lr_schedule__warmup_steps="2",
+                TRAINLOOP_HOOKS__CHECKPOINTING__KEEP_PREVIOUS="3",
+            ),
         ), dirs["validate"]),
         "schema": (Cli("schema", cwd=dirs["schema"], script=True), dirs["schema"]),
         "nodot": (Cli(
@@ -386,7 +391,9 @@ def test_validate_prints_resolved_settings_file_then_env_then_set(launched):
     settings = json.loads(result.stdout)
     assert settings["max_steps"] == 9 and settings["lr"] == 0.5  # env over the file
     assert settings["seed"] == 2  # --set over env
-    assert settings["hooks"][0]["interval"] == 5 and settings["hooks"][0]["keep_previous"] == 1
+    assert settings["hooks"][0]["interval"] == 5 and settings["hooks"][0]["keep_previous"] == 3
+    assert settings["optimizer"] == {**settings["optimizer"], "name": "AdamW", "lr": 0.02}
+    assert settings["lr_schedule"]["warmup_steps"] == 2
     assert settings["nan_at_steps"] == [2]  # the trainer's own field
     assert [p.name for p in root.iterdir()] == ["run.yaml"]  # no workspace, nothing written
 

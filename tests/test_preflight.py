@@ -60,12 +60,16 @@ def launched(tmp_path_factory: pytest.TempPathFactory) -> dict[str, tuple[Cli, P
         ("validate_doomed", DOOMED, ["validate", "run.json", "--trainer", TRAINER]),
         ("run_no_workspace", NO_WORKSPACE, ["run", "run.json", "--trainer", TRAINER]),
         ("validate_no_workspace", NO_WORKSPACE, ["validate", "run.json"]),
+        # Bad values from the file and the environment: each line names its source and field.
+        ("bad_values", {"max_steps": 3, "hooks": [{"type": "checkpointing", "interval": 2, "exit_code": 300}]},
+         ["validate", "run.json", "--trainer", TRAINER]),
         # The trainer named in the file, no --trainer.
         ("run_named", {"max_steps": 2, "workspace": "ws", "trainer": TRAINER}, ["run", "run.json"]),
     ]:
         root = tmp_path_factory.mktemp(name)
         (root / "run.json").write_text(json.dumps(settings))
-        runs[name] = (Cli(*command, cwd=root, env=cli_env()), root)
+        env = cli_env(TRAINLOOP_OPTIMIZER__LR="fast", TRAINLOOP_OPTIMIZER__NAME="SGD") if name == "bad_values" else cli_env()
+        runs[name] = (Cli(*command, cwd=root, env=env), root)
     return runs
 
 
@@ -86,6 +90,17 @@ def test_paths_that_need_a_workspace_are_found_by_validate_and_run(launched, com
     assert result.returncode == 2
     assert result.stderr.splitlines() == [f"trainloop {command}: error: {line}" for line in NO_WORKSPACE_LINES]
     assert [p.name for p in root.iterdir()] == ["run.json"]
+
+
+def test_bad_values_name_their_file_or_variable_and_field_as_written(launched):
+    process, _ = launched["bad_values"]
+    result = process.result()
+    assert result.returncode == 2
+    assert result.stderr.splitlines() == [
+        "trainloop validate: error: TRAINLOOP_OPTIMIZER__LR: optimizer.lr: Input should be a valid number (got 'fast')",
+        "trainloop validate: error: run.json: hooks[0].exit_code: Input should be '128+signal' or less than or "
+        "equal to 255 (got 300)",
+    ]
 
 
 def test_the_settings_file_names_its_trainer(launched):
