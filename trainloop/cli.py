@@ -154,9 +154,9 @@ def _checked_settings(args: argparse.Namespace, trainer_required: bool) -> tuple
         settings = settings_class.validate_input(found)
     except SettingsFileError as error:
         raise CliError(str(error)) from None
-    problems = preflight(settings, trainer_class)
+    problems = preflight(settings, trainer_class, source_of=found.source_of)
     if problems:
-        raise CliError("\n".join(f"{args.settings_file}: {line}" for line in problems))
+        raise CliError("\n".join(problems))
     return settings, trainer_class
 
 

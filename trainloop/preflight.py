@@ -28,6 +28,7 @@ import torch
 
 from .hooks.registry import HookSettings
 from .settings_errors import field_path
+from .settings_input import Key
 
 if TYPE_CHECKING:
     from .settings import TrainerSettings
@@ -50,29 +51,38 @@ class PreflightError(ValueError):
         self.problems = problems
 
 
-def preflight(settings: TrainerSettings, trainer: type[BaseTrainer] | BaseTrainer | None = None) -> list[str]:
+def preflight(
+    settings: TrainerSettings,
+    trainer: type[BaseTrainer] | BaseTrainer | None = None,
+    source_of: Callable[[tuple[Key, ...]], str] | None = None,
+) -> list[str]:
     """What stops ``settings`` from running, found without building or writing anything.
 
     Args:
         settings: Validated settings.
         trainer: The trainer class (or instance: its instance attributes count too) that will
             run them; ``None`` checks the settings alone.
+        source_of: Where the value at a path came from (``SettingsInput.source_of``); when
+            given, each line begins with it (``run.yaml: ``, ``--set hooks.0.evaluate=x: ``).
 
     Returns:
         One line per problem (empty: nothing found), each naming the field as a settings file
-        writes it (``hooks[1].evaluate``).
+        writes it (``hooks[1].evaluate: ...``).
     """
-    problems: list[str] = []
+    problems: list[tuple[tuple[Key, ...], str]] = []
     if trainer is not None:
         problems += _contract(settings, trainer)
     for i, spec in enumerate(settings.hooks):
         check_hook = _HOOK_CHECKS.get(spec.type)
         if check_hook is not None:
-            where = field_path(("hooks", i))
-            problems += [f"{where}{line}" for line in check_hook(spec, settings, trainer)]
+            for name, message in check_hook(spec, settings, trainer):
+                path: tuple[Key, ...] = ("hooks", i, name) if name else ("hooks", i)
+                problems.append((path, f"{field_path(path)}: {message}"))
     problems += _combinations(settings)
     problems += _device(settings)
-    return problems
+    if source_of is None:
+        return [line for _, line in problems]
+    return [f"{source_of(path)}: {line}" for path, line in problems]
 
 
 def check(trainer: BaseTrainer) -> None:
@@ -93,24 +103,27 @@ def _class_of(trainer: type[BaseTrainer] | BaseTrainer) -> type[BaseTrainer]:
     return trainer if isinstance(trainer, type) else type(trainer)
 
 
-def _contract(settings: TrainerSettings, trainer: type[BaseTrainer] | BaseTrainer) -> list[str]:
+def _contract(settings: TrainerSettings, trainer: type[BaseTrainer] | BaseTrainer) -> list[tuple[tuple[Key, ...], str]]:
     from .trainer import BaseTrainer
 
     cls = _class_of(trainer)
-    problems = [
-        f"{cls.__name__} must implement {name}()"
+    problems: list[tuple[tuple[Key, ...], str]] = [
+        ((), f"{cls.__name__} must implement {name}()")
         for name in ("build_data_loader", "build_model", "forward")
         if getattr(cls, name) is getattr(BaseTrainer, name)
     ]
     if settings.optimizer is None and cls.build_optimizer is BaseTrainer.build_optimizer:
-        problems.append(f"optimizer: none declared, and {cls.__name__} does not implement build_optimizer()")
+        problems.append((("optimizer",), f"optimizer: none declared, and {cls.__name__} does not implement build_optimizer()"))
     return problems
 
 
-# -- one hook at a time: each returns lines that continue "hooks[i]" ---------------------------
+# -- one hook at a time: each returns (its parameter at fault or None, what is wrong) ------------
+
+HookProblem = tuple[str | None, str]
+HookCheck = Callable[[Any, "TrainerSettings", Any], list[HookProblem]]
 
 
-def _validation(spec: Any, settings: TrainerSettings, trainer: type[BaseTrainer] | BaseTrainer | None) -> list[str]:
+def _validation(spec: Any, settings: TrainerSettings, trainer: type[BaseTrainer] | BaseTrainer | None) -> list[HookProblem]:
     name = spec.evaluate
     if trainer is None or not isinstance(name, str):
         return []
@@ -120,39 +133,39 @@ def _validation(spec: Any, settings: TrainerSettings, trainer: type[BaseTrainer]
         methods = [m for m in dir(trainer) if not m.startswith("_") and callable(getattr(trainer, m, None))]
         close = difflib.get_close_matches(name, methods, n=1)
         hint = f" (did you mean {close[0]!r}?)" if close else ""
-        return [f".evaluate: {cls_name} has no method {name!r}{hint}"]
+        return [("evaluate", f"{cls_name} has no method {name!r}{hint}")]
     if not callable(found):
-        return [f".evaluate: {cls_name}.{name} is a {type(found).__name__}, not a method"]
+        return [("evaluate", f"{cls_name}.{name} is a {type(found).__name__}, not a method")]
     return []
 
 
-def _needs_workspace(settings: TrainerSettings, path: Path | None, what: str) -> list[str]:
+def _needs_workspace(settings: TrainerSettings, path: Path | None, name: str, what: str) -> list[HookProblem]:
     if settings.workspace is None and (path is None or not Path(path).expanduser().is_absolute()):
-        return [f"{what}, but no workspace is set: set workspace or give an absolute path"]
+        return [(name, f"{what}, but no workspace is set: set workspace or give an absolute path")]
     return []
 
 
-def _checkpointing(spec: Any, settings: TrainerSettings, trainer: Any) -> list[str]:
-    problems = _needs_workspace(settings, spec.path, f".path: checkpoints go to {str(spec.path)!r}, a relative path")
+def _checkpointing(spec: Any, settings: TrainerSettings, trainer: Any) -> list[HookProblem]:
+    problems = _needs_workspace(settings, spec.path, "path", f"checkpoints go to {str(spec.path)!r}, a relative path")
     if isinstance(spec.load, Path) and not spec.load.expanduser().is_dir():
-        problems.append(f".load: no checkpoint directory at {str(spec.load)!r}")
+        problems.append(("load", f"no checkpoint directory at {str(spec.load)!r}"))
     return problems
 
 
-def _tensorboard(spec: Any, settings: TrainerSettings, trainer: Any) -> list[str]:
+def _tensorboard(spec: Any, settings: TrainerSettings, trainer: Any) -> list[HookProblem]:
     where = f"{str(spec.log_dir)!r}, a relative path" if spec.log_dir is not None else "<workspace>/tensorboard"
-    return _needs_workspace(settings, spec.log_dir, f".log_dir: event files go to {where}")
+    return _needs_workspace(settings, spec.log_dir, "log_dir", f"event files go to {where}")
 
 
-def _workspace_only(what: str) -> Callable[[Any, TrainerSettings, Any], list[str]]:
-    def check_workspace(spec: Any, settings: TrainerSettings, trainer: Any) -> list[str]:
-        return [f": {spec.type} writes {what}, but no workspace is set"] if settings.workspace is None else []
+def _workspace_only(what: str) -> HookCheck:
+    def check_workspace(spec: Any, settings: TrainerSettings, trainer: Any) -> list[HookProblem]:
+        return [(None, f"{spec.type} writes {what}, but no workspace is set")] if settings.workspace is None else []
 
     return check_workspace
 
 
 #: Checks of one declared hook, by hook type.
-_HOOK_CHECKS: dict[str, Callable[[Any, TrainerSettings, Any], list[str]]] = {
+_HOOK_CHECKS: dict[str, HookCheck] = {
     "validation": _validation,
     "checkpointing": _checkpointing,
     "tensorboard": _tensorboard,
@@ -168,13 +181,13 @@ def _of_type(settings: TrainerSettings, type_name: str) -> Iterator[tuple[int, H
     return ((i, spec) for i, spec in enumerate(settings.hooks) if spec.type == type_name)
 
 
-def _combinations(settings: TrainerSettings) -> list[str]:
-    problems = []
+def _combinations(settings: TrainerSettings) -> list[tuple[tuple[Key, ...], str]]:
+    problems: list[tuple[tuple[Key, ...], str]] = []
     checkpointing = list(_of_type(settings, "checkpointing"))
     loading = [i for i, spec in checkpointing if getattr(spec, "load", None) is not None]
     if len(loading) > 1:
         listed = " and ".join(f"hooks[{i}]" for i in loading)
-        problems.append(f"{listed}: each would load a checkpoint into the trainer; set load to null on all but one")
+        problems.append((("hooks",), f"{listed}: each would load a checkpoint into the trainer; set load to null on all but one"))
     by_directory: dict[Path, list[int]] = {}
     for i, spec in checkpointing:
         path = Path(spec.path).expanduser()
@@ -184,7 +197,7 @@ def _combinations(settings: TrainerSettings) -> list[str]:
     for path, indices in by_directory.items():
         if len(indices) > 1:
             listed = " and ".join(f"hooks[{i}]" for i in indices)
-            problems.append(f"{listed}: both write checkpoints to {str(path)!r}; give each its own path")
+            problems.append((("hooks",), f"{listed}: both write checkpoints to {str(path)!r}; give each its own path"))
     by_signal: dict[signal.Signals, list[int]] = {}
     for i, spec in enumerate(settings.hooks):
         for sig in getattr(spec, "exit_signals", None) or ():
@@ -192,18 +205,18 @@ def _combinations(settings: TrainerSettings) -> list[str]:
     for sig, indices in by_signal.items():
         if len(indices) > 1:
             listed = " and ".join(f"hooks[{i}]" for i in indices)
-            problems.append(f"{listed}: each catches {sig.name}, and a process has one handler per signal")
+            problems.append((("hooks",), f"{listed}: each catches {sig.name}, and a process has one handler per signal"))
     return problems
 
 
-def _device(settings: TrainerSettings) -> list[str]:
+def _device(settings: TrainerSettings) -> list[tuple[tuple[Key, ...], str]]:
     if settings.device is None:
         return []
     device = torch.device(settings.device)
     if device.type == "cuda":
         count = torch.cuda.device_count()
         if count == 0:
-            return [f"device: {settings.device!r}, but CUDA is not available on this machine"]
+            return [(("device",), f"device: {settings.device!r}, but CUDA is not available on this machine")]
         if device.index is not None and device.index >= count:
-            return [f"device: {settings.device!r}, but this machine has {count} CUDA device(s)"]
+            return [(("device",), f"device: {settings.device!r}, but this machine has {count} CUDA device(s)")]
     return []
