@@ -20,7 +20,7 @@ from .hooks import (
 from .loss import Loss
 from .lr_find import LrFindComponents, LrFindResult, lr_find
 from .machine import TRANSITIONS, State, Transition
-from .preflight import PreflightError, preflight
+from .preflight import PreflightError
 from .rng import seed_all
 from .settings import SettingsFileError, TrainerSettings
 from .trace import Trace, TraceEntry, TraceSummary, read_trace, summarize_trace
@@ -60,7 +60,6 @@ __all__ = [
     "key_average",
     "lr_find",
     "map_nested_tensor",
-    "preflight",
     "register_hook",
     "seed_all",
 ]
