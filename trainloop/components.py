@@ -17,6 +17,7 @@ settings models are frozen and strict, produce a JSON Schema and round-trip thro
 
 from __future__ import annotations
 
+import difflib
 import inspect
 import math
 import re
@@ -168,10 +169,12 @@ class _OptimizerArgs(BaseModel):
         if isinstance(data, dict):
             unknown = sorted(str(key) for key in data if key not in cls.model_fields)
             if unknown:
-                valid = ", ".join(name for name in cls.model_fields if name != "name")
+                names = [name for name in cls.model_fields if name != "name"]
+                close = [match for key in unknown for match in difflib.get_close_matches(key, names, n=1)]
+                hint = f" (did you mean {', '.join(map(repr, close))}?)" if close else ""
                 raise ValueError(
-                    f"unknown argument(s) {', '.join(map(repr, unknown))} for {cls._optimizer_name()}; "
-                    f"valid arguments: {valid}"
+                    f"unknown argument(s) {', '.join(map(repr, unknown))} for {cls._optimizer_name()}{hint}; "
+                    f"valid arguments: {', '.join(names)}"
                 )
         return data
 

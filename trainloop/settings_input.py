@@ -52,12 +52,17 @@ class SettingsInput:
     default_source: str = "settings"
 
     def source_of(self, path: tuple[Key, ...]) -> str:
-        """Where the value at ``path`` (or the nearest enclosing one that was set) came from."""
+        """Where the value at ``path`` came from: the layer that set it or the nearest mapping
+        around it, and every layer that set something inside it (``"run.yaml, TRAINLOOP_X__Y"``)."""
+        found = self.default_source
+        if not path:  # about the settings as a whole: the file, if any
+            return found
         for end in range(len(path), -1, -1):
-            found = self.sources.get(path[:end])
-            if found is not None:
-                return found
-        return self.default_source
+            if path[:end] in self.sources:
+                found = self.sources[path[:end]]
+                break
+        inside = [source for known, source in self.sources.items() if len(known) > len(path) and known[: len(path)] == path]
+        return ", ".join(dict.fromkeys([found, *inside]))
 
     def set(self, keys: list[str], value: Any, source: str) -> None:
         """Set ``keys`` (a dotted path as given) to ``value``, creating mappings on the way.
