@@ -308,3 +308,15 @@ def test_a_settings_file_names_its_trainer(tmp_path):
     assert TrainerSettings(max_steps=1, trainer="my_project.train:MyTrainer").trainer == "my_project.train:MyTrainer"
     with pytest.raises(ValidationError, match="trainer"):
         TrainerSettings(max_steps=1, trainer="my_project.train.MyTrainer")
+
+
+def test_an_error_about_a_mapping_names_every_layer_that_set_part_of_it(tmp_path):
+    path = tmp_path / "run.json"
+    path.write_text('{"max_steps": 3, "optimizer": {"name": "AdamW", "lr": 0.1}}')
+    with pytest.raises(SettingsFileError) as info:
+        TrainerSettings.load(path, env={"TRAINLOOP_OPTIMIZER__WEIGHT_DECY": "0.1"})
+    (line,) = info.value.problems
+    assert line.startswith(
+        f"{path}, TRAINLOOP_OPTIMIZER__WEIGHT_DECY: optimizer: unknown argument(s) 'weight_decy' for AdamW "
+        "(did you mean 'weight_decay'?); valid arguments: "
+    )
