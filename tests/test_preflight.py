@@ -184,3 +184,11 @@ def test_evaluate_may_be_an_instance_attribute_when_train_checks(tmp_path):
     trainer = WithEvaluate(settings)
     trainer.train()  # ...the instance does
     assert trainer.hooks[0].last_records == {"loss": 0.0}
+
+
+def test_under_a_launcher_the_checkpoint_directory_is_left_to_the_hook(monkeypatch, tmp_path):
+    # Each rank runs the preflight alone; a file check could differ between ranks.
+    settings = TrainerSettings(max_steps=2, workspace=tmp_path, hooks=[{"type": "checkpointing", "interval": 1, "load": "absent"}])
+    assert preflight(settings) == ["hooks[0].load: no checkpoint directory at 'absent'"]
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    assert preflight(settings) == []

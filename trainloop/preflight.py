@@ -8,7 +8,8 @@ so that a run that validates does not fail later on something that was known all
   declared or ``build_optimizer`` is overridden);
 - a method a hook names (``{"type": "validation", "evaluate": "evaluate"}``) exists;
 - a hook whose files go under the workspace has one (relative checkpoint or TensorBoard paths,
-  image files, wandb), and a checkpoint to load from a given directory is there;
+  image files, wandb), and a checkpoint to load from a given directory is there (in a single
+  process: under a launcher the checkpointing hook checks it on rank 0 for every rank);
 - declared hooks work together (two checkpointing hooks loading into one trainer or writing one
   directory, two hooks catching one exit signal);
 - the device exists on this machine.
@@ -19,12 +20,14 @@ Problems are reported all at once, one line each, naming the field as a settings
 from __future__ import annotations
 
 import difflib
+import os
 import signal
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import torch
+import torch.distributed as dist
 
 from .hooks.registry import HookSettings
 from .settings_errors import field_path
@@ -147,9 +150,21 @@ def _needs_workspace(settings: TrainerSettings, path: Path | None, name: str, wh
 
 def _checkpointing(spec: Any, settings: TrainerSettings, trainer: Any) -> list[HookProblem]:
     problems = _needs_workspace(settings, spec.path, "path", f"checkpoints go to {str(spec.path)!r}, a relative path")
-    if isinstance(spec.load, Path) and not spec.load.expanduser().is_dir():
+    if isinstance(spec.load, Path) and _one_process() and not spec.load.expanduser().is_dir():
         problems.append(("load", f"no checkpoint directory at {str(spec.load)!r}"))
     return problems
+
+
+def _one_process() -> bool:
+    """Whether this process runs alone: only then may a check read the filesystem.
+
+    Under a launcher each rank runs the preflight by itself; a file check could pass on one rank
+    and fail on another (no shared filesystem), leaving the others waiting in a collective. The
+    checkpointing hook's own check, made on rank 0 and shared with every rank, covers that case.
+    """
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_world_size() == 1
+    return os.environ.get("WORLD_SIZE", "1") == "1"
 
 
 def _tensorboard(spec: Any, settings: TrainerSettings, trainer: Any) -> list[HookProblem]:
