@@ -497,3 +497,12 @@ def test_graph_svg_without_graphviz_says_how_to_get_it(launched):
         "apt-get install graphviz", "conda install graphviz", "--format mermaid",
     )
     assert not (root / "m.svg").exists()
+
+
+def test_a_settings_file_that_is_not_utf8_is_one_line_exit_2(tmp_path, capsys):
+    (tmp_path / "run.yaml").write_bytes("max_steps: 3\nworkspace: caf\u00e9\n".encode("cp1252"))
+    for command in ("validate", "run"):
+        code, out, err = call(capsys, command, "run.yaml", "--trainer", TRAINER)
+        assert code == 2 and out == ""
+        assert err == f"trainloop {command}: error: run.yaml: not a UTF-8 text file (byte 0xe9 at offset 27); save it as UTF-8\n"
+    assert [p.name for p in tmp_path.iterdir()] == ["run.yaml"]
