@@ -506,3 +506,14 @@ def test_a_settings_file_that_is_not_utf8_is_one_line_exit_2(tmp_path, capsys):
         assert code == 2 and out == ""
         assert err == f"trainloop {command}: error: run.yaml: not a UTF-8 text file (byte 0xe9 at offset 27); save it as UTF-8\n"
     assert [p.name for p in tmp_path.iterdir()] == ["run.yaml"]
+
+
+def test_run_without_a_trainer_says_how_to_name_one(tmp_path, capsys):
+    (tmp_path / "run.json").write_text('{"max_steps": 3, "lr": 0.1}')  # lr: the trainer's own field
+    code, out, err = call(capsys, "run", "run.json")
+    assert code == 2 and out == ""
+    assert err == 'trainloop run: error: run.json: no trainer to run: give --trainer MODULE:CLASS or a "trainer" key in the settings\n'
+    (tmp_path / "run.json").write_text('{"max_steps": 3, "trainer": 5}')
+    code, _, err = call(capsys, "run", "run.json")
+    assert code == 2
+    assert err == "trainloop run: error: run.json: trainer: Input should be a valid string (got 5)\n"

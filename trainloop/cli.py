@@ -144,16 +144,19 @@ def _checked_settings(args: argparse.Namespace, trainer_required: bool) -> tuple
     elif isinstance(found.data.get("trainer"), str):
         spec = found.data["trainer"]
         given_as = f"{found.source_of(('trainer',))}: trainer"
-    if spec is None and trainer_required:
-        raise CliError(
-            f"{args.settings_file}: no trainer to run: give --trainer MODULE:CLASS or a \"trainer\" key in the settings"
-        )
+    no_trainer = CliError(
+        f"{args.settings_file}: no trainer to run: give --trainer MODULE:CLASS or a \"trainer\" key in the settings"
+    )
+    if spec is None and trainer_required and found.data.get("trainer") is None:
+        raise no_trainer
     trainer_class = load_trainer_class(spec, given_as) if spec is not None else None
     settings_class = trainer_class.settings_class if trainer_class is not None else TrainerSettings
     try:
-        settings = settings_class.validate_input(found)
+        settings = settings_class.validate_input(found)  # also reports a "trainer" that is not a name
     except SettingsFileError as error:
         raise CliError(str(error)) from None
+    if trainer_class is None and trainer_required:
+        raise no_trainer
     problems = preflight(settings, trainer_class, source_of=found.source_of)
     if problems:
         raise CliError("\n".join(problems))
