@@ -22,8 +22,9 @@ from pydantic import (
     model_validator,
 )
 
-from .components import LrScheduleSettings, OptimizerSettings
+from .components import OptimizerSettings
 from .hooks.registry import HookSpec
+from .schedules import LrScheduleSettings
 from .settings_errors import describe_validation_error
 from .settings_input import ENV_PREFIX, SettingsFileError, SettingsInput, read_settings_input
 from .types import NonNegativeInt, PositiveFloat, PositiveInt, StrictBool

@@ -152,7 +152,7 @@ def describe_validation_error(error: ValidationError, found: SettingsInput, cls:
             if message not in messages:
                 messages.append(message)
         line = f"{where}: {' or '.join(messages)}"
-        if first["type"] not in _ABSENT_FIELD:
+        if first["type"] not in _ABSENT_FIELD and path:  # the whole input is no help to show
             line += f" (got {_shown(first.get('input'))})"
             if any(item["type"] in _NUMBER_ERRORS for item in items):
                 line += _number_hint(first.get("input"))
