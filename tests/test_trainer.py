@@ -8,7 +8,7 @@ from tiny_trainer import CaptureHook, CounterHook, FlakyTrainer, TinyTrainer, ma
 from torch import nn
 from torch.utils.data import DataLoader
 
-from trainloop import BaseHook, BaseTrainer, DataExhaustedError, State
+from trainloop import BaseHook, BaseTrainer, DataExhaustedError, PreflightError, State
 
 
 def params(trainer):
@@ -410,7 +410,8 @@ def test_build_hooks_must_return_hooks():
 
 
 def test_missing_contract_methods_name_themselves():
-    with pytest.raises(NotImplementedError, match="BaseTrainer must implement build_data_loader"):
+    # Found by the preflight, all at once, before anything is built.
+    with pytest.raises(PreflightError, match="BaseTrainer must implement build_data_loader\\(\\)\nBaseTrainer must implement build_model"):
         BaseTrainer(max_steps=1).train()
 
 
@@ -476,11 +477,11 @@ def test_optimizer_and_schedule_declared_in_settings_are_built_and_seed_applies(
     second.train()
     assert isinstance(first.optimizer, torch.optim.AdamW)
     assert [g["name"] for g in first.optimizer.param_groups] == ["decay", "no_decay"]
-    assert isinstance(first.lr_scheduler, torch.optim.lr_scheduler.SequentialLR)
+    assert isinstance(first.lr_scheduler, torch.optim.lr_scheduler.LambdaLR)
     for a, b in zip(params(first), params(second)):
         assert torch.equal(a, b)
 
 
 def test_no_optimizer_anywhere_is_a_clear_error():
-    with pytest.raises(NotImplementedError, match="must implement build_optimizer\\(\\) or declare settings.optimizer"):
+    with pytest.raises(PreflightError, match="optimizer: none declared, and Declared does not implement build_optimizer\\(\\)"):
         Declared(max_steps=1).train()

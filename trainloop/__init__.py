@@ -15,10 +15,12 @@ from .hooks import (
     TensorBoardHook,
     ValidationHook,
     WandbHook,
+    register_hook,
 )
 from .loss import Loss
 from .lr_find import LrFindComponents, LrFindResult, lr_find
 from .machine import TRANSITIONS, State, Transition
+from .preflight import PreflightError
 from .rng import seed_all
 from .settings import SettingsFileError, TrainerSettings
 from .trace import Trace, TraceEntry, TraceSummary, read_trace, summarize_trace
@@ -47,6 +49,7 @@ __all__ = [
     "LrFindComponents",
     "LrFindResult",
     "LossNoneWarning",
+    "PreflightError",
     "SettingsFileError",
     "State",
     "Trace",
@@ -57,5 +60,6 @@ __all__ = [
     "key_average",
     "lr_find",
     "map_nested_tensor",
+    "register_hook",
     "seed_all",
 ]

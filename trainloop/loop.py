@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING, Any
 
 from .data import EpochIterator
 from .hooks.base import hook_dispatch, name_hooks, state_entry_methods
+from .hooks.registry import build_declared_hooks
 from .loss import Loss
 from .machine import State, StateMachine
 from .requests import RunRequests
@@ -91,7 +92,7 @@ class Loop:
         t._build_components()
         t.lr_scheduler = t.build_lr_scheduler()
         t.grad_scaler = t.build_grad_scaler()
-        t.hooks = list(t.build_hooks())
+        t.hooks = build_declared_hooks(t.settings.hooks, t.build_hooks())
         name_hooks(t.hooks)
         t._dispatch = hook_dispatch(t.hooks)
         for hook in t.hooks:

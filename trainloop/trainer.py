@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING, Any, ClassVar
 import torch
 from torch import nn
 
-from . import components
+from . import components, preflight
 from .hooks.base import BaseHook, hook_dispatch
 from .loop import Loop
 from .machine import Handle, State
@@ -134,11 +134,11 @@ class BaseTrainer:
         return torch.amp.GradScaler(self.device.type, enabled=self.settings.mixed_precision == "fp16")
 
     def build_hooks(self) -> list[BaseHook]:
-        """Return the hooks of this run, in the order they are called.
+        """Return the hooks built in code; the run calls them, then those ``settings.hooks`` declares.
 
-        By default, the hooks declared in ``settings.hooks``.
+        By default none. An override need not (and should not) build the declared hooks.
         """
-        return [spec.build() for spec in self.settings.hooks]
+        return []
 
     def forward(self, input: Any) -> tuple[torch.Tensor | None, Records]:
         """Compute the loss of one microstep's batch.
@@ -262,6 +262,7 @@ class BaseTrainer:
             trainloop.data.DataExhaustedError: A one-shot iterator ran out before ``max_steps``.
             SystemExit: A hook requested exit with an exit code.
         """
+        preflight.check(self)  # before anything is built or written: see trainloop.preflight
         if self.state is not State.IDLE:
             raise RuntimeError(f"train() runs once per trainer; this one is in state {self.state.value!r}")
         self._loop.run()

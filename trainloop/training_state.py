@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch.distributed as dist
 
+from . import components
 from .rng import get_rng_state, set_rng_state
 
 if TYPE_CHECKING:
@@ -114,6 +115,9 @@ def _warn_on_changed_settings(trainer: BaseTrainer, saved: str | None) -> None:
             ChangedSettingsWarning,
             stacklevel=3,
         )
+    note = components.describe_schedule_change(then, trainer.settings, trainer.step)
+    if note is not None:  # what a declared schedule does now, beyond "settings differ"
+        warnings.warn(note, ChangedSettingsWarning, stacklevel=3)
 
 
 def _loader_state(loader: Any) -> Any:
