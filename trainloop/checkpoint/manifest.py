@@ -155,14 +155,14 @@ def write_manifest(directory: Path, known: Mapping[str, FileDigest] | None = Non
     Args:
         directory: The checkpoint directory, complete but for its manifest.
         known: Digests already computed while writing, by relative path; other files are hashed.
+            Every one of them is listed, even if this process does not see its file (written
+            by another rank): then the checkpoint fails verification here, as it should.
     """
-    known = known or {}
-    files: dict[str, dict[str, Any]] = {}
+    known = dict(known or {})
     for rel, path in _files(directory):
-        if rel == MANIFEST:
-            continue
-        digest = known.get(rel) or hash_file(path)
-        files[rel] = {"size": digest.size, "sha256": digest.sha256}
+        if rel != MANIFEST and rel not in known:
+            known[rel] = hash_file(path)
+    files = {rel: {"size": known[rel].size, "sha256": known[rel].sha256} for rel in sorted(known)}
     write_json({"manifest_version": MANIFEST_VERSION, "files": files}, directory / MANIFEST)
 
 

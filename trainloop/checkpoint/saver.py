@@ -27,9 +27,9 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.staging import AsyncStager
 from torch.distributed.tensor import DTensor
 
-from .atomic import clean_leftovers, discard, make_temporary, publish, replace_symlink
+from .atomic import clean_leftovers, discard, make_temporary, publish
 from .errors import CheckpointError
-from .files import LATEST, check_keys, save_error, write_checkpoint
+from .files import check_keys, point_latest, save_error, write_checkpoint
 from .manifest import METADATA, FileDigest, save_torch, write_json, write_manifest
 from .sharded import (
     REST_FILE,
@@ -40,6 +40,8 @@ from .sharded import (
     quiet_single_process,
     shard_writer,
     split_state,
+    unshared_storage,
+    visible,
 )
 
 __all__ = ["CheckpointSaver", "CpuStage", "agree_on_error", "broadcast_from_rank_zero", "stage_to_cpu"]
@@ -293,6 +295,9 @@ class CheckpointSaver:
         if isinstance(prepared, BaseException):
             return prepared
         tmp = Path(prepared)
+        # Rank 0 made it before telling: a rank that cannot see it has other storage (node-local
+        # disk, another working directory for a relative path), where its shards would be lost.
+        seen = _rank() == 0 or visible(tmp)
         shards, rest = split_state(state_dict)
         writer = shard_writer(tmp / SHARDED_DIR)
         if not self.async_save:
@@ -300,7 +305,7 @@ class CheckpointSaver:
                 with quiet_single_process():
                     dcp.save(shards, storage_writer=writer, no_dist=no_dist())
 
-            return agree_on_error(self._finish_sharded(tmp, target, write_shards, rest, metadata, published, None))
+            return agree_on_error(self._finish_sharded(tmp, target, seen, write_shards, rest, metadata, published, None))
         if self._group is None and not no_dist():
             # The background's collectives get their own group: on the default one they could
             # interleave with the training loop's and deadlock.
@@ -315,36 +320,42 @@ class CheckpointSaver:
         group = self._group
 
         def finish() -> None:
-            error = self._finish_sharded(tmp, target, future.result, staged_rest, metadata, published, group)
+            error = self._finish_sharded(tmp, target, seen, future.result, staged_rest, metadata, published, group)
             if error is not None:
                 raise error
 
         self._pending = _Background(finish, target)
         return None
 
-    def _finish_sharded(self, tmp: Path, target: Path, write_shards: Callable[[], Any], rest: dict[str, Any],
-                        metadata: dict[str, Any], published: Callable[[Path], None], group: Any) -> BaseException | None:
-        """After every rank wrote its shards: gather their digests, and rank 0 completes the
-        checkpoint (the rest, metadata, manifest) and publishes it. Every rank calls."""
-        local: tuple[dict[str, FileDigest], BaseException | None]
+    def _finish_sharded(self, tmp: Path, target: Path, seen: bool, write_shards: Callable[[], Any],
+                        rest: dict[str, Any], metadata: dict[str, Any], published: Callable[[Path], None],
+                        group: Any) -> BaseException | None:
+        """After every rank wrote its shards: gather their digests, and rank 0 checks that it
+        sees every rank's files, completes the checkpoint (the rest, metadata, manifest) and
+        publishes it. Every rank calls; ``seen``: this rank found rank 0's ``tmp``."""
+        local: tuple[dict[str, FileDigest], BaseException | None, bool]
         try:
             write_shards()
-            local = (hash_own_shards(tmp, _rank()), None)
+            local = (hash_own_shards(tmp, _rank()), None, seen)
         except _WRITE_ERRORS as failure:
-            local = ({}, as_save_failure(target, failure))
+            local = ({}, as_save_failure(target, failure), seen)
+        if not seen:
+            discard(tmp)  # DCP made a directory of that name on this rank's own storage
         gathered = _gather_to_rank_zero(local, group)
         if gathered is None:  # not rank 0: rank 0 decides, and tells at the next agreement
             return local[1]
         try:
-            reported = next((f for _, f in gathered if f is not None), None)
+            reported = next((f for _, f, _ in gathered if f is not None), None)
             if reported is not None:
                 raise reported  # DCP fails on every rank alike: one rank's account is enough
-            digests = {rel: digest for shard_digests, _ in gathered for rel, digest in shard_digests.items()}
+            unshared = unshared_storage(target, tmp, [(digests, saw) for digests, _, saw in gathered])
+            if unshared is not None:
+                raise CheckpointError(unshared)
+            digests = {rel: digest for shard_digests, _, _ in gathered for rel, digest in shard_digests.items()}
             digests[REST_FILE] = save_torch(rest, tmp / REST_FILE)
             digests[METADATA] = write_json(metadata, tmp / METADATA)
             write_manifest(tmp, digests)
-            publish(tmp, target)
-            replace_symlink(target.parent / LATEST, target.name)
+            publish(tmp, target, then=lambda: point_latest(target))
         except _WRITE_ERRORS as failure:
             discard(tmp)
             return as_save_failure(target, failure)
