@@ -6,6 +6,7 @@ joining a group is not) and saves what it saw to ``<out>/rank<r>.pt``.
 
 from __future__ import annotations
 
+import logging
 import os
 import sys
 from pathlib import Path
@@ -15,7 +16,7 @@ import torch
 import torch.distributed as dist
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "hooks"))  # checkpoint_child
-from checkpoint_child import StepDataTrainer  # noqa: E402
+from checkpoint_child import StartedAt, StepDataTrainer  # noqa: E402
 
 from trainloop.checkpoint import CheckpointError  # noqa: E402
 from trainloop.hooks.checkpointing import CheckpointingHook  # noqa: E402
@@ -45,5 +46,42 @@ def unshared_storage(rank: int, world: int, port: int, out: str) -> None:
             except CheckpointError as error:
                 results[f"async{int(async_save)}"] = f"{type(error).__name__}: {error}"
         torch.save(results, Path(out) / f"rank{rank}.pt")
+    finally:
+        dist.destroy_process_group()
+
+
+class Messages(logging.Handler):
+    """Every message of the ``trainloop`` logger, debug included."""
+
+    def __init__(self) -> None:
+        super().__init__(logging.DEBUG)
+        self.messages: list[str] = []
+        logger = logging.getLogger("trainloop")
+        logger.setLevel(logging.DEBUG)
+        logger.addHandler(self)
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.messages.append(record.getMessage())
+
+
+def shared_verification(rank: int, world: int, port: int, out: str) -> None:
+    """FSDP2 sharded checkpoints at steps 2 and 4; rank 0 corrupts rank 1's shard of step 4 (same
+    size: only hashing finds it); the resume verifies with every rank hashing its own files."""
+    join(rank, world, port)
+    try:
+        workspace = Path(out) / "ws"
+        hook = CheckpointingHook(interval=2, keep_previous=1, format="sharded")
+        StepDataTrainer(max_steps=4, workspace=workspace, wrap="fsdp", hooks=[hook]).train()
+        if rank == 0:
+            shard = workspace / "checkpoints" / "4" / "sharded" / "__1_0.distcp"
+            data = bytearray(shard.read_bytes())
+            data[len(data) // 2] ^= 0xFF
+            shard.write_bytes(bytes(data))
+        dist.barrier()
+        messages = Messages()
+        started = StartedAt()
+        hook = CheckpointingHook(interval=100, keep_previous=1, format="sharded")
+        StepDataTrainer(max_steps=6, workspace=workspace, wrap="fsdp", hooks=[started, hook]).train()
+        torch.save({"started": started.step, "messages": messages.messages}, Path(out) / f"rank{rank}.pt")
     finally:
         dist.destroy_process_group()

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import ast
 from pathlib import Path
 
 import pytest
@@ -43,3 +44,25 @@ def test_sharded_save_on_storage_rank_zero_cannot_see_fails_on_every_rank_and_pu
             root = tmp_path / f"cwd{rank}" / workspace / "checkpoints"
             assert latest_checkpoint(root) is None
             assert not root.exists() or tree(root) == [], (rank, workspace, tree(root))
+
+
+def test_every_rank_hashes_its_own_files_and_a_corrupt_shard_of_another_rank_is_refused(tmp_path):
+    results = fork(ranks_worker.shared_verification, 2, tmp_path)
+    assert [result["started"] for result in results] == [2, 2]  # step 4 refused, 2 loaded
+    skipped = [m for m in results[0]["messages"] if m.startswith("Skipping checkpoint")]
+    assert len(skipped) == 1
+    assert f"{tmp_path / 'ws' / 'checkpoints' / '4' / 'sharded' / '__1_0.distcp'}: cannot load: corrupt" in skipped[0]
+    assert not any(m.startswith("Skipping") for m in results[1]["messages"])  # rank 0 reports
+
+    def hashed(rank: int, step: int) -> tuple[list[str], int]:
+        """The files rank ``rank`` hashed of checkpoint ``step``, and how many it holds."""
+        lines = [m for m in results[rank]["messages"] if m.startswith(f"Rank {rank} hashed ") and f"checkpoints/{step}:" in m]
+        assert len(lines) == 1, results[rank]["messages"]
+        total = int(lines[0].split(" of the ")[1].split()[0])
+        return ast.literal_eval(lines[0].split(": ", 1)[1]), total
+
+    for step in (4, 2):
+        (share0, total), (share1, _) = hashed(0, step), hashed(1, step)
+        assert "sharded/__0_0.distcp" in share0 and "sharded/__1_0.distcp" in share1  # each its own
+        assert not set(share0) & set(share1) and len(share0) + len(share1) == total  # the union, once
+        assert {"metadata.json", "training_state.pt", "sharded/.metadata"} <= set(share0 + share1)

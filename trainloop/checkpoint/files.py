@@ -38,6 +38,7 @@ from .manifest import (
 __all__ = [
     "LATEST",
     "check_keys",
+    "checkpoint_candidates",
     "checkpoint_format",
     "checkpoint_steps",
     "latest_checkpoint",
@@ -91,14 +92,7 @@ def latest_checkpoint(root: Path, verify: bool = True, logger: Logger | None = N
             candidate is returned unchecked.
         logger: Where the warnings go; ``logging.getLogger("trainloop")`` if omitted.
     """
-    candidates: list[Path] = []
-    link = root / LATEST
-    if link.is_dir():
-        candidates.append(link.resolve())
-    for step in reversed(checkpoint_steps(root)):
-        path = root / str(step)
-        if not candidates or path.resolve() != candidates[0]:
-            candidates.append(path)
+    candidates = checkpoint_candidates(root)
     if not verify:
         return candidates[0] if candidates else None
     for candidate in candidates:
@@ -111,6 +105,20 @@ def latest_checkpoint(root: Path, verify: bool = True, logger: Logger | None = N
             continue
         return candidate
     return None
+
+
+def checkpoint_candidates(root: Path) -> list[Path]:
+    """The checkpoints under ``root`` to try resuming from, best first, unverified: the one
+    ``root/latest`` points to, then the others from the highest step down."""
+    candidates: list[Path] = []
+    link = root / LATEST
+    if link.is_dir():
+        candidates.append(link.resolve())
+    for step in reversed(checkpoint_steps(root)):
+        path = root / str(step)
+        if not candidates or path.resolve() != candidates[0]:
+            candidates.append(path)
+    return candidates
 
 
 def save_error(target: Path, error: BaseException) -> CheckpointSaveError:

@@ -21,13 +21,14 @@ from ..checkpoint.atomic import clean_leftovers, remove_directory
 from ..checkpoint.errors import CheckpointError, CheckpointSaveError
 from ..checkpoint.files import (
     LATEST,
+    checkpoint_candidates,
     checkpoint_format,
     checkpoint_steps,
     latest_checkpoint,
     read_checkpoint,
     write_checkpoint,
 )
-from ..checkpoint.manifest import make_metadata, verify_checkpoint
+from ..checkpoint.manifest import make_metadata
 from ..types import NonNegativeFloat, NonNegativeInt, PositiveInt, StrictBool
 from ..utils import flatten_nested_dict, is_rank_zero
 from .base import BaseHook
@@ -186,7 +187,7 @@ class CheckpointingHook(BaseHook):
             return
         trainer.logger.info("Loading checkpoint %s", directory)
         if checkpoint_format(directory) == "full":
-            trainer.load_state_dict(read_checkpoint(directory, verify=False))  # rank 0 verified it
+            trainer.load_state_dict(read_checkpoint(directory, verify=False))  # verified by _choose
             return
         from ..checkpoint.sharded import load_sharded
 
@@ -194,8 +195,12 @@ class CheckpointingHook(BaseHook):
             trainer.load_state_dict(load_sharded(directory, trainer.state_dict()))
 
     def _choose(self, trainer: BaseTrainer, root: Path) -> Path | None:
-        """The checkpoint to load, chosen and verified by rank 0 and told to every rank."""
-        found: Path | None = None
+        """The checkpoint to load: rank 0 lists the candidates, every rank hashes its share of
+        their files (see :mod:`trainloop.checkpoint.verify`); the same answer on every rank."""
+        from ..checkpoint.saver import broadcast_from_rank_zero
+        from ..checkpoint.verify import choose_checkpoint
+
+        candidates: list[Path] | None = None
         error: BaseException | None = None
         if is_rank_zero():
             try:
@@ -205,18 +210,16 @@ class CheckpointingHook(BaseHook):
                         raise FileNotFoundError(
                             f"CheckpointingHook load={str(self.load)!r}: no checkpoint directory at {found}"
                         )
-                    verify_checkpoint(found)
+                    candidates = [found]
                 else:  # "latest"
                     clean_leftovers(root, trainer.logger)
-                    found = latest_checkpoint(root, logger=trainer.logger)
-            except (OSError, CheckpointError) as failure:
+                    candidates = checkpoint_candidates(root)
+            except OSError as failure:
                 error = failure
-        from ..checkpoint.saver import broadcast_from_rank_zero
-
-        found, shared_error = broadcast_from_rank_zero((found, error))
-        if error is not None or shared_error is not None:
-            raise error or shared_error
-        return found
+        error = broadcast_from_rank_zero(error)
+        if error is not None:
+            raise error
+        return choose_checkpoint(candidates, explicit=isinstance(self.load, Path), log=trainer.logger)
 
     def on_before_train(self, trainer: BaseTrainer) -> None:
         """Ask for a save at the end of the run, and install the exit-signal handlers."""
