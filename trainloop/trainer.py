@@ -21,8 +21,11 @@ from .agreement import ExitAgreement
 from .data import EpochIterator
 from .grads import NonFiniteGradCheck
 from .hooks.base import BaseHook, hook_dispatch, state_entry_methods
+from .limits import RunLength
 from .loss import Loss
 from .machine import Handle, State, StateMachine
+from .metrics import METRICS_FILE, MetricsLog
+from .result import RunResult, run_result
 from .rng import get_rng_state, seed_all, set_rng_state
 from .settings import TrainerSettings
 from .sync import gradient_sync
@@ -94,6 +97,9 @@ class BaseTrainer:
         self.hooks: list[BaseHook] = []
         self.error: BaseException | None = None
         self.exit_code: int | None = None
+        self.run_length = RunLength(self.settings)  # where the run ends: max_steps, max_epochs
+        self.metrics = MetricsLog()  # every trainer.log call; metrics.jsonl in the workspace
+        self.result: RunResult | None = None
         self._dispatch = hook_dispatch(())
         self._checkpoint_requested = False
         self._checkpoint_at_exit = False
@@ -161,7 +167,7 @@ class BaseTrainer:
         """
         if self.settings.lr_schedule is None:
             return None
-        return components.build_lr_scheduler(self.settings.lr_schedule, self.optimizer, self.settings.max_steps)
+        return components.build_lr_scheduler(self.settings.lr_schedule, self.optimizer, self.max_steps)
 
     def build_grad_scaler(self) -> torch.amp.GradScaler:
         """Return the gradient scaler; by default enabled for fp16 mixed precision only."""
@@ -201,8 +207,9 @@ class BaseTrainer:
 
     @property
     def max_steps(self) -> int:
-        """``settings.max_steps``."""
-        return self.settings.max_steps
+        """The run's planned steps: ``settings.max_steps``, or fewer when ``max_epochs`` ends it
+        first (see ``RunLength.planned_steps``; known once the data loader is built)."""
+        return self.run_length.planned_steps or 0
 
     @property
     def workspace(self) -> Path | None:
@@ -267,7 +274,7 @@ class BaseTrainer:
 
     # -- the loop ------------------------------------------------------------------------------
 
-    def train(self) -> None:
+    def train(self) -> RunResult:
         """Run the machine until it reaches ``exiting``.
 
         In pseudocode (each line is the work of one state)::
@@ -283,6 +290,10 @@ class BaseTrainer:
             exiting:        on_after_train; close the data iterator
 
         The next state is chosen by ``trainloop.machine.TRANSITIONS``.
+
+        Returns:
+            What the run did: its last step, epochs, exit code, last metrics and best
+            checkpoint (also kept as ``trainer.result``).
 
         Raises:
             RuntimeError: Gradients stayed non-finite beyond ``max_non_finite_grad_retries``.
@@ -312,8 +323,10 @@ class BaseTrainer:
             raise
         finally:
             self._exit()
+            self.result = run_result(self)
         if self.exit_code is not None:
             raise SystemExit(self.exit_code)
+        return self.result
 
     def _record_run(self) -> None:
         """Write the resolved settings, and open the trace, in the workspace (rank 0)."""
@@ -345,15 +358,19 @@ class BaseTrainer:
         if self.settings.seed is not None:
             seed_all(self.settings.seed)
         self.data_loader = self.build_data_loader()
+        self.run_length.plan(self.data_loader)
         self.model = self.build_model()
         self.optimizer = self.build_optimizer()
 
     def _restore(self) -> None:
         # A checkpoint, if any, was loaded by on_enter_restoring callbacks before this runs.
+        if self.settings.metrics_file and self.settings.workspace is not None and is_rank_zero():
+            self.metrics.open(self.settings.workspace / METRICS_FILE, resumed_step=self.step)
         for fn in self._dispatch["on_before_train"]:
             fn(self)
         self._prepare_step_constants()
         self._data = EpochIterator(self.data_loader, self.epoch, resumed=self.step > 0)
+        self.run_length.follow(self._data)
         if self._restored_rng is not None:
             # Only now: creating the data iterator draws from torch's generator (its base seed),
             # which the uninterrupted run did long before this step.
@@ -553,6 +570,7 @@ class BaseTrainer:
             for fn in self._dispatch["on_after_train"]:
                 fn(self)
         finally:
+            self.metrics.close()
             if self._agreement is not None:
                 self._agreement.close()
             if self._data is not None:
@@ -562,7 +580,7 @@ class BaseTrainer:
     # -- the machine's policies ----------------------------------------------------------------
 
     def _should_exit(self) -> bool:
-        return self._exit_requested or self.step >= self.settings.max_steps
+        return self._exit_requested or self.run_length.reached(self.step)
 
     def _microsteps_remain(self) -> bool:
         return self._microstep < self._accumulation
@@ -667,7 +685,10 @@ class BaseTrainer:
     # -- logging and helpers -------------------------------------------------------------------
 
     def log(self, records: Records, dry_run: bool = False) -> None:
-        """Send nested numeric records to every hook's ``on_log``."""
+        """Send nested numeric records to every hook's ``on_log``, and record them in
+        ``trainer.metrics`` (and ``<workspace>/metrics.jsonl``, see ``settings.metrics_file``)."""
+        if not dry_run:
+            self.metrics.record(self.step, records)
         for fn in self._dispatch["on_log"]:
             fn(self, records, dry_run=dry_run)
 
