@@ -50,8 +50,14 @@ class Every:
         self._stepped = False
         self._epochs = trainer.run_length.epochs_completed
 
-    def due(self, trainer: BaseTrainer) -> bool:
-        """Whether to act after the step that just finished (call it in ``on_after_step``)."""
+    def due(self, trainer: BaseTrainer, at_last_step: bool = True) -> bool:
+        """Whether to act after the step that just finished (call it in ``on_after_step``).
+
+        Args:
+            trainer: The trainer.
+            at_last_step: Whether the last step of the run counts (the rule); ``False``: only
+                multiples of ``n``.
+        """
         step = trainer.step
         self._stepped = True
         if self.unit == "steps":
@@ -60,7 +66,7 @@ class Every:
             epochs = trainer.run_length.epochs_completed
             hit = epochs > self._epochs and epochs % self.n == 0
             self._epochs = epochs
-        if hit or trainer.run_length.reached(step):
+        if hit or (at_last_step and trainer.run_length.reached(step)):
             self.last_step = step
             return True
         return False
