@@ -65,6 +65,16 @@ class EpochIterator:
         length = self.batches_per_epoch
         return self.epoch + (length is not None and self._drawn_this_epoch >= length)
 
+    @property
+    def resume_epoch(self) -> int:
+        """The epoch a checkpoint made now should resume in.
+
+        A loader that saves its position (``StatefulDataLoader``) resumes mid-epoch, so the
+        current epoch; any other loader restarts its epoch on resume, so an epoch whose last
+        batch was drawn counts as done (resuming must not draw it a second time).
+        """
+        return self.epoch if callable(getattr(self.loader, "state_dict", None)) else self.epochs_completed
+
     def __iter__(self) -> EpochIterator:
         return self
 

@@ -611,7 +611,7 @@ class BaseTrainer:
             "model": model_state,
             "training_state": {
                 "step": self.step,
-                "epoch": self._data.epoch if self._data is not None else self.epoch,
+                "epoch": self._data.resume_epoch if self._data is not None else self.epoch,
                 "optimizer": optimizer_state,
                 "lr_scheduler": self.lr_scheduler.state_dict() if self.lr_scheduler else None,
                 "grad_scaler": self.grad_scaler.state_dict(),

@@ -146,7 +146,9 @@ class ProgressHook(StatsHook):
                 for name in flatten_nested_dict({key: records[key]}):
                     if name in last:
                         self._logged[name] = last[name]
-        bar.set_postfix_str(self._postfix + self._logged_text())  # refreshed now: seen at once
+        bar.set_postfix_str(self._postfix + self._logged_text(), refresh=False)
+        bar.update(trainer.step - bar.n)  # the bar moves to the step the values belong to
+        bar.refresh()  # shown now, not at the next report
 
     def _logged_text(self) -> str:
         return "".join(f" {name} {value:.4g}" for name, value in self._logged.items())
