@@ -25,7 +25,7 @@ from .limits import RunLength
 from .loss import Loss
 from .machine import Handle, State, StateMachine
 from .metrics import METRICS_FILE, MetricsLog
-from .result import RunResult, run_result
+from .result import RunResult, finish_run
 from .rng import get_rng_state, seed_all, set_rng_state
 from .settings import TrainerSettings
 from .sync import gradient_sync
@@ -323,7 +323,7 @@ class BaseTrainer:
             raise
         finally:
             self._exit()
-            self.result = run_result(self)
+            self.result = finish_run(self)  # also appended to <workspace>/runs.jsonl
         if self.exit_code is not None:
             raise SystemExit(self.exit_code)
         return self.result
