@@ -63,7 +63,7 @@ def metric_chart(title: str, curves: Mapping[str, list[tuple[int, float]]], best
 
     # A salt per chart keeps the ids of several inlined SVGs apart; "none": text stays text.
     with matplotlib.rc_context({"svg.hashsalt": f"trainloop-{title}", "svg.fonttype": "none", "font.size": 9}):
-        figure = Figure(figsize=(5.6, 2.6), layout="constrained")
+        figure = Figure(figsize=(4.8, 2.4), layout="constrained")
         axes = figure.add_subplot()
         log_scale = True
         for label, points in curves.items():

@@ -34,7 +34,7 @@ main { max-width: 1180px; margin: 0 auto; padding: 24px; }
 h1 { font-size: 24px; margin: 0 0 4px; } h2 { font-size: 18px; margin: 28px 0 10px; border-bottom: 1px solid #d0d7de; padding-bottom: 4px; }
 h3 { font-size: 15px; margin: 16px 0 6px; }
 .muted { color: #656d76; } .card { background: #fff; border: 1px solid #d0d7de; border-radius: 6px; padding: 12px; }
-.grid { display: grid; grid-template-columns: repeat(auto-fill, minmax(520px, 1fr)); gap: 12px; }
+.grid { display: grid; grid-template-columns: repeat(auto-fill, minmax(360px, 1fr)); gap: 12px; }
 .grid svg, .diagram svg { max-width: 100%; height: auto; }
 .diagram { overflow-x: auto; text-align: center; }
 table { border-collapse: collapse; background: #fff; } td, th { border: 1px solid #d0d7de; padding: 3px 10px; text-align: left; }
@@ -89,11 +89,11 @@ def build_report(workspace: Path) -> str:
         f"<h1>Run report: {_e(workspace.resolve().name)}</h1>",
         f'<p class="muted">{_e(str(workspace))} · generated {datetime.now(UTC).strftime("%Y-%m-%d %H:%M UTC")} by trainloop</p>',
         _overview(metrics, summary, runs, checkpoints),
-        "<h2>Metrics</h2>",
-        _charts(metrics, best_step),
         "<h2>The machine</h2>",
         _machine(summary),
         _time_per_state(summary),
+        "<h2>Metrics</h2>",
+        _charts(metrics, best_step),
         "<h2>Runs</h2>",
         _runs(runs),
         "<h2>Checkpoints</h2>",
@@ -134,12 +134,12 @@ def _charts(metrics: list[dict[str, Any]], best_step: int | None) -> str:
         return f'<p class="muted">No {METRICS_FILE} in this workspace (settings.metrics_file off, or nothing logged).</p>'
     from .charts import group_metrics, group_title, metric_chart  # matplotlib: only for a report
 
-    out = []
+    out = ['<div class="grid">']
     for group, curves in group_metrics(metrics).items():
-        charts = [metric_chart(key, {key: points}, best_step if group == "val" else None) for key, points in curves.items()]
-        out.append(f"<h3>{_e(group_title(group))}</h3><div class=\"grid\">")
-        out += [f'<div class="card" title="{_e(c.title)}">{c.svg}</div>' for c in charts]
-        out.append("</div>")
+        for key, points in curves.items():
+            chart = metric_chart(key, {key: points}, best_step if group == "val" else None)
+            out.append(f'<div class="card" title="{_e(chart.title)}"><span class="muted">{_e(group_title(group))}</span>{chart.svg}</div>')
+    out.append("</div>")
     return "\n".join(out)
 
 
