@@ -19,6 +19,7 @@ from .hooks import (
 from .loss import Loss
 from .lr_find import LrFindComponents, LrFindResult, lr_find
 from .machine import TRANSITIONS, State, Transition
+from .result import RunResult
 from .rng import seed_all
 from .settings import SettingsFileError, TrainerSettings
 from .trace import Trace, TraceEntry, TraceSummary, read_trace, summarize_trace
@@ -47,6 +48,7 @@ __all__ = [
     "LrFindComponents",
     "LrFindResult",
     "LossNoneWarning",
+    "RunResult",
     "SettingsFileError",
     "State",
     "Trace",
