@@ -41,14 +41,14 @@ class Every:
         self.n = n
         self.unit = unit
         self.last_step: int | None = None
-        self._epochs = 0
+        self._epochs: int | None = None  # epochs completed after the last step seen
         self._stepped = False  # a step finished in this run
 
     def start(self, trainer: BaseTrainer) -> None:
-        """Begin a run (call it in ``on_before_train``): epochs are counted from here."""
+        """Begin a run (call it in ``on_before_train``): epochs are counted from its start."""
         self.last_step = None
         self._stepped = False
-        self._epochs = trainer.run_length.epochs_completed
+        self._epochs = None  # the data iterator does not exist yet; read at the first step
 
     def due(self, trainer: BaseTrainer, at_last_step: bool = True) -> bool:
         """Whether to act after the step that just finished (call it in ``on_after_step``).
@@ -64,7 +64,8 @@ class Every:
             hit = step % self.n == 0
         else:
             epochs = trainer.run_length.epochs_completed
-            hit = epochs > self._epochs and epochs % self.n == 0
+            before = trainer.run_length.epochs_at_start if self._epochs is None else self._epochs
+            hit = epochs > before and epochs % self.n == 0
             self._epochs = epochs
         if hit or (at_last_step and trainer.run_length.reached(step)):
             self.last_step = step

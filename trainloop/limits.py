@@ -26,6 +26,7 @@ class RunLength:
             ``gradient_accumulation_steps``).
 
     Attributes:
+        epochs_at_start: Full passes completed when this run began drawing (resumed ones).
         planned_steps: The steps the run is expected to take: ``max_steps``, or with
             ``max_epochs`` ``ceil(max_epochs * len(loader) / gradient_accumulation_steps)`` when
             that is less (an estimate when ``forward`` skips batches by returning ``loss=None``).
@@ -38,6 +39,7 @@ class RunLength:
         self._accumulation = settings.gradient_accumulation_steps
         self.planned_steps: int | None = self.max_steps if self.max_epochs is None else None
         self._data: EpochIterator | None = None
+        self.epochs_at_start = 0
 
     def plan(self, loader: Any) -> None:
         """Derive ``planned_steps`` from the data loader's length.
@@ -61,6 +63,7 @@ class RunLength:
     def follow(self, data: EpochIterator) -> None:
         """Read epochs from this iterator (the one the run draws from)."""
         self._data = data
+        self.epochs_at_start = data.epochs_completed
 
     @property
     def epochs_completed(self) -> int:

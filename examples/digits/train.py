@@ -68,7 +68,7 @@ class DigitsTrainer(BaseTrainer):
         return torch.optim.AdamW(self.model.parameters(), lr=self.settings.lr, weight_decay=self.settings.weight_decay)
 
     def build_lr_scheduler(self):
-        return torch.optim.lr_scheduler.CosineAnnealingLR(self.optimizer, T_max=self.settings.max_steps)
+        return torch.optim.lr_scheduler.CosineAnnealingLR(self.optimizer, T_max=self.max_steps)  # planned: max_epochs works too
 
     def forward(self, batch):
         x, y = (t.to(self.device) for t in batch)
