@@ -23,7 +23,7 @@ CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
 
 def cli(*args: str, cwd: Path) -> subprocess.CompletedProcess[str]:
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
-    return subprocess.run([sys.executable, "-m", "trainloop", *args], cwd=cwd, capture_output=True, text=True, env=env)
+    return subprocess.run([sys.executable, "-m", "trainloop", *args], cwd=cwd, capture_output=True, text=True, env=env, check=False)
 
 
 @pytest.fixture(scope="module")
@@ -104,7 +104,7 @@ def test_the_page_renders_in_a_headless_browser(workspace, tmp_path):
         "--headless", "--no-sandbox", "--disable-gpu", "--disable-background-networking", "--disable-component-update",
         "--disable-sync", "--no-first-run", f"--user-data-dir={tmp_path / 'profile'}", "--hide-scrollbars",
     ]
-    dom = subprocess.run([CHROMIUM, *flags, "--dump-dom", page.as_uri()], capture_output=True, text=True, timeout=120)
+    dom = subprocess.run([CHROMIUM, *flags, "--dump-dom", page.as_uri()], capture_output=True, text=True, timeout=120, check=False)
     assert dom.returncode == 0, dom.stderr[-2000:]
     assert dom.stdout.count("<svg") >= 8 and "Run report: run" in dom.stdout  # parsed and laid out by the browser
     shot = tmp_path / "shot.png"

@@ -117,15 +117,12 @@ def _overview(metrics: list[dict[str, Any]], summary: TraceSummary | None, runs:
     steps = max([r["step"] for r in metrics] + [r.get("step", 0) for r in runs] + [summary.steps if summary else 0])
     retries = _fired(summary, lambda t: t.dest is State.RETRYING) if summary else None
     cards = [("steps", str(steps)), ("runs", str(len(runs) or (summary.runs if summary else "?")))]
-    last = metrics[-1] if metrics else {}
     for key in ("loss", "val/loss", "val/accuracy"):
         value = next((r[key] for r in reversed(metrics) if key in r), None)
         if value is not None:
             cards.append((f"last {key}", f"{value:.4g}"))
     cards.append(("retries", "not traced" if retries is None else str(retries)))
     cards.append(("checkpoints", str(len(checkpoints))))
-    if not last and not metrics:
-        cards.append(("metrics", "none recorded"))
     return '<div class="stats">' + "".join(f'<div class="card"><span class="muted">{_e(k)}</span><b>{_e(v)}</b></div>' for k, v in cards) + "</div>"
 
 
