@@ -146,11 +146,15 @@ def report_outline(page: str) -> dict[str, list[str]]:
     }
 
 
-def run_digits_demo(directory: Path) -> Path:
-    """Run examples/digits in ``directory``; return its workspace."""
+def run_digits_demo(directory: Path, max_steps: int | None = None) -> Path:
+    """Run examples/digits in ``directory`` (shortened to ``max_steps``, if given); return its workspace."""
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
-    subprocess.run([sys.executable, str(ROOT / "examples" / "digits" / "train.py")], cwd=directory, env=env,
-                   check=True, capture_output=True)
+    command = [sys.executable, str(ROOT / "examples" / "digits" / "train.py")]
+    if max_steps is not None:
+        settings = json.loads((ROOT / "examples" / "digits" / "settings.json").read_text())
+        (directory / "settings.json").write_text(json.dumps({**settings, "max_steps": max_steps}))
+        command.append("settings.json")
+    subprocess.run(command, cwd=directory, env=env, check=True, capture_output=True)
     return directory / "runs" / "digits"
 
 
