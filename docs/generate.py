@@ -197,7 +197,13 @@ def main(check: bool, pictures: bool = False) -> int:
         if check:
             stale.append(MACHINE_SVG.relative_to(ROOT).as_posix())
         else:
-            draw_machine_svg()
+            from trainloop.graphviz import GraphvizError
+
+            try:
+                draw_machine_svg()
+            except GraphvizError as error:
+                print(f"docs/img/machine.svg is stale and cannot be redrawn: {error}")
+                return 1
     for path in [*sorted(DOCS.glob("*.md")), ROOT / "README.md"]:
         text = path.read_text()
         new = render(text)
