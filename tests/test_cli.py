@@ -360,7 +360,8 @@ BAD_FILES = [
     ("run.json", '{"max_steps": -1}', "max_steps: Input should be greater than 0 (got -1)"),
     ("run.yaml", "max_steps: 10\ngradient_accumulation_steps: 0\n", "gradient_accumulation_steps: Input should be greater than 0 (got 0)"),
     ("run.yaml", "max_steps: 10\nhooks: [{type: nope}]\n", "run.yaml: hooks[0]: unknown hook type 'nope'; registered types: checkpointing, "),
-    ("run.json", "{}", "max_steps: Field required"),
+    ("run.json", "{}", "give max_steps, max_epochs or both"),
+    ("run.json", '{"max_epochs": 0}', "max_epochs: Input should be greater than 0 (got 0)"),
 ]
 
 

@@ -64,9 +64,13 @@ def test_unknown_key_is_an_error():
         TinyTrainer(max_step=5)
 
 
-def test_missing_max_steps_is_an_error():
-    with pytest.raises(ValidationError, match="max_steps\n.*Field required"):
+def test_a_run_without_an_end_is_an_error():
+    with pytest.raises(ValidationError, match="give max_steps, max_epochs or both"):
         TinyTrainer()
+    with pytest.raises(ValidationError, match="max_epochs\n.*greater than 0"):
+        TinyTrainer(max_epochs=0)
+    with pytest.raises(ValidationError, match="max_epochs\n.*valid integer"):
+        TrainerSettings.model_validate({"max_epochs": "2"})
 
 
 def test_device_is_normalised():

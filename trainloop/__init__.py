@@ -21,6 +21,7 @@ from .loss import Loss
 from .lr_find import LrFindComponents, LrFindResult, lr_find
 from .machine import TRANSITIONS, State, Transition
 from .preflight import PreflightError
+from .result import RunResult
 from .rng import seed_all
 from .settings import SettingsFileError, TrainerSettings
 from .trace import Trace, TraceEntry, TraceSummary, read_trace, summarize_trace
@@ -50,6 +51,7 @@ __all__ = [
     "LrFindResult",
     "LossNoneWarning",
     "PreflightError",
+    "RunResult",
     "SettingsFileError",
     "State",
     "Trace",

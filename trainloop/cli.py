@@ -1,4 +1,4 @@
-"""The ``trainloop`` command line: run, validate, schema, graph, inspect.
+"""The ``trainloop`` command line: run, validate, schema, graph, inspect, report.
 
 ::
 
@@ -7,6 +7,7 @@
     trainloop schema [--trainer train:MyTrainer] [--output schema.json]
     trainloop graph [--format mermaid|dot|svg|png] [--trace runs/exp1] [--output machine.svg]
     trainloop inspect runs/exp1/checkpoints
+    trainloop report runs/exp1 [--output report.html]
 
 ``run`` and ``validate`` take the trainer from ``--trainer`` or else the settings' ``trainer`` key.
 
@@ -22,9 +23,7 @@ import importlib
 import json
 import logging
 import os
-import shutil
 import signal
-import subprocess
 import sys
 from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
@@ -43,6 +42,7 @@ from .checkpoint import (
 )
 from .checkpoint.files import SHARDED_DIR
 from .components import OPTIMIZERS
+from .graphviz import GraphvizError, find_dot, render_dot
 from .machine import TRANSITIONS, State, draw
 from .preflight import preflight
 from .settings import SettingsFileError, TrainerSettings
@@ -279,10 +279,10 @@ def _find_dot(format: str) -> str:
     Raises:
         CliError: It is not on ``PATH``; the message says how to install it.
     """
-    dot = shutil.which("dot")
-    if dot is None:
-        raise CliError(f"--format {format} needs Graphviz's `dot` program, which is not on PATH: {_GRAPHVIZ_HINT}", FAILURE)
-    return dot
+    try:
+        return find_dot()
+    except GraphvizError:
+        raise CliError(f"--format {format} needs Graphviz's `dot` program, which is not on PATH: {_GRAPHVIZ_HINT}", FAILURE) from None
 
 
 def _render_with_dot(source: str, format: str) -> bytes:
@@ -291,12 +291,11 @@ def _render_with_dot(source: str, format: str) -> bytes:
     Raises:
         CliError: ``dot`` is not installed, or it failed.
     """
-    dot = _find_dot(format)
-    result = subprocess.run([dot, f"-T{format}"], input=source.encode(), capture_output=True, check=False)
-    if result.returncode != 0:
-        message = result.stderr.decode(errors="replace").strip()
-        raise CliError(f"{dot} -T{format} failed (exit {result.returncode}): {message}", FAILURE)
-    return result.stdout
+    _find_dot(format)
+    try:
+        return render_dot(source, format)
+    except GraphvizError as error:
+        raise CliError(str(error), FAILURE) from None
 
 
 def _cmd_graph(args: argparse.Namespace) -> int:
@@ -580,6 +579,23 @@ def _cmd_inspect(args: argparse.Namespace) -> int:
     return 0
 
 
+# -- report --------------------------------------------------------------------------------------
+
+
+def _cmd_report(args: argparse.Namespace) -> int:
+    """``trainloop report``: write a run's self-contained HTML report page."""
+    from .report import ReportError, write_report  # matplotlib is imported only for a report
+
+    try:
+        target = write_report(args.workspace, args.output)
+    except ReportError as error:
+        raise CliError(str(error), FAILURE) from None
+    except OSError as error:
+        raise CliError(f"{error.filename}: cannot write: {error.strerror}", FAILURE) from None
+    print(f"{PROG} report: wrote {target}", file=sys.stderr)
+    return 0
+
+
 # -- the parser ----------------------------------------------------------------------------------
 
 
@@ -647,6 +663,15 @@ def _build_parser() -> argparse.ArgumentParser:
     inspect.add_argument("checkpoint", metavar="CHECKPOINT_DIR")
     inspect.add_argument("--json", action="store_true", help="print the report as JSON")
     inspect.set_defaults(handler=_cmd_inspect)
+
+    report = commands.add_parser(
+        "report", help="write a run's report page (HTML)",
+        description="Write one self-contained HTML page about a run: settings, metric curves, the machine "
+        "weighted by its trace, time per state, runs, checkpoints (best marked).",
+    )
+    report.add_argument("workspace", metavar="WORKSPACE", help="the run's workspace directory")
+    report.add_argument("--output", metavar="PATH", help="where to write it (default: WORKSPACE/report.html)")
+    report.set_defaults(handler=_cmd_report)
     return parser
 
 

@@ -18,10 +18,12 @@ from .hooks.base import hook_dispatch, name_hooks, state_entry_methods
 from .hooks.registry import build_declared_hooks
 from .loss import Loss
 from .machine import State, StateMachine
+from .metrics import METRICS_FILE
 from .requests import RunRequests
 from .rng import set_rng_state
 from .step import StepPlan, StepRunner
 from .trace import start_run_record
+from .utils import is_rank_zero
 
 if TYPE_CHECKING:
     from .trainer import BaseTrainer
@@ -102,9 +104,12 @@ class Loop:
     def restore(self) -> None:
         # A checkpoint, if any, was loaded by on_enter_restoring callbacks before this runs.
         t = self.trainer
+        if t.settings.metrics_file and t.settings.workspace is not None and is_rank_zero():
+            t.metrics.open(t.settings.workspace / METRICS_FILE, resumed_step=t.step)
         for fn in t._dispatch["on_before_train"]:
             fn(t)
         self.data = EpochIterator(t.data_loader, t.epoch, resumed=t.step > 0)
+        t.run_length.follow(self.data)
         if self.restored_rng is not None:
             # Only now: creating the data iterator draws from torch's generator (its base seed),
             # which the uninterrupted run did long before this step.
@@ -201,6 +206,7 @@ class Loop:
             for fn in t._dispatch["on_after_train"]:
                 fn(t)
         finally:
+            t.metrics.close()
             self.requests.close()
             if self.data is not None:
                 self.data.close()
@@ -226,7 +232,7 @@ class Loop:
     # -- the policies --------------------------------------------------------------------------
 
     def should_exit(self) -> bool:
-        return self.requests.exit_agreed or self.trainer.step >= self.trainer.settings.max_steps
+        return self.requests.exit_agreed or self.trainer.run_length.reached(self.trainer.step)
 
     def microsteps_remain(self) -> bool:
         return self.runner.microsteps < self.trainer.settings.gradient_accumulation_steps  # type: ignore[union-attr]

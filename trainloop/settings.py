@@ -51,8 +51,12 @@ class TrainerSettings(BaseModel):
     # Attribute docstrings become field descriptions (in the JSON Schema and the docs too).
     model_config = ConfigDict(frozen=True, extra="forbid", validate_default=True, use_attribute_docstrings=True)
 
-    max_steps: PositiveInt
-    """Number of optimizer steps to run."""
+    max_steps: PositiveInt | None = None
+    """Number of optimizer steps to run (with ``max_epochs``: whichever limit comes first)."""
+    max_epochs: PositiveInt | None = None
+    """Number of passes over the data to run: the run ends with the step in which the last
+    epoch's last batch is drawn (needs a data loader with ``len()``). At least one of
+    ``max_steps`` and ``max_epochs`` is required."""
     grad_clip: PositiveFloat | None = None
     """Max gradient norm (L2); gradients are clipped before the optimizer step."""
     max_non_finite_grad_retries: NonNegativeInt | None = None
@@ -74,6 +78,8 @@ class TrainerSettings(BaseModel):
     """Use the model's ``no_sync()`` (DDP/FSDP) on all but the last microstep of a step."""
     trace: StrictBool = False
     """Record every transition of the machine in ``trainer.trace``."""
+    metrics_file: StrictBool = True
+    """With a ``workspace``, append every ``trainer.log`` call to ``<workspace>/metrics.jsonl``."""
     seed: NonNegativeInt | None = None
     """Seed Python's, NumPy's and torch's generators with this when ``train()`` starts, on
     every rank, before anything is built."""
@@ -123,8 +129,16 @@ class TrainerSettings(BaseModel):
         return self
 
     @model_validator(mode="after")
+    def _run_is_bounded(self) -> Self:
+        if self.max_steps is None and self.max_epochs is None:
+            raise ValueError("give max_steps, max_epochs or both: the run needs an end")
+        return self
+
+    @model_validator(mode="after")
     def _warmup_fits(self) -> Self:
-        if self.lr_schedule is not None and self.lr_schedule.warmup_steps_for(self.max_steps) >= self.max_steps:
+        # With max_epochs alone the step count is known once the data loader is built, and the
+        # schedule is checked then.
+        if self.max_steps is not None and self.lr_schedule is not None and self.lr_schedule.warmup_steps_for(self.max_steps) >= self.max_steps:
             raise ValueError(
                 f"lr_schedule warmup ({self.lr_schedule.warmup_steps_for(self.max_steps)} steps) must be "
                 f"shorter than max_steps ({self.max_steps})"

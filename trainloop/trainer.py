@@ -16,7 +16,10 @@ from torch import nn
 from . import components, preflight
 from .hooks.base import BaseHook, hook_dispatch
 from .loop import Loop
+from .limits import RunLength
 from .machine import Handle, State
+from .metrics import MetricsLog
+from .result import RunResult, finish_run
 from .rng import seed_all
 from .settings import TrainerSettings
 from .step import LossNoneWarning
@@ -80,6 +83,9 @@ class BaseTrainer:
         self.step_info: dict[str, Any] = {}
         self.hooks: list[BaseHook] = []
         self.error: BaseException | None = None
+        self.run_length = RunLength(self.settings)  # where the run ends: max_steps, max_epochs
+        self.metrics = MetricsLog()  # every trainer.log call; metrics.jsonl in the workspace
+        self.result: RunResult | None = None
         self._dispatch = hook_dispatch(())
         self._loop = Loop(self)
         self._machine = self._loop.machine
@@ -127,7 +133,7 @@ class BaseTrainer:
         """
         if self.settings.lr_schedule is None:
             return None
-        return components.build_lr_scheduler(self.settings.lr_schedule, self.optimizer, self.settings.max_steps)
+        return components.build_lr_scheduler(self.settings.lr_schedule, self.optimizer, self.max_steps)
 
     def build_grad_scaler(self) -> torch.amp.GradScaler:
         """Return the gradient scaler; by default enabled for fp16 mixed precision only."""
@@ -167,8 +173,9 @@ class BaseTrainer:
 
     @property
     def max_steps(self) -> int:
-        """``settings.max_steps``."""
-        return self.settings.max_steps
+        """The run's planned steps: ``settings.max_steps``, or fewer when ``max_epochs`` ends it
+        first (see ``RunLength.planned_steps``; known once the data loader is built)."""
+        return self.run_length.planned_steps or 0
 
     @property
     def workspace(self) -> Path | None:
@@ -235,7 +242,7 @@ class BaseTrainer:
 
     # -- the loop ------------------------------------------------------------------------------
 
-    def train(self) -> None:
+    def train(self) -> RunResult:
         """Run the machine until it reaches ``exiting``.
 
         In pseudocode (each line is the work of one state, or of an edge's action)::
@@ -257,7 +264,13 @@ class BaseTrainer:
         follows an update (retry, save, exit, next step) leaves from ``stepping``. The work of
         each state is ``trainloop.loop.Loop``'s.
 
+        Returns:
+            What the run did: its last step, epochs, exit code, last metrics and best
+            checkpoint (also kept as ``trainer.result``).
+
         Raises:
+            trainloop.preflight.PreflightError: The settings and this trainer class cannot work
+                together; nothing was built or written.
             RuntimeError: Gradients stayed non-finite beyond ``max_non_finite_grad_retries``.
             trainloop.data.DataExhaustedError: A one-shot iterator ran out before ``max_steps``.
             SystemExit: A hook requested exit with an exit code.
@@ -265,9 +278,13 @@ class BaseTrainer:
         preflight.check(self)  # before anything is built or written: see trainloop.preflight
         if self.state is not State.IDLE:
             raise RuntimeError(f"train() runs once per trainer; this one is in state {self.state.value!r}")
-        self._loop.run()
+        try:
+            self._loop.run()
+        finally:
+            self.result = finish_run(self)  # also appended to <workspace>/runs.jsonl
         if self.exit_code is not None:
             raise SystemExit(self.exit_code)
+        return self.result
 
     def _build_components(self) -> None:
         """Seed, then build data loader, model and optimizer, in that order (each may read the
@@ -275,6 +292,7 @@ class BaseTrainer:
         if self.settings.seed is not None:
             seed_all(self.settings.seed)
         self.data_loader = self.build_data_loader()
+        self.run_length.plan(self.data_loader)
         self.model = self.build_model()
         self.optimizer = self.build_optimizer()
 
@@ -293,7 +311,10 @@ class BaseTrainer:
     # -- logging and helpers -------------------------------------------------------------------
 
     def log(self, records: Records, dry_run: bool = False) -> None:
-        """Send nested numeric records to every hook's ``on_log``."""
+        """Send nested numeric records to every hook's ``on_log``, and record them in
+        ``trainer.metrics`` (and ``<workspace>/metrics.jsonl``, see ``settings.metrics_file``)."""
+        if not dry_run:
+            self.metrics.record(self.step, records)
         for fn in self._dispatch["on_log"]:
             fn(self, records, dry_run=dry_run)
 

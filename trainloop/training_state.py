@@ -42,7 +42,7 @@ def training_state(trainer: BaseTrainer) -> dict[str, Any]:
         "model": model_state,
         "training_state": {
             "step": trainer.step,
-            "epoch": data.epoch if data is not None else trainer.epoch,
+            "epoch": data.resume_epoch if data is not None else trainer.epoch,
             "optimizer": optimizer_state,
             "lr_scheduler": trainer.lr_scheduler.state_dict() if trainer.lr_scheduler else None,
             "grad_scaler": trainer.grad_scaler.state_dict(),

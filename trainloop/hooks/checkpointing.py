@@ -9,6 +9,7 @@ from __future__ import annotations
 import dataclasses
 import signal
 import time
+import warnings
 from collections.abc import Iterator
 from contextlib import contextmanager, nullcontext
 from logging import Logger
@@ -18,6 +19,7 @@ from typing import TYPE_CHECKING, Annotated, Any, Literal
 from pydantic import AfterValidator, Field, StrictInt, StrictStr, validate_call
 
 from ..checkpoint.atomic import clean_leftovers, remove_directory
+from ..checkpoint.best import BestCheckpoints, Monitor, check_best
 from ..checkpoint.errors import CheckpointError, CheckpointSaveError
 from ..checkpoint.files import (
     LATEST,
@@ -29,9 +31,11 @@ from ..checkpoint.files import (
     write_checkpoint,
 )
 from ..checkpoint.manifest import make_metadata
+from ..every import Every
 from ..types import NonNegativeFloat, NonNegativeInt, PositiveInt, StrictBool
 from ..utils import flatten_nested_dict, is_rank_zero
 from .base import BaseHook
+from .early_stopping import MonitorNotFoundWarning
 from .exit_signals import DEFAULT_EXIT_SIGNALS, ExitSignals, as_signal
 from .registry import register_hook
 
@@ -60,14 +64,22 @@ ExitCode = Annotated[int, Field(ge=0, le=255, strict=True)]
 class CheckpointingHook(BaseHook):
     """Save checkpoints on a schedule and on exit signals; prune old ones; resume from one.
 
-    Saves happen in the ``checkpointing`` state, at the end of every ``interval``-th step, of
-    every step kept by ``keep_interval`` or ``keep_steps``, of the last step of a run that ends
-    cleanly, and of the step during which an exit signal arrived. A checkpoint is a directory
+    Saves happen in the ``checkpointing`` state by the ``every(n)`` rule (``trainloop.every``):
+    at the end of every ``interval``-th step (or epoch, see ``unit``) and of the last step of a
+    run that ends cleanly; also of every step kept by ``keep_interval`` or ``keep_steps``, and
+    of the step during which an exit signal arrived. A checkpoint is a directory
     ``<path>/<step>/`` (see :mod:`trainloop.checkpoint.files`) with a ``metadata.json`` (step,
     epoch, time, the last metrics logged, versions, format) and, written last, a
     ``manifest.json`` of every file's size and SHA-256. Each save is atomic: a crash leaves the
     previous checkpoints and at most a hidden leftover, cleaned at the next save or load.
     ``<path>/latest`` points at the newest checkpoint once it is complete.
+
+    With ``keep_best`` and ``monitor``, each checkpoint saved at a step where ``monitor`` was
+    logged (by a ``ValidationHook`` evaluating at the steps that are saved, for example) is
+    scored by it; the ``keep_best`` best are never pruned, ``<path>/best.json`` records the
+    scores, and ``best_checkpoint`` (and ``RunResult.best_checkpoint``) points at the best. A
+    ``monitor`` that is never logged is a ``MonitorNotFoundWarning`` at the end of the run,
+    with the closest keys that were.
 
     Under ``torch.distributed``, with ``format="full"`` every rank builds the state dict and
     rank 0 writes it (under FSDP, give the trainer full-state-dict options); with
@@ -76,8 +88,12 @@ class CheckpointingHook(BaseHook):
     A checkpoint is loaded in its own format, whatever ``format`` says.
 
     Args:
-        interval: Save every ``interval`` steps.
+        interval: Save every ``interval`` steps (or epochs, see ``unit``).
         keep_previous: Besides the newest checkpoint, keep this many earlier ones (by step).
+        keep_best: Also keep this many best checkpoints by ``monitor`` (0: none).
+        monitor: The flattened key of a logged metric that ranks checkpoints (e.g.
+            ``"val/loss"``); required with ``keep_best`` and only with it.
+        mode: ``"min"`` if a lower ``monitor`` is better, ``"max"`` if higher is.
         keep_interval: Also save, and never prune, every ``keep_interval``-th step (0: none).
         keep_steps: Also save, and never prune, these steps.
         path: Directory of the checkpoints; a relative path is resolved under the trainer's
@@ -112,6 +128,7 @@ class CheckpointingHook(BaseHook):
             and train on. A background save's failure is reported when the next save
             begins, or at the end of the run. A state that cannot be written at all (an
             object that cannot be pickled) raises a :class:`CheckpointError` either way.
+        unit: ``"steps"`` or ``"epochs"``: what ``interval`` counts.
 
     Raises:
         pydantic.ValidationError: A parameter is invalid; the error names it.
@@ -122,6 +139,9 @@ class CheckpointingHook(BaseHook):
         self,
         interval: PositiveInt,
         keep_previous: NonNegativeInt = 0,
+        keep_best: NonNegativeInt = 0,
+        monitor: Monitor = None,
+        mode: Literal["min", "max"] = "min",
         keep_interval: NonNegativeInt = 0,
         keep_steps: list[PositiveInt] | None = None,
         path: Path = Path("checkpoints"),
@@ -132,15 +152,24 @@ class CheckpointingHook(BaseHook):
         format: Literal["full", "sharded"] = "full",
         async_save: StrictBool = False,
         on_save_error: Literal["raise", "warn"] = "raise",
+        unit: Literal["steps", "epochs"] = "steps",
     ) -> None:
+        check_best(keep_best, monitor)
         self.interval = interval
+        self.unit = unit
+        self._every = Every(interval, unit)
         self.keep_previous = keep_previous
+        self.keep_best = keep_best
+        self.monitor = monitor
+        self.mode = mode
+        self._best = BestCheckpoints(monitor, mode, keep_best) if monitor is not None else None
+        self._root: Path | None = None
+        self._last_saved_step: int | None = None
         self.keep_interval = keep_interval
         self.keep_steps = frozenset(keep_steps or ())
         self.path = Path(path).expanduser()
         self.load = load
-        # Validation turned them into signal.Signals; dict.fromkeys drops repeats, keeps order.
-        # Validation turned given ones into signal.Signals, not the default: as_signal does.
+        # dict.fromkeys drops repeats, keeps order. Validation turned given ones into signal.Signals, not the default: as_signal does.
         self.exit_signals = tuple(dict.fromkeys(as_signal(s) for s in exit_signals or ()))
         self.exit_code = exit_code
         self.exit_wait = exit_wait
@@ -165,6 +194,9 @@ class CheckpointingHook(BaseHook):
         from ..checkpoint.saver import CheckpointSaver
 
         self._saver = CheckpointSaver(self.format, self.async_save, trainer.logger)
+        self._root = root
+        if self._best is not None:
+            self._best.start(root)
         if self.load is None:
             return
         directory = self._choose(trainer, root)
@@ -210,6 +242,8 @@ class CheckpointingHook(BaseHook):
     def on_before_train(self, trainer: BaseTrainer) -> None:
         """Ask for a save at the end of the run, and install the exit-signal handlers."""
         trainer.request_checkpoint(at_exit=True)
+        self._every.start(trainer)
+        self._last_saved_step = None
         self._exit_asked = False
         self._metrics = {}
         self._signals.install(trainer.logger)
@@ -231,7 +265,7 @@ class CheckpointingHook(BaseHook):
                 if signal.SIGINT in self.exit_signals else "",
             )
             trainer.request_exit(code)
-        if step % self.interval == 0 or self._is_kept(step):
+        if self._every.due(trainer) or self._is_kept(step):
             trainer.request_checkpoint()
 
     def _is_kept(self, step: int) -> bool:
@@ -241,7 +275,22 @@ class CheckpointingHook(BaseHook):
         """Remember the last value of every logged metric, for the next ``metadata.json``."""
         if not dry_run:
             # Kept as given: converting a tensor to a float is a host sync, done only at a save.
-            self._metrics.update(flatten_nested_dict(records))
+            flat = flatten_nested_dict(records)
+            self._metrics.update(flat)
+            if self._best is not None:
+                self._watch_monitor(trainer, flat)
+
+    def _watch_monitor(self, trainer: BaseTrainer, flat: dict[str, Any]) -> None:
+        """Note the monitored metric; score a checkpoint already saved at this step."""
+        assert self._best is not None
+        value = self._best.observe(trainer.step, flat)
+        if value is not None and self._last_saved_step == trainer.step and self._root is not None:
+            # Logged after this step's save (an evaluation at the end of the run): the saved
+            # weights are the ones evaluated, so the checkpoint takes the score now.
+            self._settle(trainer, agree=False)  # a background write settles first (no collective)
+            self._best.score(trainer.step, value)
+            if is_rank_zero():
+                self._prune(self._root, trainer.step, trainer.logger)
 
     # -- checkpointing -------------------------------------------------------------------------
 
@@ -258,6 +307,9 @@ class CheckpointingHook(BaseHook):
         metadata = make_metadata(training_state["step"], training_state["epoch"], self.format, self._metrics)
         root = self.directory(trainer)
         step = trainer.step
+        self._last_saved_step = step
+        if self._best is not None and self._best.observed is not None and self._best.observed[0] == step:
+            self._best.score(*self._best.observed)  # before the save: pruning reads it
         from ..checkpoint.saver import CheckpointSaver
 
         saver = self._saver or CheckpointSaver(self.format, self.async_save, trainer.logger)
@@ -279,22 +331,29 @@ class CheckpointingHook(BaseHook):
     def _prune(self, root: Path, newest: int, logger: Logger) -> None:
         earlier = [step for step in checkpoint_steps(root) if step != newest]
         recent = set(earlier[-self.keep_previous :]) if self.keep_previous else set()
+        best = self._best.kept() if self._best is not None else set()
         for step in earlier:
-            if step in recent or self._is_kept(step):
+            if step in recent or step in best or self._is_kept(step):
                 continue
             try:
                 remove_directory(root / str(step))
             except OSError as error:
                 logger.warning("Could not remove old checkpoint %s: %s", root / str(step), error)
+        if self._best is not None:
+            self._best.write(root)  # after pruning: it lists the checkpoints still there
 
     # -- exiting -------------------------------------------------------------------------------
 
     def on_after_train(self, trainer: BaseTrainer) -> None:
-        """Wait for a save in flight; then give the exit signals back to their previous handlers.
+        """Wait for a save in flight; then give the exit signals back to their previous handlers;
+        warn if ``monitor`` was never logged.
 
         In that order: a second SIGTERM while the exit save completes must not find the
         default handler, which would kill the process and lose the save.
         """
+        missing = self._best.missing_message() if self._best is not None and trainer.error is None else None
+        if missing is not None:
+            warnings.warn(f"{type(self).__name__}: {missing}", MonitorNotFoundWarning, stacklevel=2)
         try:
             self._settle_at_exit(trainer)
         finally:
@@ -315,6 +374,15 @@ class CheckpointingHook(BaseHook):
         self._report(trainer, error)
 
     # -- helpers -------------------------------------------------------------------------------
+
+    @property
+    def best_checkpoint(self) -> Path | None:
+        """The best checkpoint by ``monitor`` still on disk, or ``None`` (no ``keep_best``, or
+        no checkpoint scored yet)."""
+        if self._best is None or self._root is None:
+            return None
+        best = self._best.best
+        return self._root / str(best) if best is not None and (self._root / str(best)).is_dir() else None
 
     def directory(self, trainer: BaseTrainer) -> Path:
         """Where this hook's checkpoints live for ``trainer``.

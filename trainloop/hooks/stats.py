@@ -20,6 +20,7 @@ import torch
 import torch.distributed as dist
 from pydantic import validate_call
 
+from ..every import Every
 from ..types import PositiveInt, StrictBool
 from ..utils import Records, key_average
 from .base import BaseHook
@@ -96,9 +97,10 @@ class StatsHook(BaseHook):
     Every step it collects the loss of each microstep, the gradient norm (when the trainer
     clips), step and data time, the retry count, ``step_info["max_memory"]`` when another hook
     records it (that hook must come before this one), ``forward``'s records, and each param
-    group's learning rate before the scheduler steps. At every multiple of ``interval``, at
-    ``max_steps``, and when a run ends cleanly before (an exit request) with steps not yet
-    emitted, it reduces them into a ``TrainingStats`` and calls ``emit``.
+    group's learning rate before the scheduler steps. By the ``every(n)`` rule
+    (``trainloop.every``: every multiple of ``interval`` and the last step of a run that ends
+    cleanly, also early on an exit request) it reduces them into a ``TrainingStats`` and calls
+    ``emit``.
 
     Used on its own, the hook keeps the newest statistics in ``latest`` and publishes
     them as ``trainer.step_info["stats"]`` on the steps where it emits, for later hooks to read.
@@ -128,6 +130,7 @@ class StatsHook(BaseHook):
         self.interval = interval
         self.sync = sync
         self.latest: TrainingStats | None = None
+        self._every = Every(interval)
         self._max_steps = 0
         self._lr_names: list[str] = []
         self._lrs: list[Any] = []
@@ -148,6 +151,7 @@ class StatsHook(BaseHook):
     def on_before_train(self, trainer: BaseTrainer) -> None:
         """Start an empty window."""
         self._max_steps = trainer.max_steps
+        self._every.start(trainer)
         self.latest = None
         self._reset_window()
 
@@ -190,14 +194,14 @@ class StatsHook(BaseHook):
         memory = info.get("max_memory")
         if memory is not None and (self._max_memory is None or memory > self._max_memory):
             self._max_memory = memory
-        step = trainer.step
-        if step % self.interval == 0 or step >= self._max_steps:
+        if self._every.due(trainer):
             self._emit_window(trainer)
 
     def on_after_train(self, trainer: BaseTrainer) -> None:
         """Emit the steps of a run that ended cleanly between two emissions (an exit request)."""
-        # Not after an error: other ranks may not reach this point, and a collective would hang.
-        if self._steps and trainer.error is None:
+        # Not after an error (due_at_end says no): other ranks may not reach this point, and a
+        # collective would hang.
+        if self._every.due_at_end(trainer) and self._steps:
             self._emit_window(trainer)
 
     # -- reducing --------------------------------------------------------------------------
