@@ -24,6 +24,7 @@ from .preflight import PreflightError
 from .result import RunResult
 from .rng import seed_all
 from .settings import SettingsFileError, TrainerSettings
+from .step import StepInfo
 from .trace import Trace, TraceEntry, TraceSummary, read_trace, summarize_trace
 from .trainer import BaseTrainer, LossNoneWarning
 from .utils import flatten_nested_dict, key_average, map_nested_tensor
@@ -54,14 +55,18 @@ __all__ = [
     "RunResult",
     "SettingsFileError",
     "State",
+    "StepInfo",
     "Trace",
     "TraceEntry",
+    "TraceSummary",
     "TrainerSettings",
     "Transition",
     "flatten_nested_dict",
     "key_average",
     "lr_find",
     "map_nested_tensor",
+    "read_trace",
     "register_hook",
     "seed_all",
+    "summarize_trace",
 ]

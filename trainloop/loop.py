@@ -21,7 +21,7 @@ from .machine import State, StateMachine
 from .metrics import METRICS_FILE
 from .requests import RunRequests
 from .rng import set_rng_state
-from .step import StepPlan, StepRunner
+from .step import StepInfo, StepPlan, StepRunner
 from .trace import start_run_record
 from .utils import is_rank_zero
 
@@ -145,19 +145,19 @@ class Loop:
     def accumulate(self) -> None:
         loss, records, data_time = self.runner.microstep()  # type: ignore[union-attr]
         info = self.trainer.step_info
-        info["data_time"].append(data_time)
-        info["records"].append(records)
-        info["loss"].append(loss.sum.detach() / loss.count if isinstance(loss, Loss) else loss.detach())
+        info.data_time.append(data_time)
+        info.records.append(records)
+        info.loss.append(loss.sum.detach() / loss.count if isinstance(loss, Loss) else loss.detach())
 
     def update(self) -> None:
         t, runner = self.trainer, self.runner
         self.applied = runner.update()  # type: ignore[union-attr]
         if t.settings.grad_clip is not None:
-            t.step_info["grad_norm"] = runner.grad_norm  # type: ignore[union-attr]
+            t.step_info.grad_norm = runner.grad_norm  # type: ignore[union-attr]
         if not self.applied:
             self._raise_if_no_retries_left()
             return
-        t.step_info["step_time"] = perf_counter() - self.step_start
+        t.step_info.step_time = perf_counter() - self.step_start
         for fn in t._dispatch["on_after_step"]:
             fn(t)
         self.requests.settle()
@@ -191,8 +191,8 @@ class Loop:
         )
         t.optimizer.zero_grad()
         info = t.step_info
-        info["loss"], info["records"] = [], []
-        info["non_finite_grad_retries"] = self.retries
+        info.loss, info.records = [], []
+        info.non_finite_grad_retries = self.retries
 
     def checkpoint(self) -> None:
         # The save itself is done by on_enter_checkpointing callbacks (CheckpointingHook).
@@ -219,7 +219,7 @@ class Loop:
         t = self.trainer
         t.step += 1
         self.retries = 0
-        t.step_info = {"data_time": [], "loss": [], "records": [], "non_finite_grad_retries": 0}
+        t.step_info = StepInfo()
         self.step_start = perf_counter()
         self.runner.begin()  # type: ignore[union-attr]
         for fn in t._dispatch["on_before_step"]:

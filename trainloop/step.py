@@ -11,7 +11,7 @@ from __future__ import annotations
 import contextlib
 import warnings
 from collections.abc import Callable, Iterator, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from time import perf_counter
 from typing import Any, NamedTuple
 
@@ -24,7 +24,7 @@ from .loss import Loss
 from .sync import gradient_sync
 from .utils import is_distributed_model
 
-__all__ = ["LossNoneWarning", "Microstep", "StepPlan", "StepRunner", "unpack_forward_output"]
+__all__ = ["LossNoneWarning", "Microstep", "StepInfo", "StepPlan", "StepRunner", "unpack_forward_output"]
 
 _NO_CONTEXT = contextlib.nullcontext()  # reusable: entering it allocates nothing
 
@@ -68,6 +68,35 @@ class StepPlan:
     no_sync: bool = True
     autocast: contextlib.AbstractContextManager[Any] = _NO_CONTEXT
     before_optimizer_step: Callable[[], None] | None = None
+
+
+@dataclass(slots=True)
+class StepInfo:
+    """What the step in progress did, as ``trainer.step_info``: complete in ``on_after_step``.
+
+    Attributes:
+        data_time: Seconds spent drawing batches, per microstep (skipped batches included; every
+            attempt of a retried step).
+        loss: Each microstep's loss as a detached tensor (per item for ``Loss``); reading one is
+            a host sync, so do it only on steps where you emit.
+        records: Each microstep's records, as ``forward`` returned them.
+        non_finite_grad_retries: How often this step was redone.
+        grad_norm: The total gradient norm before clipping (a tensor), with ``grad_clip`` only.
+        step_time: Seconds from the step's start to the end of its applied update.
+        max_memory: The step's peak CUDA memory in GiB (``CudaMaxMemoryHook``).
+        stats: The aggregate ``StatsHook`` published on this step, if it emitted one.
+        extras: What other hooks publish for later hooks, by a name of their choosing.
+    """
+
+    data_time: list[float] = field(default_factory=list)
+    loss: list[torch.Tensor] = field(default_factory=list)
+    records: list[Mapping[str, Any]] = field(default_factory=list)
+    non_finite_grad_retries: int = 0
+    grad_norm: torch.Tensor | None = None
+    step_time: float | None = None
+    max_memory: float | None = None
+    stats: Any = None  # a trainloop.hooks.stats.TrainingStats
+    extras: dict[str, Any] = field(default_factory=dict)
 
 
 class Microstep(NamedTuple):

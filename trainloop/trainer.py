@@ -22,7 +22,7 @@ from .metrics import MetricsLog
 from .result import RunResult, finish_run
 from .rng import seed_all
 from .settings import TrainerSettings
-from .step import LossNoneWarning
+from .step import LossNoneWarning, StepInfo
 from .trace import Trace
 from .training_state import ChangedSettingsWarning, load_training_state, training_state
 from .utils import Records, unwrap_model
@@ -80,7 +80,7 @@ class BaseTrainer:
         )
         self.step = 0  # the last begun step; incremented when a new step begins
         self.epoch = 0
-        self.step_info: dict[str, Any] = {}
+        self.step_info = StepInfo()  # what the step in progress did; see StepInfo
         self.hooks: list[BaseHook] = []
         self.error: BaseException | None = None
         self.run_length = RunLength(self.settings)  # where the run ends: max_steps, max_epochs

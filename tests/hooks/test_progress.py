@@ -26,7 +26,7 @@ NUMBER = r"\d+\.\d{4}"
 
 class MemoryHook(BaseHook):
     def on_after_step(self, trainer):
-        trainer.step_info["max_memory"] = 1.5  # GiB, as CudaMaxMemoryHook records it
+        trainer.step_info.max_memory = 1.5  # GiB, as CudaMaxMemoryHook records it
 
 
 class NanOnceTrainer(TinyTrainer):

@@ -35,7 +35,7 @@ class ProgressHook(StatsHook):
         Step 100/10000: step 0.2500s data 0.0100s eta 6:00:00 loss 0.5234 grad_norm 2.3456 lr 1.00e-03
 
     ``eta`` appears once ``eta_warmup`` steps have run; ``mem`` when a hook records peak
-    memory (``step_info["max_memory"]``, in GiB as
+    memory (``step_info.max_memory``, in GiB as
     ``CudaMaxMemoryHook`` records it); ``grad_norm`` when the
     trainer clips; ``retries`` when steps were retried; ``lr/<group>`` per group when the
     optimizer has several; ``| key value ...`` with ``with_records``. The numbers are the

@@ -42,11 +42,11 @@ class TrainingStats:
         loss: Mean loss over every microstep of those steps (then over ranks, when synced).
         grad_norm: Mean total gradient norm, as measured before clipping; ``None`` when the
             trainer does not clip (no ``grad_clip``).
-        step_time: Mean seconds per step (``step_info["step_time"]``).
+        step_time: Mean seconds per step (``step_info.step_time``).
         data_time: Mean seconds per step spent drawing batches (all microsteps of a step).
         non_finite_grad_retries: How many times these steps were retried for non-finite
             gradients (the maximum over ranks, when synced: ranks retry the same steps).
-        max_memory: Peak of ``step_info["max_memory"]`` over these steps (and ranks), in the
+        max_memory: Peak of ``step_info.max_memory`` over these steps (and ranks), in the
             unit the recording hook uses (GiB for
             ``CudaMaxMemoryHook``); ``None`` when no hook
             records it.
@@ -95,7 +95,7 @@ class StatsHook(BaseHook):
     """Aggregate training statistics and emit them every ``interval`` steps.
 
     Every step it collects the loss of each microstep, the gradient norm (when the trainer
-    clips), step and data time, the retry count, ``step_info["max_memory"]`` when another hook
+    clips), step and data time, the retry count, ``step_info.max_memory`` when another hook
     records it (that hook must come before this one), ``forward``'s records, and each param
     group's learning rate before the scheduler steps. By the ``every(n)`` rule
     (``trainloop.every``: every multiple of ``interval`` and the last step of a run that ends
@@ -103,7 +103,7 @@ class StatsHook(BaseHook):
     ``emit``.
 
     Used on its own, the hook keeps the newest statistics in ``latest`` and publishes
-    them as ``trainer.step_info["stats"]`` on the steps where it emits, for later hooks to read.
+    them as ``trainer.step_info.stats`` on the steps where it emits, for later hooks to read.
     Subclasses (``LoggingHook``,
     ``ProgressHook``) override ``emit``.
 
@@ -182,16 +182,16 @@ class StatsHook(BaseHook):
         info = trainer.step_info
         self._steps += 1
         # References only: reading a tensor here would be a host sync on every step.
-        self._losses.extend(info["loss"])
-        grad_norm = info.get("grad_norm")
+        self._losses.extend(info.loss)
+        grad_norm = info.grad_norm
         if grad_norm is not None:
             self._grad_norms.append(grad_norm)
         if self.collect_records:
-            self._records.extend(info["records"])
-        self._step_time += info["step_time"]
-        self._data_time += sum(info["data_time"])
-        self._retries += info["non_finite_grad_retries"]
-        memory = info.get("max_memory")
+            self._records.extend(info.records)
+        self._step_time += info.step_time or 0.0
+        self._data_time += sum(info.data_time)
+        self._retries += info.non_finite_grad_retries
+        memory = info.max_memory
         if memory is not None and (self._max_memory is None or memory > self._max_memory):
             self._max_memory = memory
         if self._every.due(trainer):
@@ -238,13 +238,13 @@ class StatsHook(BaseHook):
         )
 
     def emit(self, trainer: BaseTrainer, stats: TrainingStats) -> None:
-        """Receive each new aggregate; the base class publishes it in ``step_info["stats"]``.
+        """Receive each new aggregate; the base class publishes it in ``step_info.stats``.
 
         Args:
             trainer: The trainer.
             stats: The statistics of the steps since the previous emission.
         """
-        trainer.step_info["stats"] = stats
+        trainer.step_info.stats = stats
 
 
 def _world_size() -> int:
