@@ -114,7 +114,7 @@ def run_trainloop(model: str, steps: int) -> float:
     trainer = PeerTrainer(max_steps=steps)
     marks: dict[str, float] = {}
     # Once-per-run edges: listening to them leaves the per-step path untouched.
-    trainer.on_transition(State.RESTORING, State.STEPPING, lambda t: marks.setdefault("start", time.process_time()))
+    trainer.on_transition(State.RESTORING, State.ACCUMULATING, lambda t: marks.setdefault("start", time.process_time()))
     trainer.on_enter(State.EXITING, lambda t: marks.setdefault("end", time.process_time()))
     trainer.train()
     return marks["end"] - marks["start"]

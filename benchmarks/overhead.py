@@ -83,7 +83,7 @@ def trainer_loop(steps: int, batches: list, **settings) -> float:
     trainer = BenchTrainer(max_steps=steps, **settings)
     marks: dict[str, float] = {}
     # These two edges fire once per run, so listening to them leaves the hot edges fast.
-    trainer.on_transition(State.RESTORING, State.STEPPING, lambda t: marks.setdefault("start", time.process_time()))
+    trainer.on_transition(State.RESTORING, State.ACCUMULATING, lambda t: marks.setdefault("start", time.process_time()))
     trainer.on_enter(State.EXITING, lambda t: marks.setdefault("end", time.process_time()))
     trainer.train()
     return marks["end"] - marks["start"]

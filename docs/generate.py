@@ -41,16 +41,24 @@ def machine_diagram() -> str:
     return "```mermaid\n" + draw(TRANSITIONS, "mermaid") + "```"
 
 
+def machine_diagram_without_fail() -> str:
+    """The README's picture: the table without its ``fail`` edges (one from every state)."""
+    return "```mermaid\n" + draw([t for t in TRANSITIONS if t.trigger != "fail"], "mermaid") + "```"
+
+
 def transition_table() -> str:
-    rows = ["| from | to | trigger | condition |", "|---|---|---|---|"]
-    rows += [f"| {t.source.value} | {t.dest.value} | {t.trigger} | {t.condition or ''} |" for t in TRANSITIONS]
+    rows = ["| from | to | trigger | condition | action |", "|---|---|---|---|---|"]
+    rows += [
+        f"| {t.source.value} | {t.dest.value} | {t.trigger} | {t.condition or ''} | {t.action or ''} |"
+        for t in TRANSITIONS
+    ]
     return "\n".join(rows)
 
 
 def hook_states() -> str:
     rows = ["| hook method | runs in |", "|---|---|"]
-    for event, states in HOOK_EVENTS.items():
-        where = ", ".join(f"`{s.value}`" for s in states) if states else f"when `trainer.{event.removeprefix('on_')}()` is called"
+    for event, state in HOOK_EVENTS.items():
+        where = f"`{state.value}`" if state else f"when `trainer.{event.removeprefix('on_')}()` is called"
         rows.append(f"| `{event}` | {where} |")
     rows.append("| `on_enter_<state>` | on entering `<state>` |")
     return "\n".join(rows)
@@ -95,6 +103,7 @@ def hooks_reference() -> str:
 GENERATORS = {
     "hooks-reference": hooks_reference,
     "machine-diagram": machine_diagram,
+    "machine-diagram-without-fail": machine_diagram_without_fail,
     "transition-table": transition_table,
     "hook-states": hook_states,
     "settings-table": settings_table,

@@ -13,11 +13,12 @@ import shutil
 import signal
 import subprocess
 import sys
-import tempfile
 from collections import Counter
 from pathlib import Path
 
 import pytest
+
+from cli_process import Cli, assert_one_clean_error, call, cli_env, console_script
 
 from trainloop import TrainerSettings
 from trainloop.cli import main
@@ -28,69 +29,6 @@ REPO = Path(__file__).resolve().parents[1]
 TESTS = REPO / "tests"
 SCHEMA_FILE = REPO / "schemas" / "trainer_settings.schema.json"
 TRAINER = "cli_trainers:CliTrainer"
-
-
-def cli_env(**extra: str) -> dict[str, str]:
-    """The environment of a CLI subprocess: tests/ importable, no stray TRAINLOOP_* variables."""
-    env = {k: v for k, v in os.environ.items() if not k.upper().startswith("TRAINLOOP_")}
-    env["PYTHONPATH"] = os.pathsep.join([str(TESTS), str(REPO), env.get("PYTHONPATH", "")]).rstrip(os.pathsep)
-    env.update(extra)
-    return env
-
-
-def console_script() -> str:
-    """The installed ``trainloop`` script (``pip install -e .`` puts it beside the interpreter)."""
-    beside = Path(sys.executable).with_name("trainloop")
-    found = str(beside) if beside.is_file() else shutil.which("trainloop")
-    if found is None:
-        pytest.skip("the trainloop console script is not installed (run `pip install -e .`)")
-    return found
-
-
-class Cli:
-    """``python -m trainloop ARGS`` (or the console script) started now, awaited by :meth:`result`.
-
-    Independent commands are started together so that their torch imports overlap.
-    """
-
-    def __init__(self, *args: object, cwd: Path, env: dict[str, str] | None = None, script: bool = False) -> None:
-        command = [console_script()] if script else [sys.executable, "-m", "trainloop"]
-        # Files, not pipes: a process whose output nobody reads yet must not block on a full pipe.
-        self._out, self._err = tempfile.TemporaryFile("w+"), tempfile.TemporaryFile("w+")  # noqa: SIM115 - closed in result()
-        self._process = subprocess.Popen(
-            [*command, *map(str, args)], cwd=cwd, env=env or cli_env(), stdout=self._out, stderr=self._err, text=True
-        )
-        self._result: subprocess.CompletedProcess[str] | None = None
-
-    def result(self) -> subprocess.CompletedProcess[str]:
-        """Wait for the command; its exit code, stdout and stderr."""
-        if self._result is None:
-            try:
-                code = self._process.wait(timeout=180)
-            finally:
-                if self._process.poll() is None:
-                    self._process.kill()
-                    self._process.wait()
-            self._out.seek(0)
-            self._err.seek(0)
-            self._result = subprocess.CompletedProcess(self._process.args, code, self._out.read(), self._err.read())
-            self._out.close()
-            self._err.close()
-        return self._result
-
-
-def call(capsys: pytest.CaptureFixture[str], *args: object) -> tuple[int, str, str]:
-    """Run ``main()`` in this process; return its exit code, stdout and stderr."""
-    code = main([str(a) for a in args])
-    out, err = capsys.readouterr()
-    return code, out, err
-
-
-def assert_one_clean_error(err: str, *needles: str) -> None:
-    assert "Traceback" not in err
-    assert err.startswith("trainloop ") and ": error: " in err, err
-    for needle in needles:
-        assert needle in err, err
 
 
 @pytest.fixture(autouse=True)
@@ -137,7 +75,12 @@ def launched(tmp_path_factory: pytest.TempPathFactory) -> dict[str, tuple[Cli, P
         "invalid": (Cli("run", "bad.yaml", "--trainer", TRAINER, cwd=dirs["invalid"]), dirs["invalid"]),
         "validate": (Cli(
             "validate", "run.yaml", "--trainer", TRAINER, "--set", "seed=2", "--set", "hooks.0.interval=5",
-            cwd=dirs["validate"], env=cli_env(TRAINLOOP_SEED="1", TRAINLOOP_MAX_STEPS="9", TRAINLOOP_LR="0.5"),
+            cwd=dirs["validate"], env=cli_env(
+                TRAINLOOP_SEED="1", TRAINLOOP_MAX_STEPS="9", TRAINLOOP_LR="0.5",
+                # Nested: a field of the optimizer, of the schedule, of a hook named by its type.
+                TRAINLOOP_OPTIMIZER__LR="0.02", trainloop_lr_schedule__warmup_steps="2",
+                TRAINLOOP_HOOKS__CHECKPOINTING__KEEP_PREVIOUS="3",
+            ),
         ), dirs["validate"]),
         "schema": (Cli("schema", cwd=dirs["schema"], script=True), dirs["schema"]),
         "nodot": (Cli(
@@ -184,7 +127,9 @@ def test_graph_with_a_trace_labels_edges_with_their_counts(after_run):
     assert mermaid.startswith("stateDiagram-v2\n")
     assert "    stepping --> retrying: retry [grads_non_finite] (n=1)\n" in mermaid
     assert "    stepping --> checkpointing: checkpoint [checkpoint_due] (n=2)\n" in mermaid
-    assert "    stepping --> stepping: begin_step (n=4)\n" in mermaid  # 6 steps - the retried - the saved
+    assert "    stepping --> accumulating: begin_step / begin_step() (n=4)\n" in mermaid  # 6 steps - the first - the one after a save
+    assert "    accumulating --> stepping: update (n=7)\n" in mermaid  # 6 steps and a retry
+    assert "    retrying --> accumulating: redo_step / redo_step() (n=1)\n" in mermaid
     assert "    building --> exiting: fail (n=0)\n" in mermaid
     # The per-state time summary goes to stderr.
     summary = result.stderr
@@ -200,9 +145,9 @@ def test_graph_dot_with_a_trace_weights_edges_in_process(trained, capsys):
     # Retries and saves stand out in colour; the width grows with the count.
     assert '"stepping" -> "retrying" [label="retry [grads_non_finite] (n=1)", penwidth=1.00, color=darkorange, fontcolor=darkorange];' in dot
     assert '"stepping" -> "checkpointing" [label="checkpoint [checkpoint_due] (n=2)", penwidth=1.45, color=royalblue, fontcolor=royalblue];' in dot
-    assert '"stepping" -> "stepping" [label="begin_step (n=4)", penwidth=1.90];' in dot
+    assert '"stepping" -> "accumulating" [label="begin_step / begin_step() (n=4)", penwidth=1.90];' in dot
     # Edges this run never took are drawn faint and dashed.
-    assert '"stepping" -> "accumulating" [label="accumulate [microsteps_remain] (n=0)", color=gray70, fontcolor=gray55, style=dashed];' in dot
+    assert '"accumulating" -> "accumulating" [label="accumulate [microsteps_remain] (n=0)", color=gray70, fontcolor=gray55, style=dashed];' in dot
     assert "retries: 1, checkpoints: 2" in err
 
 
@@ -349,11 +294,11 @@ def test_run_with_invalid_settings_names_file_and_fields_and_writes_nothing(laun
     assert result.returncode == 2
     assert_one_clean_error(
         result.stderr,
-        "bad.yaml: invalid settings:",
-        "  max_steps: Input should be greater than 0 (got 0)",
-        "  hooks.0.checkpointing.interval: Input should be greater than 0 (got -1)",
-        "  bogus: Extra inputs are not permitted (got 1)",
+        "trainloop run: error: bad.yaml: max_steps: Input should be greater than 0 (got 0)\n",
+        "trainloop run: error: bad.yaml: hooks[0].interval: Input should be greater than 0 (got -1)\n",
+        "trainloop run: error: bad.yaml: bogus: unknown setting 'bogus'; valid here: max_steps, ",
     )
+    assert result.stderr.count("\n") == 3  # one line per problem
     assert result.stdout == ""
     assert [p.name for p in root.iterdir()] == ["bad.yaml"]  # no workspace, nothing written
 
@@ -394,6 +339,8 @@ def test_the_working_directory_is_importable_for_trainer(tmp_path, capsys):
         "from trainloop import BaseTrainer, TrainerSettings\n"
         "class MySettings(TrainerSettings):\n    width: int = 3\n"
         "class MyTrainer(BaseTrainer):\n    settings_class = MySettings\n"
+        "    def build_data_loader(self): ...\n    def build_model(self): ...\n"
+        "    def build_optimizer(self): ...\n    def forward(self, batch): ...\n"
     )
     (tmp_path / "run.json").write_text('{"max_steps": 2, "width": 5}')
     code, out, err = call(capsys, "validate", "run.json", "--trainer", "my_train:MyTrainer")
@@ -409,10 +356,10 @@ BAD_FILES = [
     ("run.json", "[1, 2]", "run.json: expected a mapping of settings, got list"),
     ("run.json", '{"max_steps": "10"}', "max_steps: Input should be a valid integer (got '10')"),
     ("run.json", '{"max_steps": 10, "trace": "yes"}', "trace: Input should be a valid boolean (got 'yes')"),
-    ("run.json", '{"max_steps": 10, "lr": 0.1}', "lr: Extra inputs are not permitted (got 0.1)"),
+    ("run.json", '{"max_steps": 10, "lr": 0.1}', "run.json: lr: unknown setting 'lr'; valid here: max_steps, "),
     ("run.json", '{"max_steps": -1}', "max_steps: Input should be greater than 0 (got -1)"),
     ("run.yaml", "max_steps: 10\ngradient_accumulation_steps: 0\n", "gradient_accumulation_steps: Input should be greater than 0 (got 0)"),
-    ("run.yaml", "max_steps: 10\nhooks: [{type: nope}]\n", "hooks.0: Input tag 'nope' found using 'type' does not match"),
+    ("run.yaml", "max_steps: 10\nhooks: [{type: nope}]\n", "run.yaml: hooks[0]: unknown hook type 'nope'; registered types: checkpointing, "),
     ("run.json", "{}", "give max_steps, max_epochs or both"),
     ("run.json", '{"max_epochs": 0}', "max_epochs: Input should be greater than 0 (got 0)"),
 ]
@@ -437,7 +384,7 @@ def test_validate_missing_file_and_bad_override(tmp_path, capsys):
     assert_one_clean_error(err, "override 'max_steps': expected key=value")
     code, _, err = call(capsys, "validate", "run.json", "--set", "max_steps=0")
     assert code == 2
-    assert_one_clean_error(err, "run.json (with --set): invalid settings:", "max_steps: Input should be greater than 0")
+    assert_one_clean_error(err, "error: --set max_steps=0: max_steps: Input should be greater than 0 (got 0)")
 
 
 def test_validate_prints_resolved_settings_file_then_env_then_set(launched):
@@ -447,13 +394,15 @@ def test_validate_prints_resolved_settings_file_then_env_then_set(launched):
     settings = json.loads(result.stdout)
     assert settings["max_steps"] == 9 and settings["lr"] == 0.5  # env over the file
     assert settings["seed"] == 2  # --set over env
-    assert settings["hooks"][0]["interval"] == 5 and settings["hooks"][0]["keep_previous"] == 1
+    assert settings["hooks"][0]["interval"] == 5 and settings["hooks"][0]["keep_previous"] == 3
+    assert settings["optimizer"] == {**settings["optimizer"], "name": "AdamW", "lr": 0.02}
+    assert settings["lr_schedule"]["warmup_steps"] == 2
     assert settings["nan_at_steps"] == [2]  # the trainer's own field
     assert [p.name for p in root.iterdir()] == ["run.yaml"]  # no workspace, nothing written
 
 
 def test_usage_errors_exit_2(capsys):
-    for argv in ([], ["run", "run.json"], ["graph", "--format", "gif"], ["nope"]):
+    for argv in ([], ["graph", "--format", "gif"], ["nope"]):
         with pytest.raises(SystemExit) as exit:
             main(argv)
         assert exit.value.code == 2
@@ -509,25 +458,25 @@ def test_graph_trace_errors(tmp_path, capsys):
 
 
 def test_draw_with_counts():
-    counts = Counter({(State.STEPPING, State.STEPPING, "begin_step"): 1000, (State.STEPPING, State.EXITING, "fail"): 1})
+    counts = Counter({(State.ACCUMULATING, State.STEPPING, "update"): 1000, (State.STEPPING, State.EXITING, "fail"): 1})
     dot = draw(format="dot", counts=counts)
-    assert '"stepping" -> "stepping" [label="begin_step (n=1000)", penwidth=5.50];' in dot
+    assert '"accumulating" -> "stepping" [label="update (n=1000)", penwidth=5.50];' in dot
     assert '"stepping" -> "exiting" [label="fail (n=1)", style=dashed, penwidth=1.00, color=red, fontcolor=red];' in dot
     assert '"idle" -> "building" [label="start (n=0)", color=gray70, fontcolor=gray55, style=dashed];' in dot
     mermaid = draw(format="mermaid", counts=counts)
-    assert "    stepping --> stepping: begin_step (n=1000)\n" in mermaid
+    assert "    accumulating --> stepping: update (n=1000)\n" in mermaid
     assert draw(format="mermaid", counts=None) == draw(format="mermaid")  # unchanged without counts
 
 
 def test_a_resumed_runs_trace_does_not_count_the_gap_between_runs():
     def run(start: float) -> list[TraceEntry]:
-        states = [State.IDLE, State.BUILDING, State.RESTORING, State.STEPPING, State.EXITING]
-        triggers = ["start", "restore", "begin_step", "finish"]
+        states = [State.IDLE, State.BUILDING, State.RESTORING, State.ACCUMULATING, State.STEPPING, State.EXITING]
+        triggers = ["start", "restore", "begin_step", "update", "finish"]
         return [TraceEntry(start + i, 1, a, b, t) for i, (a, b, t) in enumerate(zip(states, states[1:], triggers))]
 
     summary = summarize_trace(run(0.0) + run(1000.0))  # the second run began 1000 s later
     assert summary.runs == 2
-    assert summary.seconds_in_state == {State.BUILDING: 2.0, State.RESTORING: 2.0, State.STEPPING: 2.0}
+    assert summary.seconds_in_state == {State.BUILDING: 2.0, State.RESTORING: 2.0, State.ACCUMULATING: 2.0, State.STEPPING: 2.0}
     assert summary.counts[(State.IDLE, State.BUILDING, "start")] == 2
 
 
@@ -551,3 +500,23 @@ def test_graph_svg_without_graphviz_says_how_to_get_it(launched):
         "apt-get install graphviz", "conda install graphviz", "--format mermaid",
     )
     assert not (root / "m.svg").exists()
+
+
+def test_a_settings_file_that_is_not_utf8_is_one_line_exit_2(tmp_path, capsys):
+    (tmp_path / "run.yaml").write_bytes("max_steps: 3\nworkspace: caf\u00e9\n".encode("cp1252"))
+    for command in ("validate", "run"):
+        code, out, err = call(capsys, command, "run.yaml", "--trainer", TRAINER)
+        assert code == 2 and out == ""
+        assert err == f"trainloop {command}: error: run.yaml: not a UTF-8 text file (byte 0xe9 at offset 27); save it as UTF-8\n"
+    assert [p.name for p in tmp_path.iterdir()] == ["run.yaml"]
+
+
+def test_run_without_a_trainer_says_how_to_name_one(tmp_path, capsys):
+    (tmp_path / "run.json").write_text('{"max_steps": 3, "lr": 0.1}')  # lr: the trainer's own field
+    code, out, err = call(capsys, "run", "run.json")
+    assert code == 2 and out == ""
+    assert err == 'trainloop run: error: run.json: no trainer to run: give --trainer MODULE:CLASS or a "trainer" key in the settings\n'
+    (tmp_path / "run.json").write_text('{"max_steps": 3, "trainer": 5}')
+    code, _, err = call(capsys, "run", "run.json")
+    assert code == 2
+    assert err == "trainloop run: error: run.json: trainer: Input should be a valid string (got 5)\n"

@@ -7,6 +7,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 from tiny_trainer import CaptureHook, TinyTrainer
 
 from trainloop.hooks.base import HOOK_EVENTS
@@ -19,15 +21,29 @@ def test_generated_docs_are_current():
     assert result.returncode == 0, result.stdout
 
 
-def test_hook_methods_run_in_the_states_the_docs_say():
+@pytest.mark.parametrize("accumulation", [1, 2, 3])
+def test_hook_methods_run_in_the_one_state_the_docs_say(accumulation):
     hook = CaptureHook()
-    TinyTrainer(max_steps=3, gradient_accumulation_steps=2, hooks=[hook]).train()
+    TinyTrainer(max_steps=3, gradient_accumulation_steps=accumulation, hooks=[hook]).train()
     seen = {event: {state for name, state, _ in hook.calls if name == event} for event in HOOK_EVENTS}
-    for event in ("on_before_train", "on_before_step", "on_after_train"):
-        assert seen[event] == {s.value for s in HOOK_EVENTS[event]}
-    # The optimizer-step methods run on the last microstep, which is `accumulating` here.
-    for event in ("on_before_optimizer_step", "on_after_step"):
-        assert seen[event] and seen[event] <= {s.value for s in HOOK_EVENTS[event]}
+    for event, state in HOOK_EVENTS.items():
+        if state is not None and event != "on_exception":
+            assert seen[event] == {state.value}, event
+
+
+def test_on_exception_runs_in_its_state_before_on_after_train():
+    hook = CaptureHook()
+
+    class Failing(TinyTrainer):
+        def forward(self, batch):
+            if self.step == 2:
+                raise ValueError("boom")
+            return super().forward(batch)
+
+    with pytest.raises(ValueError, match="boom"):
+        Failing(max_steps=3, hooks=[hook]).train()
+    assert hook.calls[-2:] == [("on_exception", HOOK_EVENTS["on_exception"].value, 2), ("on_after_train", "exiting", 2)]
+    assert isinstance(hook.error, ValueError)
 
 
 def _generate_module():

@@ -417,7 +417,7 @@ def test_a_non_scalar_loss_is_a_type_error_and_state_is_restored():
     setup = RegressionSetup()
     before = setup.snapshot()
     components = LrFindComponents(setup.model, setup.optimizer, setup.data, lambda b: setup.model(b[0]))
-    with pytest.raises(TypeError, match=r"scalar tensor, got a tensor of shape \(16, 1\)"):
+    with pytest.raises(TypeError, match=r"scalar tensor loss, got a tensor of shape \(16, 1\)"):
         lr_find(components)
     assert_same_state(before, setup.snapshot())
 

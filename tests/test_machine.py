@@ -1,6 +1,7 @@
 import pytest
+import torch
 
-from trainloop import TRANSITIONS, State
+from trainloop import TRANSITIONS, BaseHook, State
 from trainloop.machine import StateMachine, Transition, draw
 
 
@@ -15,10 +16,20 @@ class Policies:
         return {name: (lambda name=name: self.values[name]) for name in self.values}
 
 
+    def actions(self):
+        def begin_step():
+            self.step += 1
+            self.done.append(("begin_step", self.step))
+
+        return {"begin_step": begin_step, "redo_step": lambda: self.done.append(("redo_step", self.step))}
+
+
 def make_machine(policies=None):
     policies = policies or Policies()
+    policies.done = []
     owner = object()
-    return StateMachine(policies.conditions(), owner=owner, step=lambda: policies.step), policies, owner
+    machine = StateMachine(policies.conditions(), owner=owner, step=lambda: policies.step, actions=policies.actions())
+    return machine, policies, owner
 
 
 def test_state_is_a_str_enum_with_the_seven_states():
@@ -42,19 +53,34 @@ def test_table_reaches_every_state_and_exiting_is_final():
     assert {t.source for t in TRANSITIONS if t.trigger == "fail"} == set(State) - {State.IDLE, State.EXITING}
 
 
-def test_policies_pick_the_edge_in_table_order():
+def test_policies_pick_the_edge_in_table_order_and_actions_run_on_their_edges():
     machine, p, _ = make_machine()
-    assert [machine.advance() for _ in range(3)] == [State.BUILDING, State.RESTORING, State.STEPPING]
-    p.values.update(microsteps_remain=True, grads_non_finite=True)
-    assert machine.advance() is State.ACCUMULATING  # accumulation is tried before retry
+    assert [machine.advance() for _ in range(3)] == [State.BUILDING, State.RESTORING, State.ACCUMULATING]
+    assert p.done == [("begin_step", 1)]
+    p.values["microsteps_remain"] = True
+    assert machine.advance() is State.ACCUMULATING
     p.values["microsteps_remain"] = False
-    assert machine.advance() is State.RETRYING
     assert machine.advance() is State.STEPPING
-    p.values.update(grads_non_finite=False, checkpoint_due=True, should_exit=True)
+    p.values.update(grads_non_finite=True, checkpoint_due=True, should_exit=True)
+    assert machine.advance() is State.RETRYING  # a retry is decided before a save or an exit
+    assert machine.advance() is State.ACCUMULATING
+    assert p.done == [("begin_step", 1), ("redo_step", 1)]  # a redone step is not counted
+    assert machine.advance() is State.STEPPING
+    p.values["grads_non_finite"] = False
     assert machine.advance() is State.CHECKPOINTING  # a due save comes before exit
     assert machine.advance() is State.EXITING
     with pytest.raises(RuntimeError, match="no transition leaves state 'exiting'"):
         machine.advance()
+
+
+def test_every_decision_after_an_update_leaves_from_stepping():
+    decisions = {t.dest for t in TRANSITIONS if t.source is State.STEPPING and t.trigger != "fail"}
+    assert decisions == {State.RETRYING, State.CHECKPOINTING, State.EXITING, State.ACCUMULATING}
+    # accumulating only loops or goes to the update; nothing else decides there.
+    assert {(t.dest, t.condition) for t in TRANSITIONS if t.source is State.ACCUMULATING and t.trigger != "fail"} == {
+        (State.ACCUMULATING, "microsteps_remain"), (State.STEPPING, None)
+    }
+    assert {t.action for t in TRANSITIONS if t.dest is State.ACCUMULATING} == {"begin_step", "redo_step", None}
 
 
 def test_restoring_at_max_steps_goes_straight_to_exiting():
@@ -80,32 +106,42 @@ def test_fail_moves_any_running_state_to_exiting_once():
 def test_callbacks_fire_through_transitions_and_can_be_removed():
     machine, p, owner = make_machine()
     seen = []
-    enter = machine.on_enter("stepping", lambda o: seen.append(("enter", o is owner)))
-    machine.on_exit(State.RESTORING, lambda o: seen.append(("exit restoring", o is owner)))
-    machine.on_transition("stepping", "stepping", lambda o: seen.append(("stepping->stepping", o is owner)))
-    for _ in range(4):
+    enter = machine.on_enter("accumulating", lambda o: seen.append(("enter", p.step, o is owner)))
+    machine.on_exit(State.RESTORING, lambda o: seen.append(("exit restoring", p.step, o is owner)))
+    machine.on_transition("stepping", "accumulating", lambda o: seen.append(("stepping->accumulating", p.step, o is owner)))
+    for _ in range(5):  # building, restoring, accumulating, stepping, accumulating
         machine.advance()
     assert seen == [
-        ("exit restoring", True),
-        ("enter", True),
-        ("enter", True),
-        ("stepping->stepping", True),
+        ("exit restoring", 0, True),
+        ("enter", 1, True),  # after the edge's action: the step is already counted
+        ("enter", 2, True),
+        ("stepping->accumulating", 2, True),
     ]
     enter.remove()
     enter.remove()  # a second remove does nothing
     seen.clear()
-    machine.advance()
-    assert seen == [("stepping->stepping", True)]
+    machine.advance(), machine.advance()
+    assert seen == [("stepping->accumulating", 3, True)]
 
 
 def test_fast_path_is_taken_only_for_edges_nobody_listens_to():
     machine, _, _ = make_machine()
-    edges = lambda: {t.dest: listened for t, _, listened in machine._edges[State.STEPPING]}  # noqa: E731
+    edges = lambda: {t.dest: listened for t, _, _, listened in machine._edges[State.STEPPING]}  # noqa: E731
     assert not any(edges().values())
     handle = machine.on_enter(State.RETRYING, lambda o: None)
-    assert edges()[State.RETRYING] and not edges()[State.STEPPING]
+    assert edges()[State.RETRYING] and not edges()[State.ACCUMULATING]
     handle.remove()
     assert not any(edges().values())
+
+
+@pytest.mark.parametrize("listened", [False, True])
+def test_an_edge_action_runs_once_on_either_path(listened):
+    machine, p, _ = make_machine()
+    if listened:
+        machine.on_transition(State.RESTORING, State.ACCUMULATING, lambda o: None)
+    for _ in range(3):
+        machine.advance()
+    assert p.done == [("begin_step", 1)]
 
 
 def test_callback_signature_is_checked_at_registration():
@@ -116,25 +152,27 @@ def test_callback_signature_is_checked_at_registration():
         machine.on_enter("nowhere", lambda o: None)
     with pytest.raises(ValueError, match="no transition from 'idle' to 'stepping'"):
         machine.on_transition(State.IDLE, State.STEPPING, lambda o: None)
+    with pytest.raises(ValueError, match="no transition from 'accumulating' to 'retrying'"):
+        machine.on_transition(State.ACCUMULATING, State.RETRYING, lambda o: None)
 
 
 def test_a_table_naming_an_unknown_policy_is_rejected():
-    with pytest.raises(ValueError, match=r"no policy given for conditions \['mystery'\]"):
+    with pytest.raises(ValueError, match=r"no callable given for conditions \['mystery'\]"):
         StateMachine({}, owner=None, step=lambda: 0, transitions=[Transition("x", State.IDLE, State.BUILDING, "mystery")])
+    with pytest.raises(ValueError, match=r"no callable given for actions \['tidy'\]"):
+        StateMachine({}, owner=None, step=lambda: 0, transitions=[Transition("x", State.IDLE, State.BUILDING, action="tidy")])
 
 
-def test_trace_records_step_numbers():
+def test_trace_records_the_step_each_edge_leaves():
     machine, p, _ = make_machine()
     machine.trace = __import__("trainloop").Trace()
-    machine.advance(), machine.advance()
-    p.step = 1
-    machine.advance()
-    p.step = 2
-    machine.advance()
-    assert [(e.step, e.dest) for e in machine.trace] == [
-        (0, State.BUILDING), (0, State.RESTORING), (1, State.STEPPING), (2, State.STEPPING)
+    for _ in range(5):
+        machine.advance()
+    assert [(e.step, e.dest, e.trigger) for e in machine.trace] == [
+        (0, State.BUILDING, "start"), (0, State.RESTORING, "restore"), (0, State.ACCUMULATING, "begin_step"),
+        (1, State.STEPPING, "update"), (1, State.ACCUMULATING, "begin_step"),
     ]
-    assert machine.trace.counts()[(State.STEPPING, State.STEPPING, "begin_step")] == 1
+    assert machine.trace.counts()[(State.STEPPING, State.ACCUMULATING, "begin_step")] == 1
 
 
 def test_mermaid_and_dot_are_drawn_from_the_table():
@@ -144,8 +182,47 @@ def test_mermaid_and_dot_are_drawn_from_the_table():
     assert dot.startswith("digraph trainloop {")
     for t in TRANSITIONS:
         label = f"{t.trigger} [{t.condition}]" if t.condition else t.trigger
+        label += f" / {t.action}()" if t.action else ""
         assert f"{t.source.value} --> {t.dest.value}: {label}" in mermaid
         assert f'"{t.source.value}" -> "{t.dest.value}" [label="{label}"' in dot
     assert len(mermaid.splitlines()) == len(TRANSITIONS) + 3
     with pytest.raises(ValueError, match="unknown diagram format 'svg'"):
         draw(format="svg")
+
+
+def scripted_run(listen_everywhere):
+    """Accumulation, a retry, a checkpoint and an exit request, with or without callbacks."""
+    from tiny_trainer import ExitAt, FlakyTrainer
+
+    class SaveAtThree(BaseHook):
+        def on_after_step(self, trainer):
+            if trainer.step == 3:
+                trainer.request_checkpoint()
+
+    trainer = FlakyTrainer(max_steps=10, gradient_accumulation_steps=2, max_non_finite_grad_retries=2,
+                           nan_at={5}, hooks=[SaveAtThree(), ExitAt(5)], trace=True)
+    heard = []
+    if listen_everywhere:
+        for source, dest in {(t.source, t.dest) for t in TRANSITIONS}:
+            trainer.on_transition(source, dest, lambda t, edge=(source, dest): heard.append(edge))
+        for state in State:
+            trainer.on_enter(state, lambda t: None)
+            trainer.on_exit(state, lambda t: None)
+        assert all(listened for edges in trainer._machine._edges.values() for *_, listened in edges)
+    else:
+        assert not any(listened for edges in trainer._machine._edges.values() for *_, listened in edges)
+    trainer.train()
+    trace = [(e.step, e.source, e.dest, e.trigger) for e in trainer.trace]
+    return trainer, trace, heard
+
+
+def test_the_fast_path_and_transitions_run_the_same_machine():
+    fast, fast_trace, _ = scripted_run(listen_everywhere=False)
+    slow, slow_trace, heard = scripted_run(listen_everywhere=True)
+    assert fast_trace == slow_trace
+    assert heard == [(source, dest) for _, source, dest, _ in slow_trace]  # every edge, in order
+    triggers = {trigger for *_, trigger in fast_trace}
+    assert {"accumulate", "update", "retry", "redo_step", "checkpoint", "begin_step", "finish"} <= triggers
+    assert fast.step == slow.step == 5
+    for a, b in zip(fast.model.parameters(), slow.model.parameters()):
+        assert torch.equal(a, b)

@@ -14,11 +14,12 @@ def test_a_traced_run_writes_trace_jsonl_and_settings_json(tmp_path):
     entries = read_trace(tmp_path / "trace.jsonl")
     assert entries == list(trainer.trace)
     assert [(e.source, e.dest) for e in entries[:3]] == [
-        (State.IDLE, State.BUILDING), (State.BUILDING, State.RESTORING), (State.RESTORING, State.STEPPING)
+        (State.IDLE, State.BUILDING), (State.BUILDING, State.RESTORING), (State.RESTORING, State.ACCUMULATING)
     ]
     summary = summarize_trace(entries)
     assert summary.steps == 3
-    assert summary.counts[(State.STEPPING, State.ACCUMULATING, "accumulate")] == 3
+    assert summary.counts[(State.ACCUMULATING, State.ACCUMULATING, "accumulate")] == 3
+    assert summary.counts[(State.ACCUMULATING, State.STEPPING, "update")] == 3
     assert summary.counts == trainer.trace.counts()
     assert set(summary.seconds_in_state) >= {State.BUILDING, State.STEPPING, State.ACCUMULATING}
     assert all(seconds >= 0 for seconds in summary.seconds_in_state.values())
@@ -29,9 +30,9 @@ def test_a_traced_run_writes_trace_jsonl_and_settings_json(tmp_path):
 def test_memory_is_bounded_but_counts_cover_the_run():
     trace = Trace(keep=2)
     for step in range(5):
-        trace.append(TraceEntry(float(step), step, State.STEPPING, State.STEPPING, "begin_step"))
+        trace.append(TraceEntry(float(step), step, State.STEPPING, State.ACCUMULATING, "begin_step"))
     assert [e.step for e in trace] == [3, 4]
-    assert trace.counts()[(State.STEPPING, State.STEPPING, "begin_step")] == 5
+    assert trace.counts()[(State.STEPPING, State.ACCUMULATING, "begin_step")] == 5
 
 
 def test_a_bad_trace_line_names_the_file_and_line(tmp_path):

@@ -57,6 +57,22 @@ class TinyTrainer(BaseTrainer):
         return loss, {"mse": loss.detach()}
 
 
+class FlakyTrainer(TinyTrainer):
+    """Returns a NaN loss for the microsteps listed in ``nan_at`` (counted over the run)."""
+
+    def __init__(self, *args, nan_at=(), **kwargs):
+        super().__init__(*args, **kwargs)
+        self.nan_at = set(nan_at)
+        self.calls = 0
+
+    def forward(self, batch):
+        loss, records = super().forward(batch)
+        self.calls += 1
+        if self.calls in self.nan_at or "all" in self.nan_at:
+            loss = loss * float("nan")
+        return loss, records
+
+
 class CaptureHook(BaseHook):
     """Records every call it receives, with the trainer's state and step at that moment."""
 
@@ -80,6 +96,10 @@ class CaptureHook(BaseHook):
     def on_after_step(self, trainer):
         self._record(trainer, "on_after_step")
         self.step_infos.append(dict(trainer.step_info))
+
+    def on_exception(self, trainer, error):
+        self._record(trainer, "on_exception")
+        self.error = error
 
     def on_after_train(self, trainer):
         self._record(trainer, "on_after_train")

@@ -15,10 +15,12 @@ from .hooks import (
     TensorBoardHook,
     ValidationHook,
     WandbHook,
+    register_hook,
 )
 from .loss import Loss
 from .lr_find import LrFindComponents, LrFindResult, lr_find
 from .machine import TRANSITIONS, State, Transition
+from .preflight import PreflightError
 from .result import RunResult
 from .rng import seed_all
 from .settings import SettingsFileError, TrainerSettings
@@ -48,6 +50,7 @@ __all__ = [
     "LrFindComponents",
     "LrFindResult",
     "LossNoneWarning",
+    "PreflightError",
     "RunResult",
     "SettingsFileError",
     "State",
@@ -59,5 +62,6 @@ __all__ = [
     "key_average",
     "lr_find",
     "map_nested_tensor",
+    "register_hook",
     "seed_all",
 ]

@@ -22,8 +22,6 @@ import logging
 import math
 import warnings
 from collections.abc import Callable, Iterable, Iterator
-from dataclasses import dataclass
-from pathlib import Path
 from typing import Annotated, Any
 
 import torch
@@ -41,8 +39,10 @@ from torch import nn
 
 from .data import EpochIterator
 from .loss import Loss
+from .lr_find_result import LrFindResult, steepest_descent
 from .machine import State
 from .rng import get_rng_state, set_rng_state
+from .step import StepPlan, StepRunner
 from .trainer import BaseTrainer
 from .types import PositiveFloat, PositiveInt
 from .utils import is_distributed_model, module_modes_kept
@@ -82,83 +82,6 @@ class LrFindComponents:
     gradient_accumulation_steps: PositiveInt = 1
     grad_clip: PositiveFloat | None = None
     grad_scaler: InstanceOf[torch.amp.GradScaler] | None = None
-
-
-@dataclass(frozen=True)
-class LrFindResult:
-    """The outcome of a learning-rate range test.
-
-    Attributes:
-        lrs: The learning rate of each iteration run, increasing exponentially. With several
-            param groups it is the lr of the group whose lr was the largest (the others moved
-            in proportion).
-        losses: The smoothed loss of each iteration (an exponential moving average of
-            ``raw_losses``; the same values when ``smoothing`` was 0). Iteration ``i``'s loss
-            is computed before its optimizer step, at ``lrs[i]``.
-        suggestion: The learning rate at which the smoothed loss fell fastest per unit of
-            ``log(lr)`` (its steepest descent; the slope at iteration ``i`` is taken between
-            iterations ``i - k`` and ``i + k``, ``k`` = 5% of the iterations run, at least 1).
-            The noisy ends are left out: the first tenth of the iterations (or, if longer, the
-            moving average's warm-up of ``1 / smoothing`` iterations, at most a quarter) and
-            the last ``k``. ``None`` when the loss never fell there or too few iterations ran.
-        diverged_at: The learning rate at which the smoothed loss exceeded
-            ``divergence_threshold`` times its best value (or the loss became non-finite) and
-            the sweep stopped (it is ``lrs[-1]``); ``None`` when the sweep ran to ``end_lr``.
-        raw_losses: The loss of each iteration as computed (the mean over its microsteps).
-    """
-
-    lrs: tuple[float, ...]
-    losses: tuple[float, ...]
-    suggestion: float | None
-    diverged_at: float | None
-    raw_losses: tuple[float, ...]
-
-    def plot(self, path: str | Path) -> Path:
-        """Draw the loss against the learning rate (log scale) into a PNG file.
-
-        Shows the raw losses faintly, the smoothed losses, and marks the suggestion and the
-        divergence point. Needs matplotlib (imported only here); uses no pyplot state, so it
-        neither changes the user's backend nor leaves figures open.
-
-        Args:
-            path: The PNG file to write (its directory must exist).
-
-        Returns:
-            ``path`` as a ``Path``.
-
-        Raises:
-            ImportError: matplotlib is not installed.
-        """
-        try:
-            from matplotlib.figure import Figure
-        except ImportError as error:
-            raise ImportError("LrFindResult.plot() needs matplotlib: pip install matplotlib") from error
-        path = Path(path)
-        figure = Figure(figsize=(7, 4.5), layout="tight")
-        axes = figure.subplots()
-        axes.plot(self.lrs, self.raw_losses, color="tab:blue", alpha=0.3, linewidth=1, label="loss")
-        axes.plot(self.lrs, self.losses, color="tab:blue", linewidth=2, label="smoothed loss")
-        if self.suggestion is not None:
-            axes.axvline(self.suggestion, color="tab:green", linestyle="--",
-                         label=f"suggestion {self.suggestion:.3g}")
-        if self.diverged_at is not None:
-            axes.axvline(self.diverged_at, color="tab:red", linestyle=":",
-                         label=f"diverged at {self.diverged_at:.3g}")
-        smoothed = [loss for loss in self.losses if math.isfinite(loss)]
-        if smoothed:
-            # Up to the smoothed curve's top only: raw spikes and a raw blow-up at the end would
-            # squash the curve flat. Down to the lowest raw loss, which may lie below it.
-            low = min(smoothed + [loss for loss in self.raw_losses if math.isfinite(loss)])
-            high = max(smoothed)
-            margin = 0.05 * (high - low) or 0.05 * abs(high) or 0.05
-            axes.set_ylim(low - margin, high + margin)
-        axes.set_xscale("log")
-        axes.set_xlabel("learning rate")
-        axes.set_ylabel("loss")
-        axes.set_title("Learning-rate range test")
-        axes.legend()
-        figure.savefig(path, format="png")
-        return path
 
 
 @validate_call
@@ -237,13 +160,13 @@ def lr_find(
     with contextlib.ExitStack() as stack:
         stack.enter_context(_random_state_kept())
         if isinstance(trainer_or_components, BaseTrainer):
-            components = stack.enter_context(_trainer_components(trainer_or_components))
+            plan, data = stack.enter_context(_trainer_plan(trainer_or_components))
             log = trainer_or_components.logger
         else:
-            components = trainer_or_components
+            plan, data = _components_plan(trainer_or_components), trainer_or_components.data
             log = logger
-        stack.enter_context(_training_state_kept(components))
-        sweep = _Sweep(components, start_lr, end_lr, num_iterations)
+        stack.enter_context(_training_state_kept(plan))
+        sweep = _Sweep(plan, data, start_lr, end_lr, num_iterations)
         result = sweep.run(smoothing, divergence_threshold)
     log.info(
         "LR range test: %d of %d iterations, lr %.3g to %.3g; suggestion %s; diverged at %s",
@@ -264,19 +187,20 @@ class _Lr:
 
 
 class _Sweep:
-    """One range test over prepared components: the optimizer steps and the loss bookkeeping."""
+    """One range test over a step plan: the optimizer steps and the loss bookkeeping.
+
+    The microsteps and the update are the trainer's own (``StepRunner``); the sweep adds the
+    lr schedule, the loss average over ranks, and the divergence check before each update.
+    """
 
     def __init__(
-        self, components: LrFindComponents, start_lr: float, end_lr: float, num_iterations: int
+        self, plan: StepPlan, data: Iterable[Any], start_lr: float, end_lr: float, num_iterations: int
     ) -> None:
-        self.components = components
-        self.optimizer = components.optimizer
+        self.plan = plan
+        self.data = data
+        self.optimizer = plan.optimizer
         self.num_iterations = num_iterations
-        self.model_params = [p for p in components.model.parameters()]
-        scaler = components.grad_scaler
-        self.scaler = scaler if scaler is not None and scaler.is_enabled() else None
-        self.count: torch.Tensor | None = None  # the current iteration's Loss item count
-        self.distributed = is_distributed_model(components.model) and dist.is_available() and dist.is_initialized()
+        self.distributed = is_distributed_model(plan.model) and dist.is_available() and dist.is_initialized()
         lrs = [float(group["lr"]) for group in self.optimizer.param_groups]
         self.reference = max(range(len(lrs)), key=lrs.__getitem__)
         reference_lr = lrs[self.reference]
@@ -301,7 +225,8 @@ class _Sweep:
             # instead of the current lr; the optimizer's state dict, restored afterwards, has it.
             group.pop("initial_lr", None)
         scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, self.factor)
-        data = EpochIterator(self.components.data)
+        data = EpochIterator(self.data)
+        runner = StepRunner(self.plan, data)
         lrs: list[float] = []
         raw: list[float] = []
         smoothed: list[float] = []
@@ -311,7 +236,7 @@ class _Sweep:
         try:
             for i in range(self.num_iterations):
                 lr = float(optimizer.param_groups[self.reference]["lr"])
-                loss_tensor = self._forward_backward(data)
+                loss_tensor = self._forward_backward(runner)
                 loss = float(loss_tensor)  # the iteration's one host sync: divergence is decided now
                 # Bias-corrected moving average: starting it at the first loss instead would give
                 # that one noisy batch a weight of (1 - smoothing) ** i: a false early descent.
@@ -324,7 +249,8 @@ class _Sweep:
                     diverged_at = lr
                     break
                 best = min(best, average)
-                self._optimizer_step()
+                runner.update()  # a grad scaler may skip it (inf gradients): harmless here
+                optimizer.zero_grad(set_to_none=True)
                 if i + 1 < self.num_iterations:
                     with warnings.catch_warnings():
                         # A grad scaler may skip the first optimizer step (inf gradients): harmless here.
@@ -336,108 +262,54 @@ class _Sweep:
         return LrFindResult(
             lrs=tuple(lrs),
             losses=tuple(smoothed),
-            suggestion=_steepest_descent(lrs, smoothed, smoothing),
+            suggestion=steepest_descent(lrs, smoothed, smoothing),
             diverged_at=diverged_at,
             raw_losses=tuple(raw),
         )
 
-    def _forward_backward(self, data: Iterator[Any]) -> torch.Tensor:
+    def _forward_backward(self, runner: StepRunner) -> torch.Tensor:
         """All microsteps of one iteration; returns the iteration's mean loss (a detached tensor).
 
-        With ``Loss`` the gradients are left summed, and the item count kept
-        for ``_optimizer_step`` to divide by: nothing is unscaled or divided before the
-        divergence check decides that this iteration steps at all.
+        With ``Loss`` the gradients are left summed, and the item count kept by the runner to
+        divide by in its update: nothing is unscaled or divided before the divergence check
+        decides that this iteration steps at all.
         """
-        components = self.components
-        accumulation = components.gradient_accumulation_steps
+        runner.begin()
         total: torch.Tensor | None = None
-        items: torch.Tensor | int | None = None
-        for microstep in range(accumulation):
-            while (loss := components.loss_fn(next(data))) is None:
-                pass  # a skipped batch does not count as a microstep
-            if isinstance(loss, Loss):
-                if microstep and items is None:
-                    raise TypeError(_MIXED)
-                _check_scalar(loss.sum, "Loss.sum")
-                items = loss.count if items is None else items + loss.count
-                backward, value = loss.sum, loss.sum.detach()
-            else:
-                if items is not None:
-                    raise TypeError(_MIXED)
-                _check_scalar(loss, "loss")
-                backward = loss / accumulation if accumulation > 1 else loss
-                value = loss.detach() / accumulation
-            if self.scaler is not None:
-                backward = self.scaler.scale(backward)
-            backward.backward()
+        for _ in range(self.plan.accumulation):
+            loss = runner.microstep().loss
+            value = loss.sum.detach() if isinstance(loss, Loss) else loss.detach() / self.plan.accumulation
             total = value if total is None else total + value
         assert total is not None
         # Copies: the all-reduces below work in place, and the count may be the caller's tensor.
         total = total.float().clone()
         if self.distributed:
             dist.all_reduce(total)
-        if items is None:
-            self.count = None
+        if runner.items is None:
             return total / dist.get_world_size() if self.distributed else total
-        count = torch.as_tensor(items, dtype=torch.float32, device=total.device).clone()
+        count = torch.as_tensor(runner.items, dtype=torch.float32, device=total.device).clone()
         if self.distributed:
             dist.all_reduce(count)
-        self.count = count
         return total / count
 
-    def _optimizer_step(self) -> None:
-        optimizer = self.optimizer
-        scaler = self.scaler
-        clip = self.components.grad_clip
-        if scaler is not None and (clip is not None or self.count is not None):
-            scaler.unscale_(optimizer)
-        if self.count is not None:
-            # Summed-loss gradients become mean-loss gradients, as the trainer does at a step's
-            # end. Under DDP the gradients are already averaged over ranks: hence the world size.
-            world = dist.get_world_size() if self.distributed else 1
-            grads = [p.grad for p in self.model_params if p.grad is not None]
-            if grads:
-                torch._foreach_mul_(grads, world / self.count)
-        if clip is not None:
-            nn.utils.clip_grad_norm_(self.model_params, clip)
-        if scaler is not None:
-            scaler.step(optimizer)
-            scaler.update()
-        else:
-            optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
 
-
-_MIXED = "lr_find(): the loss function mixed plain losses and Loss(sum, count) in one step"
-
-
-def _check_scalar(loss: Any, what: str) -> None:
-    if not isinstance(loss, torch.Tensor) or loss.ndim != 0:
-        got = f"a tensor of shape {tuple(loss.shape)}" if isinstance(loss, torch.Tensor) else type(loss).__name__
-        raise TypeError(f"lr_find(): the {what} must be a scalar tensor, got {got}")
-
-
-def _steepest_descent(lrs: list[float], losses: list[float], smoothing: float) -> float | None:
-    """The lr where ``d loss / d log(lr)`` is most negative, the noisy ends left out."""
-    n = len(losses)
-    # The slope is taken across +-5% of the sweep, not between neighbours: batch-to-batch noise
-    # that the average still lets through would otherwise win over the real descent.
-    half = max(1, n // 20)
-    # While the moving average has seen fewer than ~1 / smoothing losses it is the mean of a
-    # few batches, whose swings look like descents: skip that warm-up (at most a quarter).
-    warm_up = min(math.ceil(1 / smoothing), n // 4) if smoothing else 0
-    first, stop = max(half, n // 10, warm_up), n - half
-    best_slope, best_lr = 0.0, None
-    for i in range(first, stop):
-        slope = (losses[i + half] - losses[i - half]) / (math.log(lrs[i + half]) - math.log(lrs[i - half]))
-        if slope < best_slope:  # False for NaN: a non-finite neighbour never wins
-            best_slope, best_lr = slope, lrs[i]
-    return best_lr
+def _components_plan(components: LrFindComponents) -> StepPlan:
+    loss_fn = components.loss_fn
+    return StepPlan(
+        model=components.model,
+        optimizer=components.optimizer,
+        forward=lambda batch: (loss_fn(batch), None),
+        owner="lr_find()'s loss function",
+        accumulation=components.gradient_accumulation_steps,
+        grad_clip=components.grad_clip,
+        grad_scaler=components.grad_scaler,
+        check_grads=False,  # the sweep checks the loss instead, before each update
+    )
 
 
 @contextlib.contextmanager
-def _trainer_components(trainer: BaseTrainer) -> Iterator[LrFindComponents]:
-    """Build a trainer's step components through its ``build_*`` methods, outside ``train()``.
+def _trainer_plan(trainer: BaseTrainer) -> Iterator[tuple[StepPlan, Iterable[Any]]]:
+    """Build a trainer's step through its ``build_*`` methods, outside ``train()``.
 
     ``forward`` reads ``self.model`` (and maybe the others), so the built objects are set on the
     trainer for the test's duration; the attributes get their previous values (or absence) back.
@@ -454,33 +326,24 @@ def _trainer_components(trainer: BaseTrainer) -> Iterator[LrFindComponents]:
         trainer._build_components()  # what train()'s building state does first, in its order
         trainer.grad_scaler = trainer.build_grad_scaler()
         settings = trainer.settings
-        yield LrFindComponents(
+        yield StepPlan(
             model=trainer.model,
             optimizer=trainer.optimizer,
-            data=trainer.data_loader,
-            loss_fn=lambda batch: _trainer_loss(trainer, batch),
-            gradient_accumulation_steps=settings.gradient_accumulation_steps,
+            forward=trainer.forward,
+            owner=f"{type(trainer).__name__}.forward()",
+            accumulation=settings.gradient_accumulation_steps,
             grad_clip=settings.grad_clip,
             grad_scaler=trainer.grad_scaler,
-        )
+            check_grads=False,  # the sweep checks the loss instead, before each update
+            no_sync=settings.no_sync_accumulate,
+            autocast=trainer.autocast(),
+        ), trainer.data_loader
     finally:
         for name, value in saved.items():
             if value is missing:
                 trainer.__dict__.pop(name, None)
             else:
                 setattr(trainer, name, value)
-
-
-def _trainer_loss(trainer: BaseTrainer, batch: Any) -> Any:
-    with trainer.autocast():
-        output = trainer.forward(batch)
-    try:
-        loss, _records = output
-    except (TypeError, ValueError):
-        raise TypeError(
-            f"{type(trainer).__name__}.forward() must return (loss, records), got {type(output).__name__}"
-        ) from None
-    return loss
 
 
 @contextlib.contextmanager
@@ -495,9 +358,9 @@ def _random_state_kept() -> Iterator[None]:
 
 
 @contextlib.contextmanager
-def _training_state_kept(components: LrFindComponents) -> Iterator[None]:
+def _training_state_kept(plan: StepPlan) -> Iterator[None]:
     """Snapshot what the sweep changes and put it back exactly, also when the sweep raises."""
-    model, optimizer, scaler = components.model, components.optimizer, components.grad_scaler
+    model, optimizer, scaler = plan.model, plan.optimizer, plan.grad_scaler
     model_state = copy.deepcopy(model.state_dict())
     optimizer_state = copy.deepcopy(optimizer.state_dict())
     scaler_state = copy.deepcopy(scaler.state_dict()) if scaler is not None else None

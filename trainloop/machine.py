@@ -1,10 +1,11 @@
 """The training state machine: its states, its transition table, and the runner around it.
 
 The table ``TRANSITIONS`` is the single description of the loop. Rows that leave the same
-state are tried top to bottom; the first whose condition holds fires. The ``transitions``
-library runs an edge whenever a callback listens to it (a state's entry or exit, or the edge
-itself); edges nobody listens to take a fast path that only sets the state, because a
-``transitions`` trigger costs about 20 µs and the hot edges fire on every microstep.
+state are tried top to bottom; the first whose condition holds fires, and runs the row's
+action (if any) on the way. The ``transitions`` library runs an edge whenever a callback
+listens to it (a state's entry or exit, or the edge itself); edges nobody listens to take a fast
+path that runs the same action and sets the state, because a ``transitions`` trigger costs about
+20 µs and the hot edges fire on every microstep.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ from enum import Enum
 from typing import TYPE_CHECKING, Any
 
 from transitions import Machine
+from transitions import State as _LibraryState
 
 if TYPE_CHECKING:
     from .trace import Trace
@@ -39,12 +41,15 @@ class State(str, Enum):
     """Building data loader, model, optimizer, lr scheduler, grad scaler and hooks."""
     RESTORING = "restoring"
     """Loading a checkpoint (if a hook does), then ``on_before_train``."""
-    STEPPING = "stepping"
-    """The first microstep of a step: data, forward, backward."""
     ACCUMULATING = "accumulating"
-    """Each further microstep of the same step."""
+    """One microstep: draw a batch, ``forward``, backward. Entered for every microstep of a
+    step, the first included (also without accumulation)."""
+    STEPPING = "stepping"
+    """The optimizer update of a step: unscale, ``Loss`` normalisation, clipping, the
+    non-finite check, optimizer and scheduler step, ``on_after_step``."""
     RETRYING = "retrying"
-    """Gradients were non-finite: zero them and reset the step's records."""
+    """The update found non-finite gradients (fp16's skipped updates included): zero them,
+    reset the step's records, count the retry."""
     CHECKPOINTING = "checkpointing"
     """A save is due; hooks write it."""
     EXITING = "exiting"
@@ -52,6 +57,10 @@ class State(str, Enum):
 
     def __str__(self) -> str:
         return self.value
+
+    # str's own hash, in C: Enum's is a Python call (the loop looks states up in dicts every
+    # microstep), and it agrees with ``==``, which compares the string value.
+    __hash__ = str.__hash__
 
 
 @dataclass(frozen=True)
@@ -64,31 +73,36 @@ class Transition:
         dest: The state the edge enters.
         condition: Name of the policy that must hold for the edge to fire (a key of the
             ``conditions`` mapping given to ``StateMachine``); ``None`` always holds.
+        action: Name of the bookkeeping the edge does when it fires (a key of the ``actions``
+            mapping given to ``StateMachine``). It runs once the machine is in ``dest``, before
+            ``dest``'s entry callbacks: they see what it did. ``None``: nothing.
     """
 
     trigger: str
     source: State
     dest: State
     condition: str | None = None
+    action: str | None = None
 
 
 _S = State
-_MICROSTEP = (_S.STEPPING, _S.ACCUMULATING)
 
-#: The loop, readable top to bottom. Per source state, rows are tried in this order.
+#: The loop, readable top to bottom. Per source state, rows are tried in this order. Every
+#: decision about what follows an optimizer update leaves from ``stepping``.
 TRANSITIONS: tuple[Transition, ...] = (
     Transition("start", _S.IDLE, _S.BUILDING),
     Transition("restore", _S.BUILDING, _S.RESTORING),
     Transition("finish", _S.RESTORING, _S.EXITING, "should_exit"),
-    Transition("begin_step", _S.RESTORING, _S.STEPPING),
-    *(Transition("accumulate", s, _S.ACCUMULATING, "microsteps_remain") for s in _MICROSTEP),
-    *(Transition("retry", s, _S.RETRYING, "grads_non_finite") for s in _MICROSTEP),
-    *(Transition("checkpoint", s, _S.CHECKPOINTING, "checkpoint_due") for s in _MICROSTEP),
-    *(Transition("finish", s, _S.EXITING, "should_exit") for s in _MICROSTEP),
-    *(Transition("begin_step", s, _S.STEPPING) for s in _MICROSTEP),
-    Transition("begin_step", _S.RETRYING, _S.STEPPING),
+    Transition("begin_step", _S.RESTORING, _S.ACCUMULATING, action="begin_step"),
+    Transition("accumulate", _S.ACCUMULATING, _S.ACCUMULATING, "microsteps_remain"),
+    Transition("update", _S.ACCUMULATING, _S.STEPPING),
+    Transition("retry", _S.STEPPING, _S.RETRYING, "grads_non_finite"),
+    Transition("checkpoint", _S.STEPPING, _S.CHECKPOINTING, "checkpoint_due"),
+    Transition("finish", _S.STEPPING, _S.EXITING, "should_exit"),
+    Transition("begin_step", _S.STEPPING, _S.ACCUMULATING, action="begin_step"),
+    Transition("redo_step", _S.RETRYING, _S.ACCUMULATING, action="redo_step"),
     Transition("finish", _S.CHECKPOINTING, _S.EXITING, "should_exit"),
-    Transition("begin_step", _S.CHECKPOINTING, _S.STEPPING),
+    Transition("begin_step", _S.CHECKPOINTING, _S.ACCUMULATING, action="begin_step"),
     # An error (or an interrupt) anywhere ends the run through ``exiting``.
     *(Transition("fail", s, _S.EXITING) for s in _S if s not in (_S.IDLE, _S.EXITING)),
 )
@@ -119,6 +133,24 @@ class _Model:
     state: State
 
 
+class _ActingState(_LibraryState):
+    """A ``transitions`` state that runs the entering edge's action before its entry callbacks,
+    as the fast path does: both paths are then one machine."""
+
+    def enter(self, event_data: Any) -> None:
+        action = getattr(event_data.transition, "action", None)
+        if action is not None:
+            action()
+        super().enter(event_data)
+
+
+class _Machine(Machine):
+    state_cls = _ActingState
+
+
+_Edge = tuple[Transition, Callable[[], bool] | None, Callable[[], None] | None, bool]
+
+
 class StateMachine:
     """Runs ``TRANSITIONS`` for one trainer.
 
@@ -126,6 +158,8 @@ class StateMachine:
         conditions: The policies named in the table, each a zero-argument callable.
         owner: The object passed to callbacks (the trainer).
         step: Reads the current step number, for traces.
+        actions: The edges' bookkeeping named in the table, each a zero-argument callable.
+        transitions: The table to run.
     """
 
     def __init__(
@@ -133,16 +167,21 @@ class StateMachine:
         conditions: Mapping[str, Callable[[], bool]],
         owner: Any,
         step: Callable[[], int],
+        actions: Mapping[str, Callable[[], None]] | None = None,
         transitions: Iterable[Transition] = TRANSITIONS,
     ) -> None:
         self.table = tuple(transitions)
-        missing = {t.condition for t in self.table if t.condition} - set(conditions)
-        if missing:
-            raise ValueError(f"no policy given for conditions {sorted(missing)}")
+        actions = dict(actions or {})
+        for kind, given, named in (
+            ("conditions", conditions, {t.condition for t in self.table if t.condition}),
+            ("actions", actions, {t.action for t in self.table if t.action}),
+        ):
+            if named - set(given):
+                raise ValueError(f"no callable given for {kind} {sorted(named - set(given))}")
         self._owner = owner
         self._step = step
         self.model = _Model()
-        self._machine = Machine(
+        self._machine = _Machine(
             model=self.model,
             states=State,
             initial=State.IDLE,
@@ -152,9 +191,15 @@ class StateMachine:
             auto_transitions=False,
             queued=True,
         )
+        for t in self.table:
+            if t.action:
+                # (trigger, source) is unique in the table, so each library edge is one row.
+                for edge in self._machine.get_transitions(trigger=t.trigger, source=t.source, dest=t.dest):
+                    edge.action = actions[t.action]  # type: ignore[attr-defined]
         self._conditions = conditions
-        # Per source state: (row, its policy, whether a callback listens), in table order.
-        self._edges: dict[State, list[tuple[Transition, Callable[[], bool] | None, bool]]] = {}
+        self._actions = actions
+        # Per source state: (row, its policy, its action, whether a callback listens), in order.
+        self._edges: dict[State, list[_Edge]] = {}
         self._refresh_listened()
         self.trace: Trace | None = None
 
@@ -167,9 +212,14 @@ class StateMachine:
 
     def advance(self) -> State:
         """Fire the first edge out of the current state whose condition holds."""
-        for transition, condition, listened in self._edges[self.model.state]:
+        for transition, condition, action, listened in self._edges[self.model.state]:
             if condition is None or condition():
-                self._fire(transition, listened)
+                if listened or self.trace is not None:
+                    self._fire(transition, action, listened)
+                else:  # the fast path, inlined: this runs on every microstep
+                    self.model.state = transition.dest
+                    if action is not None:
+                        action()
                 return transition.dest
         raise RuntimeError(f"no transition leaves state {self.model.state.value!r}")
 
@@ -177,16 +227,19 @@ class StateMachine:
         """Move to ``exiting`` because of an error; does nothing if already there."""
         if self.model.state is not State.EXITING:
             fail = next(t for t in self.table if t.trigger == FAIL and t.source is self.state)
-            self._fire(fail, self._is_listened(fail))
+            self._fire(fail, None, self._is_listened(fail))
 
-    def _fire(self, transition: Transition, listened: bool) -> None:
+    def _fire(self, transition: Transition, action: Callable[[], None] | None, listened: bool) -> None:
         if self.trace is not None:
-            # Recorded first: the time the entry callbacks take (a save, a load) is the new state's.
+            # Recorded first: the time the action and the entry callbacks take (a save, a load)
+            # is the new state's; the step is the one the edge leaves.
             self.trace.record(transition, self._step())
         if listened:
-            self._machine.events[transition.trigger].trigger(self.model)
+            self._machine.events[transition.trigger].trigger(self.model)  # runs the action too
         else:
             self.model.state = transition.dest
+            if action is not None:
+                action()
 
     # -- callbacks -----------------------------------------------------------------------------
 
@@ -253,11 +306,12 @@ class StateMachine:
 
     def _refresh_listened(self) -> None:
         """Rebuild the per-state edge lists after callbacks were added or removed."""
-        edges: dict[State, list[tuple[Transition, Callable[[], bool] | None, bool]]] = {s: [] for s in State}
+        edges: dict[State, list[_Edge]] = {s: [] for s in State}
         for t in self.table:
             if t.trigger != FAIL:
                 condition = self._conditions[t.condition] if t.condition else None
-                edges[t.source].append((t, condition, self._is_listened(t)))
+                action = self._actions[t.action] if t.action else None
+                edges[t.source].append((t, condition, action, self._is_listened(t)))
         self._edges = edges
 
     # -- drawing -------------------------------------------------------------------------------
@@ -272,7 +326,9 @@ _RARE_EDGE_COLORS = {State.RETRYING: "darkorange", State.CHECKPOINTING: "royalbl
 
 
 def _label(t: Transition) -> str:
-    return f"{t.trigger} [{t.condition}]" if t.condition else t.trigger
+    """``trigger``, then ``[condition]`` and ``/ action()`` when the row has them."""
+    label = f"{t.trigger} [{t.condition}]" if t.condition else t.trigger
+    return f"{label} / {t.action}()" if t.action else label
 
 
 def draw(

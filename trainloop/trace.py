@@ -8,11 +8,15 @@ from collections import Counter, deque
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import IO, NamedTuple
+from typing import IO, TYPE_CHECKING, NamedTuple
 
 from .machine import State, Transition
+from .utils import is_rank_zero
 
-__all__ = ["Trace", "TraceEntry", "TraceSummary", "read_trace", "summarize_trace"]
+if TYPE_CHECKING:
+    from .settings import TrainerSettings
+
+__all__ = ["Trace", "TraceEntry", "TraceSummary", "read_trace", "start_run_record", "summarize_trace"]
 
 
 class TraceEntry(NamedTuple):
@@ -69,6 +73,20 @@ class Trace(deque[TraceEntry]):
         if self._file is not None:
             self._file.close()
             self._file = None
+
+
+def start_run_record(settings: TrainerSettings) -> Trace | None:
+    """Write the resolved settings to ``<workspace>/settings.json`` (rank 0), and open the trace
+    (``<workspace>/trace.jsonl`` when there is a workspace) if ``settings.trace`` is on."""
+    workspace = settings.workspace if is_rank_zero() else None
+    if workspace is not None:
+        workspace.mkdir(parents=True, exist_ok=True)
+        tmp = workspace / ".settings.json.tmp"
+        tmp.write_text(settings.model_dump_json(indent=2) + "\n", encoding="utf-8")
+        tmp.replace(workspace / "settings.json")
+    if settings.trace:
+        return Trace(workspace / "trace.jsonl" if workspace is not None else None)
+    return None
 
 
 def read_trace(path: Path | str) -> list[TraceEntry]:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import difflib
 import re
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
@@ -11,7 +12,7 @@ from ..machine import State
 if TYPE_CHECKING:
     from ..trainer import BaseTrainer
 
-__all__ = ["BaseHook", "HOOK_EVENTS", "hook_dispatch", "state_entry_methods"]
+__all__ = ["BaseHook", "HOOK_EVENTS", "HOOK_METHODS", "check_hook_methods", "hook_dispatch", "name_hooks", "state_entry_methods"]
 
 
 class BaseHook:
@@ -20,7 +21,8 @@ class BaseHook:
     Override only the methods you need: the trainer calls a method only on the hooks that
     override it, so an unused method costs nothing per step. Besides the methods below, a hook
     that defines ``on_enter_<state>(self, trainer)`` (for example ``on_enter_checkpointing``) is
-    attached to that state of the machine.
+    attached to that state of the machine. Any other ``on_*`` method is an error when the
+    trainer builds its hooks (a misspelt method would otherwise silently never run).
 
     A hook reads the trainer but does not steer it directly; its levers are requests that the
     trainer settles at the end of a step: ``trainer.request_checkpoint()`` and
@@ -46,16 +48,22 @@ class BaseHook:
         """Called once in ``restoring``, after any checkpoint was loaded."""
 
     def on_before_step(self, trainer: BaseTrainer) -> None:
-        """Called when a new step begins (not again when the step is retried)."""
+        """Called when a new step begins (the ``begin_step`` edge into ``accumulating``; not
+        again when the step is retried)."""
 
     def on_before_optimizer_step(self, trainer: BaseTrainer) -> None:
-        """Called after the last backward of a step, gradients unscaled, before clipping."""
+        """Called in ``stepping``, gradients unscaled and normalised, before clipping."""
 
     def on_after_step(self, trainer: BaseTrainer) -> None:
-        """Called after the optimizer and scheduler stepped; ``trainer.step_info`` is complete."""
+        """Called in ``stepping`` after the optimizer and scheduler stepped (never for an update
+        that found non-finite gradients); ``trainer.step_info`` is complete."""
+
+    def on_exception(self, trainer: BaseTrainer, error: BaseException) -> None:
+        """Called in ``exiting`` when the run ends by an error (or an interrupt), before
+        ``on_after_train``; ``error`` is what ``train()`` re-raises afterwards."""
 
     def on_after_train(self, trainer: BaseTrainer) -> None:
-        """Called in ``exiting``, also when the run ends by an error (``trainer.error``)."""
+        """Called in ``exiting``, however the run ends (after ``on_exception`` for an error)."""
 
     def on_log(self, trainer: BaseTrainer, records: dict[str, Any], dry_run: bool = False) -> None:
         """Receive the nested numeric records given to ``trainer.log``.
@@ -76,17 +84,16 @@ class BaseHook:
         """Restore this hook's state from a trainer ``state_dict``."""
 
 
-_MICROSTEP = (State.STEPPING, State.ACCUMULATING)
-
-#: The methods a trainer dispatches to hooks, and the states they run in (``None``: whenever
-#: the trainer's method that dispatches them is called). The docs' table is generated from this,
-#: and a test checks a real run against it.
-HOOK_EVENTS: dict[str, tuple[State, ...] | None] = {
-    "on_before_train": (State.RESTORING,),
-    "on_before_step": (State.STEPPING,),
-    "on_before_optimizer_step": _MICROSTEP,  # the last microstep of a step
-    "on_after_step": _MICROSTEP,  # the last microstep of a step
-    "on_after_train": (State.EXITING,),
+#: The methods a trainer dispatches to hooks, and the one state each runs in (``None``: whenever
+#: the trainer's method that dispatches it is called). The docs' table is generated from this,
+#: and a test checks real runs against it.
+HOOK_EVENTS: dict[str, State | None] = {
+    "on_before_train": State.RESTORING,
+    "on_before_step": State.ACCUMULATING,  # by the begin_step edge, before the first microstep
+    "on_before_optimizer_step": State.STEPPING,
+    "on_after_step": State.STEPPING,  # only after an applied update
+    "on_exception": State.EXITING,  # an error ended the run; before on_after_train
+    "on_after_train": State.EXITING,
     "on_log": None,  # trainer.log()
     "on_log_images": None,  # trainer.log_images()
     "on_state_dict": None,  # trainer.state_dict()
@@ -115,3 +122,35 @@ def hook_dispatch(hooks: Sequence[BaseHook]) -> dict[str, tuple[Callable[..., No
         )
         for event in HOOK_EVENTS
     }
+
+
+def name_hooks(hooks: list[BaseHook]) -> None:
+    """Check the hooks (types, method names) and make their names unique (``name``, ``name_2``...).
+
+    Raises:
+        TypeError: An item is not a ``BaseHook``, or a hook defines an ``on_*`` method that is no
+            hook method (a typo would otherwise never be called); the message suggests the
+            closest one.
+    """
+    seen: dict[str, int] = {}
+    for i, hook in enumerate(hooks):
+        if not isinstance(hook, BaseHook):
+            raise TypeError(f"build_hooks() item {i} is a {type(hook).__name__}, not a BaseHook")
+        check_hook_methods(type(hook))
+        base = hook.name
+        seen[base] = seen.get(base, 0) + 1
+        if seen[base] > 1:
+            hook.name = f"{base}_{seen[base]}"
+
+
+#: Every ``on_*`` method name a hook may define.
+HOOK_METHODS = frozenset(HOOK_EVENTS) | {f"on_enter_{state.value}" for state in State}
+
+
+def check_hook_methods(cls: type[BaseHook]) -> None:
+    """Raise ``TypeError`` if ``cls`` defines an ``on_*`` method that is no hook method."""
+    for name in dir(cls):
+        if name.startswith("on_") and name not in HOOK_METHODS and callable(getattr(cls, name)):
+            close = difflib.get_close_matches(name, sorted(HOOK_METHODS), n=1)
+            hint = f"; did you mean {close[0]}?" if close else f"; hook methods are {', '.join(sorted(HOOK_METHODS))}"
+            raise TypeError(f"{cls.__name__}.{name} is not a hook method, so it would never be called{hint}")

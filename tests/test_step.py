@@ -1,0 +1,140 @@
+"""The step runner as the trainer runs it: microsteps in ``accumulating``, the update in
+``stepping``, retries (fp16's skipped updates included), and the host syncs a step makes."""
+
+import itertools
+
+import pytest
+import torch
+from tiny_trainer import CaptureHook, FlakyTrainer, TinyTrainer, make_data
+
+from trainloop import BaseHook, State
+from trainloop.checkpoint import latest_checkpoint
+from trainloop.hooks import CheckpointingHook
+
+
+def params(trainer):
+    return [p.detach().clone() for p in trainer.unwrapped_model.parameters()]
+
+
+@pytest.mark.parametrize("accumulation", [1, 2, 3])
+def test_the_retry_edge_leaves_stepping_whatever_the_accumulation(accumulation):
+    retried, states = [], []
+    # The first microstep of step 2 is NaN, so step 2's first update finds non-finite gradients.
+    trainer = FlakyTrainer(max_steps=3, gradient_accumulation_steps=accumulation, max_non_finite_grad_retries=1,
+                           nan_at={accumulation + 1}, trace=True)
+    trainer.on_transition("stepping", "retrying", lambda t: retried.append(t.step))
+
+    class Where(BaseHook):
+        def on_before_optimizer_step(self, t):
+            states.append(("before_optimizer_step", t.state.value))
+
+        def on_after_step(self, t):
+            states.append(("after_step", t.state.value))
+
+    trainer._hooks = [Where()]
+    trainer.train()
+    assert retried == [2]
+    assert trainer.step == 3 and trainer.calls == 4 * accumulation  # 3 steps and one redone
+    counts = trainer.trace.counts()
+    assert counts[(State.ACCUMULATING, State.STEPPING, "update")] == 4
+    assert counts[(State.ACCUMULATING, State.ACCUMULATING, "accumulate")] == 4 * (accumulation - 1)
+    assert counts[(State.RETRYING, State.ACCUMULATING, "redo_step")] == 1
+    assert counts[(State.STEPPING, State.ACCUMULATING, "begin_step")] == 2
+    # Four updates, each in stepping; on_after_step only for the three applied.
+    assert states.count(("before_optimizer_step", "stepping")) == 4
+    assert states.count(("after_step", "stepping")) == 3 and len(states) == 7
+    assert all(torch.isfinite(p).all() for p in params(trainer))
+
+
+def test_fp16_skipped_updates_are_retries_and_only_applied_updates_advance_step_and_schedule():
+    scheduled = []
+
+    class Scheduled(FlakyTrainer):
+        def build_lr_scheduler(self):
+            return torch.optim.lr_scheduler.LambdaLR(self.optimizer, lambda n: scheduled.append(n) or 1.0)
+
+        def build_grad_scaler(self):
+            return torch.amp.GradScaler("cpu", init_scale=2.0**8)  # low enough not to overflow here
+
+    hook = CaptureHook()
+    trainer = Scheduled(max_steps=4, mixed_precision="fp16", max_non_finite_grad_retries=4,
+                        nan_at={3, 4}, hooks=[hook], trace=True)
+    trainer.train()
+    counts = trainer.trace.counts()
+    # Forward calls 3 and 4 are NaN: step 3 is refused by GradScaler twice, then applied.
+    assert counts[(State.STEPPING, State.RETRYING, "retry")] == 2
+    assert counts[(State.RETRYING, State.ACCUMULATING, "redo_step")] == 2
+    assert trainer.step == 4 and len(hook.events("on_after_step")) == 4
+    assert [info["non_finite_grad_retries"] for info in hook.step_infos] == [0, 0, 2, 0]
+    assert scheduled == [0, 1, 2, 3, 4]  # built at 0, then one per applied update only
+    assert trainer.grad_scaler.get_scale() == 2.0**6  # halved once per refused update
+    assert all(torch.isfinite(p).all() for p in params(trainer))
+
+
+def test_an_fp16_nan_storm_raises_when_retries_run_out_and_keeps_the_last_good_checkpoint(tmp_path):
+    trainer = FlakyTrainer(
+        max_steps=10, mixed_precision="fp16", max_non_finite_grad_retries=3, workspace=tmp_path,
+        nan_at=set(range(8, 1000)), hooks=[CheckpointingHook(interval=1, keep_previous=1)],
+    )
+    with pytest.raises(RuntimeError, match=r"non-finite gradients at step \d after 3 retries.*grad scaler's scale is now"):
+        trainer.train()
+    last_applied = trainer.step - 1
+    assert last_applied >= 2
+    assert latest_checkpoint(tmp_path / "checkpoints").name == str(last_applied)
+    stored = sorted(int(p.name) for p in (tmp_path / "checkpoints").iterdir() if p.name.isdigit())
+    assert stored == [last_applied - 1, last_applied]  # the storm wrote nothing, pruned nothing good
+
+
+def test_fp16_without_declared_retries_is_a_validation_error():
+    with pytest.raises(ValueError, match="mixed_precision 'fp16' needs max_non_finite_grad_retries"):
+        TinyTrainer(max_steps=1, mixed_precision="fp16")
+    TinyTrainer(max_steps=1, mixed_precision="fp16", max_non_finite_grad_retries=0)  # declared: fine
+
+
+class SyncCounter:
+    """Counts calls of the Tensor methods that block the host until a GPU has caught up."""
+
+    METHODS = ("item", "tolist", "numpy", "__bool__", "__float__", "__int__", "__index__")
+
+    def __init__(self, monkeypatch):
+        self.count = 0
+        for name in self.METHODS:
+            original = getattr(torch.Tensor, name)
+
+            def counted(tensor, *args, _original=original, **kwargs):
+                self.count += 1
+                return _original(tensor, *args, **kwargs)
+
+            monkeypatch.setattr(torch.Tensor, name, counted)
+
+
+@pytest.mark.parametrize(
+    ("settings", "syncs"),
+    [
+        ({}, 1),  # the non-finite check
+        ({"detect_non_finite_grads": False}, 0),
+        ({"grad_clip": 1.0}, 1),  # the clipped norm answers the check
+        ({"gradient_accumulation_steps": 3}, 1),
+        ({"mixed_precision": "fp16", "max_non_finite_grad_retries": 5}, 1),  # GradScaler's own
+        ({"mixed_precision": "fp16", "max_non_finite_grad_retries": 5, "detect_non_finite_grads": False}, 1),
+    ],
+)
+def test_host_syncs_per_update(monkeypatch, settings, syncs):
+    marks = {}
+
+    class Mark(BaseHook):
+        def on_before_step(self, trainer):
+            if trainer.step == 2:
+                marks["start"] = counter.count
+
+        def on_after_train(self, trainer):
+            marks["end"] = counter.count
+
+    batches = [(x.unsqueeze(0), y.unsqueeze(0)) for x, y in make_data(8)]
+    counter = SyncCounter(monkeypatch)
+    # An endless iterator: a DataLoader draws its base seed with .item() at every epoch.
+    trainer = TinyTrainer(max_steps=10, hooks=[Mark()], data=itertools.cycle(batches), trace=True, **settings)
+    trainer.train()
+    updates = sum(1 for e in trainer.trace if e.trigger == "update" and e.step >= 2)  # retries included
+    assert updates >= 9
+    assert (marks["end"] - marks["start"]) / updates == syncs

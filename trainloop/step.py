@@ -1,0 +1,262 @@
+"""One training step, written once: the microsteps (``accumulating``) and the optimizer update
+(``stepping``). ``BaseTrainer`` and ``lr_find`` both run it.
+
+A ``StepPlan`` is what the loop needs, resolved before the first step; a ``StepRunner`` holds
+what is derived from it (the gradient-sync switch, the non-finite check's buffers) and the
+state of the step in progress (its ``Loss`` item count).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import warnings
+from collections.abc import Callable, Iterator, Mapping
+from dataclasses import dataclass
+from time import perf_counter
+from typing import Any, NamedTuple
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from .grads import NonFiniteGradCheck
+from .loss import Loss
+from .sync import gradient_sync
+from .utils import is_distributed_model
+
+__all__ = ["LossNoneWarning", "Microstep", "StepPlan", "StepRunner", "unpack_forward_output"]
+
+_NO_CONTEXT = contextlib.nullcontext()  # reusable: entering it allocates nothing
+
+
+class LossNoneWarning(UserWarning):
+    """``forward`` returned ``loss=None`` while the model is wrapped by DDP or FSDP."""
+
+
+@dataclass(frozen=True)
+class StepPlan:
+    """What one training step needs, fixed for a whole run.
+
+    Attributes:
+        model: The model (as wrapped: DDP, FSDP2, or plain).
+        optimizer: The optimizer of the model's parameters.
+        forward: ``forward(batch) -> (loss, records)``: the loss a scalar tensor, a ``Loss``, or
+            ``None`` to skip the batch; records a dict of numbers or ``None``.
+        owner: How errors name ``forward`` (e.g. ``"MyTrainer.forward()"``).
+        accumulation: Microsteps per optimizer update.
+        grad_clip: Max gradient norm (L2), or ``None``.
+        grad_scaler: An enabled ``GradScaler`` (fp16), or ``None``.
+        lr_scheduler: Stepped after every applied update, or ``None``.
+        check_grads: Decide, before the optimizer steps, whether the gradients are finite (one
+            host sync). Under a grad scaler its own check decides, whatever this says: an update
+            it would skip is reported as non-finite, never applied silently.
+        no_sync: Skip gradient synchronisation across ranks on all but a step's last microstep.
+        autocast: The mixed-precision context ``forward`` runs under (re-enterable).
+        before_optimizer_step: Called after the step's gradients are unscaled and normalised,
+            before clipping (the trainer's ``on_before_optimizer_step`` hooks).
+    """
+
+    model: nn.Module
+    optimizer: torch.optim.Optimizer
+    forward: Callable[[Any], Any]
+    owner: str
+    accumulation: int = 1
+    grad_clip: float | None = None
+    grad_scaler: torch.amp.GradScaler | None = None
+    lr_scheduler: torch.optim.lr_scheduler.LRScheduler | None = None
+    check_grads: bool = True
+    no_sync: bool = True
+    autocast: contextlib.AbstractContextManager[Any] = _NO_CONTEXT
+    before_optimizer_step: Callable[[], None] | None = None
+
+
+class Microstep(NamedTuple):
+    """What one microstep computed.
+
+    Attributes:
+        loss: What ``forward`` returned as the loss (a scalar tensor or a ``Loss``), before any
+            division or scaling; it still holds the graph's output, so detach it to keep it.
+        records: ``forward``'s records (``{}`` for ``None``).
+        data_time: Seconds spent drawing batches (skipped ones included).
+    """
+
+    loss: torch.Tensor | Loss
+    records: Mapping[str, Any]
+    data_time: float
+
+
+class StepRunner:
+    """Runs the microsteps and the optimizer update of ``plan``, drawing batches from ``data``.
+
+    Args:
+        plan: What the step needs.
+        data: The batches (an endless iterator, e.g. an ``EpochIterator``).
+    """
+
+    def __init__(self, plan: StepPlan, data: Iterator[Any]) -> None:
+        self.plan = plan
+        self.data = data
+        self.distributed = is_distributed_model(plan.model)  # it also averages gradients over ranks
+        self._device = next((p.device for p in plan.model.parameters()), torch.device("cpu"))
+        # Built once, entered on every microstep but a step's last: DDP's no_sync(), FSDP2's
+        # set_requires_gradient_sync(False).
+        sync_off = gradient_sync(plan.model, enabled=False)
+        self._sync_off = sync_off if plan.no_sync and sync_off.controls_sync else None
+        self._autocast = None if isinstance(plan.autocast, contextlib.nullcontext) else plan.autocast
+        self._scaler = plan.grad_scaler if plan.grad_scaler is not None and plan.grad_scaler.is_enabled() else None
+        # With clipping on, the total norm clip_grad_norm_ returns answers the check for free.
+        self._grad_check = (
+            NonFiniteGradCheck(plan.model.parameters())
+            if plan.check_grads and self._scaler is None and plan.grad_clip is None
+            else None
+        )
+        # Optimizers that unscale inside their own step (fused ones) must step through the scaler.
+        self._step_through_scaler = getattr(plan.optimizer, "_step_supports_amp_scaling", False)
+        self.items: torch.Tensor | int | None = None  # the step's Loss item count so far
+        self.microsteps = 0  # microsteps done in the step in progress
+        self.grad_norm: torch.Tensor | None = None  # the last update's (clipping only)
+
+    def begin(self) -> None:
+        """Start a step (or its retry): no microstep done, no items counted."""
+        self.microsteps = 0
+        self.items = None
+
+    def microstep(self) -> Microstep:
+        """Draw batches until ``forward`` returns a loss, and backpropagate it.
+
+        A ``None`` loss does not count (the next batch is drawn). A plain loss is divided by the
+        number of microsteps; a ``Loss`` is backpropagated as its sum and its count added up, for
+        ``update`` to divide the gradients by. Gradients are synchronised across ranks only on
+        the step's last microstep.
+        """
+        if self._sync_off is not None and self.microsteps + 1 < self.plan.accumulation:
+            with self._sync_off:
+                return self._microstep()
+        return self._microstep()
+
+    def _microstep(self) -> Microstep:
+        plan, autocast = self.plan, self._autocast
+        data_time = 0.0
+        while True:
+            start = perf_counter()
+            batch = next(self.data)
+            data_time += perf_counter() - start
+            if autocast is None:  # no `with` on a no-op context: two Python calls saved per microstep
+                output = plan.forward(batch)
+            else:
+                with autocast:
+                    output = plan.forward(batch)
+            loss, records = unpack_forward_output(output, plan.owner)
+            if loss is not None:
+                break
+            if self.distributed:
+                warnings.warn(
+                    "forward() returned loss=None under DDP/FSDP; the wrapped model must not "
+                    "have been called for this batch, or its next backward may hang or be wrong",
+                    LossNoneWarning,
+                    stacklevel=4,
+                )
+        backward = self._to_backpropagate(loss)
+        if self._scaler is not None:
+            backward = self._scaler.scale(backward)
+        backward.backward()
+        self.microsteps += 1
+        return Microstep(loss, records, data_time)
+
+    def _to_backpropagate(self, loss: Any) -> torch.Tensor:
+        plan = self.plan
+        if isinstance(loss, Loss):
+            _check_scalar(loss.sum, "Loss.sum", plan.owner)
+            if self.microsteps and self.items is None:
+                raise TypeError(f"{plan.owner} mixed plain losses and Loss(sum, count) in one step")
+            self.items = loss.count if self.items is None else self.items + loss.count
+            return loss.sum
+        _check_scalar(loss, "loss", plan.owner)
+        if self.items is not None:
+            raise TypeError(f"{plan.owner} mixed plain losses and Loss(sum, count) in one step")
+        return loss / plan.accumulation if plan.accumulation > 1 else loss
+
+    def update(self) -> bool:
+        """The optimizer update of the step whose microsteps are done.
+
+        Unscale (fp16), normalise by the ``Loss`` item count, ``before_optimizer_step``, clip,
+        check for non-finite gradients, then step the optimizer and the lr scheduler and zero
+        the gradients.
+
+        Returns:
+            ``True`` if the update was applied; ``False`` if the gradients were non-finite: then
+            nothing stepped, the gradients are left as they are, and a grad scaler has lowered
+            its scale for the retry.
+        """
+        plan = self.plan
+        optimizer, scaler = plan.optimizer, self._scaler
+        if scaler is not None:
+            scaler.unscale_(optimizer)
+        if self.items is not None:
+            self._normalise_by_items()
+        if plan.before_optimizer_step is not None:
+            plan.before_optimizer_step()
+        if plan.grad_clip is not None:
+            grad_norm = nn.utils.clip_grad_norm_(plan.model.parameters(), plan.grad_clip)
+            if hasattr(grad_norm, "full_tensor"):  # an FSDP2 DTensor, replicated: no communication
+                grad_norm = grad_norm.full_tensor()
+            self.grad_norm = grad_norm
+        if scaler is not None:
+            # The step's one host sync, the one GradScaler.step would make anyway: a skipped
+            # update is a retry, decided here, not a silent no-op.
+            found = scaler._found_inf_per_device(optimizer).values()
+            if any(bool(f.item()) for f in found):
+                scaler.update()  # lowers the scale for the retry
+                return False
+        elif plan.check_grads:
+            # The step's one host sync: a retry must be decided before the optimizer steps.
+            # With clipping on, the total norm is finite iff every gradient is.
+            non_finite = self._grad_check() if self._grad_check is not None else not bool(torch.isfinite(grad_norm))
+            if non_finite:
+                return False
+        if scaler is not None and self._step_through_scaler:
+            scaler.step(optimizer)
+        else:
+            optimizer.step()  # gradients already unscaled and known finite
+        if scaler is not None:
+            scaler.update()
+        optimizer.zero_grad()
+        if plan.lr_scheduler is not None:
+            plan.lr_scheduler.step()
+        return True
+
+    def _normalise_by_items(self) -> None:
+        """Divide the step's summed gradients by its item count, over all ranks of a DDP/FSDP model."""
+        items = torch.as_tensor(self.items, dtype=torch.float32, device=self._device)
+        factor = 1.0 / items
+        if self.distributed and dist.is_initialized():
+            items = items.clone()
+            dist.all_reduce(items)  # the total over ranks; stays on the device
+            factor = dist.get_world_size() / items
+        grads = [p.grad for p in self.plan.model.parameters() if p.grad is not None]
+        torch._foreach_mul_(grads, factor)  # a tensor factor: no host sync
+        self.items = None
+
+
+def unpack_forward_output(output: Any, owner: str) -> tuple[Any, Mapping[str, Any]]:
+    """Check what ``forward`` returned and split it into ``(loss, records)``.
+
+    Raises:
+        TypeError: It is not a pair, or the records are neither a dict nor ``None``.
+    """
+    try:
+        loss, records = output
+    except (TypeError, ValueError):
+        raise TypeError(f"{owner} must return (loss, records), got {type(output).__name__}") from None
+    if records is None:
+        return loss, {}
+    if type(records) is not dict and not isinstance(records, Mapping):
+        raise TypeError(f"{owner} must return records as a dict of numbers (or None), got {type(records).__name__}")
+    return loss, records
+
+
+def _check_scalar(loss: Any, what: str, owner: str) -> None:
+    if not isinstance(loss, torch.Tensor) or loss.ndim != 0:
+        got = f"a tensor of shape {tuple(loss.shape)}" if isinstance(loss, torch.Tensor) else type(loss).__name__
+        raise TypeError(f"{owner} must return a scalar tensor {what}, got {got}")
+

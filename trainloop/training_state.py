@@ -1,0 +1,142 @@
+"""A trainer's full state as a state dict, and resuming from one: what a checkpoint holds.
+
+``BaseTrainer.state_dict`` and ``BaseTrainer.load_state_dict`` call these; checkpoint hooks
+call those.
+"""
+
+from __future__ import annotations
+
+import json
+import warnings
+from typing import TYPE_CHECKING, Any
+
+import torch.distributed as dist
+
+from . import components
+from .rng import get_rng_state, set_rng_state
+
+if TYPE_CHECKING:
+    from .trainer import BaseTrainer
+
+__all__ = ["ChangedSettingsWarning", "load_training_state", "training_state"]
+
+
+class ChangedSettingsWarning(UserWarning):
+    """A run resumes from a checkpoint made with different settings."""
+
+
+def training_state(trainer: BaseTrainer) -> dict[str, Any]:
+    """The full training state: model, optimizer, scheduler, grad scaler, step, and hooks'.
+
+    Model and optimizer go through ``torch.distributed.checkpoint.state_dict`` so DDP and FSDP
+    models give the same layout as plain ones.
+    """
+    # Imported here: torch.distributed.checkpoint costs ~0.8 s to import, and many runs never save.
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+
+    model_state, optimizer_state = get_state_dict(
+        trainer.model, trainer.optimizer, options=trainer.state_dict_options
+    )
+    data = trainer._loop.data
+    state_dict: dict[str, Any] = {
+        "model": model_state,
+        "training_state": {
+            "step": trainer.step,
+            "epoch": data.resume_epoch if data is not None else trainer.epoch,
+            "optimizer": optimizer_state,
+            "lr_scheduler": trainer.lr_scheduler.state_dict() if trainer.lr_scheduler else None,
+            "grad_scaler": trainer.grad_scaler.state_dict(),
+            # What resumes the run exactly, per rank (each rank has its own).
+            "rng": _per_rank(get_rng_state()),
+            "data_loader": _per_rank(_loader_state(trainer.data_loader)),
+            # JSON, never pickled: readable anywhere, and compared on resume.
+            "settings": trainer.settings.model_dump_json(),
+        },
+    }
+    for fn in trainer._dispatch["on_state_dict"]:
+        fn(trainer, state_dict)
+    return state_dict
+
+
+def load_training_state(trainer: BaseTrainer, state_dict: dict[str, Any]) -> None:
+    """Restore into ``trainer`` what ``training_state`` returned."""
+    from torch.distributed.checkpoint.state_dict import set_state_dict
+
+    saved = state_dict["training_state"]
+    trainer.step = saved["step"]
+    trainer.epoch = saved.get("epoch", 0)
+    trainer.logger.info("Resuming from step %d", trainer.step)
+    if trainer.lr_scheduler is not None:
+        # The scheduler must load before the optimizer: loading it rewrites the optimizer's
+        # lr with its own (pytorch/pytorch#119168).
+        trainer.lr_scheduler.load_state_dict(saved["lr_scheduler"])
+    trainer.grad_scaler.load_state_dict(saved["grad_scaler"])
+    _restore_per_rank(trainer, saved)
+    _warn_on_changed_settings(trainer, saved.get("settings"))
+    set_state_dict(
+        trainer.model,
+        trainer.optimizer,
+        model_state_dict=state_dict["model"],
+        optim_state_dict=saved["optimizer"],
+        options=trainer.state_dict_options,
+    )
+    for fn in trainer._dispatch["on_load_state_dict"]:
+        fn(trainer, state_dict)
+
+
+def _restore_per_rank(trainer: BaseTrainer, saved: dict[str, Any]) -> None:
+    """Restore this rank's generators and data position, if saved for as many ranks."""
+    rngs, loaders = saved.get("rng"), saved.get("data_loader")
+    rank, world = _rank_and_world()
+    if rngs is None or len(rngs) != world:
+        if rngs is not None:
+            trainer.logger.warning(
+                "The checkpoint holds random states of %d ranks and this run has %d: they are "
+                "not restored, so the resumed run is not an exact continuation", len(rngs), world,
+            )
+        return
+    if trainer._loop.data is None:
+        trainer._loop.restored_rng = rngs[rank]  # applied once the data iterator exists
+    else:
+        set_rng_state(rngs[rank])
+    if loaders is not None and loaders[rank] is not None:
+        trainer.data_loader.load_state_dict(loaders[rank])
+
+
+def _warn_on_changed_settings(trainer: BaseTrainer, saved: str | None) -> None:
+    if saved is None:
+        return
+    then = json.loads(saved)
+    now = json.loads(trainer.settings.model_dump_json())
+    changed = sorted(k for k in then.keys() | now.keys() if then.get(k) != now.get(k))
+    if changed:
+        warnings.warn(
+            f"resuming with settings that differ from the checkpoint's: {', '.join(changed)}",
+            ChangedSettingsWarning,
+            stacklevel=3,
+        )
+    note = components.describe_schedule_change(then, trainer.settings, trainer.step)
+    if note is not None:  # what a declared schedule does now, beyond "settings differ"
+        warnings.warn(note, ChangedSettingsWarning, stacklevel=3)
+
+
+def _loader_state(loader: Any) -> Any:
+    """The loader's position when it can report one (``StatefulDataLoader``), else ``None``."""
+    state_dict = getattr(loader, "state_dict", None)
+    return state_dict() if callable(state_dict) else None
+
+
+def _rank_and_world() -> tuple[int, int]:
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_rank(), dist.get_world_size()
+    return 0, 1
+
+
+def _per_rank(value: Any) -> list[Any]:
+    """``value`` of every rank, in rank order (a collective under a process group)."""
+    rank, world = _rank_and_world()
+    if world == 1:
+        return [value]
+    gathered: list[Any] = [None] * world
+    dist.all_gather_object(gathered, value)
+    return gathered
