@@ -29,6 +29,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 import torch.distributed as dist
 
+from .hooks.exit_signals import as_signal
 from .hooks.registry import HookSettings
 from .settings_errors import field_path
 from .settings_input import Key
@@ -215,8 +216,10 @@ def _combinations(settings: TrainerSettings) -> list[tuple[tuple[Key, ...], str]
             problems.append((("hooks",), f"{listed}: both write checkpoints to {str(path)!r}; give each its own path"))
     by_signal: dict[signal.Signals, list[int]] = {}
     for i, spec in enumerate(settings.hooks):
+        if "exit_signals" not in spec.model_fields_set:
+            continue  # defaults: one handler serves every hook (the exit save runs them all)
         for sig in getattr(spec, "exit_signals", None) or ():
-            by_signal.setdefault(signal.Signals(sig), []).append(i)
+            by_signal.setdefault(as_signal(sig), []).append(i)
     for sig, indices in by_signal.items():
         if len(indices) > 1:
             listed = " and ".join(f"hooks[{i}]" for i in indices)

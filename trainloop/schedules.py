@@ -139,10 +139,10 @@ def describe_schedule_change(saved: Mapping[str, Any], settings: Any, step: int)
 
     Returns:
         A sentence for the user, or ``None`` when nothing about the schedule changed (or none
-        is declared now).
+        is declared now, or the run is bounded by ``max_epochs`` alone).
     """
     schedule = settings.lr_schedule
-    if schedule is None or settings.max_steps is None or step >= settings.max_steps:  # max_epochs alone: no change to tell
+    if schedule is None or settings.max_steps is None or step >= settings.max_steps:
         return None
     then_steps, then_schedule = saved.get("max_steps"), saved.get("lr_schedule")
     if then_steps == settings.max_steps and then_schedule == schedule.model_dump(mode="json"):

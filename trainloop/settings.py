@@ -119,12 +119,6 @@ class TrainerSettings(BaseModel):
         return value
 
     @model_validator(mode="after")
-    def _run_is_bounded(self) -> Self:
-        if self.max_steps is None and self.max_epochs is None:
-            raise ValueError("give max_steps, max_epochs or both: the run needs an end")
-        return self
-
-    @model_validator(mode="after")
     def _fp16_declares_retries(self) -> Self:
         if self.mixed_precision == "fp16" and self.max_non_finite_grad_retries is None:
             raise ValueError(
@@ -132,6 +126,12 @@ class TrainerSettings(BaseModel):
                 "scale by refusing updates with inf gradients, and each refused update is a retry "
                 "of the step; declare how many a step may take (e.g. 10), or 0 to fail at the first"
             )
+        return self
+
+    @model_validator(mode="after")
+    def _run_is_bounded(self) -> Self:
+        if self.max_steps is None and self.max_epochs is None:
+            raise ValueError("give max_steps, max_epochs or both: the run needs an end")
         return self
 
     @model_validator(mode="after")

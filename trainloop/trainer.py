@@ -269,6 +269,8 @@ class BaseTrainer:
             checkpoint (also kept as ``trainer.result``).
 
         Raises:
+            trainloop.preflight.PreflightError: The settings and this trainer class cannot work
+                together; nothing was built or written.
             RuntimeError: Gradients stayed non-finite beyond ``max_non_finite_grad_retries``.
             trainloop.data.DataExhaustedError: A one-shot iterator ran out before ``max_steps``.
             SystemExit: A hook requested exit with an exit code.

@@ -14,8 +14,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager, nullcontext
 from logging import Logger
 from pathlib import Path
-from types import FrameType
-from typing import TYPE_CHECKING, Annotated, Any, Literal, cast
+from typing import TYPE_CHECKING, Annotated, Any, Literal
 
 from pydantic import AfterValidator, Field, StrictInt, StrictStr, validate_call
 
@@ -24,18 +23,20 @@ from ..checkpoint.best import BestCheckpoints, Monitor, check_best
 from ..checkpoint.errors import CheckpointError, CheckpointSaveError
 from ..checkpoint.files import (
     LATEST,
+    checkpoint_candidates,
     checkpoint_format,
     checkpoint_steps,
     latest_checkpoint,
     read_checkpoint,
     write_checkpoint,
 )
-from ..checkpoint.manifest import make_metadata, verify_checkpoint
+from ..checkpoint.manifest import make_metadata
 from ..every import Every
 from ..types import NonNegativeFloat, NonNegativeInt, PositiveInt, StrictBool
 from ..utils import flatten_nested_dict, is_rank_zero
 from .base import BaseHook
 from .early_stopping import MonitorNotFoundWarning
+from .exit_signals import DEFAULT_EXIT_SIGNALS, ExitSignals, as_signal
 from .registry import register_hook
 
 if TYPE_CHECKING:
@@ -54,21 +55,7 @@ __all__ = [
 ]
 
 
-def _as_signal(value: str | int) -> signal.Signals:
-    try:
-        if isinstance(value, str):
-            name = value.upper()
-            found = signal.Signals[name if name.startswith("SIG") else f"SIG{name}"]
-        else:
-            found = signal.Signals(value)
-    except (KeyError, ValueError):
-        raise ValueError(f"not a signal: {value!r} (give a name such as 'SIGTERM', or a number)") from None
-    if found in (signal.SIGKILL, signal.SIGSTOP):
-        raise ValueError(f"{found.name} cannot be caught")
-    return found
-
-
-ExitSignal = Annotated[StrictStr | StrictInt, AfterValidator(_as_signal)]
+ExitSignal = Annotated[StrictStr | StrictInt, AfterValidator(as_signal)]
 """A signal name (``"SIGTERM"``, ``"TERM"``) or number, validated into a ``signal.Signals``."""
 ExitCode = Annotated[int, Field(ge=0, le=255, strict=True)]
 
@@ -118,8 +105,12 @@ class CheckpointingHook(BaseHook):
             fresh).
         exit_signals: Signals (names or numbers) that end the run cleanly: the current step
             finishes (under a process group, the next one: the step all ranks agree on), is
-            saved, and ``train()`` raises ``SystemExit(exit_code)``. The handlers are installed
-            for the run only.
+            saved, and ``train()`` raises ``SystemExit(exit_code)``. By default SIGTERM
+            (preemption; what torchrun forwards), SIGUSR1 (``sbatch --signal=USR1@90``) and
+            SIGINT (Ctrl-C: 130); a Ctrl-C after the first signal exits at once, without the
+            save, saying so; any other repeated signal is ignored until the save is done.
+            ``[]`` or ``None``: none. The handlers are installed for the run only (the defaults
+            only in the main thread; signals given explicitly elsewhere are an error).
         exit_code: The exit code after such a signal: ``"128+signal"`` (a shell's convention,
             143 for SIGTERM) or a number.
         exit_wait: Seconds to wait before that last save (e.g. for a cluster scheduler that
@@ -155,7 +146,7 @@ class CheckpointingHook(BaseHook):
         keep_steps: list[PositiveInt] | None = None,
         path: Path = Path("checkpoints"),
         load: Literal["latest"] | Path | None = "latest",
-        exit_signals: list[ExitSignal] | None = None,
+        exit_signals: list[ExitSignal] | None = list(DEFAULT_EXIT_SIGNALS),  # noqa: B006 - never mutated
         exit_code: Literal["128+signal"] | ExitCode = "128+signal",
         exit_wait: NonNegativeFloat = 0.0,
         format: Literal["full", "sharded"] = "full",
@@ -178,16 +169,17 @@ class CheckpointingHook(BaseHook):
         self.keep_steps = frozenset(keep_steps or ())
         self.path = Path(path).expanduser()
         self.load = load
-        # Validation turned them into signal.Signals; dict.fromkeys drops repeats, keeps order.
-        self.exit_signals = tuple(dict.fromkeys(cast("list[signal.Signals]", exit_signals or [])))
+        # dict.fromkeys drops repeats, keeps order. Validation turned given ones into signal.Signals, not the default: as_signal does.
+        self.exit_signals = tuple(dict.fromkeys(as_signal(s) for s in exit_signals or ()))
         self.exit_code = exit_code
         self.exit_wait = exit_wait
         self.format = format
         self.async_save = async_save
         self.on_save_error = on_save_error
-        self._caught: signal.Signals | None = None
+        # Signals given explicitly must be installed; the defaults only where Python can.
+        explicit = exit_signals is not None and list(exit_signals) != list(DEFAULT_EXIT_SIGNALS)
+        self._signals = ExitSignals(self.exit_signals, required=explicit, name="CheckpointingHook exit_signals")
         self._exit_asked = False
-        self._previous_handlers: dict[signal.Signals, Any] = {}
         self._metrics: dict[str, Any] = {}
         self._saver: CheckpointSaver | None = None
 
@@ -213,7 +205,7 @@ class CheckpointingHook(BaseHook):
             return
         trainer.logger.info("Loading checkpoint %s", directory)
         if checkpoint_format(directory) == "full":
-            trainer.load_state_dict(read_checkpoint(directory, verify=False))  # rank 0 verified it
+            trainer.load_state_dict(read_checkpoint(directory, verify=False))  # verified by _choose
             return
         from ..checkpoint.sharded import load_sharded
 
@@ -221,8 +213,12 @@ class CheckpointingHook(BaseHook):
             trainer.load_state_dict(load_sharded(directory, trainer.state_dict()))
 
     def _choose(self, trainer: BaseTrainer, root: Path) -> Path | None:
-        """The checkpoint to load, chosen and verified by rank 0 and told to every rank."""
-        found: Path | None = None
+        """The checkpoint to load: rank 0 lists the candidates, every rank hashes its share of
+        their files (see :mod:`trainloop.checkpoint.verify`); the same answer on every rank."""
+        from ..checkpoint.saver import broadcast_from_rank_zero
+        from ..checkpoint.verify import choose_checkpoint
+
+        candidates: list[Path] | None = None
         error: BaseException | None = None
         if is_rank_zero():
             try:
@@ -232,51 +228,41 @@ class CheckpointingHook(BaseHook):
                         raise FileNotFoundError(
                             f"CheckpointingHook load={str(self.load)!r}: no checkpoint directory at {found}"
                         )
-                    verify_checkpoint(found)
+                    candidates = [found]
                 else:  # "latest"
                     clean_leftovers(root, trainer.logger)
-                    found = latest_checkpoint(root, logger=trainer.logger)
-            except (OSError, CheckpointError) as failure:
+                    candidates = checkpoint_candidates(root)
+            except OSError as failure:
                 error = failure
-        from ..checkpoint.saver import broadcast_from_rank_zero
-
-        found, shared_error = broadcast_from_rank_zero((found, error))
-        if error is not None or shared_error is not None:
-            raise error or shared_error
-        return found
+        error = broadcast_from_rank_zero(error)
+        if error is not None:
+            raise error
+        return choose_checkpoint(candidates, explicit=isinstance(self.load, Path), log=trainer.logger)
 
     def on_before_train(self, trainer: BaseTrainer) -> None:
         """Ask for a save at the end of the run, and install the exit-signal handlers."""
         trainer.request_checkpoint(at_exit=True)
         self._every.start(trainer)
         self._last_saved_step = None
-        self._caught, self._exit_asked = None, False
+        self._exit_asked = False
         self._metrics = {}
-        try:
-            for signum in self.exit_signals:
-                # A bound method gets the signal number from the OS: no loop variable to close over.
-                self._previous_handlers[signum] = signal.signal(signum, self._record_signal)
-        except ValueError as error:  # not the main thread
-            raise RuntimeError(f"CheckpointingHook exit_signals cannot be installed: {error}") from error
-
-    def _record_signal(self, signum: int, frame: FrameType | None) -> None:
-        # Only record: the step in progress finishes, and on_after_step acts on it.
-        if self._caught is None:
-            self._caught = signal.Signals(signum)
+        self._signals.install(trainer.logger)
 
     # -- stepping ------------------------------------------------------------------------------
 
     def on_after_step(self, trainer: BaseTrainer) -> None:
         """Request a save when one is due; after an exit signal, request the exit."""
         step = trainer.step
-        if self._caught is not None and not self._exit_asked:
+        caught = self._signals.caught
+        if caught is not None and not self._exit_asked:
             # No request_checkpoint() here: it would hold on this rank only, and a save needs
             # every rank. The standing at-exit request saves the step all ranks agree to stop at.
             self._exit_asked = True
-            code = 128 + self._caught if self.exit_code == "128+signal" else self.exit_code
+            code = self._signals.exit_code(self.exit_code)
             trainer.logger.warning(
-                "Caught %s during step %d: the run saves and exits with code %d",
-                self._caught.name, step, code,
+                "Caught %s during step %d: the run saves and exits with code %d%s",
+                caught.name, step, code, " (Ctrl-C again: exit at once, without saving)"
+                if signal.SIGINT in self.exit_signals else "",
             )
             trainer.request_exit(code)
         if self._every.due(trainer) or self._is_kept(step):
@@ -310,7 +296,7 @@ class CheckpointingHook(BaseHook):
 
     def on_enter_checkpointing(self, trainer: BaseTrainer) -> None:
         """Save the trainer's state; ``latest`` and pruning follow once it is complete."""
-        if self._caught is not None and self.exit_wait > 0:
+        if self._signals.caught is not None and self.exit_wait > 0:
             trainer.logger.info("Waiting %.1f s (exit_wait) before the exit checkpoint", self.exit_wait)
             time.sleep(self.exit_wait)
         if self.async_save:
@@ -359,18 +345,26 @@ class CheckpointingHook(BaseHook):
     # -- exiting -------------------------------------------------------------------------------
 
     def on_after_train(self, trainer: BaseTrainer) -> None:
-        """Wait for a save in flight; give the exit signals back to their previous handlers;
-        warn if ``monitor`` was never logged."""
+        """Wait for a save in flight; then give the exit signals back to their previous handlers;
+        warn if ``monitor`` was never logged.
+
+        In that order: a second SIGTERM while the exit save completes must not find the
+        default handler, which would kill the process and lose the save.
+        """
         missing = self._best.missing_message() if self._best is not None and trainer.error is None else None
         if missing is not None:
             warnings.warn(f"{type(self).__name__}: {missing}", MonitorNotFoundWarning, stacklevel=2)
-        while self._previous_handlers:
-            signum, handler = self._previous_handlers.popitem()
-            # None: the previous handler was not installed from Python; the default is closest.
-            signal.signal(signum, handler if handler is not None else signal.SIG_DFL)
+        try:
+            self._settle_at_exit(trainer)
+        finally:
+            self._signals.restore()
+
+    def _settle_at_exit(self, trainer: BaseTrainer) -> None:
         saver, self._saver = self._saver, None
         if saver is None:
             return
+        if self._signals.abandoned:
+            return  # a second Ctrl-C: no waiting (a write in flight is atomic, and ends on its own)
         # No agreement across ranks here: exiting may follow an error on one rank only.
         error = saver.settle(agree=False)
         saver.close()

@@ -56,7 +56,10 @@ class HookSettings(BaseModel):
         """
         cls = HOOK_TYPES[self.type]
         hook = cls(**{name: getattr(self, name) for name in type(self).model_fields if name != "type"})
-        hook.declared_by = self  # type: ignore[attr-defined]
+        try:
+            hook.declared_by = self  # type: ignore[attr-defined]
+        except AttributeError:  # a hook with __slots__: build_hooks() should not build it then
+            pass
         return hook
 
 
