@@ -65,8 +65,13 @@ def _as_signal(value: str | int) -> signal.Signals:
     return found
 
 
-ExitSignal = Annotated[StrictStr | StrictInt, AfterValidator(_as_signal)]
-"""A signal name (``"SIGTERM"``, ``"TERM"``) or number, validated into a ``signal.Signals``."""
+def _signal_name(value: str | int) -> str:
+    return _as_signal(value).name
+
+
+ExitSignal = Annotated[StrictStr | StrictInt, AfterValidator(_signal_name)]
+"""A signal name (``"SIGTERM"``, ``"TERM"``) or number, validated into its canonical name
+(``"SIGTERM"``), so declared settings and the defaults compare and round-trip alike."""
 ExitCode = Annotated[int, Field(ge=0, le=255, strict=True)]
 
 
@@ -154,7 +159,7 @@ class CheckpointingHook(BaseHook):
         self.path = Path(path).expanduser()
         self.load = load
         # Validation turned them into signal.Signals; dict.fromkeys drops repeats, keeps order.
-        # Validation turned given ones into signal.Signals, not the default: _as_signal does.
+        # Validation gave canonical names (the default is one already): now the signals.
         self.exit_signals = tuple(dict.fromkeys(_as_signal(s) for s in exit_signals or ()))
         self.exit_code = exit_code
         self.exit_wait = exit_wait
