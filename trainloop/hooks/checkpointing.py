@@ -158,8 +158,8 @@ class CheckpointingHook(BaseHook):
         self.keep_steps = frozenset(keep_steps or ())
         self.path = Path(path).expanduser()
         self.load = load
-        # Validation turned them into signal.Signals; dict.fromkeys drops repeats, keeps order.
-        # Validation gave canonical names (the default is one already): now the signals.
+        # Validation gave canonical names (the default holds some already), made signals here;
+        # dict.fromkeys drops repeats, keeps order.
         self.exit_signals = tuple(dict.fromkeys(_as_signal(s) for s in exit_signals or ()))
         self.exit_code = exit_code
         self.exit_wait = exit_wait
