@@ -85,3 +85,30 @@ def shared_verification(rank: int, world: int, port: int, out: str) -> None:
         torch.save({"started": started.step, "messages": messages.messages}, Path(out) / f"rank{rank}.pt")
     finally:
         dist.destroy_process_group()
+
+
+def four_rank_resume(rank: int, world: int, port: int, out: str) -> None:
+    """DDP on ``world`` ranks: an unbroken run of 8 steps, and one saved at step 4 and resumed in
+    a new trainer (a fresh DDP, as after a restart) to step 8, in the full and sharded formats."""
+    join(rank, world, port)
+    try:
+        results: dict[str, Any] = {}
+        straight = StepDataTrainer(max_steps=8)
+        straight.train()
+        results["straight"] = [p.detach().clone() for p in straight.model.parameters()]
+        for wrap, format in (("ddp", "full"), ("ddp", "sharded"), ("ddp_unused", "full")):
+            workspace = Path(out) / f"{wrap}-{format}"
+            hook = CheckpointingHook(interval=4, format=format)
+            StepDataTrainer(max_steps=4, workspace=workspace, wrap=wrap, hooks=[hook]).train()
+            started = StartedAt()
+            hook = CheckpointingHook(interval=100, format=format)
+            resumed = StepDataTrainer(max_steps=8, workspace=workspace, wrap=wrap, hooks=[started, hook])
+            resumed.train()
+            params = [p.detach().clone() for p in resumed.model.parameters()]
+            results[f"{wrap}-{format}"] = {"started": started.step, "params": params}
+        unbroken = StepDataTrainer(max_steps=8, wrap="ddp_unused")
+        unbroken.train()
+        results["straight_unused"] = [p.detach().clone() for p in unbroken.model.parameters()]
+        torch.save(results, Path(out) / f"rank{rank}.pt")
+    finally:
+        dist.destroy_process_group()

@@ -66,3 +66,26 @@ def test_every_rank_hashes_its_own_files_and_a_corrupt_shard_of_another_rank_is_
         assert "sharded/__0_0.distcp" in share0 and "sharded/__1_0.distcp" in share1  # each its own
         assert not set(share0) & set(share1) and len(share0) + len(share1) == total  # the union, once
         assert {"metadata.json", "training_state.pt", "sharded/.metadata"} <= set(share0 + share1)
+
+
+#: The documented bound (docs/checkpointing.md) on how far a resume on 3 or more DDP ranks may
+#: drift from the unbroken run: float32 rounding of one step's gradient sums, in another order.
+DDP_RESUME_TOLERANCE = {"rtol": 1e-5, "atol": 1e-6}
+
+
+def test_four_ddp_ranks_resume_within_the_documented_tolerance(tmp_path):
+    results = fork(ranks_worker.four_rank_resume, 4, tmp_path)
+    straight = results[0]["straight"]
+    for result in results:
+        for a, b in zip(result["straight"], straight):
+            assert torch.equal(a, b)  # DDP keeps every rank's parameters identical
+        for label in ("ddp-full", "ddp-sharded"):
+            assert result[label]["started"] == 4
+            for a, b in zip(result[label]["params"], straight):
+                torch.testing.assert_close(a, b, **DDP_RESUME_TOLERANCE)
+        # With find_unused_parameters=True DDP keeps its first bucket order: bitwise equal.
+        assert result["ddp_unused-full"]["started"] == 4
+        for a, b in zip(result["ddp_unused-full"]["params"], result["straight_unused"]):
+            assert torch.equal(a, b), (a - b).abs().max()
+    drift = max((a - b).abs().max().item() for a, b in zip(results[0]["ddp-full"]["params"], straight))
+    print(f"4 DDP ranks: largest parameter difference after a resume {drift:.3g}")

@@ -148,7 +148,8 @@ class StepDataTrainer(TinyTrainer):
     checkpoint state that matters.
 
     Args:
-        wrap: ``"ddp"`` or ``"fsdp"`` (FSDP2 ``fully_shard``) under a process group.
+        wrap: ``"ddp"``, ``"ddp_unused"`` (``find_unused_parameters=True``) or ``"fsdp"`` (FSDP2
+            ``fully_shard``) under a process group.
     """
 
     def __init__(self, *args, wrap: str = "ddp", **kwargs):
@@ -167,7 +168,8 @@ class StepDataTrainer(TinyTrainer):
 
             fully_shard(model)
             return model
-        return nn.parallel.DistributedDataParallel(model)
+        # find_unused_parameters: DDP then never rebuilds its buckets (see docs/checkpointing.md)
+        return nn.parallel.DistributedDataParallel(model, find_unused_parameters=self.wrap == "ddp_unused")
 
     def build_optimizer(self):
         return torch.optim.SGD(self.model.parameters(), lr=self.lr, momentum=0.9)

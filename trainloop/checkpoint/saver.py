@@ -251,12 +251,13 @@ class CheckpointSaver:
         if gathered is None:  # not rank 0: rank 0 decides, and tells at the next agreement
             return local[1]
         try:
-            reported = next((f for _, f, _ in gathered if f is not None), None)
-            if reported is not None:
-                raise reported  # DCP fails on every rank alike: one rank's account is enough
+            # Storage rank 0 cannot see first: a rank writing elsewhere may also have failed there.
             unshared = unshared_storage(target, tmp, [(digests, saw) for digests, _, saw in gathered])
             if unshared is not None:
                 raise CheckpointError(unshared)
+            reported = next((f for _, f, _ in gathered if f is not None), None)
+            if reported is not None:
+                raise reported  # DCP fails on every rank alike: one rank's account is enough
             digests = {rel: digest for shard_digests, _, _ in gathered for rel, digest in shard_digests.items()}
             digests[REST_FILE] = save_torch(rest, tmp / REST_FILE)
             digests[METADATA] = write_json(metadata, tmp / METADATA)

@@ -55,8 +55,13 @@ __all__ = [
 ]
 
 
-ExitSignal = Annotated[StrictStr | StrictInt, AfterValidator(as_signal)]
-"""A signal name (``"SIGTERM"``, ``"TERM"``) or number, validated into a ``signal.Signals``."""
+def _signal_name(value: str | int) -> str:
+    return as_signal(value).name
+
+
+ExitSignal = Annotated[StrictStr | StrictInt, AfterValidator(_signal_name)]
+"""A signal name (``"SIGTERM"``, ``"TERM"``) or number, validated into its canonical name
+(``"SIGTERM"``), so declared settings and the defaults compare and round-trip alike."""
 ExitCode = Annotated[int, Field(ge=0, le=255, strict=True)]
 
 
@@ -169,7 +174,8 @@ class CheckpointingHook(BaseHook):
         self.keep_steps = frozenset(keep_steps or ())
         self.path = Path(path).expanduser()
         self.load = load
-        # dict.fromkeys drops repeats, keeps order. Validation turned given ones into signal.Signals, not the default: as_signal does.
+        # Validation gave canonical names (the default holds some already), made signals here;
+        # dict.fromkeys drops repeats, keeps order.
         self.exit_signals = tuple(dict.fromkeys(as_signal(s) for s in exit_signals or ()))
         self.exit_code = exit_code
         self.exit_wait = exit_wait
