@@ -48,7 +48,7 @@ IMPORTS = {
     "lightning": "lightning",
     "accelerate": "accelerate",
     "ignite": "ignite.engine",
-    "transformers": "transformers",
+    "transformers": "transformers.trainer",  # `import transformers` alone is lazy and loads no Trainer
 }
 
 
