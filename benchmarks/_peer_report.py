@@ -218,6 +218,7 @@ def render_plot(steps: dict[str, dict[str, dict]], imports: dict[str, dict], pat
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    import matplotlib.ticker
 
     names = [n for n in CONTENDERS if any(n in r for r in steps.values())]
     counted = any(r.get("syncs") is not None for results in steps.values() for r in results.values())
@@ -246,6 +247,7 @@ def render_plot(steps: dict[str, dict[str, dict]], imports: dict[str, dict], pat
         grouped(ax, "syncs", "%g")
         top = max((r.get("syncs") or 0.0 for results in steps.values() for r in results.values()), default=1.0)
         ax.set_ylim(0, max(top, 1.0) * 1.3)
+        ax.yaxis.set_major_locator(matplotlib.ticker.MaxNLocator(integer=True))
         ax.set_ylabel("Tensor calls that wait for the device")
         ax.set_title("Host syncs per step (lower is better)")
     if imports:
