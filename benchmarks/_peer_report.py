@@ -28,11 +28,18 @@ MODEL_DESCRIPTIONS = {"tiny": "32-64-64-10, batch 32", "medium": "256-1024-1024-
 # Where a contender's host syncs come from, read in its source; said only when this run counted that many.
 SYNC_SOURCES = {
     "raw": (0, "none"),
-    "trainloop": (1, "its non-finite-gradient check, which decides a retry before the optimizer steps "
-                  "(`detect_non_finite_grads=False` removes it)"),
+    "trainloop": (
+        1,
+        (
+            "its non-finite-gradient check, which decides a retry before the optimizer steps "
+            "(`detect_non_finite_grads=False` removes it)"
+        ),
+    ),
     "ignite": (1, "`create_supervised_trainer`'s default output transform, `loss.item()`"),
-    "transformers": (2, "`torch.isnan(loss) or torch.isinf(loss)` after every backward, from "
-                     "`logging_nan_inf_filter`, on by default"),
+    "transformers": (
+        2,
+        "`torch.isnan(loss) or torch.isinf(loss)` after every backward, from `logging_nan_inf_filter`, on by default",
+    ),
 }
 
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from types import TracebackType
+from typing import Self
 
 # Must stay the same list as tests/test_step.py's SyncCounter.METHODS (tests/test_benchmarks_peers.py checks).
 SYNC_METHODS = ("item", "tolist", "numpy", "__bool__", "__float__", "__int__", "__index__")
@@ -25,7 +26,7 @@ class HostSyncs:
         self.count = 0
         self._originals: dict[str, object] = {}  # only the methods torch.Tensor itself defines
 
-    def __enter__(self) -> HostSyncs:
+    def __enter__(self) -> Self:
         import torch
 
         for name in SYNC_METHODS:
