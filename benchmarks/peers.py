@@ -14,12 +14,16 @@ order rotates round to round) and each is divided by the raw loop of the same ro
 reports medians over rounds. This machine is shared and noisy: the ratios, taken side by side,
 are what is comparable. Host syncs per step (calls of the Tensor methods that stall the host
 until a GPU has caught up, counted as trainloop's own test counts them) come from a separate
-short pass per contender and model (``--sync-steps``), so the counting does not touch the timings. Import time is the wall time of ``import torch`` + the library's import
-in a fresh process, median of ``--import-rounds``. Peers that are not installed are reported as
-such and skipped.
+short pass per contender and model (``--sync-steps``), so the counting does not touch the
+timings. Import time is the wall time of ``import torch`` + the library's import in a fresh
+process, median of ``--import-rounds``. Peers that are not installed are reported as such and
+skipped.
 
 Run: ``python benchmarks/peers.py [--steps 300] [--rounds 5] [--models tiny,medium]
-[--sync-steps 20] [--output docs/peers.md] [--plot docs/img/peers.png]``
+[--sync-steps 20] [--output docs/peers.md] [--plot docs/img/peers.png] [--figures FILE.json]``
+
+docs/peers.md was made with ``--steps 1000 --medium-steps 40 --rounds 9 --output docs/peers.md
+--plot docs/img/peers.png``.
 """
 
 from __future__ import annotations
