@@ -63,6 +63,13 @@ class BaseTrainer:
 
     settings_class: ClassVar[type[TrainerSettings]] = TrainerSettings
 
+    # Built in ``building``, in this order, by the ``build_*`` methods.
+    data_loader: Iterable[Any]
+    model: nn.Module
+    optimizer: torch.optim.Optimizer
+    lr_scheduler: torch.optim.lr_scheduler.LRScheduler | None
+    grad_scaler: torch.amp.GradScaler
+
     def __init__(
         self,
         settings: TrainerSettings | None = None,
