@@ -62,6 +62,9 @@ class BaseTrainer:
     """
 
     settings_class: ClassVar[type[TrainerSettings]] = TrainerSettings
+    # Built in the ``building`` state (Loop.build), after the components above.
+    lr_scheduler: torch.optim.lr_scheduler.LRScheduler | None
+    grad_scaler: torch.amp.GradScaler
 
     def __init__(
         self,

@@ -150,32 +150,36 @@ def _serialize_spec(value: HookSettings, info: core_schema.SerializationInfo) ->
     return value.model_dump(mode=info.mode, round_trip=True)
 
 
-class HookSpec:
-    """The type of one declared hook: the settings of the hook type its ``"type"`` names.
+if TYPE_CHECKING:
+    # What a ``HookSpec`` field holds once validated: mypy sees the value, pydantic the class below.
+    HookSpec = HookSettings
+else:
+    class HookSpec:
+        """The type of one declared hook: the settings of the hook type its ``"type"`` names.
 
-    Use it as a field type (``hooks: tuple[HookSpec, ...]``). The type is looked up in the
-    registry at validation time; the JSON Schema lists the types registered when it is made.
-    """
+        Use it as a field type (``hooks: tuple[HookSpec, ...]``). The type is looked up in the
+        registry at validation time; the JSON Schema lists the types registered when it is made.
+        """
 
-    @classmethod
-    def __get_pydantic_core_schema__(cls, source: Any, handler: GetCoreSchemaHandler) -> core_schema.CoreSchema:
-        """A validator that looks the hook's type up in the registry when it runs."""
-        return core_schema.with_info_plain_validator_function(
-            _validate_spec,
-            serialization=core_schema.plain_serializer_function_ser_schema(_serialize_spec, info_arg=True),
-        )
+        @classmethod
+        def __get_pydantic_core_schema__(cls, source: Any, handler: GetCoreSchemaHandler) -> core_schema.CoreSchema:
+            """A validator that looks the hook's type up in the registry when it runs."""
+            return core_schema.with_info_plain_validator_function(
+                _validate_spec,
+                serialization=core_schema.plain_serializer_function_ser_schema(_serialize_spec, info_arg=True),
+            )
 
-    @classmethod
-    def __get_pydantic_json_schema__(cls, schema: core_schema.CoreSchema, handler: GetJsonSchemaHandler) -> JsonSchemaValue:
-        """The registered hooks' settings, told apart by ``type`` (as registered right now)."""
-        models = [hook_settings_model(hook_cls) for hook_cls in HOOK_TYPES.values()]
-        if not models:
-            return {"type": "object", "properties": {"type": {"type": "string"}}, "required": ["type"]}
-        union = core_schema.tagged_union_schema(
-            {model.model_fields["type"].annotation.__args__[0]: model.__pydantic_core_schema__ for model in models},  # type: ignore[union-attr]
-            discriminator="type",
-        )
-        return handler(union)
+        @classmethod
+        def __get_pydantic_json_schema__(cls, schema: core_schema.CoreSchema, handler: GetJsonSchemaHandler) -> JsonSchemaValue:
+            """The registered hooks' settings, told apart by ``type`` (as registered right now)."""
+            models = [hook_settings_model(hook_cls) for hook_cls in HOOK_TYPES.values()]
+            if not models:
+                return {"type": "object", "properties": {"type": {"type": "string"}}, "required": ["type"]}
+            union = core_schema.tagged_union_schema(
+                {model.model_fields["type"].annotation.__args__[0]: model.__pydantic_core_schema__ for model in models},  # type: ignore[union-attr]
+                discriminator="type",
+            )
+            return handler(union)
 
 
 def build_declared_hooks(declared: Sequence[HookSettings], built: Iterable[BaseHook]) -> list[BaseHook]:
