@@ -100,13 +100,13 @@ def hook_settings_model(cls: type[BaseHook]) -> type[HookSettings]:
     type_name: str = cls.hook_type  # type: ignore[attr-defined]
     signature = inspect.signature(inspect.unwrap(cls.__init__))
     hints = inspect.get_annotations(inspect.unwrap(cls.__init__), eval_str=True)
-    fields: dict[str, Any] = {"type": (Literal[type_name], ...)}  # type: ignore[valid-type]
+    fields: dict[str, Any] = {"type": (Literal[type_name], ...)}
     for name, param in list(signature.parameters.items())[1:]:
         if param.kind in (param.VAR_POSITIONAL, param.VAR_KEYWORD) or name not in hints:
             continue
         default = ... if param.default is param.empty else param.default
         fields[name] = (hints[name], default)
-    return create_model(  # type: ignore[call-overload]
+    return create_model(
         f"{cls.__name__}Settings", __base__=HookSettings, __doc__=inspect.getdoc(cls), **fields
     )
 
@@ -139,7 +139,8 @@ def _validate_spec(value: Any, info: core_schema.ValidationInfo) -> HookSettings
     cls = HOOK_TYPES.get(value["type"]) if isinstance(value["type"], str) else None
     if cls is None:
         raise _unknown_type(value["type"])
-    model = hook_settings_model(cls)
+    # mypy reads a class held in a variable as not Hashable (it takes __hash__ for the unbound method).
+    model = hook_settings_model(cls)  # type: ignore[arg-type]
     # A ValidationError raised here keeps its locations, under this item's (hooks.0.interval).
     if info.mode == "json":  # strictness as in JSON: "a/b" is a Path, [1, 2] a tuple
         return model.model_validate_json(json.dumps(value))
