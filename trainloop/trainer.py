@@ -66,6 +66,13 @@ class BaseTrainer:
     lr_scheduler: torch.optim.lr_scheduler.LRScheduler | None
     grad_scaler: torch.amp.GradScaler
 
+    # Built in ``building``, in this order, by the ``build_*`` methods.
+    data_loader: Iterable[Any]
+    model: nn.Module
+    optimizer: torch.optim.Optimizer
+    lr_scheduler: torch.optim.lr_scheduler.LRScheduler | None
+    grad_scaler: torch.amp.GradScaler
+
     def __init__(
         self,
         settings: TrainerSettings | None = None,
