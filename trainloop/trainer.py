@@ -62,9 +62,6 @@ class BaseTrainer:
     """
 
     settings_class: ClassVar[type[TrainerSettings]] = TrainerSettings
-    # Built in the ``building`` state (Loop.build), after the components above.
-    lr_scheduler: torch.optim.lr_scheduler.LRScheduler | None
-    grad_scaler: torch.amp.GradScaler
 
     # Built in ``building``, in this order, by the ``build_*`` methods.
     data_loader: Iterable[Any]
