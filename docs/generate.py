@@ -93,7 +93,10 @@ def hooks_reference() -> str:
                 continue
             prop = schema["properties"][field]
             options = prop.get("anyOf", [prop])
-            kinds = [" or ".join(repr(v) for v in o["enum"]) if "enum" in o else repr(o["const"]) if "const" in o else o.get("type", "any") for o in options]
+            kinds = [
+                " or ".join(repr(v) for v in o["enum"]) if "enum" in o else repr(o["const"]) if "const" in o else o.get("type", "any")
+                for o in options
+            ]
             default = "required" if info.is_required() else f"`{json.dumps(prop.get('default'))}`"
             rows.append(f"| `{field}` | {' or '.join(kinds)} | {default} |")
         parts.append("\n".join(rows) + "\n")

@@ -44,7 +44,8 @@ class Cli:
     def __init__(self, *args: object, cwd: Path, env: dict[str, str] | None = None, script: bool = False) -> None:
         command = [console_script()] if script else [sys.executable, "-m", "trainloop"]
         # Files, not pipes: a process whose output nobody reads yet must not block on a full pipe.
-        self._out, self._err = tempfile.TemporaryFile("w+"), tempfile.TemporaryFile("w+")  # noqa: SIM115 - closed in result()
+        # Closed in result(), not by a with-block: they outlive __init__.
+        self._out, self._err = tempfile.TemporaryFile("w+"), tempfile.TemporaryFile("w+")
         self._process = subprocess.Popen(
             [*command, *map(str, args)], cwd=cwd, env=env or cli_env(), stdout=self._out, stderr=self._err, text=True
         )

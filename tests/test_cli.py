@@ -17,7 +17,6 @@ from collections import Counter
 from pathlib import Path
 
 import pytest
-
 from cli_process import Cli, assert_one_clean_error, call, cli_env, console_script
 
 from trainloop import TrainerSettings

@@ -8,7 +8,6 @@ import sys
 from pathlib import Path
 
 import pytest
-
 from tiny_trainer import CaptureHook, TinyTrainer
 
 from trainloop.hooks.base import HOOK_EVENTS

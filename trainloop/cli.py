@@ -13,7 +13,8 @@
 
 Exit codes: 0 success; 1 a file cannot be used (a missing or corrupt checkpoint or trace, no
 Graphviz); 2 a usage error (invalid settings, a preflight problem, a trainer that cannot be
-used, bad arguments), one line per problem, before anything is written; a run that ends on an exit signal exits with the code its hook chose (128+signal).
+used, bad arguments), one line per problem, before anything is written; a run that ends on an
+exit signal exits with the code its hook chose (128+signal).
 """
 
 from __future__ import annotations
@@ -30,6 +31,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+
 from .checkpoint import (
     MANIFEST,
     METADATA,
@@ -546,13 +548,19 @@ def _format_checkpoint(info: dict[str, Any], root: Path | None) -> str:
         lines.append(f"optimizer:    {name}, {len(optimizer['param_groups'])} param group(s): {groups}")
         lines.append(f"              state for {optimizer['params_with_state']} params: {_tensors_text(optimizer)}")
     scheduler = info["lr_scheduler"]
-    lines.append("lr scheduler: " + ("none" if scheduler is None else f"yes (last_epoch={scheduler['last_epoch']}, last lr={scheduler['last_lr']})"))
+    lines.append(
+        "lr scheduler: " + ("none" if scheduler is None else f"yes (last_epoch={scheduler['last_epoch']}, last lr={scheduler['last_lr']})")
+    )
     scaler = info["grad_scaler"]
-    lines.append("grad scaler:  " + (f"enabled (scale={scaler['scale']:g})" if scaler["enabled"] and "scale" in scaler else "enabled" if scaler["enabled"] else "disabled"))
+    if not scaler["enabled"]:
+        lines.append("grad scaler:  disabled")
+    else:
+        lines.append("grad scaler:  " + (f"enabled (scale={scaler['scale']:g})" if "scale" in scaler else "enabled"))
     rng = info["rng"]
     lines.append("rng state:    " + ("not saved" if rng is None else f"saved for {rng['ranks']} rank(s): {', '.join(rng['generators'])}"))
     loader = info["data_loader"]
-    lines.append("data loader:  " + ("no position saved (not a stateful loader)" if loader is None else f"position saved for {loader['ranks']} rank(s)"))
+    saved = f"position saved for {loader['ranks']} rank(s)" if loader is not None else "no position saved (not a stateful loader)"
+    lines.append("data loader:  " + saved)
     if info["hooks"]:
         for key, stats in info["hooks"].items():
             keys = f" [{', '.join(stats['keys'])}]" if stats["keys"] else ""

@@ -24,7 +24,7 @@ import re
 import types
 import typing
 from functools import cache
-from typing import Annotated, Any, Literal, Union
+from typing import TYPE_CHECKING, Annotated, Any, Literal, Union
 
 import torch
 from pydantic import (
@@ -238,7 +238,7 @@ def _optimizer_args_model(name: str) -> type[_OptimizerArgs] | None:
     signature = inspect.signature(init)
     hints = typing.get_type_hints(init)
     descriptions = _argument_descriptions(cls)
-    fields: dict[str, Any] = {"name": (Literal[name], ...)}  # type: ignore[valid-type]
+    fields: dict[str, Any] = {"name": (Literal[name], ...)}
     for param_name, param in list(signature.parameters.items())[2:]:  # self, params
         if param.kind in (param.VAR_POSITIONAL, param.VAR_KEYWORD):
             continue
@@ -252,14 +252,18 @@ def _optimizer_args_model(name: str) -> type[_OptimizerArgs] | None:
         fields[param_name] = (field_type, Field(default, description=descriptions.get(param_name)))
     base = _DecayOptimizerArgs if "weight_decay" in fields else _OptimizerArgs
     doc = f"Settings of ``torch.optim.{name}``: its constructor's keyword arguments."
-    return create_model(f"{name}Settings", __base__=base, __doc__=doc, **fields)  # type: ignore[call-overload]
+    return create_model(f"{name}Settings", __base__=base, __doc__=doc, **fields)
 
 
 _ARGS_MODELS = tuple(model for model in map(_optimizer_args_model, OPTIMIZERS) if model is not None)
-_OptimizerArgsUnion = Annotated[Union[_ARGS_MODELS], Field(discriminator="name")]  # type: ignore[valid-type]  # noqa: UP007
+if TYPE_CHECKING:
+    # The union of models made at run time cannot be spelled statically: their common base stands in.
+    _OptimizerArgsUnion = _OptimizerArgs
+else:
+    _OptimizerArgsUnion = Annotated[Union[_ARGS_MODELS], Field(discriminator="name")]  # noqa: UP007
 
 
-class OptimizerSettings(RootModel[_OptimizerArgsUnion]):  # type: ignore[valid-type]
+class OptimizerSettings(RootModel[_OptimizerArgsUnion]):
     """A ``torch.optim`` optimizer declared as data: ``{"name": ..., <its arguments>}``.
 
     ``name`` is the class name in ``torch.optim`` (``"AdamW"``, ``"SGD"``...); the other keys
@@ -343,7 +347,7 @@ def build_optimizer(settings: OptimizerSettings, model: nn.Module) -> torch.opti
     rules = settings.no_weight_decay
     if rules:
         exempt = _no_decay_ids(model, rules)
-        groups = [
+        groups: list[dict[str, Any]] = [
             {"name": "decay", "params": [p for p in params if id(p) not in exempt]},
             {"name": "no_decay", "params": [p for p in params if id(p) in exempt], "weight_decay": 0.0},
         ]

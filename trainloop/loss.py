@@ -29,4 +29,5 @@ class Loss(NamedTuple):
     """
 
     sum: torch.Tensor
-    count: torch.Tensor | int
+    # The field shadows tuple.count(), which mypy rejects; ``count`` is the public name users write.
+    count: torch.Tensor | int  # type: ignore[assignment]

@@ -77,7 +77,7 @@ class LrFindComponents:
     model: InstanceOf[nn.Module]
     optimizer: InstanceOf[torch.optim.Optimizer]
     # InstanceOf: pydantic would otherwise wrap an Iterable in a one-shot validating iterator.
-    data: InstanceOf[Iterable]  # type: ignore[type-arg]
+    data: InstanceOf[Iterable]
     loss_fn: Callable[[Any], Any]
     gradient_accumulation_steps: PositiveInt = 1
     grad_clip: PositiveFloat | None = None

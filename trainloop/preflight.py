@@ -206,7 +206,8 @@ def _combinations(settings: TrainerSettings) -> list[tuple[tuple[Key, ...], str]
         problems.append((("hooks",), f"{listed}: each would load a checkpoint into the trainer; set load to null on all but one"))
     by_directory: dict[Path, list[int]] = {}
     for i, spec in checkpointing:
-        path = Path(spec.path).expanduser()
+        # A hook's settings model is made at run time from its __init__: mypy cannot see the field.
+        path = Path(spec.path).expanduser()  # type: ignore[attr-defined]
         if not path.is_absolute() and settings.workspace is not None:
             path = settings.workspace / path
         by_directory.setdefault(path, []).append(i)

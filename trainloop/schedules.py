@@ -156,10 +156,11 @@ def describe_schedule_change(saved: Mapping[str, Any], settings: Any, step: int)
         f"{step + 1} keeps the checkpoint's learning rate, then step {step + 2} runs at {now(step + 1):.4g} x "
         f"each group's initial lr"
     )
-    try:
-        then = lr_factor(LrScheduleSettings.model_validate(then_schedule), then_steps)
-        text += f" (the checkpoint's schedule had {then(step + 1):.4g} there)"
-    except (ValueError, TypeError):  # no schedule then, or an unreadable one
-        pass
+    if isinstance(then_steps, int):  # else that run was bounded by max_epochs alone
+        try:
+            then = lr_factor(LrScheduleSettings.model_validate(then_schedule), then_steps)
+            text += f" (the checkpoint's schedule had {then(step + 1):.4g} there)"
+        except (ValueError, TypeError):  # no schedule then, or an unreadable one
+            pass
     final = now(settings.max_steps)
     return text + f", and it reaches {final:.4g} x at step {settings.max_steps}."

@@ -15,6 +15,7 @@ import typing
 from typing import Any
 
 from pydantic import BaseModel, ValidationError
+from pydantic_core import ErrorDetails
 
 from .hooks.registry import HOOK_TYPES, HookSpec, hook_settings_model
 from .settings_input import Key, SettingsInput
@@ -78,8 +79,10 @@ def _item_type(annotation: Any) -> Any:
 def _model_of(annotation: Any, node: Any) -> type[BaseModel] | None:
     """The model class ``annotation`` validates ``node`` with (unwrapping ``X | None``)."""
     if annotation is HookSpec:
-        cls = HOOK_TYPES.get(node.get("type")) if isinstance(node, dict) and isinstance(node.get("type"), str) else None
-        return hook_settings_model(cls) if cls is not None else None
+        type_name = node.get("type") if isinstance(node, dict) else None
+        cls = HOOK_TYPES.get(type_name) if isinstance(type_name, str) else None
+        # mypy reads a class held in a variable as not Hashable (it takes __hash__ for the unbound method).
+        return hook_settings_model(cls) if cls is not None else None  # type: ignore[arg-type]
     if isinstance(annotation, type) and issubclass(annotation, BaseModel):
         return annotation
     candidates = [_model_of(arg, node) for arg in typing.get_args(annotation) if arg is not type(None)]
@@ -87,7 +90,7 @@ def _model_of(annotation: Any, node: Any) -> type[BaseModel] | None:
     return candidates[0] if len(candidates) == 1 else None
 
 
-def _message(item: dict[str, Any]) -> str:
+def _message(item: ErrorDetails) -> str:
     context = item.get("ctx") or {}
     if item["type"] == "union_tag_not_found":
         return f"needs a {context.get('discriminator', 'tag')} key"
@@ -134,7 +137,7 @@ def describe_validation_error(error: ValidationError, found: SettingsInput, cls:
     Returns:
         The lines, in the order pydantic reported the fields.
     """
-    grouped: dict[tuple[Key, ...], list[dict[str, Any]]] = {}
+    grouped: dict[tuple[Key, ...], list[ErrorDetails]] = {}
     for item in error.errors(include_url=False):
         grouped.setdefault(_user_path(tuple(item["loc"]), found.data, item["type"]), []).append(item)
     lines = []

@@ -196,7 +196,7 @@ def _read_mapping(path: Path) -> dict[str, Any]:
             import yaml  # only needed for YAML files
 
             data = yaml.safe_load(text)
-    except Exception as error:  # noqa: BLE001 - each parser raises its own error type
+    except Exception as error:  # each parser raises its own error type; re-raised as ours below
         message = " ".join(str(error).split())  # YAML's messages span lines: one line per problem
         raise SettingsFileError(f"{path}: malformed {suffix[1:].upper()}: {message}") from error
     if not isinstance(data, dict):

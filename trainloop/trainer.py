@@ -15,8 +15,8 @@ from torch import nn
 
 from . import components, preflight
 from .hooks.base import BaseHook, hook_dispatch
-from .loop import Loop
 from .limits import RunLength
+from .loop import Loop
 from .machine import Handle, State
 from .metrics import MetricsLog
 from .result import RunResult, finish_run

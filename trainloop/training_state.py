@@ -100,7 +100,10 @@ def _restore_per_rank(trainer: BaseTrainer, saved: dict[str, Any]) -> None:
     else:
         set_rng_state(rngs[rank])
     if loaders is not None and loaders[rank] is not None:
-        trainer.data_loader.load_state_dict(loaders[rank])
+        # A saved position comes from a stateful loader (StatefulDataLoader), which the
+        # trainer's declared type, an Iterable, does not promise.
+        loader: Any = trainer.data_loader
+        loader.load_state_dict(loaders[rank])
 
 
 def _warn_on_changed_settings(trainer: BaseTrainer, saved: str | None) -> None:

@@ -280,7 +280,7 @@ def test_two_ranks_resume_every_format_exactly(two_ranks):
     results, out = two_ranks
     straight = results[0]["straight"]
     assert_same(results[1]["straight"], straight)
-    for label, (wrap, format, _) in FORMAT_CASES.items():
+    for label, (_wrap, format, _) in FORMAT_CASES.items():
         for result in results:
             assert result[label]["started"] == 4, label
             assert_same(result[label]["params"], straight)

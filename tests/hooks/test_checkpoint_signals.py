@@ -19,7 +19,7 @@ from tiny_trainer import TinyTrainer
 from trainloop.hooks.checkpointing import CheckpointingHook, checkpoint_steps, read_checkpoint
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # checkpoint_child, beside this file
-from checkpoint_child import Child  # noqa: E402
+from checkpoint_child import Child
 
 #: name: (first signal, whether the exit save runs in the background)
 CASES = {

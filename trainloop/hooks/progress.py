@@ -200,8 +200,8 @@ class ProgressHook(StatsHook):
         if stdout is None or not stdout.isatty() or _rank() != 0:
             return None
         try:
-            from tqdm import tqdm  # type: ignore[import-untyped]
-            from tqdm.contrib.logging import logging_redirect_tqdm  # type: ignore[import-untyped]
+            from tqdm import tqdm
+            from tqdm.contrib.logging import logging_redirect_tqdm
         except ImportError:  # the bar is optional; lines then
             return None
         bar = tqdm(

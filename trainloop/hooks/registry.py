@@ -100,13 +100,13 @@ def hook_settings_model(cls: type[BaseHook]) -> type[HookSettings]:
     type_name: str = cls.hook_type  # type: ignore[attr-defined]
     signature = inspect.signature(inspect.unwrap(cls.__init__))
     hints = inspect.get_annotations(inspect.unwrap(cls.__init__), eval_str=True)
-    fields: dict[str, Any] = {"type": (Literal[type_name], ...)}  # type: ignore[valid-type]
+    fields: dict[str, Any] = {"type": (Literal[type_name], ...)}
     for name, param in list(signature.parameters.items())[1:]:
         if param.kind in (param.VAR_POSITIONAL, param.VAR_KEYWORD) or name not in hints:
             continue
         default = ... if param.default is param.empty else param.default
         fields[name] = (hints[name], default)
-    return create_model(  # type: ignore[call-overload]
+    return create_model(
         f"{cls.__name__}Settings", __base__=HookSettings, __doc__=inspect.getdoc(cls), **fields
     )
 
@@ -139,7 +139,8 @@ def _validate_spec(value: Any, info: core_schema.ValidationInfo) -> HookSettings
     cls = HOOK_TYPES.get(value["type"]) if isinstance(value["type"], str) else None
     if cls is None:
         raise _unknown_type(value["type"])
-    model = hook_settings_model(cls)
+    # mypy reads a class held in a variable as not Hashable (it takes __hash__ for the unbound method).
+    model = hook_settings_model(cls)  # type: ignore[arg-type]
     # A ValidationError raised here keeps its locations, under this item's (hooks.0.interval).
     if info.mode == "json":  # strictness as in JSON: "a/b" is a Path, [1, 2] a tuple
         return model.model_validate_json(json.dumps(value))
@@ -150,32 +151,36 @@ def _serialize_spec(value: HookSettings, info: core_schema.SerializationInfo) ->
     return value.model_dump(mode=info.mode, round_trip=True)
 
 
-class HookSpec:
-    """The type of one declared hook: the settings of the hook type its ``"type"`` names.
+if TYPE_CHECKING:
+    # What a ``HookSpec`` field holds once validated: mypy sees the value, pydantic the class below.
+    HookSpec = HookSettings
+else:
+    class HookSpec:
+        """The type of one declared hook: the settings of the hook type its ``"type"`` names.
 
-    Use it as a field type (``hooks: tuple[HookSpec, ...]``). The type is looked up in the
-    registry at validation time; the JSON Schema lists the types registered when it is made.
-    """
+        Use it as a field type (``hooks: tuple[HookSpec, ...]``). The type is looked up in the
+        registry at validation time; the JSON Schema lists the types registered when it is made.
+        """
 
-    @classmethod
-    def __get_pydantic_core_schema__(cls, source: Any, handler: GetCoreSchemaHandler) -> core_schema.CoreSchema:
-        """A validator that looks the hook's type up in the registry when it runs."""
-        return core_schema.with_info_plain_validator_function(
-            _validate_spec,
-            serialization=core_schema.plain_serializer_function_ser_schema(_serialize_spec, info_arg=True),
-        )
+        @classmethod
+        def __get_pydantic_core_schema__(cls, source: Any, handler: GetCoreSchemaHandler) -> core_schema.CoreSchema:
+            """A validator that looks the hook's type up in the registry when it runs."""
+            return core_schema.with_info_plain_validator_function(
+                _validate_spec,
+                serialization=core_schema.plain_serializer_function_ser_schema(_serialize_spec, info_arg=True),
+            )
 
-    @classmethod
-    def __get_pydantic_json_schema__(cls, schema: core_schema.CoreSchema, handler: GetJsonSchemaHandler) -> JsonSchemaValue:
-        """The registered hooks' settings, told apart by ``type`` (as registered right now)."""
-        models = [hook_settings_model(hook_cls) for hook_cls in HOOK_TYPES.values()]
-        if not models:
-            return {"type": "object", "properties": {"type": {"type": "string"}}, "required": ["type"]}
-        union = core_schema.tagged_union_schema(
-            {model.model_fields["type"].annotation.__args__[0]: model.__pydantic_core_schema__ for model in models},  # type: ignore[union-attr]
-            discriminator="type",
-        )
-        return handler(union)
+        @classmethod
+        def __get_pydantic_json_schema__(cls, schema: core_schema.CoreSchema, handler: GetJsonSchemaHandler) -> JsonSchemaValue:
+            """The registered hooks' settings, told apart by ``type`` (as registered right now)."""
+            models = [hook_settings_model(hook_cls) for hook_cls in HOOK_TYPES.values()]
+            if not models:
+                return {"type": "object", "properties": {"type": {"type": "string"}}, "required": ["type"]}
+            union = core_schema.tagged_union_schema(
+                {model.model_fields["type"].annotation.__args__[0]: model.__pydantic_core_schema__ for model in models},  # type: ignore[union-attr]
+                discriminator="type",
+            )
+            return handler(union)
 
 
 def build_declared_hooks(declared: Sequence[HookSettings], built: Iterable[BaseHook]) -> list[BaseHook]:
