@@ -63,7 +63,7 @@ class CliTrainer(TinyTrainer):
 
     def forward(self, batch):
         loss, records = super().forward(batch)
-        if self.step in self.settings.nan_at_steps and self.step_info["non_finite_grad_retries"] == 0:
+        if self.step in self.settings.nan_at_steps and self.step_info.non_finite_grad_retries == 0:
             loss = loss * float("nan")
         return loss, records
 

@@ -172,7 +172,7 @@ class NaNOnce(FSDPTrainer):
 
     def forward(self, batch):
         loss, records = super().forward(batch)
-        if rank() == 1 and self.step == 2 and self.step_info["non_finite_grad_retries"] == 0:
+        if rank() == 1 and self.step == 2 and self.step_info.non_finite_grad_retries == 0:
             loss = loss * float("nan")
         return loss, records
 
@@ -199,7 +199,7 @@ class GradNormTypes(BaseHook):
         self.types: list[str] = []
 
     def on_after_step(self, trainer):
-        self.types.append(type(trainer.step_info["grad_norm"]).__name__)
+        self.types.append(type(trainer.step_info.grad_norm).__name__)
 
 
 def fsdp_trainer(rank_: int, world: int, port: int, out: str) -> None:
@@ -232,7 +232,7 @@ def fsdp_trainer(rank_: int, world: int, port: int, out: str) -> None:
             capture = CaptureHook()
             trainer = NaNOnce(max_steps=3, max_non_finite_grad_retries=1, grad_clip=grad_clip, hooks=[capture])
             trainer.train()
-            result[f"retries_clip_{grad_clip}"] = [info["non_finite_grad_retries"] for info in capture.step_infos]
+            result[f"retries_clip_{grad_clip}"] = [info.non_finite_grad_retries for info in capture.step_infos]
             result[f"retried_params_clip_{grad_clip}"] = full_params(trainer.model)
 
         workspace = Path(out) / "workspace"

@@ -13,11 +13,12 @@ import shutil
 import signal
 import subprocess
 import sys
-import tempfile
 from collections import Counter
 from pathlib import Path
 
 import pytest
+
+from cli_process import Cli, assert_one_clean_error, call, cli_env, console_script
 
 from trainloop import TrainerSettings
 from trainloop.cli import main
@@ -28,69 +29,6 @@ REPO = Path(__file__).resolve().parents[1]
 TESTS = REPO / "tests"
 SCHEMA_FILE = REPO / "schemas" / "trainer_settings.schema.json"
 TRAINER = "cli_trainers:CliTrainer"
-
-
-def cli_env(**extra: str) -> dict[str, str]:
-    """The environment of a CLI subprocess: tests/ importable, no stray TRAINLOOP_* variables."""
-    env = {k: v for k, v in os.environ.items() if not k.upper().startswith("TRAINLOOP_")}
-    env["PYTHONPATH"] = os.pathsep.join([str(TESTS), str(REPO), env.get("PYTHONPATH", "")]).rstrip(os.pathsep)
-    env.update(extra)
-    return env
-
-
-def console_script() -> str:
-    """The installed ``trainloop`` script (``pip install -e .`` puts it beside the interpreter)."""
-    beside = Path(sys.executable).with_name("trainloop")
-    found = str(beside) if beside.is_file() else shutil.which("trainloop")
-    if found is None:
-        pytest.skip("the trainloop console script is not installed (run `pip install -e .`)")
-    return found
-
-
-class Cli:
-    """``python -m trainloop ARGS`` (or the console script) started now, awaited by :meth:`result`.
-
-    Independent commands are started together so that their torch imports overlap.
-    """
-
-    def __init__(self, *args: object, cwd: Path, env: dict[str, str] | None = None, script: bool = False) -> None:
-        command = [console_script()] if script else [sys.executable, "-m", "trainloop"]
-        # Files, not pipes: a process whose output nobody reads yet must not block on a full pipe.
-        self._out, self._err = tempfile.TemporaryFile("w+"), tempfile.TemporaryFile("w+")  # noqa: SIM115 - closed in result()
-        self._process = subprocess.Popen(
-            [*command, *map(str, args)], cwd=cwd, env=env or cli_env(), stdout=self._out, stderr=self._err, text=True
-        )
-        self._result: subprocess.CompletedProcess[str] | None = None
-
-    def result(self) -> subprocess.CompletedProcess[str]:
-        """Wait for the command; its exit code, stdout and stderr."""
-        if self._result is None:
-            try:
-                code = self._process.wait(timeout=180)
-            finally:
-                if self._process.poll() is None:
-                    self._process.kill()
-                    self._process.wait()
-            self._out.seek(0)
-            self._err.seek(0)
-            self._result = subprocess.CompletedProcess(self._process.args, code, self._out.read(), self._err.read())
-            self._out.close()
-            self._err.close()
-        return self._result
-
-
-def call(capsys: pytest.CaptureFixture[str], *args: object) -> tuple[int, str, str]:
-    """Run ``main()`` in this process; return its exit code, stdout and stderr."""
-    code = main([str(a) for a in args])
-    out, err = capsys.readouterr()
-    return code, out, err
-
-
-def assert_one_clean_error(err: str, *needles: str) -> None:
-    assert "Traceback" not in err
-    assert err.startswith("trainloop ") and ": error: " in err, err
-    for needle in needles:
-        assert needle in err, err
 
 
 @pytest.fixture(autouse=True)
@@ -137,7 +75,12 @@ def launched(tmp_path_factory: pytest.TempPathFactory) -> dict[str, tuple[Cli, P
         "invalid": (Cli("run", "bad.yaml", "--trainer", TRAINER, cwd=dirs["invalid"]), dirs["invalid"]),
         "validate": (Cli(
             "validate", "run.yaml", "--trainer", TRAINER, "--set", "seed=2", "--set", "hooks.0.interval=5",
-            cwd=dirs["validate"], env=cli_env(TRAINLOOP_SEED="1", TRAINLOOP_MAX_STEPS="9", TRAINLOOP_LR="0.5"),
+            cwd=dirs["validate"], env=cli_env(
+                TRAINLOOP_SEED="1", TRAINLOOP_MAX_STEPS="9", TRAINLOOP_LR="0.5",
+                # Nested: a field of the optimizer, of the schedule, of a hook named by its type.
+                TRAINLOOP_OPTIMIZER__LR="0.02", trainloop_lr_schedule__warmup_steps="2",
+                TRAINLOOP_HOOKS__CHECKPOINTING__KEEP_PREVIOUS="3",
+            ),
         ), dirs["validate"]),
         "schema": (Cli("schema", cwd=dirs["schema"], script=True), dirs["schema"]),
         "nodot": (Cli(
@@ -351,11 +294,11 @@ def test_run_with_invalid_settings_names_file_and_fields_and_writes_nothing(laun
     assert result.returncode == 2
     assert_one_clean_error(
         result.stderr,
-        "bad.yaml: invalid settings:",
-        "  max_steps: Input should be greater than 0 (got 0)",
-        "  hooks.0.checkpointing.interval: Input should be greater than 0 (got -1)",
-        "  bogus: Extra inputs are not permitted (got 1)",
+        "trainloop run: error: bad.yaml: max_steps: Input should be greater than 0 (got 0)\n",
+        "trainloop run: error: bad.yaml: hooks[0].interval: Input should be greater than 0 (got -1)\n",
+        "trainloop run: error: bad.yaml: bogus: unknown setting 'bogus'; valid here: max_steps, ",
     )
+    assert result.stderr.count("\n") == 3  # one line per problem
     assert result.stdout == ""
     assert [p.name for p in root.iterdir()] == ["bad.yaml"]  # no workspace, nothing written
 
@@ -396,6 +339,8 @@ def test_the_working_directory_is_importable_for_trainer(tmp_path, capsys):
         "from trainloop import BaseTrainer, TrainerSettings\n"
         "class MySettings(TrainerSettings):\n    width: int = 3\n"
         "class MyTrainer(BaseTrainer):\n    settings_class = MySettings\n"
+        "    def build_data_loader(self): ...\n    def build_model(self): ...\n"
+        "    def build_optimizer(self): ...\n    def forward(self, batch): ...\n"
     )
     (tmp_path / "run.json").write_text('{"max_steps": 2, "width": 5}')
     code, out, err = call(capsys, "validate", "run.json", "--trainer", "my_train:MyTrainer")
@@ -411,11 +356,12 @@ BAD_FILES = [
     ("run.json", "[1, 2]", "run.json: expected a mapping of settings, got list"),
     ("run.json", '{"max_steps": "10"}', "max_steps: Input should be a valid integer (got '10')"),
     ("run.json", '{"max_steps": 10, "trace": "yes"}', "trace: Input should be a valid boolean (got 'yes')"),
-    ("run.json", '{"max_steps": 10, "lr": 0.1}', "lr: Extra inputs are not permitted (got 0.1)"),
+    ("run.json", '{"max_steps": 10, "lr": 0.1}', "run.json: lr: unknown setting 'lr'; valid here: max_steps, "),
     ("run.json", '{"max_steps": -1}', "max_steps: Input should be greater than 0 (got -1)"),
     ("run.yaml", "max_steps: 10\ngradient_accumulation_steps: 0\n", "gradient_accumulation_steps: Input should be greater than 0 (got 0)"),
-    ("run.yaml", "max_steps: 10\nhooks: [{type: nope}]\n", "hooks.0: Input tag 'nope' found using 'type' does not match"),
-    ("run.json", "{}", "max_steps: Field required"),
+    ("run.yaml", "max_steps: 10\nhooks: [{type: nope}]\n", "run.yaml: hooks[0]: unknown hook type 'nope'; registered types: checkpointing, "),
+    ("run.json", "{}", "give max_steps, max_epochs or both"),
+    ("run.json", '{"max_epochs": 0}', "max_epochs: Input should be greater than 0 (got 0)"),
 ]
 
 
@@ -438,7 +384,7 @@ def test_validate_missing_file_and_bad_override(tmp_path, capsys):
     assert_one_clean_error(err, "override 'max_steps': expected key=value")
     code, _, err = call(capsys, "validate", "run.json", "--set", "max_steps=0")
     assert code == 2
-    assert_one_clean_error(err, "run.json (with --set): invalid settings:", "max_steps: Input should be greater than 0")
+    assert_one_clean_error(err, "error: --set max_steps=0: max_steps: Input should be greater than 0 (got 0)")
 
 
 def test_validate_prints_resolved_settings_file_then_env_then_set(launched):
@@ -448,13 +394,15 @@ def test_validate_prints_resolved_settings_file_then_env_then_set(launched):
     settings = json.loads(result.stdout)
     assert settings["max_steps"] == 9 and settings["lr"] == 0.5  # env over the file
     assert settings["seed"] == 2  # --set over env
-    assert settings["hooks"][0]["interval"] == 5 and settings["hooks"][0]["keep_previous"] == 1
+    assert settings["hooks"][0]["interval"] == 5 and settings["hooks"][0]["keep_previous"] == 3
+    assert settings["optimizer"] == {**settings["optimizer"], "name": "AdamW", "lr": 0.02}
+    assert settings["lr_schedule"]["warmup_steps"] == 2
     assert settings["nan_at_steps"] == [2]  # the trainer's own field
     assert [p.name for p in root.iterdir()] == ["run.yaml"]  # no workspace, nothing written
 
 
 def test_usage_errors_exit_2(capsys):
-    for argv in ([], ["run", "run.json"], ["graph", "--format", "gif"], ["nope"]):
+    for argv in ([], ["graph", "--format", "gif"], ["nope"]):
         with pytest.raises(SystemExit) as exit:
             main(argv)
         assert exit.value.code == 2
@@ -552,3 +500,23 @@ def test_graph_svg_without_graphviz_says_how_to_get_it(launched):
         "apt-get install graphviz", "conda install graphviz", "--format mermaid",
     )
     assert not (root / "m.svg").exists()
+
+
+def test_a_settings_file_that_is_not_utf8_is_one_line_exit_2(tmp_path, capsys):
+    (tmp_path / "run.yaml").write_bytes("max_steps: 3\nworkspace: caf\u00e9\n".encode("cp1252"))
+    for command in ("validate", "run"):
+        code, out, err = call(capsys, command, "run.yaml", "--trainer", TRAINER)
+        assert code == 2 and out == ""
+        assert err == f"trainloop {command}: error: run.yaml: not a UTF-8 text file (byte 0xe9 at offset 27); save it as UTF-8\n"
+    assert [p.name for p in tmp_path.iterdir()] == ["run.yaml"]
+
+
+def test_run_without_a_trainer_says_how_to_name_one(tmp_path, capsys):
+    (tmp_path / "run.json").write_text('{"max_steps": 3, "lr": 0.1}')  # lr: the trainer's own field
+    code, out, err = call(capsys, "run", "run.json")
+    assert code == 2 and out == ""
+    assert err == 'trainloop run: error: run.json: no trainer to run: give --trainer MODULE:CLASS or a "trainer" key in the settings\n'
+    (tmp_path / "run.json").write_text('{"max_steps": 3, "trainer": 5}')
+    code, _, err = call(capsys, "run", "run.json")
+    assert code == 2
+    assert err == "trainloop run: error: run.json: trainer: Input should be a valid string (got 5)\n"

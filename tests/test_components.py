@@ -1,28 +1,16 @@
-"""Optimizer and learning-rate schedule declared in settings: validation, param groups, schedules."""
+"""The optimizer declared in settings: discovery, validation, param groups (schedules: test_schedules.py)."""
 
 from __future__ import annotations
 
 import inspect
-import io
 import json
-import math
 
 import pytest
 import torch
 from pydantic import ValidationError
-from tiny_trainer import ExitAt, TinyTrainer
 from torch import nn
 
-from trainloop.components import (
-    LR_SCHEDULES,
-    OPTIMIZERS,
-    LrScheduleSettings,
-    OptimizerSettings,
-    build_lr_scheduler,
-    build_optimizer,
-)
-from trainloop.hooks.checkpointing import CheckpointingHook
-from trainloop.hooks.stats import StatsHook
+from trainloop.components import OPTIMIZERS, OptimizerSettings, build_optimizer
 
 # -- helpers ------------------------------------------------------------------------------------
 
@@ -61,32 +49,6 @@ class ZooModel(nn.Module):
         self.head.weight = self.emb.weight  # tied: one tensor, two owners
         self.frozen = nn.Linear(4, 4)
         self.frozen.requires_grad_(False)
-
-
-def lrs_over(scheduler, optimizer, steps: int) -> list[list[float]]:
-    """The lr of every group used at each of ``steps`` optimizer steps, then the one after."""
-    seen = []
-    for _ in range(steps):
-        seen.append([group["lr"] for group in optimizer.param_groups])
-        optimizer.step()
-        scheduler.step()
-    seen.append([group["lr"] for group in optimizer.param_groups])
-    return seen
-
-
-def sgd(*lrs: float) -> torch.optim.Optimizer:
-    groups = [{"params": [nn.Parameter(torch.zeros(2))], "lr": lr} for lr in lrs]
-    return torch.optim.SGD(groups)
-
-
-def schedule(max_steps: int, optimizer=None, **settings):
-    optimizer = optimizer or sgd(1.0)
-    scheduler = build_lr_scheduler(LrScheduleSettings(**settings), optimizer, max_steps)
-    return lrs_over(scheduler, optimizer, max_steps)
-
-
-def firsts(rows: list[list[float]]) -> list[float]:
-    return [row[0] for row in rows]
 
 
 # -- optimizers: discovery and building -----------------------------------------------------------
@@ -354,214 +316,3 @@ def test_optimizer_json_schema_describes_each_optimizer():
     assert adamw["properties"]["no_weight_decay"]["items"]["enum"] == ["bias", "norm", "embedding"]
     assert "no_weight_decay" not in schema["$defs"]["LBFGSSettings"]["properties"]
     json.dumps(schema)
-
-
-# -- learning-rate schedules -----------------------------------------------------------------------
-
-
-def test_constant_without_and_with_warmup():
-    assert firsts(schedule(5, name="constant")) == [1.0] * 6
-    lrs = firsts(schedule(6, name="constant", warmup_steps=3))
-    assert lrs == pytest.approx([1 / 4, 2 / 4, 3 / 4, 1.0, 1.0, 1.0, 1.0])
-
-
-@pytest.mark.parametrize("final", [None, 0.1])
-def test_linear_decays_to_the_final_ratio(final):
-    base, steps = 0.2, 8
-    lrs = firsts(schedule(steps, sgd(base), name="linear", final_lr_ratio=final))
-    r = final or 0.0
-    expected = [base * (1 - (1 - r) * j / steps) for j in range(steps + 1)]
-    assert lrs == pytest.approx(expected)
-    assert lrs[0] == pytest.approx(base) and lrs[-1] == pytest.approx(base * r)
-
-
-@pytest.mark.parametrize("final", [None, 0.25])
-def test_cosine_after_warmup(final):
-    base, warmup, steps = 0.4, 2, 10
-    lrs = firsts(schedule(steps, sgd(base), name="cosine", warmup_steps=warmup, final_lr_ratio=final))
-    r = final or 0.0
-    decay = steps - warmup
-    ramp = [base * k / (warmup + 1) for k in range(1, warmup + 1)]
-    cosine = [base * (r + (1 - r) * (1 + math.cos(math.pi * j / decay)) / 2) for j in range(decay + 1)]
-    assert lrs == pytest.approx(ramp + cosine)
-    assert lrs[warmup] == pytest.approx(base)  # the peak, right after warmup
-    assert lrs[-1] == pytest.approx(base * r)  # reached as the last step completes
-    assert min(lrs[warmup:]) == pytest.approx(base * r)
-
-
-def test_linear_with_warmup_scales_every_group_by_its_own_lr():
-    rows = schedule(6, sgd(1.0, 0.1), name="linear", warmup_steps=2, final_lr_ratio=0.5)
-    for column, base in enumerate((1.0, 0.1)):
-        expected = [base / 3, base * 2 / 3] + [base * (1 - 0.5 * j / 4) for j in range(5)]
-        assert [row[column] for row in rows] == pytest.approx(expected)
-
-
-def test_warmup_ratio_is_rounded_up_to_whole_steps():
-    settings = LrScheduleSettings(name="constant", warmup_ratio=0.25)
-    assert settings.warmup_steps_for(10) == 3
-    assert settings.warmup_steps_for(8) == 2
-    assert LrScheduleSettings(name="constant", warmup_steps=4).warmup_steps_for(100) == 4
-    assert LrScheduleSettings(name="constant").warmup_steps_for(100) == 0
-    assert schedule(10, name="cosine", warmup_ratio=0.25) == schedule(10, name="cosine", warmup_steps=3)
-
-
-def test_cosine_floor_needs_one_lr_across_groups():
-    with pytest.raises(ValueError, match="one learning rate across param groups"):
-        build_lr_scheduler(LrScheduleSettings(name="cosine", final_lr_ratio=0.1), sgd(1.0, 0.5), 10)
-    # To zero, the floor is the same for every group.
-    rows = schedule(4, sgd(1.0, 0.5), name="cosine")
-    assert rows[-1] == pytest.approx([0.0, 0.0])
-    assert [row[1] for row in rows] == pytest.approx([0.5 * row[0] for row in rows])
-
-
-def test_scheduler_is_made_of_torch_schedulers():
-    optimizer = sgd(1.0)
-    plain = build_lr_scheduler(LrScheduleSettings(name="cosine"), optimizer, 10)
-    assert type(plain) is torch.optim.lr_scheduler.CosineAnnealingLR
-    warm = build_lr_scheduler(LrScheduleSettings(name="linear", warmup_steps=2), sgd(1.0), 10)
-    assert type(warm) is torch.optim.lr_scheduler.SequentialLR
-    assert [type(s).__name__ for s in warm._schedulers] == ["LinearLR", "LinearLR"]
-
-
-@pytest.mark.parametrize("name", LR_SCHEDULES)
-@pytest.mark.parametrize("stop", [1, 3, 6])
-def test_state_dict_resumes_the_same_lrs(name, stop):
-    steps, settings = 9, LrScheduleSettings(name=name, warmup_steps=3)
-    optimizer = sgd(0.3, 0.3)
-    straight = lrs_over(build_lr_scheduler(settings, optimizer, steps), optimizer, steps)
-
-    optimizer = sgd(0.3, 0.3)
-    scheduler = build_lr_scheduler(settings, optimizer, steps)
-    lrs_over(scheduler, optimizer, stop)
-    saved = io.BytesIO()
-    torch.save({"scheduler": scheduler.state_dict(), "optimizer": optimizer.state_dict()}, saved)
-    saved.seek(0)
-    state = torch.load(saved, weights_only=True)
-
-    optimizer = sgd(0.3, 0.3)
-    resumed = build_lr_scheduler(settings, optimizer, steps)
-    # In the trainer's order: the scheduler first, then the optimizer (whose lr wins).
-    resumed.load_state_dict(state["scheduler"])
-    optimizer.load_state_dict(state["optimizer"])
-    torch.testing.assert_close(torch.tensor(lrs_over(resumed, optimizer, steps - stop)), torch.tensor(straight[stop:]))
-
-
-# -- schedules: invalid settings -------------------------------------------------------------------
-
-
-def test_unknown_schedule_name_lists_the_valid_ones():
-    with pytest.raises(ValidationError) as info:
-        LrScheduleSettings(name="exponential")
-    message = str(info.value)
-    assert all(f"'{name}'" in message for name in LR_SCHEDULES)
-    assert info.value.errors()[0]["loc"] == ("name",)
-
-
-def test_both_warmup_forms_are_an_error():
-    with pytest.raises(ValidationError, match="warmup_steps or warmup_ratio, not both"):
-        LrScheduleSettings(name="linear", warmup_steps=10, warmup_ratio=0.1)
-
-
-def test_final_lr_ratio_does_not_apply_to_constant():
-    with pytest.raises(ValidationError, match="final_lr_ratio applies to the linear and cosine"):
-        LrScheduleSettings(name="constant", final_lr_ratio=0.1)
-
-
-@pytest.mark.parametrize(
-    ("arguments", "field"),
-    [
-        ({"warmup_steps": -1}, "warmup_steps"),
-        ({"warmup_steps": 2.0}, "warmup_steps"),
-        ({"warmup_steps": "5"}, "warmup_steps"),
-        ({"warmup_ratio": -0.1}, "warmup_ratio"),
-        ({"warmup_ratio": 1.0}, "warmup_ratio"),
-        ({"final_lr_ratio": -0.5}, "final_lr_ratio"),
-        ({"final_lr_ratio": 1.5}, "final_lr_ratio"),
-        ({"final_lr_ratio": "0.1"}, "final_lr_ratio"),
-        ({"decay": 0.1}, "decay"),
-    ],
-)
-def test_bad_schedule_values_are_errors_at_the_field(arguments, field):
-    with pytest.raises(ValidationError) as info:
-        LrScheduleSettings(name="linear", **arguments)
-    assert {error["loc"][0] for error in info.value.errors()} == {field}
-
-
-@pytest.mark.parametrize(
-    ("settings", "max_steps", "warmup"),
-    [
-        ({"warmup_steps": 10}, 10, 10),
-        ({"warmup_steps": 12}, 10, 12),
-        ({"warmup_ratio": 0.95}, 10, 10),  # rounded up to every step
-    ],
-)
-def test_warmup_must_leave_a_step_for_the_schedule(settings, max_steps, warmup):
-    with pytest.raises(ValueError, match=rf"warmup of {warmup} steps must be shorter than max_steps \({max_steps}\)"):
-        build_lr_scheduler(LrScheduleSettings(name="cosine", **settings), sgd(1.0), max_steps)
-
-
-@pytest.mark.parametrize("max_steps", [0, -3, True, 2.0])
-def test_max_steps_must_be_a_positive_integer(max_steps):
-    with pytest.raises(ValueError, match="max_steps must be a positive integer"):
-        build_lr_scheduler(LrScheduleSettings(name="constant"), sgd(1.0), max_steps)
-
-
-def test_schedule_settings_round_trip_frozen_and_schema():
-    for settings in (
-        LrScheduleSettings(name="cosine", warmup_ratio=0.1, final_lr_ratio=0.1),
-        LrScheduleSettings(name="linear", warmup_steps=5),
-        LrScheduleSettings(name="constant"),
-    ):
-        assert LrScheduleSettings.model_validate_json(settings.model_dump_json()) == settings
-    with pytest.raises(ValidationError):
-        settings.warmup_steps = 3
-    schema = LrScheduleSettings.model_json_schema()
-    assert schema["properties"]["name"]["enum"] == list(LR_SCHEDULES)
-    assert schema["additionalProperties"] is False
-    assert all(field.get("description") for field in schema["properties"].values())
-
-
-# -- in a trainer --------------------------------------------------------------------------------
-
-
-class LrRecorder(StatsHook):
-    """Keeps each emission's per-group learning rates."""
-
-    def __init__(self) -> None:
-        super().__init__(interval=1)
-        self.lrs: list[dict[str, float]] = []
-
-    def emit(self, trainer, stats):
-        self.lrs.append(stats.lrs)
-
-
-
-class DeclaredTrainer(TinyTrainer):
-    """TinyTrainer whose optimizer and schedule come from settings."""
-
-    optimizer_settings = OptimizerSettings(name="AdamW", lr=0.01, weight_decay=0.1, no_weight_decay=["bias"])
-    schedule_settings = LrScheduleSettings(name="cosine", warmup_steps=2, final_lr_ratio=0.1)
-
-    def build_optimizer(self):
-        return build_optimizer(self.optimizer_settings, self.model)
-
-    def build_lr_scheduler(self):
-        return build_lr_scheduler(self.schedule_settings, self.optimizer, self.max_steps)
-
-
-def test_trainer_runs_the_schedule_shows_group_lrs_and_resumes_it(tmp_path):
-    steps = 8
-    straight = LrRecorder()
-    DeclaredTrainer(max_steps=steps, hooks=[straight], workspace=tmp_path / "straight").train()
-    expected = firsts(schedule(steps, sgd(0.01), name="cosine", warmup_steps=2, final_lr_ratio=0.1))[:steps]
-    assert [set(lrs) for lrs in straight.lrs] == [{"decay", "no_decay"}] * steps
-    assert [lrs["decay"] for lrs in straight.lrs] == pytest.approx(expected)
-    assert [lrs["no_decay"] for lrs in straight.lrs] == pytest.approx(expected)
-
-    first = LrRecorder()
-    split = tmp_path / "split"
-    DeclaredTrainer(max_steps=steps, hooks=[first, ExitAt(3), CheckpointingHook(interval=3)], workspace=split).train()
-    second = LrRecorder()
-    DeclaredTrainer(max_steps=steps, hooks=[second, CheckpointingHook(interval=100)], workspace=split).train()
-    assert len(first.lrs) == 3
-    assert first.lrs + second.lrs == straight.lrs

@@ -262,7 +262,7 @@ class NaNOnceReference(TinyTrainer):
 
     def forward(self, batch):
         loss, records = super().forward(batch)
-        if self.step == 2 and self.step_info["non_finite_grad_retries"] == 0:
+        if self.step == 2 and self.step_info.non_finite_grad_retries == 0:
             loss = loss * float("nan")
         return loss, records
 

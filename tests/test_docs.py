@@ -1,6 +1,8 @@
 """docs/ stays true to the code: generated parts are current, and the table of hook methods
 matches where a real run calls them."""
 
+import json
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -42,3 +44,47 @@ def test_on_exception_runs_in_its_state_before_on_after_train():
         Failing(max_steps=3, hooks=[hook]).train()
     assert hook.calls[-2:] == [("on_exception", HOOK_EVENTS["on_exception"].value, 2), ("on_after_train", "exiting", 2)]
     assert isinstance(hook.error, ValueError)
+
+
+def _generate_module():
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("docs_generate", ROOT / "docs" / "generate.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_the_machine_picture_is_drawn_from_the_current_table(monkeypatch):
+    generate = _generate_module()
+    assert generate.machine_svg_is_current(), "docs/img/machine.svg is stale: run python docs/generate.py"
+    svg = generate.MACHINE_SVG.read_text()
+    for t in generate.TRANSITIONS:  # every edge, fail edges included, is in the picture
+        assert f"<title>{t.source.value}&#45;&gt;{t.dest.value}</title>" in svg
+    # A changed table makes it stale.
+    monkeypatch.setattr(generate, "TRANSITIONS", generate.TRANSITIONS[:-1])
+    assert not generate.machine_svg_is_current()
+    text = (ROOT / "docs" / "machine.md").read_text()
+    assert "](img/machine.svg)" in text and "```mermaid" in text
+    assert "```mermaid" in (ROOT / "README.md").read_text()
+
+
+def test_the_report_picture_shows_what_a_fresh_report_of_the_demo_shows(tmp_path):
+    import pytest
+
+    pytest.importorskip("sklearn")
+    pytest.importorskip("matplotlib")
+    if shutil.which("dot") is None:
+        pytest.skip("Graphviz's dot is not installed: the report would show the machine as a table")
+    from trainloop.report import build_report
+
+    generate = _generate_module()
+    # A quarter of the demo shows the same sections, charts and edges, in a quarter of the time.
+    workspace = generate.run_digits_demo(tmp_path, max_steps=100)
+    outline = generate.report_outline(build_report(workspace))
+    assert outline == json.loads(generate.REPORT_OUTLINE.read_text()), (
+        "docs/img/report.png shows another report than the demo makes now: run python docs/generate.py --pictures"
+    )
+    assert generate.REPORT_PNG.stat().st_size > 50_000
+    assert "](docs/img/report.png)" in (ROOT / "README.md").read_text()
+    assert "](img/report.png)" in (ROOT / "docs" / "results.md").read_text()

@@ -1,6 +1,7 @@
 """The examples run end to end, as the README says."""
 
 import importlib.util
+import json
 import logging
 from pathlib import Path
 
@@ -24,7 +25,12 @@ def test_digits_reaches_95_percent_and_resumes(tmp_path, monkeypatch, caplog):
         accuracy = digits.main([])
     assert accuracy >= 0.95
     assert "Step 400/400" in caplog.text
-    assert sorted(p.name for p in (tmp_path / "runs/digits/checkpoints").iterdir()) == ["200", "400", "latest"]
+    assert "Validation at step 100: val/loss" in caplog.text and "Validation at step 400: val/loss" in caplog.text
+    workspace = tmp_path / "runs/digits"
+    best = json.loads((workspace / "checkpoints/best.json").read_text())["best"]
+    kept = {"400", "latest", "best.json", str(best)}
+    assert sorted(p.name for p in (workspace / "checkpoints").iterdir()) == sorted(kept)
+    assert {"metrics.jsonl", "trace.jsonl", "runs.jsonl", "settings.json"} <= {p.name for p in workspace.iterdir()}
     caplog.clear()
     with caplog.at_level(logging.INFO, logger="trainloop"):
         assert digits.main([]) == accuracy  # resumed at step 400: nothing left to train

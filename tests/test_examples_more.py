@@ -221,7 +221,8 @@ def test_char_lm_rejects_bad_settings(char_lm, settings, message):
 
 
 def test_char_lm_prompt_outside_the_vocabulary_fails_before_training(char_lm):
-    trainer = char_lm.CharLMTrainer(max_steps=1, prompt="\u2603 snowman")
+    # An optimizer declared, or the preflight would stop the run before the build checks the prompt.
+    trainer = char_lm.CharLMTrainer(max_steps=1, prompt="\u2603 snowman", optimizer={"name": "SGD", "lr": 0.1})
     with pytest.raises(ValueError, match="not in the vocabulary: '\u2603'"):
         trainer.train()
     assert trainer.step == 0

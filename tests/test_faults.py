@@ -131,7 +131,7 @@ def test_nan_storm_exhausts_retries_steps_nothing_and_leaves_the_last_checkpoint
     )
     assert trainer.step == BAD_FROM
     assert trainer.forward_calls[BAD_FROM] == 1 + 3  # the step, then 3 retries, all NaN
-    assert trainer.step_info["non_finite_grad_retries"] == 3
+    assert trainer.step_info.non_finite_grad_retries == 3
     retries = [r.getMessage() for r in caplog.records if "Non-finite gradients" in r.getMessage()]
     assert retries == [f"Non-finite gradients at step 5; retrying ({i}/3)" for i in (1, 2, 3)]
     assert sorted(snapshots.after_step) == [1, 2, 3, 4]  # step 5 never completed

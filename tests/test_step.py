@@ -65,7 +65,7 @@ def test_fp16_skipped_updates_are_retries_and_only_applied_updates_advance_step_
     assert counts[(State.STEPPING, State.RETRYING, "retry")] == 2
     assert counts[(State.RETRYING, State.ACCUMULATING, "redo_step")] == 2
     assert trainer.step == 4 and len(hook.events("on_after_step")) == 4
-    assert [info["non_finite_grad_retries"] for info in hook.step_infos] == [0, 0, 2, 0]
+    assert [info.non_finite_grad_retries for info in hook.step_infos] == [0, 0, 2, 0]
     assert scheduled == [0, 1, 2, 3, 4]  # built at 0, then one per applied update only
     assert trainer.grad_scaler.get_scale() == 2.0**6  # halved once per refused update
     assert all(torch.isfinite(p).all() for p in params(trainer))

@@ -8,7 +8,7 @@ from tiny_trainer import CaptureHook, CounterHook, FlakyTrainer, TinyTrainer, ma
 from torch import nn
 from torch.utils.data import DataLoader
 
-from trainloop import BaseHook, BaseTrainer, DataExhaustedError, State
+from trainloop import BaseHook, BaseTrainer, DataExhaustedError, PreflightError, State
 
 
 def params(trainer):
@@ -45,7 +45,7 @@ def test_accumulation_enters_accumulating_per_microstep_and_stepping_per_update_
         accumulated.on_enter(state, lambda t, s=state: entered.__setitem__(s, entered[s] + 1))
     accumulated.train()
     assert entered == {State.STEPPING: 4, State.ACCUMULATING: 16}
-    assert len(accumulated.step_info["loss"]) == 4
+    assert len(accumulated.step_info.loss) == 4
     full = TinyTrainer(max_steps=4, data=DataLoader(make_data(), batch_size=8))
     full.train()
     for a, b in zip(params(accumulated), params(full)):
@@ -56,13 +56,13 @@ def test_step_info_carries_times_losses_records_and_retries():
     hook = CaptureHook()
     TinyTrainer(max_steps=2, gradient_accumulation_steps=2, grad_clip=10.0, hooks=[hook]).train()
     info = hook.step_infos[-1]
-    assert len(info["data_time"]) == 2 and all(t >= 0 for t in info["data_time"])
-    assert info["step_time"] > 0
-    assert [loss.shape for loss in info["loss"]] == [torch.Size([]), torch.Size([])]
-    assert not any(loss.requires_grad for loss in info["loss"])
-    assert set(info["records"][0]) == {"mse"}
-    assert info["non_finite_grad_retries"] == 0
-    assert torch.isfinite(info["grad_norm"])
+    assert len(info.data_time) == 2 and all(t >= 0 for t in info.data_time)
+    assert info.step_time > 0
+    assert [loss.shape for loss in info.loss] == [torch.Size([]), torch.Size([])]
+    assert not any(loss.requires_grad for loss in info.loss)
+    assert set(info.records[0]) == {"mse"}
+    assert info.non_finite_grad_retries == 0
+    assert torch.isfinite(info.grad_norm)
 
 
 def test_grad_clip_limits_the_update():
@@ -77,7 +77,7 @@ def test_grad_clip_limits_the_update():
     trainer._hooks = [Before()]
     trainer.train()
     update = torch.cat([(a - b).flatten() for a, b in zip(params(trainer), before)])
-    assert trainer.step_info["grad_norm"] > 1e-3
+    assert trainer.step_info.grad_norm > 1e-3
     torch.testing.assert_close(update.norm(), torch.tensor(1e-3), rtol=1e-3, atol=0)
 
 
@@ -86,14 +86,14 @@ def test_non_finite_gradients_retry_the_step_without_stepping_the_optimizer():
     trainer = FlakyTrainer(max_steps=3, max_non_finite_grad_retries=2, nan_at={2, 3}, hooks=[hook], trace=True)
     trainer.train()
     assert trainer.step == 3
-    assert [info["non_finite_grad_retries"] for info in hook.step_infos] == [0, 2, 0]
+    assert [info.non_finite_grad_retries for info in hook.step_infos] == [0, 2, 0]
     assert all(torch.isfinite(p).all() for p in params(trainer))
     counts = trainer.trace.counts()
     assert counts[(State.STEPPING, State.RETRYING, "retry")] == 2
     assert counts[(State.RETRYING, State.ACCUMULATING, "redo_step")] == 2
     assert len(hook.events("on_before_step")) == 3  # a retry is not a new step
     # The retried step's losses are those of its last attempt; its data time counts every attempt.
-    assert len(hook.step_infos[1]["loss"]) == 1 and len(hook.step_infos[1]["data_time"]) == 3
+    assert len(hook.step_infos[1].loss) == 1 and len(hook.step_infos[1].data_time) == 3
 
 
 def test_retries_exhausted_raise_and_never_step_on_non_finite_gradients():
@@ -168,8 +168,8 @@ def test_loss_none_draws_the_next_batch_and_does_not_count():
         warnings.simplefilter("error")  # no LossNoneWarning for a plain model
         trainer.train()
     assert Skipping.drawn == 12
-    assert len(trainer.step_info["loss"]) == 2
-    assert len(trainer.step_info["data_time"]) == 2  # per microstep, the skipped batch's time included
+    assert len(trainer.step_info.loss) == 2
+    assert len(trainer.step_info.data_time) == 2  # per microstep, the skipped batch's time included
 
 
 @pytest.mark.parametrize(
@@ -410,7 +410,8 @@ def test_build_hooks_must_return_hooks():
 
 
 def test_missing_contract_methods_name_themselves():
-    with pytest.raises(NotImplementedError, match="BaseTrainer must implement build_data_loader"):
+    # Found by the preflight, all at once, before anything is built.
+    with pytest.raises(PreflightError, match="BaseTrainer must implement build_data_loader\\(\\)\nBaseTrainer must implement build_model"):
         BaseTrainer(max_steps=1).train()
 
 
@@ -453,8 +454,8 @@ def test_losses_stay_on_device_until_a_hook_reads_them():
     # Nothing in the step converts a loss to a Python number (that would be a host sync).
     hook = CaptureHook()
     TinyTrainer(max_steps=2, gradient_accumulation_steps=3, hooks=[hook]).train()
-    assert all(isinstance(loss, torch.Tensor) for info in hook.step_infos for loss in info["loss"])
-    assert math.isfinite(float(torch.stack(hook.step_infos[-1]["loss"]).mean()))
+    assert all(isinstance(loss, torch.Tensor) for info in hook.step_infos for loss in info.loss)
+    assert math.isfinite(float(torch.stack(hook.step_infos[-1].loss).mean()))
 
 
 class Declared(TinyTrainer):
@@ -476,11 +477,11 @@ def test_optimizer_and_schedule_declared_in_settings_are_built_and_seed_applies(
     second.train()
     assert isinstance(first.optimizer, torch.optim.AdamW)
     assert [g["name"] for g in first.optimizer.param_groups] == ["decay", "no_decay"]
-    assert isinstance(first.lr_scheduler, torch.optim.lr_scheduler.SequentialLR)
+    assert isinstance(first.lr_scheduler, torch.optim.lr_scheduler.LambdaLR)
     for a, b in zip(params(first), params(second)):
         assert torch.equal(a, b)
 
 
 def test_no_optimizer_anywhere_is_a_clear_error():
-    with pytest.raises(NotImplementedError, match="must implement build_optimizer\\(\\) or declare settings.optimizer"):
+    with pytest.raises(PreflightError, match="optimizer: none declared, and Declared does not implement build_optimizer\\(\\)"):
         Declared(max_steps=1).train()

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import os
 from pathlib import Path
 from typing import Any
@@ -11,6 +12,7 @@ from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 from trainloop import BaseHook, BaseTrainer
+from trainloop.step import StepInfo
 
 
 def make_data(n: int = 64, seed: int = 0) -> TensorDataset:
@@ -78,7 +80,7 @@ class CaptureHook(BaseHook):
 
     def __init__(self) -> None:
         self.calls: list[tuple[str, str, int]] = []
-        self.step_infos: list[dict[str, Any]] = []
+        self.step_infos: list[StepInfo] = []
         self.logged: list[dict[str, Any]] = []
 
     def _record(self, trainer: BaseTrainer, event: str) -> None:
@@ -95,7 +97,7 @@ class CaptureHook(BaseHook):
 
     def on_after_step(self, trainer):
         self._record(trainer, "on_after_step")
-        self.step_infos.append(dict(trainer.step_info))
+        self.step_infos.append(copy.copy(trainer.step_info))
 
     def on_exception(self, trainer, error):
         self._record(trainer, "on_exception")

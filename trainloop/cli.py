@@ -1,16 +1,19 @@
-"""The ``trainloop`` command line: run, validate, schema, graph, inspect.
+"""The ``trainloop`` command line: run, validate, schema, graph, inspect, report.
 
 ::
 
-    trainloop run run.yaml --trainer train:MyTrainer [--set max_steps=100 ...]
+    trainloop run run.yaml [--trainer train:MyTrainer] [--set max_steps=100 ...]
     trainloop validate run.yaml [--trainer train:MyTrainer] [--set ...]
     trainloop schema [--trainer train:MyTrainer] [--output schema.json]
     trainloop graph [--format mermaid|dot|svg|png] [--trace runs/exp1] [--output machine.svg]
     trainloop inspect runs/exp1/checkpoints
+    trainloop report runs/exp1 [--output report.html]
+
+``run`` and ``validate`` take the trainer from ``--trainer`` or else the settings' ``trainer`` key.
 
 Exit codes: 0 success; 1 a file cannot be used (a missing or corrupt checkpoint or trace, no
-Graphviz); 2 a usage error (invalid settings, a ``--trainer`` that cannot be used, bad
-arguments); a run that ends on an exit signal exits with the code its hook chose (128+signal).
+Graphviz); 2 a usage error (invalid settings, a preflight problem, a trainer that cannot be
+used, bad arguments), one line per problem, before anything is written; a run that ends on an exit signal exits with the code its hook chose (128+signal).
 """
 
 from __future__ import annotations
@@ -20,17 +23,13 @@ import importlib
 import json
 import logging
 import os
-import shutil
 import signal
-import subprocess
 import sys
 from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
 from typing import Any
 
 import torch
-from pydantic import ValidationError
-
 from .checkpoint import (
     MANIFEST,
     METADATA,
@@ -43,8 +42,11 @@ from .checkpoint import (
 )
 from .checkpoint.files import SHARDED_DIR
 from .components import OPTIMIZERS
+from .graphviz import GraphvizError, find_dot, render_dot
 from .machine import TRANSITIONS, State, draw
-from .settings import ENV_PREFIX, SettingsFileError, TrainerSettings
+from .preflight import preflight
+from .settings import SettingsFileError, TrainerSettings
+from .settings_input import read_settings_input
 from .trace import TraceSummary, read_trace, summarize_trace
 from .trainer import BaseTrainer
 
@@ -75,7 +77,7 @@ class CliError(Exception):
 # -- shared pieces -------------------------------------------------------------------------------
 
 
-def load_trainer_class(spec: str) -> type[BaseTrainer]:
+def load_trainer_class(spec: str, given_as: str = "--trainer") -> type[BaseTrainer]:
     """Import the trainer class named ``module:Class`` (``Class`` may be dotted: ``Outer.Inner``).
 
     The working directory is importable, so ``train:MyTrainer`` finds ``./train.py`` whether
@@ -83,6 +85,7 @@ def load_trainer_class(spec: str) -> type[BaseTrainer]:
 
     Args:
         spec: ``"package.module:ClassName"``.
+        given_as: Where the spec came from, for messages (``--trainer``, ``run.yaml: trainer``).
 
     Raises:
         CliError: The spec is malformed, the module does not import, the attribute is missing, or
@@ -90,28 +93,27 @@ def load_trainer_class(spec: str) -> type[BaseTrainer]:
     """
     module_name, sep, attribute = spec.partition(":")
     if not sep or not module_name.strip() or not attribute.strip():
-        raise CliError(f"--trainer {spec!r}: expected module:Class (e.g. my_project.train:MyTrainer)")
+        raise CliError(f"{given_as} {spec!r}: expected module:Class (e.g. my_project.train:MyTrainer)")
     if os.getcwd() not in sys.path and "" not in sys.path:
         sys.path.insert(0, os.getcwd())
     try:
         obj: Any = importlib.import_module(module_name)
     except ModuleNotFoundError as error:
         if error.name is not None and (module_name == error.name or module_name.startswith(error.name + ".")):
-            raise CliError(f"--trainer {spec!r}: no module named {error.name!r}") from None
-        raise CliError(f"--trainer {spec!r}: importing {module_name!r} failed: {error}") from None
+            raise CliError(f"{given_as} {spec!r}: no module named {error.name!r}") from None
+        raise CliError(f"{given_as} {spec!r}: importing {module_name!r} failed: {error}") from None
     except Exception as error:  # noqa: BLE001 - the module's own code failed: say what, in one line
-        raise CliError(
-            f"--trainer {spec!r}: importing {module_name!r} failed: {type(error).__name__}: {error}"
-        ) from None
+        message = " ".join(f"{type(error).__name__}: {error}".split())
+        raise CliError(f"{given_as} {spec!r}: importing {module_name!r} failed: {message}") from None
     for part in attribute.split("."):
         try:
             obj = getattr(obj, part)
         except AttributeError:
-            raise CliError(f"--trainer {spec!r}: {module_name!r} has no attribute {attribute!r}") from None
+            raise CliError(f"{given_as} {spec!r}: {module_name!r} has no attribute {attribute!r}") from None
     if not isinstance(obj, type) or not issubclass(obj, BaseTrainer):
-        raise CliError(f"--trainer {spec!r}: {attribute} is not a subclass of trainloop.BaseTrainer")
+        raise CliError(f"{given_as} {spec!r}: {attribute} is not a subclass of trainloop.BaseTrainer")
     if obj is BaseTrainer:
-        raise CliError(f"--trainer {spec!r}: name your BaseTrainer subclass, not BaseTrainer itself")
+        raise CliError(f"{given_as} {spec!r}: name your BaseTrainer subclass, not BaseTrainer itself")
     return obj
 
 
@@ -122,38 +124,43 @@ def _settings_class_for(trainer_spec: str | None) -> type[TrainerSettings]:
     return load_trainer_class(trainer_spec).settings_class
 
 
-def _resolve_settings(cls: type[TrainerSettings], path: str, overrides: Sequence[str]) -> TrainerSettings:
-    """Validate defaults < ``path`` < ``TRAINLOOP_*`` environment < ``overrides`` with ``cls``.
+def _checked_settings(args: argparse.Namespace, trainer_required: bool) -> tuple[TrainerSettings, type[BaseTrainer] | None]:
+    """Resolve, validate and preflight the settings ``args`` name, with the trainer they name.
+
+    The layers are defaults < the file < ``TRAINLOOP_*`` environment < ``--set``. The trainer
+    is ``--trainer``, else the settings' ``trainer`` key; its ``settings_class`` validates them,
+    and ``trainloop.preflight`` checks them against it. Nothing is built or written.
 
     Raises:
-        CliError: The file cannot be read or parsed, or the settings do not validate; the
-            message names the file and every offending field.
+        CliError: Any problem, one line each, naming the file, variable or override and field.
     """
     try:
-        return cls.load(path, overrides=overrides)
+        found = read_settings_input(args.settings_file, os.environ, args.set)
     except SettingsFileError as error:
-        cause = error.__cause__
-        if not isinstance(cause, ValidationError):
-            raise CliError(str(error)) from None
-        layers = [name for name, used in (
-            ("TRAINLOOP_* environment variables", any(k.upper().startswith(ENV_PREFIX) for k in os.environ)),
-            ("--set", bool(overrides)),
-        ) if used]
-        where = f"{path} (with {' and '.join(layers)})" if layers else path
-        raise CliError(f"{where}: invalid settings:\n{_format_validation_error(cause)}") from None
-
-
-def _format_validation_error(error: ValidationError) -> str:
-    """One indented line per error of a pydantic ``ValidationError``: field, message, input."""
-    lines = []
-    for item in error.errors(include_url=False):
-        field = ".".join(str(part) for part in item["loc"]) or "(settings)"
-        line = f"  {field}: {item['msg']}"
-        if item["type"] != "missing":
-            shown = repr(item.get("input"))
-            line += f" (got {shown if len(shown) <= 60 else shown[:57] + '...'})"
-        lines.append(line)
-    return "\n".join(lines)
+        raise CliError(str(error)) from None
+    spec, given_as = args.trainer, "--trainer"
+    if spec is not None:
+        found.set(["trainer"], spec, f"--trainer {spec}")  # recorded: settings.json says what ran
+    elif isinstance(found.data.get("trainer"), str):
+        spec = found.data["trainer"]
+        given_as = f"{found.source_of(('trainer',))}: trainer"
+    no_trainer = CliError(
+        f"{args.settings_file}: no trainer to run: give --trainer MODULE:CLASS or a \"trainer\" key in the settings"
+    )
+    if spec is None and trainer_required and found.data.get("trainer") is None:
+        raise no_trainer
+    trainer_class = load_trainer_class(spec, given_as) if spec is not None else None
+    settings_class = trainer_class.settings_class if trainer_class is not None else TrainerSettings
+    try:
+        settings = settings_class.validate_input(found)  # also reports a "trainer" that is not a name
+    except SettingsFileError as error:
+        raise CliError(str(error)) from None
+    if trainer_class is None and trainer_required:
+        raise no_trainer
+    problems = preflight(settings, trainer_class, source_of=found.source_of)
+    if problems:
+        raise CliError("\n".join(problems))
+    return settings, trainer_class
 
 
 def _configure_logging(level: str) -> None:
@@ -188,9 +195,9 @@ def _write_output(output: str | None, data: str | bytes) -> None:
 
 
 def _cmd_run(args: argparse.Namespace) -> int:
-    """``trainloop run``: validate the settings with the trainer's class, then train."""
-    trainer_class = load_trainer_class(args.trainer)
-    settings = _resolve_settings(trainer_class.settings_class, args.settings_file, args.set)
+    """``trainloop run``: validate and preflight the settings with the trainer's class, then train."""
+    settings, trainer_class = _checked_settings(args, trainer_required=True)
+    assert trainer_class is not None  # required above
     _configure_logging(args.log_level)
     try:
         # A signal exit raises SystemExit(code) from train(): it propagates as the exit code.
@@ -205,8 +212,9 @@ def _cmd_run(args: argparse.Namespace) -> int:
 
 
 def _cmd_validate(args: argparse.Namespace) -> int:
-    """``trainloop validate``: print the resolved settings as JSON; build and write nothing."""
-    settings = _resolve_settings(_settings_class_for(args.trainer), args.settings_file, args.set)
+    """``trainloop validate``: the checks of ``run``, then print the resolved settings as JSON;
+    builds and writes nothing."""
+    settings, _ = _checked_settings(args, trainer_required=False)
     sys.stdout.write(settings.model_dump_json(indent=2) + "\n")
     return 0
 
@@ -271,10 +279,10 @@ def _find_dot(format: str) -> str:
     Raises:
         CliError: It is not on ``PATH``; the message says how to install it.
     """
-    dot = shutil.which("dot")
-    if dot is None:
-        raise CliError(f"--format {format} needs Graphviz's `dot` program, which is not on PATH: {_GRAPHVIZ_HINT}", FAILURE)
-    return dot
+    try:
+        return find_dot()
+    except GraphvizError:
+        raise CliError(f"--format {format} needs Graphviz's `dot` program, which is not on PATH: {_GRAPHVIZ_HINT}", FAILURE) from None
 
 
 def _render_with_dot(source: str, format: str) -> bytes:
@@ -283,12 +291,11 @@ def _render_with_dot(source: str, format: str) -> bytes:
     Raises:
         CliError: ``dot`` is not installed, or it failed.
     """
-    dot = _find_dot(format)
-    result = subprocess.run([dot, f"-T{format}"], input=source.encode(), capture_output=True, check=False)
-    if result.returncode != 0:
-        message = result.stderr.decode(errors="replace").strip()
-        raise CliError(f"{dot} -T{format} failed (exit {result.returncode}): {message}", FAILURE)
-    return result.stdout
+    _find_dot(format)
+    try:
+        return render_dot(source, format)
+    except GraphvizError as error:
+        raise CliError(str(error), FAILURE) from None
 
 
 def _cmd_graph(args: argparse.Namespace) -> int:
@@ -572,6 +579,23 @@ def _cmd_inspect(args: argparse.Namespace) -> int:
     return 0
 
 
+# -- report --------------------------------------------------------------------------------------
+
+
+def _cmd_report(args: argparse.Namespace) -> int:
+    """``trainloop report``: write a run's self-contained HTML report page."""
+    from .report import ReportError, write_report  # matplotlib is imported only for a report
+
+    try:
+        target = write_report(args.workspace, args.output)
+    except ReportError as error:
+        raise CliError(str(error), FAILURE) from None
+    except OSError as error:
+        raise CliError(f"{error.filename}: cannot write: {error.strerror}", FAILURE) from None
+    print(f"{PROG} report: wrote {target}", file=sys.stderr)
+    return 0
+
+
 # -- the parser ----------------------------------------------------------------------------------
 
 
@@ -584,22 +608,24 @@ def _build_parser() -> argparse.ArgumentParser:
     )
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
-    def settings_args(sub: argparse.ArgumentParser, trainer_required: bool) -> None:
+    def settings_args(sub: argparse.ArgumentParser) -> None:
         sub.add_argument("settings_file", metavar="SETTINGS_FILE", help="a .json, .yaml/.yml or .toml settings file")
         sub.add_argument(
-            "--trainer", required=trainer_required, metavar="MODULE:CLASS",
-            help="the BaseTrainer subclass (its settings_class validates the settings)",
+            "--trainer", metavar="MODULE:CLASS",
+            help="the BaseTrainer subclass (its settings_class validates the settings); default: the settings' trainer key",
         )
         sub.add_argument(
             "--set", action="append", default=[], metavar="KEY=VALUE",
-            help="override a setting (repeatable; nested: hooks.0.interval=5); values are JSON or plain text",
+            help="override a setting (repeatable; nested: optimizer.lr=0.1, hooks.0.interval=5 or "
+            "hooks.checkpointing.interval=5); values are JSON or plain text",
         )
 
     run = commands.add_parser(
         "run", help="validate the settings and train",
-        description="Validate the settings (file < TRAINLOOP_* environment < --set), then train.",
+        description="Validate the settings (file < TRAINLOOP_* environment < --set), check them with the "
+        "trainer (the preflight), then train. A problem exits 2 before anything is written.",
     )
-    settings_args(run, trainer_required=True)
+    settings_args(run)
     run.add_argument(
         "--log-level", default="info", choices=["debug", "info", "warning", "error"],
         help="log level on stderr, unless the trainer's module configured logging (default: info)",
@@ -608,9 +634,10 @@ def _build_parser() -> argparse.ArgumentParser:
 
     validate = commands.add_parser(
         "validate", help="print the resolved settings, or what is wrong with them",
-        description="Resolve and validate the settings and print them as JSON; builds and writes nothing.",
+        description="Resolve and validate the settings, run the preflight that `run` runs (with the trainer, "
+        "if one is named), and print the settings as JSON; builds and writes nothing.",
     )
-    settings_args(validate, trainer_required=False)
+    settings_args(validate)
     validate.set_defaults(handler=_cmd_validate)
 
     schema = commands.add_parser("schema", help="print the settings' JSON Schema", description="Print or write the settings' JSON Schema.")
@@ -636,6 +663,15 @@ def _build_parser() -> argparse.ArgumentParser:
     inspect.add_argument("checkpoint", metavar="CHECKPOINT_DIR")
     inspect.add_argument("--json", action="store_true", help="print the report as JSON")
     inspect.set_defaults(handler=_cmd_inspect)
+
+    report = commands.add_parser(
+        "report", help="write a run's report page (HTML)",
+        description="Write one self-contained HTML page about a run: settings, metric curves, the machine "
+        "weighted by its trace, time per state, runs, checkpoints (best marked).",
+    )
+    report.add_argument("workspace", metavar="WORKSPACE", help="the run's workspace directory")
+    report.add_argument("--output", metavar="PATH", help="where to write it (default: WORKSPACE/report.html)")
+    report.set_defaults(handler=_cmd_report)
     return parser
 
 
@@ -653,7 +689,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         return handler(args)
     except CliError as error:
-        print(f"{PROG} {args.command}: error: {error}", file=sys.stderr)
+        for line in str(error).splitlines():  # one line per problem, each saying which command
+            print(f"{PROG} {args.command}: error: {line}", file=sys.stderr)
         return error.exit_code
 
 

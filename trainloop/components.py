@@ -6,18 +6,20 @@ keyword arguments beside the name, and optionally which parameters get no weight
     {"name": "AdamW", "lr": 3e-4, "betas": [0.9, 0.95], "weight_decay": 0.1,
      "no_weight_decay": ["bias", "norm"]}
 
-A schedule is constant, linear or cosine, with an optional linear warmup::
+A schedule is constant, linear or cosine, with an optional linear warmup, scaling each param
+group's own learning rate::
 
     {"name": "cosine", "warmup_steps": 500, "final_lr_ratio": 0.1}
 
 ``build_optimizer`` and ``build_lr_scheduler`` turn them into torch objects. Both
-settings models are frozen and strict, produce a JSON Schema and round-trip through JSON.
+settings models are frozen and strict, produce a JSON Schema and round-trip through JSON. The
+schedule lives in ``trainloop.schedules``; its names are re-exported here.
 """
 
 from __future__ import annotations
 
+import difflib
 import inspect
-import math
 import re
 import types
 import typing
@@ -34,15 +36,9 @@ from pydantic import (
     model_validator,
 )
 from torch import nn
-from torch.optim.lr_scheduler import (
-    ConstantLR,
-    CosineAnnealingLR,
-    LinearLR,
-    LRScheduler,
-    SequentialLR,
-)
 
-from .types import NonNegativeInt, StrictBool
+from .schedules import LR_SCHEDULES, LrScheduleSettings, build_lr_scheduler, describe_schedule_change, lr_factor
+from .types import StrictBool
 
 __all__ = [
     "LR_SCHEDULES",
@@ -51,6 +47,8 @@ __all__ = [
     "OptimizerSettings",
     "build_lr_scheduler",
     "build_optimizer",
+    "describe_schedule_change",
+    "lr_factor",
 ]
 
 # -- optimizers ----------------------------------------------------------------------------------
@@ -170,10 +168,12 @@ class _OptimizerArgs(BaseModel):
         if isinstance(data, dict):
             unknown = sorted(str(key) for key in data if key not in cls.model_fields)
             if unknown:
-                valid = ", ".join(name for name in cls.model_fields if name != "name")
+                names = [name for name in cls.model_fields if name != "name"]
+                close = [match for key in unknown for match in difflib.get_close_matches(key, names, n=1)]
+                hint = f" (did you mean {', '.join(map(repr, close))}?)" if close else ""
                 raise ValueError(
-                    f"unknown argument(s) {', '.join(map(repr, unknown))} for {cls._optimizer_name()}; "
-                    f"valid arguments: {valid}"
+                    f"unknown argument(s) {', '.join(map(repr, unknown))} for {cls._optimizer_name()}{hint}; "
+                    f"valid arguments: {', '.join(names)}"
                 )
         return data
 
@@ -351,103 +351,3 @@ def build_optimizer(settings: OptimizerSettings, model: nn.Module) -> torch.opti
     else:
         groups = [{"name": "default", "params": params}]
     return settings.optimizer_class(groups, **settings.kwargs)
-
-
-# -- learning-rate schedules -----------------------------------------------------------------------
-
-#: The schedule names ``LrScheduleSettings`` accepts.
-LR_SCHEDULES = ("constant", "linear", "cosine")
-
-_WarmupRatio = Annotated[float, Field(ge=0, lt=1, strict=True, allow_inf_nan=False)]
-_UnitRatio = Annotated[float, Field(ge=0, le=1, strict=True, allow_inf_nan=False)]
-
-
-class LrScheduleSettings(BaseModel):
-    """A learning-rate schedule over ``max_steps`` optimizer steps, with optional linear warmup.
-
-    Warmup: steps ``1..W`` use ``lr * k / (W + 1)`` (no step is wasted at lr 0), and the
-    schedule proper starts at ``lr`` on step ``W + 1``. It then runs for the remaining
-    ``D = max_steps - W`` steps, ``j = 0..D-1``: ``constant`` keeps ``lr``; ``linear`` uses
-    ``lr * (1 - (1 - r) * j / D)``; ``cosine`` uses ``lr * (r + (1 - r) * (1 + cos(pi * j / D)) / 2)``,
-    where ``r`` is ``final_lr_ratio``; both reach ``lr * r`` as the last step completes.
-    ``lr`` is each param group's initial learning rate. ``build_lr_scheduler`` builds it.
-    """
-
-    model_config = ConfigDict(frozen=True, extra="forbid", validate_default=True, use_attribute_docstrings=True)
-
-    name: Literal["constant", "linear", "cosine"]
-    """The schedule after warmup: ``constant``, ``linear`` (decay) or ``cosine`` (decay)."""
-    warmup_steps: NonNegativeInt | None = None
-    """Linear warmup length in steps; excludes ``warmup_ratio``. ``None``/``0``: no warmup."""
-    warmup_ratio: _WarmupRatio | None = None
-    """Linear warmup length as a fraction of ``max_steps``, in [0, 1), rounded up to whole
-    steps; excludes ``warmup_steps``."""
-    final_lr_ratio: _UnitRatio | None = None
-    """For ``linear`` and ``cosine``: the learning rate reached at the end, as a fraction of the
-    initial one, in [0, 1]; ``None`` means 0."""
-
-    @model_validator(mode="after")
-    def _consistent(self) -> LrScheduleSettings:
-        if self.warmup_steps is not None and self.warmup_ratio is not None:
-            raise ValueError("give warmup_steps or warmup_ratio, not both")
-        if self.name == "constant" and self.final_lr_ratio is not None:
-            raise ValueError("final_lr_ratio applies to the linear and cosine schedules, not to constant")
-        return self
-
-    def warmup_steps_for(self, max_steps: int) -> int:
-        """The number of warmup steps in a run of ``max_steps`` steps."""
-        if self.warmup_ratio is not None:
-            return math.ceil(self.warmup_ratio * max_steps)
-        return self.warmup_steps or 0
-
-
-def build_lr_scheduler(settings: LrScheduleSettings, optimizer: torch.optim.Optimizer, max_steps: int) -> LRScheduler:
-    """Build the scheduler ``settings`` declare, to be stepped once after each optimizer step.
-
-    Made of ``torch.optim.lr_scheduler`` classes: the warmup is a ``LinearLR``, followed through
-    a ``SequentialLR`` by ``ConstantLR``, ``LinearLR`` or ``CosineAnnealingLR``. Its
-    ``state_dict`` resumes the schedule where it stopped.
-
-    Args:
-        settings: The schedule's settings.
-        optimizer: The optimizer whose param groups' ``lr`` the schedule scales; its current
-            ``lr`` (or ``initial_lr``, when a scheduler already set one) is the peak.
-        max_steps: Optimizer steps in the run.
-
-    Returns:
-        The scheduler.
-
-    Raises:
-        ValueError: ``max_steps`` is not a positive integer; the warmup does not leave at
-            least one step; or ``cosine`` with a ``final_lr_ratio`` above 0 is asked of param
-            groups whose learning rates differ (``CosineAnnealingLR`` has one absolute floor).
-    """
-    if isinstance(max_steps, bool) or not isinstance(max_steps, int) or max_steps < 1:
-        raise ValueError(f"max_steps must be a positive integer, got {max_steps!r}")
-    warmup = settings.warmup_steps_for(max_steps)
-    if warmup >= max_steps:
-        raise ValueError(
-            f"warmup of {warmup} steps must be shorter than max_steps ({max_steps}): "
-            "the schedule needs at least one step after it"
-        )
-    decay_steps = max_steps - warmup
-    final = settings.final_lr_ratio or 0.0
-    base_lrs = [group.get("initial_lr", group["lr"]) for group in optimizer.param_groups]
-
-    if warmup:
-        # Built before the main phase so it records ``initial_lr`` from the untouched lr.
-        warmup_scheduler = LinearLR(optimizer, start_factor=1 / (warmup + 1), end_factor=1.0, total_iters=warmup)
-    if settings.name == "constant":
-        main: LRScheduler = ConstantLR(optimizer, factor=1.0, total_iters=0)
-    elif settings.name == "linear":
-        main = LinearLR(optimizer, start_factor=1.0, end_factor=final, total_iters=decay_steps)
-    else:
-        if final > 0 and len(set(base_lrs)) > 1:
-            raise ValueError(
-                f"cosine with final_lr_ratio {final} needs one learning rate across param groups, "
-                f"got {base_lrs}: CosineAnnealingLR has a single absolute eta_min"
-            )
-        main = CosineAnnealingLR(optimizer, T_max=decay_steps, eta_min=final * base_lrs[0])
-    if not warmup:
-        return main
-    return SequentialLR(optimizer, [warmup_scheduler, main], milestones=[warmup])

@@ -5,7 +5,17 @@ from __future__ import annotations
 from collections.abc import Iterable, Iterator
 from typing import Any
 
-__all__ = ["DataExhaustedError", "EpochIterator"]
+__all__ = ["DataExhaustedError", "EpochIterator", "batches_per_epoch"]
+
+
+def batches_per_epoch(loader: Iterable[Any]) -> int | None:
+    """``len(loader)`` for a re-iterable loader that has a length, else ``None``."""
+    if isinstance(loader, Iterator):
+        return None
+    try:
+        return len(loader)  # type: ignore[arg-type]
+    except TypeError:  # no __len__, or a DataLoader over an IterableDataset without one
+        return None
 
 
 class DataExhaustedError(RuntimeError):
@@ -31,8 +41,12 @@ class EpochIterator:
         self.loader = loader
         self.epoch = epoch
         self._one_shot = isinstance(loader, Iterator)
+        self.batches_per_epoch = batches_per_epoch(loader)
         self._iterator = self._start_epoch()
         self._may_be_empty = resumed
+        if resumed:
+            # A restored StatefulDataLoader resumes mid-epoch; its iterator knows how far.
+            self._drawn_this_epoch = int(getattr(self._iterator, "_num_yielded", 0))
 
     def _start_epoch(self) -> Iterator[Any]:
         if not self._one_shot:
@@ -43,6 +57,23 @@ class EpochIterator:
                     break
         self._drawn_this_epoch = 0
         return iter(self.loader)
+
+    @property
+    def epochs_completed(self) -> int:
+        """Full passes over the data so far: the current epoch counts once its last batch is
+        drawn (known only for a loader with ``len()``; otherwise when the next epoch begins)."""
+        length = self.batches_per_epoch
+        return self.epoch + (length is not None and self._drawn_this_epoch >= length)
+
+    @property
+    def resume_epoch(self) -> int:
+        """The epoch a checkpoint made now should resume in.
+
+        A loader that saves its position (``StatefulDataLoader``) resumes mid-epoch, so the
+        current epoch; any other loader restarts its epoch on resume, so an epoch whose last
+        batch was drawn counts as done (resuming must not draw it a second time).
+        """
+        return self.epoch if callable(getattr(self.loader, "state_dict", None)) else self.epochs_completed
 
     def __iter__(self) -> EpochIterator:
         return self

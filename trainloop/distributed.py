@@ -15,6 +15,7 @@ is a no-op, and ``wrap_model(..., "auto")`` returns the model unchanged.
 
 from __future__ import annotations
 
+import gc
 import logging
 import os
 from collections.abc import Callable
@@ -123,8 +124,11 @@ class DistributedContext:
         exc: BaseException | None,
         traceback: TracebackType | None,
     ) -> None:
-        if self.owns_group:
-            destroy()
+        if not self.owns_group:
+            return
+        # A barrier only when every rank is here (a clean end, or an agreed exit such as an exit
+        # signal's SystemExit): after an error on one rank the others may never arrive.
+        destroy(barrier=exc_type is None or issubclass(exc_type, SystemExit))
 
 
 @validate_call(config=_ARBITRARY)
@@ -274,10 +278,26 @@ def is_main() -> bool:
     return is_rank_zero()
 
 
-def destroy() -> None:
-    """Destroy the default process group if one is initialised; otherwise do nothing."""
-    if dist.is_available() and dist.is_initialized():
-        dist.destroy_process_group()
+def destroy(barrier: bool = False) -> None:
+    """Destroy the default process group if one is initialised; otherwise do nothing.
+
+    Destroying the group does not end a backend that something else still holds: a
+    ``DistributedDataParallel`` module keeps its group alive (with gloo, its worker threads)
+    until the process ends, and a worker thread that drops the last reference to a collective's
+    tensors while Python is shutting down needs the GIL, which then aborts the process
+    ("terminate called without an active exception"). So the ranks first wait for each other,
+    every collective settled, and the objects no longer reachable (a trainer and its model,
+    with their groups) are collected while the interpreter is still whole.
+
+    Args:
+        barrier: Wait for every rank first (every rank must call then).
+    """
+    if not (dist.is_available() and dist.is_initialized()):
+        return
+    if barrier and dist.get_world_size() > 1:
+        dist.barrier()
+    dist.destroy_process_group()
+    gc.collect()
 
 
 # -- wrapping ------------------------------------------------------------------------------------

@@ -32,10 +32,11 @@ class NonFiniteGradCheck:
                 local = _local(p)
                 self.sharded |= local is not p
                 groups[(local.device, local.dtype)].append(p)
-        self._groups = list(groups.values())
         devices = {device for device, _ in groups}
         self._found = {d: torch.zeros(1, device=d) for d in devices}
         self._inv_scale = {d: torch.ones(1, device=d) for d in devices}
+        # Per group, with its device's buffers: nothing is looked up per call.
+        self._groups = [(ps, self._found[d], self._inv_scale[d]) for (d, _), ps in groups.items()]
         self._dirty = False
 
     def __call__(self) -> bool:
@@ -43,19 +44,20 @@ class NonFiniteGradCheck:
         if self._dirty:  # the kernel only ever sets the flag, so clear it after a hit alone
             for found in self._found.values():
                 found.zero_()
-        for params in self._groups:
-            grads = [_local(p.grad) for p in params if p.grad is not None]
+        sharded = self.sharded
+        for params, found, inv_scale in self._groups:
+            grads = [_local(p.grad) if sharded else p.grad for p in params if p.grad is not None]
             if grads:
-                device = grads[0].device
-                torch._amp_foreach_non_finite_check_and_unscale_(
-                    grads, self._found[device], self._inv_scale[device]
-                )
-        if self.sharded and dist.is_available() and dist.is_initialized():
+                torch._amp_foreach_non_finite_check_and_unscale_(grads, found, inv_scale)
+        if sharded and dist.is_available() and dist.is_initialized():
             for found in self._found.values():
                 dist.all_reduce(found, op=dist.ReduceOp.MAX)
         # The deliberate host sync of the step: the retry decision needs the answer now.
-        self._dirty = any(bool(found.item()) for found in self._found.values())
-        return self._dirty
+        dirty = False
+        for found in self._found.values():
+            dirty = dirty or bool(found.item())
+        self._dirty = dirty
+        return dirty
 
 
 def _local(tensor: torch.Tensor) -> torch.Tensor:

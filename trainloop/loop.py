@@ -15,12 +15,15 @@ from typing import TYPE_CHECKING, Any
 
 from .data import EpochIterator
 from .hooks.base import hook_dispatch, name_hooks, state_entry_methods
+from .hooks.registry import build_declared_hooks
 from .loss import Loss
 from .machine import State, StateMachine
+from .metrics import METRICS_FILE
 from .requests import RunRequests
 from .rng import set_rng_state
-from .step import StepPlan, StepRunner
+from .step import StepInfo, StepPlan, StepRunner
 from .trace import start_run_record
+from .utils import is_rank_zero
 
 if TYPE_CHECKING:
     from .trainer import BaseTrainer
@@ -91,7 +94,7 @@ class Loop:
         t._build_components()
         t.lr_scheduler = t.build_lr_scheduler()
         t.grad_scaler = t.build_grad_scaler()
-        t.hooks = list(t.build_hooks())
+        t.hooks = build_declared_hooks(t.settings.hooks, t.build_hooks())
         name_hooks(t.hooks)
         t._dispatch = hook_dispatch(t.hooks)
         for hook in t.hooks:
@@ -101,9 +104,12 @@ class Loop:
     def restore(self) -> None:
         # A checkpoint, if any, was loaded by on_enter_restoring callbacks before this runs.
         t = self.trainer
+        if t.settings.metrics_file and t.settings.workspace is not None and is_rank_zero():
+            t.metrics.open(t.settings.workspace / METRICS_FILE, resumed_step=t.step)
         for fn in t._dispatch["on_before_train"]:
             fn(t)
         self.data = EpochIterator(t.data_loader, t.epoch, resumed=t.step > 0)
+        t.run_length.follow(self.data)
         if self.restored_rng is not None:
             # Only now: creating the data iterator draws from torch's generator (its base seed),
             # which the uninterrupted run did long before this step.
@@ -139,19 +145,19 @@ class Loop:
     def accumulate(self) -> None:
         loss, records, data_time = self.runner.microstep()  # type: ignore[union-attr]
         info = self.trainer.step_info
-        info["data_time"].append(data_time)
-        info["records"].append(records)
-        info["loss"].append(loss.sum.detach() / loss.count if isinstance(loss, Loss) else loss.detach())
+        info.data_time.append(data_time)
+        info.records.append(records)
+        info.loss.append(loss.sum.detach() / loss.count if isinstance(loss, Loss) else loss.detach())
 
     def update(self) -> None:
         t, runner = self.trainer, self.runner
         self.applied = runner.update()  # type: ignore[union-attr]
         if t.settings.grad_clip is not None:
-            t.step_info["grad_norm"] = runner.grad_norm  # type: ignore[union-attr]
+            t.step_info.grad_norm = runner.grad_norm  # type: ignore[union-attr]
         if not self.applied:
             self._raise_if_no_retries_left()
             return
-        t.step_info["step_time"] = perf_counter() - self.step_start
+        t.step_info.step_time = perf_counter() - self.step_start
         for fn in t._dispatch["on_after_step"]:
             fn(t)
         self.requests.settle()
@@ -185,8 +191,8 @@ class Loop:
         )
         t.optimizer.zero_grad()
         info = t.step_info
-        info["loss"], info["records"] = [], []
-        info["non_finite_grad_retries"] = self.retries
+        info.loss, info.records = [], []
+        info.non_finite_grad_retries = self.retries
 
     def checkpoint(self) -> None:
         # The save itself is done by on_enter_checkpointing callbacks (CheckpointingHook).
@@ -200,6 +206,7 @@ class Loop:
             for fn in t._dispatch["on_after_train"]:
                 fn(t)
         finally:
+            t.metrics.close()
             self.requests.close()
             if self.data is not None:
                 self.data.close()
@@ -212,7 +219,7 @@ class Loop:
         t = self.trainer
         t.step += 1
         self.retries = 0
-        t.step_info = {"data_time": [], "loss": [], "records": [], "non_finite_grad_retries": 0}
+        t.step_info = StepInfo()
         self.step_start = perf_counter()
         self.runner.begin()  # type: ignore[union-attr]
         for fn in t._dispatch["on_before_step"]:
@@ -225,7 +232,7 @@ class Loop:
     # -- the policies --------------------------------------------------------------------------
 
     def should_exit(self) -> bool:
-        return self.requests.exit_agreed or self.trainer.step >= self.trainer.settings.max_steps
+        return self.requests.exit_agreed or self.trainer.run_length.reached(self.trainer.step)
 
     def microsteps_remain(self) -> bool:
         return self.runner.microsteps < self.trainer.settings.gradient_accumulation_steps  # type: ignore[union-attr]
@@ -234,4 +241,4 @@ class Loop:
         return not self.applied
 
     def checkpoint_due(self) -> bool:
-        return self.requests.checkpoint_due(self.trainer.step, ending=self.should_exit())
+        return self.requests.checkpoint_due(self.trainer.step, ending=self.should_exit)

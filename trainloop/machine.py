@@ -58,6 +58,10 @@ class State(str, Enum):
     def __str__(self) -> str:
         return self.value
 
+    # str's own hash, in C: Enum's is a Python call (the loop looks states up in dicts every
+    # microstep), and it agrees with ``==``, which compares the string value.
+    __hash__ = str.__hash__
+
 
 @dataclass(frozen=True)
 class Transition:
@@ -210,7 +214,12 @@ class StateMachine:
         """Fire the first edge out of the current state whose condition holds."""
         for transition, condition, action, listened in self._edges[self.model.state]:
             if condition is None or condition():
-                self._fire(transition, action, listened)
+                if listened or self.trace is not None:
+                    self._fire(transition, action, listened)
+                else:  # the fast path, inlined: this runs on every microstep
+                    self.model.state = transition.dest
+                    if action is not None:
+                        action()
                 return transition.dest
         raise RuntimeError(f"no transition leaves state {self.model.state.value!r}")
 

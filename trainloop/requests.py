@@ -7,6 +7,8 @@ in ``on_after_step`` takes effect on the edges that leave that step's ``stepping
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 from .agreement import ExitAgreement
 
 __all__ = ["RunRequests"]
@@ -52,9 +54,10 @@ class RunRequests:
             if agreed > 1:
                 self.exit_code = agreed - 1
 
-    def checkpoint_due(self, step: int, ending: bool) -> bool:
-        """Whether a save is due after ``step``: asked for, or standing and the run is ``ending``."""
-        return self._checkpoint or (self._checkpoint_at_exit and ending and self._last_checkpoint_step != step)
+    def checkpoint_due(self, step: int, ending: Callable[[], bool]) -> bool:
+        """Whether a save is due after ``step``: asked for, or standing and ``ending()`` says the
+        run ends after this step (asked only then)."""
+        return self._checkpoint or (self._checkpoint_at_exit and self._last_checkpoint_step != step and ending())
 
     def checkpointed(self, step: int) -> None:
         """A save of ``step`` was made: the request is met."""

@@ -7,32 +7,32 @@ booleans are strict: ``"10"`` is not taken for ``10``, and unknown keys are erro
 
 from __future__ import annotations
 
-import json
 import os
-import tomllib
 from collections.abc import Iterable, Mapping
 from pathlib import Path
-from typing import Any, Literal, Self
+from typing import Annotated, Any, Literal, Self
 
 import torch
 from pydantic import (
     BaseModel,
     ConfigDict,
+    Field,
     ValidationError,
     field_validator,
     model_validator,
 )
 
-from .components import LrScheduleSettings, OptimizerSettings
-from .hooks import HookSpec
+from .components import OptimizerSettings
+from .hooks.registry import HookSpec
+from .schedules import LrScheduleSettings
+from .settings_errors import describe_validation_error
+from .settings_input import ENV_PREFIX, SettingsFileError, SettingsInput, read_settings_input
 from .types import NonNegativeInt, PositiveFloat, PositiveInt, StrictBool
 
-__all__ = ["SettingsFileError", "TrainerSettings"]
+__all__ = ["ENV_PREFIX", "TRAINER_PATTERN", "SettingsFileError", "TrainerSettings"]
 
-
-
-class SettingsFileError(ValueError):
-    """A settings file could not be read or did not validate; the message names the file."""
+#: ``package.module:Class`` (the class may be nested: ``module:Outer.Inner``).
+TRAINER_PATTERN = r"^[A-Za-z_][\w.]*:[A-Za-z_][\w.]*$"
 
 
 class TrainerSettings(BaseModel):
@@ -51,8 +51,12 @@ class TrainerSettings(BaseModel):
     # Attribute docstrings become field descriptions (in the JSON Schema and the docs too).
     model_config = ConfigDict(frozen=True, extra="forbid", validate_default=True, use_attribute_docstrings=True)
 
-    max_steps: PositiveInt
-    """Number of optimizer steps to run."""
+    max_steps: PositiveInt | None = None
+    """Number of optimizer steps to run (with ``max_epochs``: whichever limit comes first)."""
+    max_epochs: PositiveInt | None = None
+    """Number of passes over the data to run: the run ends with the step in which the last
+    epoch's last batch is drawn (needs a data loader with ``len()``). At least one of
+    ``max_steps`` and ``max_epochs`` is required."""
     grad_clip: PositiveFloat | None = None
     """Max gradient norm (L2); gradients are clipped before the optimizer step."""
     max_non_finite_grad_retries: NonNegativeInt | None = None
@@ -74,6 +78,8 @@ class TrainerSettings(BaseModel):
     """Use the model's ``no_sync()`` (DDP/FSDP) on all but the last microstep of a step."""
     trace: StrictBool = False
     """Record every transition of the machine in ``trainer.trace``."""
+    metrics_file: StrictBool = True
+    """With a ``workspace``, append every ``trainer.log`` call to ``<workspace>/metrics.jsonl``."""
     seed: NonNegativeInt | None = None
     """Seed Python's, NumPy's and torch's generators with this when ``train()`` starts, on
     every rank, before anything is built."""
@@ -86,7 +92,11 @@ class TrainerSettings(BaseModel):
     ``build_lr_scheduler()`` builds it."""
     hooks: tuple[HookSpec, ...] = ()
     """Hooks declared as data, each ``{"type": ..., <its parameters>}`` (e.g. ``{"type":
-    "checkpointing", "interval": 1000}``); ``build_hooks()`` builds them, in this order."""
+    "checkpointing", "interval": 1000}``); a run uses the hooks ``build_hooks()`` returns, then
+    these, in this order."""
+    trainer: Annotated[str, Field(pattern=TRAINER_PATTERN)] | None = None
+    """The trainer class ``trainloop run`` and ``trainloop validate`` use when no ``--trainer``
+    is given, as ``package.module:Class``; a trainer constructed in Python ignores it."""
 
     @field_validator("gradient_accumulation_steps", mode="before")
     @classmethod
@@ -119,8 +129,16 @@ class TrainerSettings(BaseModel):
         return self
 
     @model_validator(mode="after")
+    def _run_is_bounded(self) -> Self:
+        if self.max_steps is None and self.max_epochs is None:
+            raise ValueError("give max_steps, max_epochs or both: the run needs an end")
+        return self
+
+    @model_validator(mode="after")
     def _warmup_fits(self) -> Self:
-        if self.lr_schedule is not None and self.lr_schedule.warmup_steps_for(self.max_steps) >= self.max_steps:
+        # With max_epochs alone the step count is known once the data loader is built, and the
+        # schedule is checked then.
+        if self.max_steps is not None and self.lr_schedule is not None and self.lr_schedule.warmup_steps_for(self.max_steps) >= self.max_steps:
             raise ValueError(
                 f"lr_schedule warmup ({self.lr_schedule.warmup_steps_for(self.max_steps)} steps) must be "
                 f"shorter than max_steps ({self.max_steps})"
@@ -149,12 +167,14 @@ class TrainerSettings(BaseModel):
     ) -> Self:
         """Resolve settings from defaults < a file < environment variables < overrides.
 
-        Environment variables are named ``TRAINLOOP_<FIELD>`` (case-insensitive), with ``__``
-        between nested names (``TRAINLOOP_HOOKS='[...]'``). Overrides are ``key.sub=value``
-        strings as the command line's ``--set`` gives them; list items are addressed by index
-        (``hooks.0.interval=5``). Environment and override values are read as JSON when they
-        are valid JSON (``10``, ``true``, ``null``, ``[1, 2]``) and as plain strings otherwise
-        (``bf16``); quote a string that looks like JSON (``'"123"'``).
+        Environment variables are named ``TRAINLOOP_<FIELD>`` (any case), with ``__`` between
+        nested names: ``TRAINLOOP_OPTIMIZER__LR=0.5``, ``TRAINLOOP_LR_SCHEDULE__WARMUP_STEPS=10``,
+        ``TRAINLOOP_HOOKS='[...]'``. Overrides are ``key.sub=value`` strings as the command line's
+        ``--set`` gives them. A list item is addressed by index (``hooks.0.interval=5``) or, for
+        a hook, by its type (``hooks.checkpointing.interval=5``,
+        ``TRAINLOOP_HOOKS__CHECKPOINTING__INTERVAL=5``). Environment and override values are read
+        as JSON when they are valid JSON (``10``, ``true``, ``null``, ``[1, 2]``) and as plain
+        strings otherwise (``bf16``); quote a string that looks like JSON (``'"123"'``).
 
         Args:
             path: A JSON, YAML or TOML settings file, or ``None`` for none.
@@ -163,24 +183,22 @@ class TrainerSettings(BaseModel):
 
         Raises:
             SettingsFileError: The file cannot be read, or the resolved settings do not
-                validate; the message names the file (if any) and every offending field.
+                validate; one line per problem, naming the file, variable or override the bad
+                value came from and the field as written (``hooks[0].interval``).
         """
-        data: dict[str, Any] = {}
-        if path is not None:
-            data = _read_mapping(Path(path))
-            data.pop("$schema", None)
-        environment = os.environ if env is None else env
-        _merge(data, _from_environment(cls, environment))
-        for override in overrides:
-            key, sep, value = override.partition("=")
-            if not sep or not key.strip():
-                raise SettingsFileError(f"override {override!r}: expected key=value (e.g. max_steps=100)")
-            _set_path(data, key.strip().split("."), _parse_value(value), override)
+        return cls.validate_input(read_settings_input(path, os.environ if env is None else env, overrides))
+
+    @classmethod
+    def validate_input(cls, found: SettingsInput) -> Self:
+        """Validate merged settings input (see ``load``).
+
+        Raises:
+            SettingsFileError: One line per bad field, naming where its value came from.
+        """
         try:
-            return cls.model_validate(data)
+            return cls.model_validate(found.data)
         except ValidationError as error:
-            where = f"{path}" if path is not None else "settings"
-            raise SettingsFileError(f"{where}: {error}") from error
+            raise SettingsFileError(*describe_validation_error(error, found, cls)) from error
 
     @classmethod
     def json_schema(cls) -> dict[str, Any]:
@@ -188,77 +206,3 @@ class TrainerSettings(BaseModel):
         schema = cls.model_json_schema()
         schema["properties"] = {"$schema": {"type": "string", "description": "The schema of this file."}, **schema["properties"]}
         return schema
-
-
-ENV_PREFIX = "TRAINLOOP_"
-
-
-def _from_environment(cls: type[BaseModel], env: Mapping[str, str]) -> dict[str, Any]:
-    # pydantic-settings reads the prefix, case and nesting; scalars stay strings for _parse_value.
-    from pydantic_settings import EnvSettingsSource
-
-    source = EnvSettingsSource(cls, env_prefix=ENV_PREFIX, env_nested_delimiter="__", case_sensitive=False)  # type: ignore[arg-type]
-    source.env_vars = {k.lower(): v for k, v in env.items()}
-    return {k: _parse_value(v) if isinstance(v, str) else v for k, v in source().items()}
-
-
-def _parse_value(text: str) -> Any:
-    """JSON when the text is valid JSON (numbers, booleans, null, lists, objects), else the text."""
-    try:
-        return json.loads(text)
-    except ValueError:
-        return text
-
-
-def _merge(base: dict[str, Any], layer: Mapping[str, Any]) -> None:
-    """Merge ``layer`` into ``base``: nested mappings key by key, anything else replaced."""
-    for key, value in layer.items():
-        if isinstance(value, Mapping) and isinstance(base.get(key), dict):
-            _merge(base[key], value)
-        else:
-            base[key] = value
-
-
-def _set_path(data: Any, keys: list[str], value: Any, override: str) -> None:
-    for i, key in enumerate(keys):
-        last = i == len(keys) - 1
-        if isinstance(data, list):
-            if not key.isdigit() or int(key) >= len(data):
-                raise SettingsFileError(f"override {override!r}: {'.'.join(keys[:i + 1])} is not an item of a {len(data)}-item list")
-            key = int(key)  # type: ignore[assignment]
-        elif not isinstance(data, dict):
-            raise SettingsFileError(f"override {override!r}: {'.'.join(keys[:i])} is not a mapping")
-        if last:
-            data[key] = value
-        else:
-            if isinstance(data, dict) and key not in data:
-                data[key] = {}
-            data = data[key]
-
-
-def _read_mapping(path: Path) -> dict[str, Any]:
-    suffix = path.suffix.lower()
-    try:
-        text = path.read_text(encoding="utf-8")
-    except OSError as error:
-        raise SettingsFileError(f"{path}: cannot read settings file: {error.strerror}") from error
-    try:
-        if suffix == ".json":
-            data = json.loads(text)
-        elif suffix in (".yaml", ".yml"):
-            import yaml  # only needed for YAML files
-
-            data = yaml.safe_load(text)
-        elif suffix == ".toml":
-            data = tomllib.loads(text)
-        else:
-            raise SettingsFileError(
-                f"{path}: unknown settings file type {suffix!r}; use .json, .yaml, .yml or .toml"
-            )
-    except SettingsFileError:
-        raise
-    except Exception as error:  # each parser raises its own error type
-        raise SettingsFileError(f"{path}: malformed {suffix[1:].upper()}: {error}") from error
-    if not isinstance(data, dict):
-        raise SettingsFileError(f"{path}: expected a mapping of settings, got {type(data).__name__}")
-    return data

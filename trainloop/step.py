@@ -11,7 +11,7 @@ from __future__ import annotations
 import contextlib
 import warnings
 from collections.abc import Callable, Iterator, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from time import perf_counter
 from typing import Any, NamedTuple
 
@@ -24,7 +24,7 @@ from .loss import Loss
 from .sync import gradient_sync
 from .utils import is_distributed_model
 
-__all__ = ["LossNoneWarning", "Microstep", "StepPlan", "StepRunner", "unpack_forward_output"]
+__all__ = ["LossNoneWarning", "Microstep", "StepInfo", "StepPlan", "StepRunner", "unpack_forward_output"]
 
 _NO_CONTEXT = contextlib.nullcontext()  # reusable: entering it allocates nothing
 
@@ -70,6 +70,35 @@ class StepPlan:
     before_optimizer_step: Callable[[], None] | None = None
 
 
+@dataclass(slots=True)
+class StepInfo:
+    """What the step in progress did, as ``trainer.step_info``: complete in ``on_after_step``.
+
+    Attributes:
+        data_time: Seconds spent drawing batches, per microstep (skipped batches included; every
+            attempt of a retried step).
+        loss: Each microstep's loss as a detached tensor (per item for ``Loss``); reading one is
+            a host sync, so do it only on steps where you emit.
+        records: Each microstep's records, as ``forward`` returned them.
+        non_finite_grad_retries: How often this step was redone.
+        grad_norm: The total gradient norm before clipping (a tensor), with ``grad_clip`` only.
+        step_time: Seconds from the step's start to the end of its applied update.
+        max_memory: The step's peak CUDA memory in GiB (``CudaMaxMemoryHook``).
+        stats: The aggregate ``StatsHook`` published on this step, if it emitted one.
+        extras: What other hooks publish for later hooks, by a name of their choosing.
+    """
+
+    data_time: list[float] = field(default_factory=list)
+    loss: list[torch.Tensor] = field(default_factory=list)
+    records: list[Mapping[str, Any]] = field(default_factory=list)
+    non_finite_grad_retries: int = 0
+    grad_norm: torch.Tensor | None = None
+    step_time: float | None = None
+    max_memory: float | None = None
+    stats: Any = None  # a trainloop.hooks.stats.TrainingStats
+    extras: dict[str, Any] = field(default_factory=dict)
+
+
 class Microstep(NamedTuple):
     """What one microstep computed.
 
@@ -102,6 +131,7 @@ class StepRunner:
         # set_requires_gradient_sync(False).
         sync_off = gradient_sync(plan.model, enabled=False)
         self._sync_off = sync_off if plan.no_sync and sync_off.controls_sync else None
+        self._autocast = None if isinstance(plan.autocast, contextlib.nullcontext) else plan.autocast
         self._scaler = plan.grad_scaler if plan.grad_scaler is not None and plan.grad_scaler.is_enabled() else None
         # With clipping on, the total norm clip_grad_norm_ returns answers the check for free.
         self._grad_check = (
@@ -128,29 +158,37 @@ class StepRunner:
         ``update`` to divide the gradients by. Gradients are synchronised across ranks only on
         the step's last microstep.
         """
-        plan = self.plan
-        last = self.microsteps + 1 >= plan.accumulation
+        if self._sync_off is not None and self.microsteps + 1 < self.plan.accumulation:
+            with self._sync_off:
+                return self._microstep()
+        return self._microstep()
+
+    def _microstep(self) -> Microstep:
+        plan, autocast = self.plan, self._autocast
         data_time = 0.0
-        with self._sync_off if self._sync_off is not None and not last else _NO_CONTEXT:
-            while True:
-                start = perf_counter()
-                batch = next(self.data)
-                data_time += perf_counter() - start
-                with plan.autocast:
-                    loss, records = unpack_forward_output(plan.forward(batch), plan.owner)
-                if loss is not None:
-                    break
-                if self.distributed:
-                    warnings.warn(
-                        "forward() returned loss=None under DDP/FSDP; the wrapped model must not "
-                        "have been called for this batch, or its next backward may hang or be wrong",
-                        LossNoneWarning,
-                        stacklevel=3,
-                    )
-            backward = self._to_backpropagate(loss)
-            if self._scaler is not None:
-                backward = self._scaler.scale(backward)
-            backward.backward()
+        while True:
+            start = perf_counter()
+            batch = next(self.data)
+            data_time += perf_counter() - start
+            if autocast is None:  # no `with` on a no-op context: two Python calls saved per microstep
+                output = plan.forward(batch)
+            else:
+                with autocast:
+                    output = plan.forward(batch)
+            loss, records = unpack_forward_output(output, plan.owner)
+            if loss is not None:
+                break
+            if self.distributed:
+                warnings.warn(
+                    "forward() returned loss=None under DDP/FSDP; the wrapped model must not "
+                    "have been called for this batch, or its next backward may hang or be wrong",
+                    LossNoneWarning,
+                    stacklevel=4,
+                )
+        backward = self._to_backpropagate(loss)
+        if self._scaler is not None:
+            backward = self._scaler.scale(backward)
+        backward.backward()
         self.microsteps += 1
         return Microstep(loss, records, data_time)
 

@@ -13,13 +13,16 @@ from typing import TYPE_CHECKING, Any, ClassVar
 import torch
 from torch import nn
 
-from . import components
+from . import components, preflight
 from .hooks.base import BaseHook, hook_dispatch
 from .loop import Loop
+from .limits import RunLength
 from .machine import Handle, State
+from .metrics import MetricsLog
+from .result import RunResult, finish_run
 from .rng import seed_all
 from .settings import TrainerSettings
-from .step import LossNoneWarning
+from .step import LossNoneWarning, StepInfo
 from .trace import Trace
 from .training_state import ChangedSettingsWarning, load_training_state, training_state
 from .utils import Records, unwrap_model
@@ -60,6 +63,13 @@ class BaseTrainer:
 
     settings_class: ClassVar[type[TrainerSettings]] = TrainerSettings
 
+    # Built in ``building``, in this order, by the ``build_*`` methods.
+    data_loader: Iterable[Any]
+    model: nn.Module
+    optimizer: torch.optim.Optimizer
+    lr_scheduler: torch.optim.lr_scheduler.LRScheduler | None
+    grad_scaler: torch.amp.GradScaler
+
     def __init__(
         self,
         settings: TrainerSettings | None = None,
@@ -77,9 +87,12 @@ class BaseTrainer:
         )
         self.step = 0  # the last begun step; incremented when a new step begins
         self.epoch = 0
-        self.step_info: dict[str, Any] = {}
+        self.step_info = StepInfo()  # what the step in progress did; see StepInfo
         self.hooks: list[BaseHook] = []
         self.error: BaseException | None = None
+        self.run_length = RunLength(self.settings)  # where the run ends: max_steps, max_epochs
+        self.metrics = MetricsLog()  # every trainer.log call; metrics.jsonl in the workspace
+        self.result: RunResult | None = None
         self._dispatch = hook_dispatch(())
         self._loop = Loop(self)
         self._machine = self._loop.machine
@@ -127,18 +140,18 @@ class BaseTrainer:
         """
         if self.settings.lr_schedule is None:
             return None
-        return components.build_lr_scheduler(self.settings.lr_schedule, self.optimizer, self.settings.max_steps)
+        return components.build_lr_scheduler(self.settings.lr_schedule, self.optimizer, self.max_steps)
 
     def build_grad_scaler(self) -> torch.amp.GradScaler:
         """Return the gradient scaler; by default enabled for fp16 mixed precision only."""
         return torch.amp.GradScaler(self.device.type, enabled=self.settings.mixed_precision == "fp16")
 
     def build_hooks(self) -> list[BaseHook]:
-        """Return the hooks of this run, in the order they are called.
+        """Return the hooks built in code; the run calls them, then those ``settings.hooks`` declares.
 
-        By default, the hooks declared in ``settings.hooks``.
+        By default none. An override need not (and should not) build the declared hooks.
         """
-        return [spec.build() for spec in self.settings.hooks]
+        return []
 
     def forward(self, input: Any) -> tuple[torch.Tensor | None, Records]:
         """Compute the loss of one microstep's batch.
@@ -167,8 +180,9 @@ class BaseTrainer:
 
     @property
     def max_steps(self) -> int:
-        """``settings.max_steps``."""
-        return self.settings.max_steps
+        """The run's planned steps: ``settings.max_steps``, or fewer when ``max_epochs`` ends it
+        first (see ``RunLength.planned_steps``; known once the data loader is built)."""
+        return self.run_length.planned_steps or 0
 
     @property
     def workspace(self) -> Path | None:
@@ -235,7 +249,7 @@ class BaseTrainer:
 
     # -- the loop ------------------------------------------------------------------------------
 
-    def train(self) -> None:
+    def train(self) -> RunResult:
         """Run the machine until it reaches ``exiting``.
 
         In pseudocode (each line is the work of one state, or of an edge's action)::
@@ -257,16 +271,27 @@ class BaseTrainer:
         follows an update (retry, save, exit, next step) leaves from ``stepping``. The work of
         each state is ``trainloop.loop.Loop``'s.
 
+        Returns:
+            What the run did: its last step, epochs, exit code, last metrics and best
+            checkpoint (also kept as ``trainer.result``).
+
         Raises:
+            trainloop.preflight.PreflightError: The settings and this trainer class cannot work
+                together; nothing was built or written.
             RuntimeError: Gradients stayed non-finite beyond ``max_non_finite_grad_retries``.
             trainloop.data.DataExhaustedError: A one-shot iterator ran out before ``max_steps``.
             SystemExit: A hook requested exit with an exit code.
         """
+        preflight.check(self)  # before anything is built or written: see trainloop.preflight
         if self.state is not State.IDLE:
             raise RuntimeError(f"train() runs once per trainer; this one is in state {self.state.value!r}")
-        self._loop.run()
+        try:
+            self._loop.run()
+        finally:
+            self.result = finish_run(self)  # also appended to <workspace>/runs.jsonl
         if self.exit_code is not None:
             raise SystemExit(self.exit_code)
+        return self.result
 
     def _build_components(self) -> None:
         """Seed, then build data loader, model and optimizer, in that order (each may read the
@@ -274,6 +299,7 @@ class BaseTrainer:
         if self.settings.seed is not None:
             seed_all(self.settings.seed)
         self.data_loader = self.build_data_loader()
+        self.run_length.plan(self.data_loader)
         self.model = self.build_model()
         self.optimizer = self.build_optimizer()
 
@@ -292,7 +318,10 @@ class BaseTrainer:
     # -- logging and helpers -------------------------------------------------------------------
 
     def log(self, records: Records, dry_run: bool = False) -> None:
-        """Send nested numeric records to every hook's ``on_log``."""
+        """Send nested numeric records to every hook's ``on_log``, and record them in
+        ``trainer.metrics`` (and ``<workspace>/metrics.jsonl``, see ``settings.metrics_file``)."""
+        if not dry_run:
+            self.metrics.record(self.step, records)
         for fn in self._dispatch["on_log"]:
             fn(self, records, dry_run=dry_run)
 

@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch.distributed as dist
 
+from . import components
 from .rng import get_rng_state, set_rng_state
 
 if TYPE_CHECKING:
@@ -41,7 +42,7 @@ def training_state(trainer: BaseTrainer) -> dict[str, Any]:
         "model": model_state,
         "training_state": {
             "step": trainer.step,
-            "epoch": data.epoch if data is not None else trainer.epoch,
+            "epoch": data.resume_epoch if data is not None else trainer.epoch,
             "optimizer": optimizer_state,
             "lr_scheduler": trainer.lr_scheduler.state_dict() if trainer.lr_scheduler else None,
             "grad_scaler": trainer.grad_scaler.state_dict(),
@@ -114,6 +115,9 @@ def _warn_on_changed_settings(trainer: BaseTrainer, saved: str | None) -> None:
             ChangedSettingsWarning,
             stacklevel=3,
         )
+    note = components.describe_schedule_change(then, trainer.settings, trainer.step)
+    if note is not None:  # what a declared schedule does now, beyond "settings differ"
+        warnings.warn(note, ChangedSettingsWarning, stacklevel=3)
 
 
 def _loader_state(loader: Any) -> Any:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import difflib
 import math
 import sys
 from collections.abc import Callable, Iterable, Iterator, Mapping
@@ -16,6 +17,7 @@ from torch import nn
 __all__ = [
     "Records",
     "flatten_nested_dict",
+    "hint_for_missing_key",
     "is_distributed_model",
     "is_rank_zero",
     "key_average",
@@ -113,6 +115,18 @@ def flatten_nested_dict(d: Mapping[str, Any], sep: str = "/", prefix: str = "") 
         else:
             flat[name] = value
     return flat
+
+
+def hint_for_missing_key(key: str, seen: Iterable[str]) -> str:
+    """A hint for a key that was never seen among ``seen``: ``"; did you mean 'val/loss'?"``,
+    else the keys seen (at most 20), else ``""``."""
+    seen = sorted(set(seen))
+    close = difflib.get_close_matches(key, seen, n=3)
+    if close:
+        return f"; did you mean {' or '.join(repr(k) for k in close)}?"
+    if seen:
+        return f"; keys logged: {', '.join(seen[:20])}"
+    return ""
 
 
 def unwrap_model(module: nn.Module) -> nn.Module:

@@ -3,9 +3,13 @@
     python examples/digits/train.py                      # settings from settings.json beside this file
     python examples/digits/train.py my_settings.json     # or your own file
 
-Prints progress and validation accuracy while training, and the final accuracy (about 97%).
-Checkpoints go to ``runs/digits/checkpoints``; run it again and it resumes from the latest one
-(Ctrl-C saves and exits cleanly; the next run continues from there).
+Prints progress and the validation loss and accuracy while training, then the final accuracy
+(about 97%) and the best checkpoint by validation loss. Checkpoints go to
+``runs/digits/checkpoints``; run it again and it resumes from the latest one (Ctrl-C saves and
+exits cleanly; the next run continues from there). The run records its trace and metrics in
+``runs/digits``; see them as a page with::
+
+    trainloop report runs/digits        # writes runs/digits/report.html
 """
 
 from __future__ import annotations
@@ -64,7 +68,7 @@ class DigitsTrainer(BaseTrainer):
         return torch.optim.AdamW(self.model.parameters(), lr=self.settings.lr, weight_decay=self.settings.weight_decay)
 
     def build_lr_scheduler(self):
-        return torch.optim.lr_scheduler.CosineAnnealingLR(self.optimizer, T_max=self.settings.max_steps)
+        return torch.optim.lr_scheduler.CosineAnnealingLR(self.optimizer, T_max=self.max_steps)  # planned: max_epochs works too
 
     def forward(self, batch):
         x, y = (t.to(self.device) for t in batch)
@@ -88,9 +92,10 @@ def main(argv: list[str]) -> float:
     path = Path(argv[0]) if argv else Path(__file__).with_name("settings.json")
     settings = DigitsSettings.from_file(path)
     trainer = DigitsTrainer(settings)
-    trainer.train()
-    metrics = trainer.evaluate()
-    print(f"validation accuracy {metrics['accuracy']:.4f} (loss {metrics['loss']:.4f}) after {trainer.step} steps")
+    result = trainer.train()
+    metrics = trainer.evaluate()  # also when resumed with nothing left to train
+    print(f"validation accuracy {metrics['accuracy']:.4f} (loss {metrics['loss']:.4f}) after {result.step} steps")
+    print(f"best checkpoint: {result.best_checkpoint}; report: trainloop report {settings.workspace}")
     return metrics["accuracy"]
 
 

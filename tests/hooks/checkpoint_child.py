@@ -11,8 +11,13 @@ prints one line per event, flushed, so the parent can time its signal:
     forked <pid>             (save-loop) a run began in process <pid>, to be killed
     reaped <pid> <code>      (save-loop) that process has ended (-9: by SIGKILL)
 
+    writing <step>           (preempt) the exit save's files are about to be written
+    settling                 (preempt) the end of the run waits for a save in flight
+
 Modes:
     signal <workspace> <max_steps>   sleeps a little per step; saves only at the end or on SIGTERM
+    preempt <workspace> <async 0|1>  CheckpointingHook's default exit signals; the (only) save,
+                                     at the exit, blocks on a stdin line before writing
     save-loop <workspace>            for each line ``<format> <async 0|1>`` read from stdin,
                                      forks a run that resumes from ``latest`` and saves a ~16 MB
                                      checkpoint every step, endlessly, in that format, and waits
@@ -143,7 +148,8 @@ class StepDataTrainer(TinyTrainer):
     checkpoint state that matters.
 
     Args:
-        wrap: ``"ddp"`` or ``"fsdp"`` (FSDP2 ``fully_shard``) under a process group.
+        wrap: ``"ddp"``, ``"ddp_unused"`` (``find_unused_parameters=True``) or ``"fsdp"`` (FSDP2
+            ``fully_shard``) under a process group.
     """
 
     def __init__(self, *args, wrap: str = "ddp", **kwargs):
@@ -162,7 +168,8 @@ class StepDataTrainer(TinyTrainer):
 
             fully_shard(model)
             return model
-        return nn.parallel.DistributedDataParallel(model)
+        # find_unused_parameters: DDP then never rebuilds its buckets (see docs/checkpointing.md)
+        return nn.parallel.DistributedDataParallel(model, find_unused_parameters=self.wrap == "ddp_unused")
 
     def build_optimizer(self):
         return torch.optim.SGD(self.model.parameters(), lr=self.lr, momentum=0.9)
@@ -237,14 +244,41 @@ def formats_worker(rank: int, world: int, port: int, out: str) -> None:
         dist.destroy_process_group()
 
 
+def preempt(workspace: str, async_save: bool) -> None:
+    """A run with the default exit signals whose exit save pauses before writing, so that the
+    parent can signal again while it is in flight (on the training thread, or in the background
+    while the end of the run waits for it)."""
+    from trainloop.checkpoint import saver
+
+    write, settle = saver.write_checkpoint, saver.CheckpointSaver.settle
+
+    def paused_write(root, step, *args, **kwargs):
+        say("writing", step)
+        sys.stdin.readline()
+        return write(root, step, *args, **kwargs)
+
+    def announced_settle(self, agree):
+        if self._pending is not None:
+            say("settling")
+        return settle(self, agree)
+
+    saver.write_checkpoint = paused_write
+    saver.CheckpointSaver.settle = announced_settle
+    hooks = [ReportHook(sleep=0.05), CheckpointingHook(interval=1_000_000, async_save=async_save)]
+    TinyTrainer(max_steps=1_000_000, workspace=workspace, hooks=hooks).train()
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
-    parser.add_argument("mode", choices=["signal", "save-loop"])
+    parser.add_argument("mode", choices=["signal", "save-loop", "preempt"])
     parser.add_argument("workspace")
     parser.add_argument("max_steps", type=int, nargs="?", default=1_000_000)
     args = parser.parse_args()
     if args.mode == "save-loop":
         fork_save_loops(args.workspace)
+        return
+    if args.mode == "preempt":
+        preempt(args.workspace, async_save=bool(args.max_steps))
         return
     hooks = [ReportHook(sleep=0.05), CheckpointingHook(interval=1_000_000, exit_signals=["SIGTERM"])]
     TinyTrainer(max_steps=args.max_steps, workspace=args.workspace, hooks=hooks).train()

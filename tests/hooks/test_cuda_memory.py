@@ -25,7 +25,7 @@ def test_cpu_device_is_a_no_op_with_one_warning():
     assert issubclass(ours[0].category, RuntimeWarning)
     assert "'cpu'" in str(ours[0].message) and "max_memory" in str(ours[0].message)
     assert len(capture.step_infos) == 4
-    assert all("max_memory" not in info for info in capture.step_infos)
+    assert all(info.max_memory is None for info in capture.step_infos)
     assert trainer.step == 4
 
 
@@ -44,7 +44,7 @@ def test_cuda_peak_is_recorded_per_step():
     with warnings.catch_warnings():
         warnings.simplefilter("error", RuntimeWarning)
         trainer.train()
-    peaks = [info["max_memory"] for info in capture.step_infos]
+    peaks = [info.max_memory for info in capture.step_infos]
     assert all(isinstance(p, float) and p > 0 for p in peaks)
     assert peaks[1] >= 0.25 > peaks[0] and peaks[2] < 0.25
 

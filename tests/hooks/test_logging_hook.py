@@ -26,7 +26,7 @@ class LogCapture(BaseHook):
 
 class MemoryHook(BaseHook):
     def on_after_step(self, trainer):
-        trainer.step_info["max_memory"] = float(trainer.step * 1000)
+        trainer.step_info.max_memory = float(trainer.step * 1000)
 
 
 def test_logs_at_multiples_of_interval_and_at_the_last_step():
@@ -48,11 +48,11 @@ def test_records_are_the_stats_aggregate():
         "loss", "grad_norm", "lr", "step_time", "data_time", "non_finite_grad_retries", "max_memory", "records",
     }
     # The very numbers StatsHook computed over the same window.
-    assert second == capture.step_infos[3]["stats"].to_records()
-    losses = [loss.item() for info in capture.step_infos[:2] for loss in info["loss"]]
+    assert second == capture.step_infos[3].stats.to_records()
+    losses = [loss.item() for info in capture.step_infos[:2] for loss in info.loss]
     assert first["loss"] == pytest.approx(sum(losses) / 4, rel=1e-6)
     assert first["records"] == {"mse": pytest.approx(first["loss"], rel=1e-6)}
-    norms = [info["grad_norm"].item() for info in capture.step_infos[:2]]
+    norms = [info.grad_norm.item() for info in capture.step_infos[:2]]
     assert first["grad_norm"] == pytest.approx(sum(norms) / 2, rel=1e-6)
     assert first["lr"] == {"group_0": 0.05}
     assert (first["max_memory"], second["max_memory"]) == (2000.0, 4000.0)

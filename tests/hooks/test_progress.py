@@ -26,7 +26,7 @@ NUMBER = r"\d+\.\d{4}"
 
 class MemoryHook(BaseHook):
     def on_after_step(self, trainer):
-        trainer.step_info["max_memory"] = 1.5  # GiB, as CudaMaxMemoryHook records it
+        trainer.step_info.max_memory = 1.5  # GiB, as CudaMaxMemoryHook records it
 
 
 class NanOnceTrainer(TinyTrainer):
@@ -261,6 +261,24 @@ def test_a_terminal_gets_a_bar_unless_bar_is_off():
     assert re.search(rf"step/s, step {NUMBER}s data {NUMBER}s eta \d+:\d\d:\d\d loss {NUMBER} lr 5\.00e-02\]", bar)
     assert "Step 5/20" not in bar + stderr  # the bar replaces the lines
     assert "%|" not in lines and "Step 2/4: step" in stderr and "Step 4/4: step" in stderr
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="pseudo-terminal sizing is Linux-only here")
+def test_the_bar_shows_validation_results_as_they_are_logged():
+    pytest.importorskip("tqdm")
+    tty, _ = _run_in_pty(
+        """
+        from tiny_trainer import TinyTrainer
+        from trainloop import ProgressHook, ValidationHook
+
+        values = {3: 0.75, 6: 0.5}
+        hooks = [ProgressHook(interval=4), ValidationHook(lambda t: {"loss": values[t.step]}, interval=3)]
+        TinyTrainer(max_steps=6, hooks=hooks).train()
+        """
+    )
+    # At step 3 no report was due yet: the validation result shows on its own, then stays.
+    assert re.search(r"3/6 \[[^\]]*val/loss 0\.75\]", tty)
+    assert re.search(rf"6/6 \[[^\]]*loss {NUMBER} lr 5\.00e-02 val/loss 0\.5\]", tty)
 
 
 # -- parameters -----------------------------------------------------------------------------------

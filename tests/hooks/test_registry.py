@@ -1,10 +1,12 @@
 """Hooks declared in settings: validated like keyword arguments, built in the order given."""
 
 import json
+from pathlib import Path
 
 import pytest
+from cli_process import Cli
 from pydantic import ValidationError
-from tiny_trainer import TinyTrainer, make_data
+from tiny_trainer import CaptureHook, TinyTrainer, make_data
 from torch.utils.data import DataLoader
 
 from trainloop import BaseHook, CheckpointingHook, ProgressHook, TrainerSettings
@@ -54,9 +56,9 @@ def test_declared_hooks_round_trip_through_json():
 @pytest.mark.parametrize(
     ("hook", "location"),
     [
-        ({"type": "checkpointing"}, ("hooks", 0, "checkpointing", "interval")),
-        ({"type": "checkpointing", "interval": "5"}, ("hooks", 0, "checkpointing", "interval")),
-        ({"type": "progress", "colour": "red"}, ("hooks", 0, "progress", "colour")),
+        ({"type": "checkpointing"}, ("hooks", 0, "interval")),
+        ({"type": "checkpointing", "interval": "5"}, ("hooks", 0, "interval")),
+        ({"type": "progress", "colour": "red"}, ("hooks", 0, "colour")),
         ({"type": "teleport"}, ("hooks", 0)),
         ({"interval": 3}, ("hooks", 0)),
     ],
@@ -77,3 +79,78 @@ def test_a_settings_file_declares_hooks(tmp_path):
 def test_registering_a_taken_name_is_an_error():
     with pytest.raises(ValueError, match="hook type 'progress' is already registered by ProgressHook"):
         register_hook("progress")(type("Other", (BaseHook,), {}))
+
+
+@pytest.fixture
+def registry_restored():
+    """Hooks a test registers are forgotten afterwards (the docs and schema list the registry)."""
+    before = dict(HOOK_TYPES)
+    yield
+    HOOK_TYPES.clear()
+    HOOK_TYPES.update(before)
+
+
+def test_a_hook_registered_after_import_is_declarable(registry_restored):
+    import trainloop
+
+    assert trainloop.register_hook is register_hook  # public
+
+    @trainloop.register_hook("every_n")
+    class EveryN(BaseHook):
+        def __init__(self, n: int = 2) -> None:
+            self.n = n
+            self.seen = []
+
+        def on_after_step(self, trainer):
+            if trainer.step % self.n == 0:
+                self.seen.append(trainer.step)
+
+    settings = TrainerSettings.model_validate({"max_steps": 4, "hooks": [{"type": "every_n", "n": 2}]})
+    assert TrainerSettings.model_validate_json(settings.model_dump_json()) == settings
+    schema = TrainerSettings.json_schema()
+    assert schema["properties"]["hooks"]["items"]["discriminator"]["mapping"]["every_n"] == "#/$defs/EveryNSettings"
+    trainer = DeclaredTrainer(settings)
+    trainer.train()
+    assert trainer.hooks[0].seen == [2, 4]
+
+
+def test_declared_hooks_run_after_the_built_ones_and_are_never_dropped(tmp_path):
+    settings = TrainerSettings(max_steps=2, workspace=tmp_path, hooks=[{"type": "checkpointing", "interval": 2}])
+    capture = CaptureHook()
+    trainer = TinyTrainer(settings, hooks=[capture])  # overrides build_hooks() with its own hooks
+    trainer.train()
+    assert [type(h) for h in trainer.hooks] == [CaptureHook, CheckpointingHook]
+    assert (tmp_path / "checkpoints" / "2").is_dir()  # the declared hook ran
+    assert capture.calls  # and so did the built one
+
+
+def test_a_declared_hook_built_by_an_override_is_not_built_twice():
+    class BuildsDeclared(TinyTrainer):
+        def build_hooks(self):  # the pattern of older code: build the declared hooks itself
+            return [spec.build() for spec in self.settings.hooks]
+
+    trainer = BuildsDeclared(TrainerSettings(max_steps=2, hooks=[{"type": "progress"}, {"type": "progress"}]))
+    trainer.train()
+    assert [type(h) for h in trainer.hooks] == [ProgressHook, ProgressHook]
+
+
+def _doc_example(name: str) -> str:
+    """The code block under ``<!-- example: name -->`` in docs/hooks.md."""
+    text = (Path(__file__).resolve().parents[2] / "docs" / "hooks.md").read_text()
+    after = text.split(f"<!-- example: {name} -->\n", 1)[1]
+    return after.split("```", 2)[1].split("\n", 1)[1]
+
+
+def test_the_custom_hook_example_of_the_docs_runs_from_the_cli(tmp_path):
+    (tmp_path / "my_train.py").write_text(_doc_example("my_train.py"))
+    (tmp_path / "run.json").write_text(_doc_example("run.json"))
+    run = Cli("run", "run.json", cwd=tmp_path)
+    schema = Cli("schema", "--trainer", "my_train:MyTrainer", cwd=tmp_path)
+    result = run.result()
+    assert result.returncode == 0, result.stderr
+    lines = (tmp_path / "runs" / "custom" / "loss.txt").read_text().splitlines()
+    assert [int(line.split()[0]) for line in lines] == [5, 10, 15, 20]
+    result = schema.result()
+    assert result.returncode == 0, result.stderr
+    hook_types = json.loads(result.stdout)["properties"]["hooks"]["items"]["discriminator"]["mapping"]
+    assert "loss_file" in hook_types and "checkpointing" in hook_types

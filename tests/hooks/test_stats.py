@@ -53,7 +53,7 @@ class MemoryHook(BaseHook):
 
     def on_after_step(self, trainer):
         if trainer.step in self.by_step:
-            trainer.step_info["max_memory"] = self.by_step[trainer.step]
+            trainer.step_info.max_memory = self.by_step[trainer.step]
 
 
 
@@ -124,19 +124,19 @@ def test_means_over_microsteps_and_interval():
 
     infos = capture.step_infos
     for window, emit_step in ((infos[0:3], 3), (infos[3:6], 6)):
-        published = window[-1]["stats"]  # StatsHook publishes in step_info on emitting steps
-        losses = [loss.item() for info in window for loss in info["loss"]]
+        published = window[-1].stats  # StatsHook publishes in step_info on emitting steps
+        losses = [loss.item() for info in window for loss in info.loss]
         assert len(losses) == 6  # 3 steps x 2 microsteps
         assert published.step == emit_step and published.steps == 3
         assert published.loss == pytest.approx(mean(losses), rel=1e-6)
         assert published.records == {"mse": pytest.approx(mean(losses), rel=1e-6)}
-        assert published.step_time == pytest.approx(mean(info["step_time"] for info in window))
-        assert published.data_time == pytest.approx(mean(sum(info["data_time"]) for info in window))
+        assert published.step_time == pytest.approx(mean(info.step_time for info in window))
+        assert published.data_time == pytest.approx(mean(sum(info.data_time) for info in window))
         assert published.non_finite_grad_retries == 0
         assert published.grad_norm is None and published.max_memory is None
         assert published.lrs == {"group_0": 0.05}
-    assert [("stats" in info) for info in infos] == [False, False, True, False, False, True]
-    assert stats.latest is infos[5]["stats"]
+    assert [(info.stats is not None) for info in infos] == [False, False, True, False, False, True]
+    assert stats.latest is infos[5].stats
 
 
 def test_records_averaged_key_by_key_over_microsteps():
@@ -159,7 +159,7 @@ def test_lr_is_read_before_the_scheduler_steps():
     trainer.train()
 
     # StepLR(step_size=2, gamma=0.5): steps 1-2 use the initial lrs, steps 3-4 half of them.
-    lrs = [info["stats"].lrs for info in capture.step_infos]
+    lrs = [info.stats.lrs for info in capture.step_infos]
     assert lrs == [{"body": 0.1 * f, "group_1": 0.05 * f} for f in (1.0, 1.0, 0.5, 0.5)]
     # ...whereas after step 4 the optimizer already holds the lr of a step 5.
     assert trainer.optimizer.param_groups[0]["lr"] == pytest.approx(0.025)
@@ -185,11 +185,11 @@ def test_grad_norm_is_the_mean_before_clipping():
     stats, capture = StatsHook(interval=2), CaptureHook()
     TinyTrainer(max_steps=4, grad_clip=0.01, hooks=[stats, capture]).train()
 
-    norms = [info["grad_norm"].item() for info in capture.step_infos]
+    norms = [info.grad_norm.item() for info in capture.step_infos]
     assert all(norm > 0.01 for norm in norms)  # clipped, and reported unclipped
-    assert capture.step_infos[1]["stats"].grad_norm == pytest.approx(mean(norms[:2]), rel=1e-6)
-    assert capture.step_infos[3]["stats"].grad_norm == pytest.approx(mean(norms[2:]), rel=1e-6)
-    assert capture.step_infos[3]["stats"].to_records()["grad_norm"] == capture.step_infos[3]["stats"].grad_norm
+    assert capture.step_infos[1].stats.grad_norm == pytest.approx(mean(norms[:2]), rel=1e-6)
+    assert capture.step_infos[3].stats.grad_norm == pytest.approx(mean(norms[2:]), rel=1e-6)
+    assert capture.step_infos[3].stats.to_records()["grad_norm"] == capture.step_infos[3].stats.grad_norm
 
 
 def test_retries_are_counted_in_their_window():
@@ -200,7 +200,7 @@ def test_retries_are_counted_in_their_window():
     assert [(step, s.non_finite_grad_retries) for step, s in rec.emitted] == [(2, 0), (4, 1)]
     second = rec.emitted[1][1]
     # The NaN attempt's loss was dropped with the retry: the mean is over the kept attempts.
-    kept = [loss.item() for info in capture.step_infos[2:] for loss in info["loss"]]
+    kept = [loss.item() for info in capture.step_infos[2:] for loss in info.loss]
     assert math.isfinite(second.loss) and second.loss == pytest.approx(mean(kept), rel=1e-6)
 
 

@@ -35,7 +35,7 @@ class LogHook(BaseHook):
         self.logged: list[tuple[int, float]] = []
 
     def on_after_step(self, trainer):
-        mse = trainer.step_info["records"][0]["mse"]
+        mse = trainer.step_info.records[0]["mse"]
         self.logged.append((trainer.step, float(mse)))
         trainer.log({"loss": {"mse": mse}, "run": self.run}, dry_run=self.dry_run)
         if trainer.step in self.images:

@@ -3,6 +3,11 @@
 from __future__ import annotations
 
 import json
+import logging
+import os
+import subprocess
+import sys
+from pathlib import Path
 
 import pydantic
 import pytest
@@ -12,6 +17,8 @@ from tiny_trainer import CaptureHook, TinyTrainer, make_data
 from trainloop import BaseHook, State
 from trainloop.hooks.registry import HOOK_TYPES, hook_settings_model
 from trainloop.hooks.validation import ValidationHook
+
+ROOT = Path(__file__).resolve().parents[2]
 
 
 class Probe:
@@ -239,3 +246,26 @@ def test_registered_and_declarable_in_settings(tmp_path):
         model.model_validate({"type": "validation", "evaluate": "validate", "interval": 0})
     with pytest.raises(pydantic.ValidationError, match="extra"):
         model.model_validate({"type": "validation", "evaluate": "validate", "interval": 1, "every": 2})
+
+
+def test_results_appear_on_the_console_as_they_are_computed(caplog):
+    hook = ValidationHook(lambda t: {"loss": torch.tensor(0.125), "acc": {"top1": 0.5}}, interval=2)
+    with caplog.at_level(logging.INFO, logger="trainloop"):
+        TinyTrainer(max_steps=3, hooks=[hook]).train()
+    lines = [r.getMessage() for r in caplog.records if r.getMessage().startswith("Validation")]
+    assert lines == [
+        "Validation at step 2: val/loss 0.125 val/acc/top1 0.5",
+        "Validation at step 3: val/loss 0.125 val/acc/top1 0.5",
+    ]
+
+
+def test_unconfigured_logging_shows_results_beside_progress_lines_in_a_fresh_process():
+    code = (
+        "from tiny_trainer import TinyTrainer\n"
+        "from trainloop import ProgressHook, ValidationHook\n"
+        "TinyTrainer(max_steps=2, hooks=[ProgressHook(interval=1, bar=False),"
+        " ValidationHook(lambda t: {'loss': 0.25}, interval=2)]).train()\n"
+    )
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), str(ROOT / "tests")])}
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, check=True)
+    assert "Step 2/2: step" in result.stderr and "Validation at step 2: val/loss 0.25" in result.stderr

@@ -140,7 +140,7 @@ class LogHook(BaseHook):
         self.logged: dict[int, float] = {}
 
     def on_after_step(self, trainer):
-        mse = trainer.step_info["records"][0]["mse"]
+        mse = trainer.step_info.records[0]["mse"]
         self.logged[trainer.step] = float(mse)
         trainer.log({"loss": {"mse": mse}, "attempt": self.attempt})
         if trainer.step == self.image_step:

@@ -17,7 +17,7 @@ import os
 import re
 import secrets
 import shutil
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from logging import Logger
 from pathlib import Path
@@ -57,7 +57,7 @@ def _remove(path: Path) -> None:
 
 
 @contextmanager
-def atomic_directory(target: Path) -> Iterator[Path]:
+def atomic_directory(target: Path, then: Callable[[], None] | None = None) -> Iterator[Path]:
     """Yield an empty temporary directory to fill; on success it becomes ``target``.
 
     Every file written into it is fsynced before the directory is renamed into place, so the
@@ -67,11 +67,13 @@ def atomic_directory(target: Path) -> Iterator[Path]:
 
     Args:
         target: The directory to create or replace. Its parent is created if needed.
+        then: Completes the publication once the directory is in place (e.g. pointing
+            ``latest`` at it); see :func:`publish`.
     """
     tmp = make_temporary(target)
     try:
         yield tmp
-        publish(tmp, target)
+        publish(tmp, target, then)
     except BaseException:
         discard(tmp)
         raise
@@ -90,12 +92,22 @@ def make_temporary(target: Path) -> Path:
     return tmp
 
 
-def publish(tmp: Path, target: Path) -> None:
-    """Fsync everything in ``tmp`` and rename it to ``target`` (replacing an existing one)."""
+def publish(tmp: Path, target: Path, then: Callable[[], None] | None = None) -> None:
+    """Fsync everything in ``tmp`` and rename it to ``target`` (replacing an existing one).
+
+    Args:
+        tmp: The complete directory, from :func:`make_temporary`.
+        target: Its name once published.
+        then: Called once ``tmp`` is in place, before the directory it replaced is removed;
+            if it raises, the publication is undone (the new directory leaves ``target``, the
+            old one comes back) and the error propagates. So a step that must succeed for
+            the directory to count, such as updating ``latest``, leaves nothing behind when
+            it fails.
+    """
     for path in tmp.rglob("*"):
         _fsync(path)
     _fsync(tmp)
-    _swap_into_place(tmp, target)
+    _swap_into_place(tmp, target, then)
 
 
 def discard(tmp: Path) -> None:
@@ -104,7 +116,7 @@ def discard(tmp: Path) -> None:
     shutil.rmtree(tmp, ignore_errors=True)
 
 
-def _swap_into_place(new: Path, target: Path) -> None:
+def _swap_into_place(new: Path, target: Path, then: Callable[[], None] | None) -> None:
     # POSIX rename cannot replace a non-empty directory, so the old one steps aside first.
     old = None
     if target.exists() or target.is_symlink():
@@ -117,11 +129,27 @@ def _swap_into_place(new: Path, target: Path) -> None:
             os.rename(old, target)
         raise
     _fsync(target.parent)
+    if then is not None:
+        try:
+            then()
+        except BaseException:
+            _unpublish(target, old)
+            raise
     if old is not None:
         try:
             _remove(old)
         except OSError:
             pass  # the new directory is in place; clean_leftovers retries the old one later
+
+
+def _unpublish(target: Path, old: Path | None) -> None:
+    """Take the just-published ``target`` back out of its name, and put ``old`` back there."""
+    gone = _hidden_name(target, "del")
+    os.rename(target, gone)
+    if old is not None:
+        os.rename(old, target)
+    _fsync(target.parent)
+    shutil.rmtree(gone, ignore_errors=True)  # what stays hidden, clean_leftovers removes
 
 
 def replace_symlink(link: Path, target: str) -> None:

@@ -38,10 +38,12 @@ from .manifest import (
 __all__ = [
     "LATEST",
     "check_keys",
+    "checkpoint_candidates",
     "checkpoint_format",
     "checkpoint_steps",
     "latest_checkpoint",
     "load_file",
+    "point_latest",
     "read_checkpoint",
     "save_error",
     "write_checkpoint",
@@ -90,14 +92,7 @@ def latest_checkpoint(root: Path, verify: bool = True, logger: Logger | None = N
             candidate is returned unchecked.
         logger: Where the warnings go; ``logging.getLogger("trainloop")`` if omitted.
     """
-    candidates: list[Path] = []
-    link = root / LATEST
-    if link.is_dir():
-        candidates.append(link.resolve())
-    for step in reversed(checkpoint_steps(root)):
-        path = root / str(step)
-        if not candidates or path.resolve() != candidates[0]:
-            candidates.append(path)
+    candidates = checkpoint_candidates(root)
     if not verify:
         return candidates[0] if candidates else None
     for candidate in candidates:
@@ -110,6 +105,20 @@ def latest_checkpoint(root: Path, verify: bool = True, logger: Logger | None = N
             continue
         return candidate
     return None
+
+
+def checkpoint_candidates(root: Path) -> list[Path]:
+    """The checkpoints under ``root`` to try resuming from, best first, unverified: the one
+    ``root/latest`` points to, then the others from the highest step down."""
+    candidates: list[Path] = []
+    link = root / LATEST
+    if link.is_dir():
+        candidates.append(link.resolve())
+    for step in reversed(checkpoint_steps(root)):
+        path = root / str(step)
+        if not candidates or path.resolve() != candidates[0]:
+            candidates.append(path)
+    return candidates
 
 
 def save_error(target: Path, error: BaseException) -> CheckpointSaveError:
@@ -126,7 +135,9 @@ def write_checkpoint(
     are written into a hidden directory, hashed as they are written, fsynced, and renamed into
     place; then ``latest`` is replaced. A crash at any moment leaves the previous checkpoint or
     the new complete one, never a half-written directory under a step name. An existing
-    ``root/<step>`` is replaced the same way.
+    ``root/<step>`` is replaced the same way. If ``latest`` cannot be updated, the new
+    directory is taken back out of its name (and one it replaced is put back): the save
+    failed as a whole.
 
     Args:
         root: The checkpoints directory (created if needed).
@@ -140,8 +151,9 @@ def write_checkpoint(
 
     Raises:
         ValueError: A top-level key cannot name a file.
-        CheckpointSaveError: Writing failed (disk full, permission denied...); nothing is left
-            under the step's name and the previous checkpoints are untouched.
+        CheckpointSaveError: Writing the files or updating ``latest`` failed (disk full,
+            permission denied...); nothing new is left under the step's name and the previous
+            checkpoints are untouched.
     """
     check_keys(state_dict)
     if metadata is None:
@@ -149,16 +161,22 @@ def write_checkpoint(
         metadata = make_metadata(step, training_state.get("epoch", 0), "full")
     target = root / str(step)
     try:
-        with atomic_directory(target) as tmp:
+        # `latest` is part of the publication: if it cannot be updated, the directory is
+        # taken back out of its name (and one it replaced is put back).
+        with atomic_directory(target, then=lambda: point_latest(target)) as tmp:
             digests: dict[str, FileDigest] = {}
             for key, value in state_dict.items():
                 digests[f"{key}.pt"] = _named(tmp / f"{key}.pt", save_torch, value)
             digests[METADATA] = _named(tmp / METADATA, write_json, metadata)
             write_manifest(tmp, digests)
-        replace_symlink(root / LATEST, target.name)
     except OSError as error:
         raise save_error(target, error) from error
     return target
+
+
+def point_latest(checkpoint: Path) -> None:
+    """Point ``<root>/latest`` at ``checkpoint`` (``<root>/<step>``), atomically."""
+    replace_symlink(checkpoint.parent / LATEST, checkpoint.name)
 
 
 def _named(path: Path, write: Any, value: Any) -> FileDigest:

@@ -19,7 +19,7 @@ from __future__ import annotations
 import hashlib
 import json
 import math
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from pathlib import Path, PurePosixPath
@@ -34,8 +34,11 @@ __all__ = [
     "MANIFEST",
     "METADATA",
     "FileDigest",
+    "check_hashes",
+    "check_listing",
     "hash_file",
     "make_metadata",
+    "read_manifest",
     "read_metadata",
     "save_torch",
     "verify_checkpoint",
@@ -155,14 +158,14 @@ def write_manifest(directory: Path, known: Mapping[str, FileDigest] | None = Non
     Args:
         directory: The checkpoint directory, complete but for its manifest.
         known: Digests already computed while writing, by relative path; other files are hashed.
+            Every one of them is listed, even if this process does not see its file (written
+            by another rank): then the checkpoint fails verification here, as it should.
     """
-    known = known or {}
-    files: dict[str, dict[str, Any]] = {}
+    known = dict(known or {})
     for rel, path in _files(directory):
-        if rel == MANIFEST:
-            continue
-        digest = known.get(rel) or hash_file(path)
-        files[rel] = {"size": digest.size, "sha256": digest.sha256}
+        if rel != MANIFEST and rel not in known:
+            known[rel] = hash_file(path)
+    files = {rel: {"size": known[rel].size, "sha256": known[rel].sha256} for rel in sorted(known)}
     write_json({"manifest_version": MANIFEST_VERSION, "files": files}, directory / MANIFEST)
 
 
@@ -174,7 +177,7 @@ def verify_checkpoint(directory: Path) -> dict[str, FileDigest]:
     """Check that ``directory`` is a complete checkpoint: its files match its manifest.
 
     Sizes are compared first (a truncated file is found without hashing), then every file is
-    hashed.
+    hashed. (Several ranks can share the hashing: see :mod:`trainloop.checkpoint.verify`.)
 
     Returns:
         The manifest's entries, by relative path.
@@ -182,6 +185,17 @@ def verify_checkpoint(directory: Path) -> dict[str, FileDigest]:
     Raises:
         CheckpointError: No manifest, an invalid one, or a file missing, truncated, corrupt or
             not listed; the message names the file.
+    """
+    expected = check_listing(directory)
+    check_hashes(directory, expected, expected)
+    return expected
+
+
+def read_manifest(directory: Path) -> dict[str, FileDigest]:
+    """The entries of ``directory``'s manifest, by relative path.
+
+    Raises:
+        CheckpointError: No checkpoint directory, no manifest, or an invalid one.
     """
     directory = Path(directory)
     if not directory.is_dir():
@@ -194,7 +208,20 @@ def verify_checkpoint(directory: Path) -> dict[str, FileDigest]:
             f"{directory} is not a complete checkpoint: it has no {MANIFEST} (written last, so its "
             "save did not finish, or a trainloop without manifests wrote it)"
         ) from None
-    expected = _parse_manifest(manifest_path, raw)
+    return _parse_manifest(manifest_path, raw)
+
+
+def check_listing(directory: Path) -> dict[str, FileDigest]:
+    """Check, without hashing, that ``directory`` holds exactly its manifest's files, at their sizes.
+
+    Returns:
+        The manifest's entries, by relative path.
+
+    Raises:
+        CheckpointError: As :func:`verify_checkpoint`, but for corrupt contents.
+    """
+    directory = Path(directory)
+    expected = read_manifest(directory)
     for rel, digest in expected.items():
         path = directory / rel
         if not path.is_file():
@@ -206,11 +233,24 @@ def verify_checkpoint(directory: Path) -> dict[str, FileDigest]:
             )
     for rel, path in _files(directory):
         if rel != MANIFEST and rel not in expected:
-            raise CheckpointError(f"{path}: not listed in {manifest_path}; the checkpoint was altered")
-    for rel, digest in expected.items():
-        if hash_file(directory / rel).sha256 != digest.sha256:
-            raise CheckpointError(f"{directory / rel}: cannot load: corrupt (its SHA-256 differs from its manifest's)")
+            raise CheckpointError(f"{path}: not listed in {directory / MANIFEST}; the checkpoint was altered")
     return expected
+
+
+def check_hashes(directory: Path, expected: Mapping[str, FileDigest], files: Iterable[str]) -> None:
+    """Hash ``files`` (relative paths) of ``directory`` and compare them with ``expected``.
+
+    Raises:
+        CheckpointError: A file is missing or its SHA-256 differs (the message names it).
+    """
+    for rel in files:
+        path = Path(directory) / rel
+        try:
+            sha256 = hash_file(path).sha256
+        except FileNotFoundError:
+            raise CheckpointError(f"{directory} is not a complete checkpoint: missing {rel} (listed in its manifest)") from None
+        if sha256 != expected[rel].sha256:
+            raise CheckpointError(f"{path}: cannot load: corrupt (its SHA-256 differs from its manifest's)")
 
 
 def _parse_manifest(path: Path, raw: bytes) -> dict[str, FileDigest]:

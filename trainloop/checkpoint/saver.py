@@ -12,24 +12,19 @@ was renamed into place.
 
 from __future__ import annotations
 
-import copy
 import threading
-from collections import OrderedDict
 from collections.abc import Callable
 from concurrent.futures import Future
 from logging import Logger
 from pathlib import Path
 from typing import Any, cast
 
-import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint.staging import AsyncStager
-from torch.distributed.tensor import DTensor
 
-from .atomic import clean_leftovers, discard, make_temporary, publish, replace_symlink
+from .atomic import clean_leftovers, discard, make_temporary, publish
 from .errors import CheckpointError
-from .files import LATEST, check_keys, save_error, write_checkpoint
+from .files import check_keys, point_latest, save_error, write_checkpoint
 from .manifest import METADATA, FileDigest, save_torch, write_json, write_manifest
 from .sharded import (
     REST_FILE,
@@ -40,9 +35,12 @@ from .sharded import (
     quiet_single_process,
     shard_writer,
     split_state,
+    unshared_storage,
+    visible,
 )
+from .staging import CpuStage, ReusingStager, stage_to_cpu
 
-__all__ = ["CheckpointSaver", "CpuStage", "agree_on_error", "broadcast_from_rank_zero", "stage_to_cpu"]
+__all__ = ["CheckpointSaver", "agree_on_error", "broadcast_from_rank_zero"]
 
 #: What a failed write may raise (DCP's own exception is a BaseException).
 _WRITE_ERRORS = (Exception, CheckpointException)
@@ -70,96 +68,6 @@ def agree_on_error(error: BaseException | None, group: Any = None) -> BaseExcept
     if error is not None:
         return error  # the original, with its cause
     return next((e for e in errors if e is not None), None)
-
-
-def stage_to_cpu(obj: Any) -> Any:
-    """A copy of ``obj`` that training cannot change: tensors copied to CPU memory, containers
-    rebuilt, other mutable objects deep-copied (see :class:`CpuStage` to reuse the memory)."""
-    return CpuStage().copy(obj)
-
-
-class CpuStage:
-    """Copies a state to CPU memory, into the same buffers from one save to the next.
-
-    A fresh allocation of a large buffer costs a page fault per page on first touch, which
-    takes longer than the copy itself (here ~45 ms for 64 MB, against ~16 ms into a reused
-    buffer). A buffer is reused for the tensor at the same place in the state with the same
-    shape and dtype; the buffers are kept until the next copy, so the previous copy must no
-    longer be in use (one save in flight at most).
-    """
-
-    def __init__(self) -> None:
-        self._buffers: dict[tuple[Any, ...], torch.Tensor] = {}
-
-    def copy(self, obj: Any) -> Any:
-        """The copy of ``obj`` (tensors into this stage's buffers)."""
-        used: dict[tuple[Any, ...], torch.Tensor] = {}
-        copied = self._copy(obj, (), used)
-        if any(t.is_pinned() for t in used.values()):
-            torch.cuda.synchronize()  # the device-to-host copies were asynchronous
-        self._buffers = used  # buffers of tensors gone from the state are let go
-        return copied
-
-    def _copy(self, obj: Any, path: tuple[Any, ...], used: dict[tuple[Any, ...], torch.Tensor]) -> Any:
-        if isinstance(obj, DTensor):
-            # This rank's shard, in a DTensor again (no communication: shape and stride given).
-            local = self._copy(obj.to_local(), path, used)
-            return DTensor.from_local(
-                local, obj.device_mesh, obj.placements, run_check=False, shape=obj.shape, stride=obj.stride()
-            )
-        if isinstance(obj, torch.Tensor):
-            tensor = obj.detach()
-            key = (path, tensor.shape, tensor.dtype)
-            buffer = self._buffers.get(key)
-            if buffer is None:
-                buffer = torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=tensor.is_cuda)
-            buffer.copy_(tensor, non_blocking=tensor.is_cuda)
-            used[key] = buffer
-            return buffer
-        if isinstance(obj, dict):
-            items = [(k, self._copy(v, (*path, k), used)) for k, v in obj.items()]
-            return OrderedDict(items) if isinstance(obj, OrderedDict) else dict(items)
-        if isinstance(obj, (list, tuple)):
-            values = [self._copy(v, (*path, i), used) for i, v in enumerate(obj)]
-            if isinstance(obj, list):
-                return values
-            return type(obj)(*values) if hasattr(obj, "_fields") else tuple(values)
-        if obj is None or isinstance(obj, (bool, int, float, complex, str, bytes)):
-            return obj
-        return copy.deepcopy(obj)
-
-
-class _ReusingStager(AsyncStager):
-    """DCP's staging step done by a :class:`CpuStage`, so each save reuses the last one's buffers.
-
-    Only for states whose sharded tensors live on a CPU device mesh: ``DTensor.from_local``
-    would move a staged shard back to an accelerator mesh's device.
-    """
-
-    _synchronize_after_execute = False  # stage() returns once the copy is complete
-
-    def __init__(self, stage: CpuStage) -> None:
-        self._stage = stage
-
-    def stage(self, state_dict: dict[str, Any]) -> dict[str, Any]:
-        return self._stage.copy(state_dict)
-
-    def synchronize_staging(self) -> None:
-        return None  # nothing to wait for: stage() copied synchronously
-
-    def close(self) -> None:
-        return None  # the buffers belong to the CpuStage, reused by the next save
-
-    @staticmethod
-    def suits(state_dict: Any) -> bool:
-        """Whether every DTensor in ``state_dict`` is on a CPU device mesh."""
-        if isinstance(state_dict, DTensor):
-            return state_dict.device_mesh.device_type == "cpu"
-        if isinstance(state_dict, dict):
-            return all(_ReusingStager.suits(v) for v in state_dict.values())
-        if isinstance(state_dict, (list, tuple)):
-            return all(_ReusingStager.suits(v) for v in state_dict)
-        return True
 
 
 class _Background:
@@ -293,6 +201,9 @@ class CheckpointSaver:
         if isinstance(prepared, BaseException):
             return prepared
         tmp = Path(prepared)
+        # Rank 0 made it before telling: a rank that cannot see it has other storage (node-local
+        # disk, another working directory for a relative path), where its shards would be lost.
+        seen = _rank() == 0 or visible(tmp)
         shards, rest = split_state(state_dict)
         writer = shard_writer(tmp / SHARDED_DIR)
         if not self.async_save:
@@ -300,14 +211,14 @@ class CheckpointSaver:
                 with quiet_single_process():
                     dcp.save(shards, storage_writer=writer, no_dist=no_dist())
 
-            return agree_on_error(self._finish_sharded(tmp, target, write_shards, rest, metadata, published, None))
+            return agree_on_error(self._finish_sharded(tmp, target, seen, write_shards, rest, metadata, published, None))
         if self._group is None and not no_dist():
             # The background's collectives get their own group: on the default one they could
             # interleave with the training loop's and deadlock.
             self._group = dist.new_group(backend="gloo")
         staged_rest = stage_to_cpu(rest) if _rank() == 0 else rest
         # Shards on an accelerator are staged by DCP itself (fresh buffers each time).
-        stager = _ReusingStager(self._stage) if _ReusingStager.suits(shards) else None
+        stager = ReusingStager(self._stage) if ReusingStager.suits(shards) else None
         with quiet_single_process():  # here only the staging; DCP's thread may still say it
             # A Future, not a response with a staging future: both stagers stage at once.
             future = cast(Future, dcp.async_save(shards, storage_writer=writer, process_group=self._group,
@@ -315,36 +226,43 @@ class CheckpointSaver:
         group = self._group
 
         def finish() -> None:
-            error = self._finish_sharded(tmp, target, future.result, staged_rest, metadata, published, group)
+            error = self._finish_sharded(tmp, target, seen, future.result, staged_rest, metadata, published, group)
             if error is not None:
                 raise error
 
         self._pending = _Background(finish, target)
         return None
 
-    def _finish_sharded(self, tmp: Path, target: Path, write_shards: Callable[[], Any], rest: dict[str, Any],
-                        metadata: dict[str, Any], published: Callable[[Path], None], group: Any) -> BaseException | None:
-        """After every rank wrote its shards: gather their digests, and rank 0 completes the
-        checkpoint (the rest, metadata, manifest) and publishes it. Every rank calls."""
-        local: tuple[dict[str, FileDigest], BaseException | None]
+    def _finish_sharded(self, tmp: Path, target: Path, seen: bool, write_shards: Callable[[], Any],
+                        rest: dict[str, Any], metadata: dict[str, Any], published: Callable[[Path], None],
+                        group: Any) -> BaseException | None:
+        """After every rank wrote its shards: gather their digests, and rank 0 checks that it
+        sees every rank's files, completes the checkpoint (the rest, metadata, manifest) and
+        publishes it. Every rank calls; ``seen``: this rank found rank 0's ``tmp``."""
+        local: tuple[dict[str, FileDigest], BaseException | None, bool]
         try:
             write_shards()
-            local = (hash_own_shards(tmp, _rank()), None)
+            local = (hash_own_shards(tmp, _rank()), None, seen)
         except _WRITE_ERRORS as failure:
-            local = ({}, as_save_failure(target, failure))
+            local = ({}, as_save_failure(target, failure), seen)
+        if not seen:
+            discard(tmp)  # DCP made a directory of that name on this rank's own storage
         gathered = _gather_to_rank_zero(local, group)
         if gathered is None:  # not rank 0: rank 0 decides, and tells at the next agreement
             return local[1]
         try:
-            reported = next((f for _, f in gathered if f is not None), None)
+            # Storage rank 0 cannot see first: a rank writing elsewhere may also have failed there.
+            unshared = unshared_storage(target, tmp, [(digests, saw) for digests, _, saw in gathered])
+            if unshared is not None:
+                raise CheckpointError(unshared)
+            reported = next((f for _, f, _ in gathered if f is not None), None)
             if reported is not None:
                 raise reported  # DCP fails on every rank alike: one rank's account is enough
-            digests = {rel: digest for shard_digests, _ in gathered for rel, digest in shard_digests.items()}
+            digests = {rel: digest for shard_digests, _, _ in gathered for rel, digest in shard_digests.items()}
             digests[REST_FILE] = save_torch(rest, tmp / REST_FILE)
             digests[METADATA] = write_json(metadata, tmp / METADATA)
             write_manifest(tmp, digests)
-            publish(tmp, target)
-            replace_symlink(target.parent / LATEST, target.name)
+            publish(tmp, target, then=lambda: point_latest(target))
         except _WRITE_ERRORS as failure:
             discard(tmp)
             return as_save_failure(target, failure)

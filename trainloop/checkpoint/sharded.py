@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import io
 import pickle
+import time
 import warnings
 from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
@@ -51,6 +52,8 @@ __all__ = [
     "read_sharded",
     "shard_writer",
     "split_state",
+    "unshared_storage",
+    "visible",
 ]
 
 REST_FILE = "training_state.pt"
@@ -88,6 +91,54 @@ def hash_own_shards(checkpoint: Path, rank: int) -> dict[str, FileDigest]:
         f"{SHARDED_DIR}/{path.name}": hash_file(path)
         for path in sorted((checkpoint / SHARDED_DIR).glob(f"__{rank}_*.distcp"))
     }
+
+
+#: How long a rank waits for a file or directory another rank made to appear (network file
+#: systems may show a new name to other machines a moment late).
+VISIBLE_WITHIN = 2.0
+
+
+def visible(path: Path, size: int | None = None, within: float = VISIBLE_WITHIN) -> bool:
+    """Whether ``path`` exists (with ``size`` bytes, if given), waiting up to ``within`` seconds."""
+    deadline = time.monotonic() + within
+    while True:
+        try:
+            found = path.stat().st_size
+        except FileNotFoundError:
+            found = None
+        if found is not None and size in (None, found):
+            return True
+        if time.monotonic() >= deadline:
+            return False
+        time.sleep(0.05)
+
+
+def unshared_storage(target: Path, tmp: Path, gathered: list[tuple[dict[str, FileDigest], bool]]) -> str | None:
+    """What rank 0 finds wrong with the other ranks' shards of ``tmp``, or ``None``.
+
+    Args:
+        target: The checkpoint being saved.
+        tmp: Its directory being written, as rank 0 made it.
+        gathered: Per rank, the digests of the shard files it wrote (paths relative to
+            ``tmp``) and whether it found rank 0's ``tmp`` before writing.
+    """
+    blind = [rank for rank, (_, saw) in enumerate(gathered) if not saw]
+    if blind:
+        return (
+            f"could not save checkpoint {target}: rank {', '.join(map(str, blind))} cannot see {tmp}, "
+            "the directory rank 0 made for it, and wrote its shards elsewhere. The sharded format "
+            "needs the checkpoint path on storage every rank shares, under the same path (a "
+            "relative path resolves against each rank's own working directory)"
+        )
+    for rank, (digests, _) in enumerate(gathered):
+        for rel, digest in digests.items():
+            if not visible(tmp / rel, digest.size):
+                return (
+                    f"could not save checkpoint {target}: rank {rank} wrote {rel} ({digest.size} bytes) "
+                    f"but rank 0 does not see it complete in {tmp} after {VISIBLE_WITHIN:g} s; the "
+                    "sharded format needs storage every rank shares"
+                )
+    return None
 
 
 def no_dist() -> bool:

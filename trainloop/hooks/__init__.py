@@ -1,7 +1,8 @@
 """Hooks: the pieces that plug into a trainer's loop, one module per hook.
 
 Every built-in hook registers a type name, so a settings file can declare it as
-``{"type": "<name>", ...parameters}``; ``HookSpec`` is the validated form of one such entry.
+``{"type": "<name>", ...parameters}``; ``HookSpec`` is the validated form of one such entry,
+its type looked up in the registry when settings are validated.
 Heavy optional packages (wandb, tensorboard, PIL, tqdm) are imported only when a hook uses them.
 """
 
@@ -16,17 +17,16 @@ from .progress import ProgressHook
 from .registry import (
     HOOK_TYPES,
     HookSettings,
+    HookSpec,
+    build_declared_hooks,
     hook_settings_model,
-    hook_spec,
     register_hook,
+    unregister_hook,
 )
 from .stats import StatsHook, TrainingStats
 from .tensorboard import TensorBoardHook
 from .validation import ValidationHook
 from .wandb import WandbHook
-
-#: One hook declared in settings: the built-in hooks' settings models, chosen by ``"type"``.
-HookSpec = hook_spec()
 
 __all__ = [
     "HOOK_EVENTS",
@@ -46,7 +46,9 @@ __all__ = [
     "TrainingStats",
     "ValidationHook",
     "WandbHook",
+    "build_declared_hooks",
     "hook_dispatch",
     "hook_settings_model",
     "register_hook",
+    "unregister_hook",
 ]

@@ -9,29 +9,34 @@ from __future__ import annotations
 import dataclasses
 import signal
 import time
+import warnings
 from collections.abc import Iterator
 from contextlib import contextmanager, nullcontext
 from logging import Logger
 from pathlib import Path
-from types import FrameType
-from typing import TYPE_CHECKING, Annotated, Any, Literal, cast
+from typing import TYPE_CHECKING, Annotated, Any, Literal
 
 from pydantic import AfterValidator, Field, StrictInt, StrictStr, validate_call
 
 from ..checkpoint.atomic import clean_leftovers, remove_directory
+from ..checkpoint.best import BestCheckpoints, Monitor, check_best
 from ..checkpoint.errors import CheckpointError, CheckpointSaveError
 from ..checkpoint.files import (
     LATEST,
+    checkpoint_candidates,
     checkpoint_format,
     checkpoint_steps,
     latest_checkpoint,
     read_checkpoint,
     write_checkpoint,
 )
-from ..checkpoint.manifest import make_metadata, verify_checkpoint
+from ..checkpoint.manifest import make_metadata
+from ..every import Every
 from ..types import NonNegativeFloat, NonNegativeInt, PositiveInt, StrictBool
 from ..utils import flatten_nested_dict, is_rank_zero
 from .base import BaseHook
+from .early_stopping import MonitorNotFoundWarning
+from .exit_signals import DEFAULT_EXIT_SIGNALS, ExitSignals, as_signal
 from .registry import register_hook
 
 if TYPE_CHECKING:
@@ -50,22 +55,13 @@ __all__ = [
 ]
 
 
-def _as_signal(value: str | int) -> signal.Signals:
-    try:
-        if isinstance(value, str):
-            name = value.upper()
-            found = signal.Signals[name if name.startswith("SIG") else f"SIG{name}"]
-        else:
-            found = signal.Signals(value)
-    except (KeyError, ValueError):
-        raise ValueError(f"not a signal: {value!r} (give a name such as 'SIGTERM', or a number)") from None
-    if found in (signal.SIGKILL, signal.SIGSTOP):
-        raise ValueError(f"{found.name} cannot be caught")
-    return found
+def _signal_name(value: str | int) -> str:
+    return as_signal(value).name
 
 
-ExitSignal = Annotated[StrictStr | StrictInt, AfterValidator(_as_signal)]
-"""A signal name (``"SIGTERM"``, ``"TERM"``) or number, validated into a ``signal.Signals``."""
+ExitSignal = Annotated[StrictStr | StrictInt, AfterValidator(_signal_name)]
+"""A signal name (``"SIGTERM"``, ``"TERM"``) or number, validated into its canonical name
+(``"SIGTERM"``), so declared settings and the defaults compare and round-trip alike."""
 ExitCode = Annotated[int, Field(ge=0, le=255, strict=True)]
 
 
@@ -73,14 +69,22 @@ ExitCode = Annotated[int, Field(ge=0, le=255, strict=True)]
 class CheckpointingHook(BaseHook):
     """Save checkpoints on a schedule and on exit signals; prune old ones; resume from one.
 
-    Saves happen in the ``checkpointing`` state, at the end of every ``interval``-th step, of
-    every step kept by ``keep_interval`` or ``keep_steps``, of the last step of a run that ends
-    cleanly, and of the step during which an exit signal arrived. A checkpoint is a directory
+    Saves happen in the ``checkpointing`` state by the ``every(n)`` rule (``trainloop.every``):
+    at the end of every ``interval``-th step (or epoch, see ``unit``) and of the last step of a
+    run that ends cleanly; also of every step kept by ``keep_interval`` or ``keep_steps``, and
+    of the step during which an exit signal arrived. A checkpoint is a directory
     ``<path>/<step>/`` (see :mod:`trainloop.checkpoint.files`) with a ``metadata.json`` (step,
     epoch, time, the last metrics logged, versions, format) and, written last, a
     ``manifest.json`` of every file's size and SHA-256. Each save is atomic: a crash leaves the
     previous checkpoints and at most a hidden leftover, cleaned at the next save or load.
     ``<path>/latest`` points at the newest checkpoint once it is complete.
+
+    With ``keep_best`` and ``monitor``, each checkpoint saved at a step where ``monitor`` was
+    logged (by a ``ValidationHook`` evaluating at the steps that are saved, for example) is
+    scored by it; the ``keep_best`` best are never pruned, ``<path>/best.json`` records the
+    scores, and ``best_checkpoint`` (and ``RunResult.best_checkpoint``) points at the best. A
+    ``monitor`` that is never logged is a ``MonitorNotFoundWarning`` at the end of the run,
+    with the closest keys that were.
 
     Under ``torch.distributed``, with ``format="full"`` every rank builds the state dict and
     rank 0 writes it (under FSDP, give the trainer full-state-dict options); with
@@ -89,8 +93,12 @@ class CheckpointingHook(BaseHook):
     A checkpoint is loaded in its own format, whatever ``format`` says.
 
     Args:
-        interval: Save every ``interval`` steps.
+        interval: Save every ``interval`` steps (or epochs, see ``unit``).
         keep_previous: Besides the newest checkpoint, keep this many earlier ones (by step).
+        keep_best: Also keep this many best checkpoints by ``monitor`` (0: none).
+        monitor: The flattened key of a logged metric that ranks checkpoints (e.g.
+            ``"val/loss"``); required with ``keep_best`` and only with it.
+        mode: ``"min"`` if a lower ``monitor`` is better, ``"max"`` if higher is.
         keep_interval: Also save, and never prune, every ``keep_interval``-th step (0: none).
         keep_steps: Also save, and never prune, these steps.
         path: Directory of the checkpoints; a relative path is resolved under the trainer's
@@ -102,8 +110,12 @@ class CheckpointingHook(BaseHook):
             fresh).
         exit_signals: Signals (names or numbers) that end the run cleanly: the current step
             finishes (under a process group, the next one: the step all ranks agree on), is
-            saved, and ``train()`` raises ``SystemExit(exit_code)``. The handlers are installed
-            for the run only.
+            saved, and ``train()`` raises ``SystemExit(exit_code)``. By default SIGTERM
+            (preemption; what torchrun forwards), SIGUSR1 (``sbatch --signal=USR1@90``) and
+            SIGINT (Ctrl-C: 130); a Ctrl-C after the first signal exits at once, without the
+            save, saying so; any other repeated signal is ignored until the save is done.
+            ``[]`` or ``None``: none. The handlers are installed for the run only (the defaults
+            only in the main thread; signals given explicitly elsewhere are an error).
         exit_code: The exit code after such a signal: ``"128+signal"`` (a shell's convention,
             143 for SIGTERM) or a number.
         exit_wait: Seconds to wait before that last save (e.g. for a cluster scheduler that
@@ -121,6 +133,7 @@ class CheckpointingHook(BaseHook):
             and train on. A background save's failure is reported when the next save
             begins, or at the end of the run. A state that cannot be written at all (an
             object that cannot be pickled) raises a :class:`CheckpointError` either way.
+        unit: ``"steps"`` or ``"epochs"``: what ``interval`` counts.
 
     Raises:
         pydantic.ValidationError: A parameter is invalid; the error names it.
@@ -131,33 +144,48 @@ class CheckpointingHook(BaseHook):
         self,
         interval: PositiveInt,
         keep_previous: NonNegativeInt = 0,
+        keep_best: NonNegativeInt = 0,
+        monitor: Monitor = None,
+        mode: Literal["min", "max"] = "min",
         keep_interval: NonNegativeInt = 0,
         keep_steps: list[PositiveInt] | None = None,
         path: Path = Path("checkpoints"),
         load: Literal["latest"] | Path | None = "latest",
-        exit_signals: list[ExitSignal] | None = None,
+        exit_signals: list[ExitSignal] | None = list(DEFAULT_EXIT_SIGNALS),  # noqa: B006 - never mutated
         exit_code: Literal["128+signal"] | ExitCode = "128+signal",
         exit_wait: NonNegativeFloat = 0.0,
         format: Literal["full", "sharded"] = "full",
         async_save: StrictBool = False,
         on_save_error: Literal["raise", "warn"] = "raise",
+        unit: Literal["steps", "epochs"] = "steps",
     ) -> None:
+        check_best(keep_best, monitor)
         self.interval = interval
+        self.unit = unit
+        self._every = Every(interval, unit)
         self.keep_previous = keep_previous
+        self.keep_best = keep_best
+        self.monitor = monitor
+        self.mode = mode
+        self._best = BestCheckpoints(monitor, mode, keep_best) if monitor is not None else None
+        self._root: Path | None = None
+        self._last_saved_step: int | None = None
         self.keep_interval = keep_interval
         self.keep_steps = frozenset(keep_steps or ())
         self.path = Path(path).expanduser()
         self.load = load
-        # Validation turned them into signal.Signals; dict.fromkeys drops repeats, keeps order.
-        self.exit_signals = tuple(dict.fromkeys(cast("list[signal.Signals]", exit_signals or [])))
+        # Validation gave canonical names (the default holds some already), made signals here;
+        # dict.fromkeys drops repeats, keeps order.
+        self.exit_signals = tuple(dict.fromkeys(as_signal(s) for s in exit_signals or ()))
         self.exit_code = exit_code
         self.exit_wait = exit_wait
         self.format = format
         self.async_save = async_save
         self.on_save_error = on_save_error
-        self._caught: signal.Signals | None = None
+        # Signals given explicitly must be installed; the defaults only where Python can.
+        explicit = exit_signals is not None and list(exit_signals) != list(DEFAULT_EXIT_SIGNALS)
+        self._signals = ExitSignals(self.exit_signals, required=explicit, name="CheckpointingHook exit_signals")
         self._exit_asked = False
-        self._previous_handlers: dict[signal.Signals, Any] = {}
         self._metrics: dict[str, Any] = {}
         self._saver: CheckpointSaver | None = None
 
@@ -172,6 +200,9 @@ class CheckpointingHook(BaseHook):
         from ..checkpoint.saver import CheckpointSaver
 
         self._saver = CheckpointSaver(self.format, self.async_save, trainer.logger)
+        self._root = root
+        if self._best is not None:
+            self._best.start(root)
         if self.load is None:
             return
         directory = self._choose(trainer, root)
@@ -180,7 +211,7 @@ class CheckpointingHook(BaseHook):
             return
         trainer.logger.info("Loading checkpoint %s", directory)
         if checkpoint_format(directory) == "full":
-            trainer.load_state_dict(read_checkpoint(directory, verify=False))  # rank 0 verified it
+            trainer.load_state_dict(read_checkpoint(directory, verify=False))  # verified by _choose
             return
         from ..checkpoint.sharded import load_sharded
 
@@ -188,8 +219,12 @@ class CheckpointingHook(BaseHook):
             trainer.load_state_dict(load_sharded(directory, trainer.state_dict()))
 
     def _choose(self, trainer: BaseTrainer, root: Path) -> Path | None:
-        """The checkpoint to load, chosen and verified by rank 0 and told to every rank."""
-        found: Path | None = None
+        """The checkpoint to load: rank 0 lists the candidates, every rank hashes its share of
+        their files (see :mod:`trainloop.checkpoint.verify`); the same answer on every rank."""
+        from ..checkpoint.saver import broadcast_from_rank_zero
+        from ..checkpoint.verify import choose_checkpoint
+
+        candidates: list[Path] | None = None
         error: BaseException | None = None
         if is_rank_zero():
             try:
@@ -199,52 +234,44 @@ class CheckpointingHook(BaseHook):
                         raise FileNotFoundError(
                             f"CheckpointingHook load={str(self.load)!r}: no checkpoint directory at {found}"
                         )
-                    verify_checkpoint(found)
+                    candidates = [found]
                 else:  # "latest"
                     clean_leftovers(root, trainer.logger)
-                    found = latest_checkpoint(root, logger=trainer.logger)
-            except (OSError, CheckpointError) as failure:
+                    candidates = checkpoint_candidates(root)
+            except OSError as failure:
                 error = failure
-        from ..checkpoint.saver import broadcast_from_rank_zero
-
-        found, shared_error = broadcast_from_rank_zero((found, error))
-        if error is not None or shared_error is not None:
-            raise error or shared_error
-        return found
+        error = broadcast_from_rank_zero(error)
+        if error is not None:
+            raise error
+        return choose_checkpoint(candidates, explicit=isinstance(self.load, Path), log=trainer.logger)
 
     def on_before_train(self, trainer: BaseTrainer) -> None:
         """Ask for a save at the end of the run, and install the exit-signal handlers."""
         trainer.request_checkpoint(at_exit=True)
-        self._caught, self._exit_asked = None, False
+        self._every.start(trainer)
+        self._last_saved_step = None
+        self._exit_asked = False
         self._metrics = {}
-        try:
-            for signum in self.exit_signals:
-                # A bound method gets the signal number from the OS: no loop variable to close over.
-                self._previous_handlers[signum] = signal.signal(signum, self._record_signal)
-        except ValueError as error:  # not the main thread
-            raise RuntimeError(f"CheckpointingHook exit_signals cannot be installed: {error}") from error
-
-    def _record_signal(self, signum: int, frame: FrameType | None) -> None:
-        # Only record: the step in progress finishes, and on_after_step acts on it.
-        if self._caught is None:
-            self._caught = signal.Signals(signum)
+        self._signals.install(trainer.logger)
 
     # -- stepping ------------------------------------------------------------------------------
 
     def on_after_step(self, trainer: BaseTrainer) -> None:
         """Request a save when one is due; after an exit signal, request the exit."""
         step = trainer.step
-        if self._caught is not None and not self._exit_asked:
+        caught = self._signals.caught
+        if caught is not None and not self._exit_asked:
             # No request_checkpoint() here: it would hold on this rank only, and a save needs
             # every rank. The standing at-exit request saves the step all ranks agree to stop at.
             self._exit_asked = True
-            code = 128 + self._caught if self.exit_code == "128+signal" else self.exit_code
+            code = self._signals.exit_code(self.exit_code)
             trainer.logger.warning(
-                "Caught %s during step %d: the run saves and exits with code %d",
-                self._caught.name, step, code,
+                "Caught %s during step %d: the run saves and exits with code %d%s",
+                caught.name, step, code, " (Ctrl-C again: exit at once, without saving)"
+                if signal.SIGINT in self.exit_signals else "",
             )
             trainer.request_exit(code)
-        if step % self.interval == 0 or self._is_kept(step):
+        if self._every.due(trainer) or self._is_kept(step):
             trainer.request_checkpoint()
 
     def _is_kept(self, step: int) -> bool:
@@ -254,13 +281,28 @@ class CheckpointingHook(BaseHook):
         """Remember the last value of every logged metric, for the next ``metadata.json``."""
         if not dry_run:
             # Kept as given: converting a tensor to a float is a host sync, done only at a save.
-            self._metrics.update(flatten_nested_dict(records))
+            flat = flatten_nested_dict(records)
+            self._metrics.update(flat)
+            if self._best is not None:
+                self._watch_monitor(trainer, flat)
+
+    def _watch_monitor(self, trainer: BaseTrainer, flat: dict[str, Any]) -> None:
+        """Note the monitored metric; score a checkpoint already saved at this step."""
+        assert self._best is not None
+        value = self._best.observe(trainer.step, flat)
+        if value is not None and self._last_saved_step == trainer.step and self._root is not None:
+            # Logged after this step's save (an evaluation at the end of the run): the saved
+            # weights are the ones evaluated, so the checkpoint takes the score now.
+            self._settle(trainer, agree=False)  # a background write settles first (no collective)
+            self._best.score(trainer.step, value)
+            if is_rank_zero():
+                self._prune(self._root, trainer.step, trainer.logger)
 
     # -- checkpointing -------------------------------------------------------------------------
 
     def on_enter_checkpointing(self, trainer: BaseTrainer) -> None:
         """Save the trainer's state; ``latest`` and pruning follow once it is complete."""
-        if self._caught is not None and self.exit_wait > 0:
+        if self._signals.caught is not None and self.exit_wait > 0:
             trainer.logger.info("Waiting %.1f s (exit_wait) before the exit checkpoint", self.exit_wait)
             time.sleep(self.exit_wait)
         if self.async_save:
@@ -271,6 +313,9 @@ class CheckpointingHook(BaseHook):
         metadata = make_metadata(training_state["step"], training_state["epoch"], self.format, self._metrics)
         root = self.directory(trainer)
         step = trainer.step
+        self._last_saved_step = step
+        if self._best is not None and self._best.observed is not None and self._best.observed[0] == step:
+            self._best.score(*self._best.observed)  # before the save: pruning reads it
         from ..checkpoint.saver import CheckpointSaver
 
         saver = self._saver or CheckpointSaver(self.format, self.async_save, trainer.logger)
@@ -292,25 +337,40 @@ class CheckpointingHook(BaseHook):
     def _prune(self, root: Path, newest: int, logger: Logger) -> None:
         earlier = [step for step in checkpoint_steps(root) if step != newest]
         recent = set(earlier[-self.keep_previous :]) if self.keep_previous else set()
+        best = self._best.kept() if self._best is not None else set()
         for step in earlier:
-            if step in recent or self._is_kept(step):
+            if step in recent or step in best or self._is_kept(step):
                 continue
             try:
                 remove_directory(root / str(step))
             except OSError as error:
                 logger.warning("Could not remove old checkpoint %s: %s", root / str(step), error)
+        if self._best is not None:
+            self._best.write(root)  # after pruning: it lists the checkpoints still there
 
     # -- exiting -------------------------------------------------------------------------------
 
     def on_after_train(self, trainer: BaseTrainer) -> None:
-        """Wait for a save in flight; give the exit signals back to their previous handlers."""
-        while self._previous_handlers:
-            signum, handler = self._previous_handlers.popitem()
-            # None: the previous handler was not installed from Python; the default is closest.
-            signal.signal(signum, handler if handler is not None else signal.SIG_DFL)
+        """Wait for a save in flight; then give the exit signals back to their previous handlers;
+        warn if ``monitor`` was never logged.
+
+        In that order: a second SIGTERM while the exit save completes must not find the
+        default handler, which would kill the process and lose the save.
+        """
+        missing = self._best.missing_message() if self._best is not None and trainer.error is None else None
+        if missing is not None:
+            warnings.warn(f"{type(self).__name__}: {missing}", MonitorNotFoundWarning, stacklevel=2)
+        try:
+            self._settle_at_exit(trainer)
+        finally:
+            self._signals.restore()
+
+    def _settle_at_exit(self, trainer: BaseTrainer) -> None:
         saver, self._saver = self._saver, None
         if saver is None:
             return
+        if self._signals.abandoned:
+            return  # a second Ctrl-C: no waiting (a write in flight is atomic, and ends on its own)
         # No agreement across ranks here: exiting may follow an error on one rank only.
         error = saver.settle(agree=False)
         saver.close()
@@ -320,6 +380,15 @@ class CheckpointingHook(BaseHook):
         self._report(trainer, error)
 
     # -- helpers -------------------------------------------------------------------------------
+
+    @property
+    def best_checkpoint(self) -> Path | None:
+        """The best checkpoint by ``monitor`` still on disk, or ``None`` (no ``keep_best``, or
+        no checkpoint scored yet)."""
+        if self._best is None or self._root is None:
+            return None
+        best = self._best.best
+        return self._root / str(best) if best is not None and (self._root / str(best)).is_dir() else None
 
     def directory(self, trainer: BaseTrainer) -> Path:
         """Where this hook's checkpoints live for ``trainer``.

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import difflib
 import math
 import warnings
 from typing import TYPE_CHECKING, Annotated, Any, Literal
@@ -10,7 +9,7 @@ from typing import TYPE_CHECKING, Annotated, Any, Literal
 from pydantic import Field, validate_call
 
 from ..types import NonNegativeFloat, PositiveInt
-from ..utils import flatten_nested_dict, to_float
+from ..utils import flatten_nested_dict, hint_for_missing_key, to_float
 from .base import BaseHook
 from .registry import register_hook
 
@@ -111,12 +110,7 @@ class EarlyStoppingHook(BaseHook):
         # A run that failed may simply not have reached its first evaluation.
         if self.observations or trainer.error is not None:
             return
-        hint = ""
-        close = difflib.get_close_matches(self.monitor, self._keys_seen, n=3)
-        if close:
-            hint = f"; did you mean {' or '.join(repr(k) for k in close)}?"
-        elif self._keys_seen:
-            hint = f"; keys logged: {', '.join(sorted(self._keys_seen)[:20])}"
+        hint = hint_for_missing_key(self.monitor, self._keys_seen)
         warnings.warn(
             f"{type(self).__name__}: the monitored key {self.monitor!r} never appeared in the "
             f"logged records, so early stopping never acted{hint}",

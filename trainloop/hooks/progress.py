@@ -35,15 +35,18 @@ class ProgressHook(StatsHook):
         Step 100/10000: step 0.2500s data 0.0100s eta 6:00:00 loss 0.5234 grad_norm 2.3456 lr 1.00e-03
 
     ``eta`` appears once ``eta_warmup`` steps have run; ``mem`` when a hook records peak
-    memory (``step_info["max_memory"]``, in GiB as
+    memory (``step_info.max_memory``, in GiB as
     ``CudaMaxMemoryHook`` records it); ``grad_norm`` when the
     trainer clips; ``retries`` when steps were retried; ``lr/<group>`` per group when the
     optimizer has several; ``| key value ...`` with ``with_records``. The numbers are the
-    ``StatsHook`` aggregate of the steps since the last report.
+    ``StatsHook`` aggregate of the steps since the last report. Reports follow the
+    ``every(n)`` rule (``trainloop.every``).
 
     When standard output is a terminal, ``bar`` is on, ``tqdm`` is installed and this is rank 0,
-    a live progress bar replaces the lines (its postfix carries the same numbers), and console
-    log handlers on the root logger write above the bar while it runs. A non-interactive output
+    a live progress bar replaces the lines (its postfix carries the same numbers, and the latest
+    values logged under the ``show_logged`` keys, such as a ``ValidationHook``'s ``val/...``,
+    as they are logged), and console log handlers on the root logger write above the bar while
+    it runs (the validation hook's own line among them). A non-interactive output
     (a file, a pipe, a job log) always gets lines.
 
     If no logging handler is configured anywhere on ``trainer.logger``'s way to the root
@@ -61,6 +64,8 @@ class ProgressHook(StatsHook):
             wall time per step since then, times the steps remaining.
         show_units: Write units (``s``, ``GiB``) after the numbers.
         bar: Allow the live bar on a terminal; ``False`` always logs lines.
+        show_logged: Top-level keys of ``trainer.log`` records whose latest values the bar shows
+            (default: ``["val"]``, a ``ValidationHook``'s results).
 
     Raises:
         pydantic.ValidationError: A parameter is invalid; the error names it.
@@ -75,6 +80,7 @@ class ProgressHook(StatsHook):
         eta_warmup: NonNegativeInt = 10,
         show_units: StrictBool = True,
         bar: StrictBool = True,
+        show_logged: list[str] | None = None,
     ) -> None:
         super().__init__(interval=interval, sync=sync)
         self.with_records = with_records
@@ -82,6 +88,9 @@ class ProgressHook(StatsHook):
         self.eta_warmup = eta_warmup
         self.show_units = show_units
         self.bar = bar
+        self.show_logged = tuple(["val"] if show_logged is None else show_logged)
+        self._logged: dict[str, float] = {}
+        self._postfix = ""
         self._steps_run = 0
         self._eta_start: float | None = None
         self._bar: Any = None
@@ -93,6 +102,7 @@ class ProgressHook(StatsHook):
         self._steps_run = 0
         self._eta_start = perf_counter() if self.eta_warmup == 0 else None
         self._bar = self._open_bar(trainer) if self.bar else None
+        self._logged, self._postfix = {}, ""
         if self._bar is None:
             self._make_lines_visible(trainer.logger)
 
@@ -116,13 +126,32 @@ class ProgressHook(StatsHook):
         bar = self._bar
         if bar is not None:
             fmt, args = self._describe(trainer, stats)
-            bar.set_postfix_str(fmt % tuple(args), refresh=False)
+            self._postfix = fmt % tuple(args)
+            bar.set_postfix_str(self._postfix + self._logged_text(), refresh=False)
             bar.update(trainer.step - bar.n)
             return
         logger = trainer.logger
         if logger.isEnabledFor(logging.INFO):
             fmt, args = self._describe(trainer, stats)
             logger.info("Step %d/%d: " + fmt, trainer.step, trainer.max_steps, *args)
+
+    def on_log(self, trainer: BaseTrainer, records: dict[str, Any], dry_run: bool = False) -> None:
+        """Show the latest values logged under ``show_logged`` keys in the bar, as they come."""
+        bar = self._bar
+        if bar is None or dry_run or not any(key in records for key in self.show_logged):
+            return
+        last = trainer.metrics.last  # trainer.log recorded them as floats before calling hooks
+        for key in self.show_logged:
+            if key in records:
+                for name in flatten_nested_dict({key: records[key]}):
+                    if name in last:
+                        self._logged[name] = last[name]
+        bar.set_postfix_str(self._postfix + self._logged_text(), refresh=False)
+        bar.update(trainer.step - bar.n)  # the bar moves to the step the values belong to
+        bar.refresh()  # shown now, not at the next report
+
+    def _logged_text(self) -> str:
+        return "".join(f" {name} {value:.4g}" for name, value in self._logged.items())
 
     def _describe(self, trainer: BaseTrainer, stats: TrainingStats) -> tuple[str, list[Any]]:
         """The report as a %-format and its arguments (so logging formats it lazily)."""

@@ -3,19 +3,37 @@
 A hook class registers under a type name with ``register_hook``. Its settings model is
 derived from its ``__init__`` signature (annotations and defaults), so a hook's parameters are
 declared once, in Python, and validated the same way from code and from a settings file.
+
+Types are looked up when settings are validated (and when a JSON Schema is generated), not when
+this module is imported: a hook registered at any time before validation is declarable.
 """
 
 from __future__ import annotations
 
+import difflib
 import inspect
+import json
+from collections.abc import Iterable, Sequence
 from functools import cache
-from typing import Annotated, Any, Literal, TypeVar, Union
+from typing import TYPE_CHECKING, Any, Literal, TypeVar
 
-from pydantic import BaseModel, ConfigDict, Field, create_model
+from pydantic import BaseModel, ConfigDict, GetCoreSchemaHandler, GetJsonSchemaHandler, create_model
+from pydantic_core import PydanticCustomError, core_schema
 
 from .base import BaseHook
 
-__all__ = ["HOOK_TYPES", "HookSettings", "hook_settings_model", "hook_spec", "register_hook"]
+if TYPE_CHECKING:
+    from pydantic.json_schema import JsonSchemaValue
+
+__all__ = [
+    "HOOK_TYPES",
+    "HookSettings",
+    "HookSpec",
+    "build_declared_hooks",
+    "hook_settings_model",
+    "register_hook",
+    "unregister_hook",
+]
 
 #: Registered hook classes by type name.
 HOOK_TYPES: dict[str, type[BaseHook]] = {}
@@ -31,13 +49,32 @@ class HookSettings(BaseModel):
     type: str
 
     def build(self) -> BaseHook:
-        """Construct the hook these settings describe."""
+        """Construct the hook these settings describe.
+
+        The hook remembers the declaration it was built from (``hook.declared_by``), so the
+        trainer does not build one declaration twice.
+        """
         cls = HOOK_TYPES[self.type]
-        return cls(**{name: getattr(self, name) for name in type(self).model_fields if name != "type"})
+        hook = cls(**{name: getattr(self, name) for name in type(self).model_fields if name != "type"})
+        try:
+            hook.declared_by = self  # type: ignore[attr-defined]
+        except AttributeError:  # a hook with __slots__: build_hooks() should not build it then
+            pass
+        return hook
 
 
 def register_hook(type_name: str) -> Any:
-    """Class decorator: make a hook declarable in settings as ``{"type": type_name, ...}``."""
+    """Class decorator: make a hook declarable in settings as ``{"type": type_name, ...}``.
+
+    Register before the settings that declare the hook are validated (importing the module
+    that defines the hook is enough); the JSON Schema includes it from then on.
+
+    Args:
+        type_name: The ``"type"`` a settings file gives.
+
+    Raises:
+        ValueError: Another class is registered under ``type_name``.
+    """
 
     def decorate(cls: H) -> H:
         if type_name in HOOK_TYPES and HOOK_TYPES[type_name] is not cls:
@@ -47,6 +84,11 @@ def register_hook(type_name: str) -> Any:
         return cls
 
     return decorate
+
+
+def unregister_hook(type_name: str) -> None:
+    """Forget the hook type ``type_name`` (settings declaring it no longer validate)."""
+    HOOK_TYPES.pop(type_name, None)
 
 
 @cache
@@ -69,7 +111,86 @@ def hook_settings_model(cls: type[BaseHook]) -> type[HookSettings]:
     )
 
 
-def hook_spec() -> Any:
-    """The type of one declared hook: the registered hooks' settings, told apart by ``type``."""
-    models = tuple(hook_settings_model(cls) for cls in HOOK_TYPES.values())
-    return Annotated[Union[models], Field(discriminator="type")]  # type: ignore[valid-type]
+def _unknown_type(type_name: object) -> PydanticCustomError:
+    known = sorted(HOOK_TYPES)
+    close = difflib.get_close_matches(str(type_name), known, n=1)
+    hint = f" (did you mean {close[0]!r}?)" if close else ""
+    return PydanticCustomError(
+        "hook_type",
+        "unknown hook type {type}{hint}; registered types: {known} (register a hook class with "
+        "trainloop.register_hook before the settings are validated)",
+        {"type": repr(type_name), "hint": hint, "known": ", ".join(known)},
+    )
+
+
+def _validate_spec(value: Any, info: core_schema.ValidationInfo) -> HookSettings:
+    """One declared hook, validated by the settings model of the type it names, looked up now."""
+    if isinstance(value, HookSettings):
+        if HOOK_TYPES.get(value.type) is None:
+            raise _unknown_type(value.type)
+        return value
+    if not isinstance(value, dict):
+        raise PydanticCustomError(
+            "hook_spec", 'a hook is a mapping {{"type": ..., <its parameters>}}, not {kind}',
+            {"kind": type(value).__name__},
+        )
+    if "type" not in value:
+        raise PydanticCustomError("hook_type_missing", 'the hook has no "type"; registered types: {known}', {"known": ", ".join(sorted(HOOK_TYPES))})
+    cls = HOOK_TYPES.get(value["type"]) if isinstance(value["type"], str) else None
+    if cls is None:
+        raise _unknown_type(value["type"])
+    model = hook_settings_model(cls)
+    # A ValidationError raised here keeps its locations, under this item's (hooks.0.interval).
+    if info.mode == "json":  # strictness as in JSON: "a/b" is a Path, [1, 2] a tuple
+        return model.model_validate_json(json.dumps(value))
+    return model.model_validate(value)
+
+
+def _serialize_spec(value: HookSettings, info: core_schema.SerializationInfo) -> Any:
+    return value.model_dump(mode=info.mode, round_trip=True)
+
+
+class HookSpec:
+    """The type of one declared hook: the settings of the hook type its ``"type"`` names.
+
+    Use it as a field type (``hooks: tuple[HookSpec, ...]``). The type is looked up in the
+    registry at validation time; the JSON Schema lists the types registered when it is made.
+    """
+
+    @classmethod
+    def __get_pydantic_core_schema__(cls, source: Any, handler: GetCoreSchemaHandler) -> core_schema.CoreSchema:
+        """A validator that looks the hook's type up in the registry when it runs."""
+        return core_schema.with_info_plain_validator_function(
+            _validate_spec,
+            serialization=core_schema.plain_serializer_function_ser_schema(_serialize_spec, info_arg=True),
+        )
+
+    @classmethod
+    def __get_pydantic_json_schema__(cls, schema: core_schema.CoreSchema, handler: GetJsonSchemaHandler) -> JsonSchemaValue:
+        """The registered hooks' settings, told apart by ``type`` (as registered right now)."""
+        models = [hook_settings_model(hook_cls) for hook_cls in HOOK_TYPES.values()]
+        if not models:
+            return {"type": "object", "properties": {"type": {"type": "string"}}, "required": ["type"]}
+        union = core_schema.tagged_union_schema(
+            {model.model_fields["type"].annotation.__args__[0]: model.__pydantic_core_schema__ for model in models},  # type: ignore[union-attr]
+            discriminator="type",
+        )
+        return handler(union)
+
+
+def build_declared_hooks(declared: Sequence[HookSettings], built: Iterable[BaseHook]) -> list[BaseHook]:
+    """The hooks of a run: ``built`` (what ``build_hooks()`` returned), then each declared hook.
+
+    A declaration that ``built`` already holds a hook of (one ``build_hooks()`` built with
+    ``spec.build()``) is not built a second time, so a declared hook runs exactly once.
+
+    Args:
+        declared: ``settings.hooks``.
+        built: The hooks ``build_hooks()`` returned.
+
+    Returns:
+        The hooks, in the order they are called.
+    """
+    hooks = list(built)
+    already = {id(getattr(hook, "declared_by", None)) for hook in hooks}
+    return hooks + [spec.build() for spec in declared if id(spec) not in already]

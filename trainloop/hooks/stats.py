@@ -20,6 +20,7 @@ import torch
 import torch.distributed as dist
 from pydantic import validate_call
 
+from ..every import Every
 from ..types import PositiveInt, StrictBool
 from ..utils import Records, key_average
 from .base import BaseHook
@@ -41,11 +42,11 @@ class TrainingStats:
         loss: Mean loss over every microstep of those steps (then over ranks, when synced).
         grad_norm: Mean total gradient norm, as measured before clipping; ``None`` when the
             trainer does not clip (no ``grad_clip``).
-        step_time: Mean seconds per step (``step_info["step_time"]``).
+        step_time: Mean seconds per step (``step_info.step_time``).
         data_time: Mean seconds per step spent drawing batches (all microsteps of a step).
         non_finite_grad_retries: How many times these steps were retried for non-finite
             gradients (the maximum over ranks, when synced: ranks retry the same steps).
-        max_memory: Peak of ``step_info["max_memory"]`` over these steps (and ranks), in the
+        max_memory: Peak of ``step_info.max_memory`` over these steps (and ranks), in the
             unit the recording hook uses (GiB for
             ``CudaMaxMemoryHook``); ``None`` when no hook
             records it.
@@ -94,14 +95,15 @@ class StatsHook(BaseHook):
     """Aggregate training statistics and emit them every ``interval`` steps.
 
     Every step it collects the loss of each microstep, the gradient norm (when the trainer
-    clips), step and data time, the retry count, ``step_info["max_memory"]`` when another hook
+    clips), step and data time, the retry count, ``step_info.max_memory`` when another hook
     records it (that hook must come before this one), ``forward``'s records, and each param
-    group's learning rate before the scheduler steps. At every multiple of ``interval``, at
-    ``max_steps``, and when a run ends cleanly before (an exit request) with steps not yet
-    emitted, it reduces them into a ``TrainingStats`` and calls ``emit``.
+    group's learning rate before the scheduler steps. By the ``every(n)`` rule
+    (``trainloop.every``: every multiple of ``interval`` and the last step of a run that ends
+    cleanly, also early on an exit request) it reduces them into a ``TrainingStats`` and calls
+    ``emit``.
 
     Used on its own, the hook keeps the newest statistics in ``latest`` and publishes
-    them as ``trainer.step_info["stats"]`` on the steps where it emits, for later hooks to read.
+    them as ``trainer.step_info.stats`` on the steps where it emits, for later hooks to read.
     Subclasses (``LoggingHook``,
     ``ProgressHook``) override ``emit``.
 
@@ -128,6 +130,7 @@ class StatsHook(BaseHook):
         self.interval = interval
         self.sync = sync
         self.latest: TrainingStats | None = None
+        self._every = Every(interval)
         self._max_steps = 0
         self._lr_names: list[str] = []
         self._lrs: list[Any] = []
@@ -148,6 +151,7 @@ class StatsHook(BaseHook):
     def on_before_train(self, trainer: BaseTrainer) -> None:
         """Start an empty window."""
         self._max_steps = trainer.max_steps
+        self._every.start(trainer)
         self.latest = None
         self._reset_window()
 
@@ -178,26 +182,26 @@ class StatsHook(BaseHook):
         info = trainer.step_info
         self._steps += 1
         # References only: reading a tensor here would be a host sync on every step.
-        self._losses.extend(info["loss"])
-        grad_norm = info.get("grad_norm")
+        self._losses.extend(info.loss)
+        grad_norm = info.grad_norm
         if grad_norm is not None:
             self._grad_norms.append(grad_norm)
         if self.collect_records:
-            self._records.extend(info["records"])
-        self._step_time += info["step_time"]
-        self._data_time += sum(info["data_time"])
-        self._retries += info["non_finite_grad_retries"]
-        memory = info.get("max_memory")
+            self._records.extend(info.records)
+        self._step_time += info.step_time or 0.0
+        self._data_time += sum(info.data_time)
+        self._retries += info.non_finite_grad_retries
+        memory = info.max_memory
         if memory is not None and (self._max_memory is None or memory > self._max_memory):
             self._max_memory = memory
-        step = trainer.step
-        if step % self.interval == 0 or step >= self._max_steps:
+        if self._every.due(trainer):
             self._emit_window(trainer)
 
     def on_after_train(self, trainer: BaseTrainer) -> None:
         """Emit the steps of a run that ended cleanly between two emissions (an exit request)."""
-        # Not after an error: other ranks may not reach this point, and a collective would hang.
-        if self._steps and trainer.error is None:
+        # Not after an error (due_at_end says no): other ranks may not reach this point, and a
+        # collective would hang.
+        if self._every.due_at_end(trainer) and self._steps:
             self._emit_window(trainer)
 
     # -- reducing --------------------------------------------------------------------------
@@ -234,13 +238,13 @@ class StatsHook(BaseHook):
         )
 
     def emit(self, trainer: BaseTrainer, stats: TrainingStats) -> None:
-        """Receive each new aggregate; the base class publishes it in ``step_info["stats"]``.
+        """Receive each new aggregate; the base class publishes it in ``step_info.stats``.
 
         Args:
             trainer: The trainer.
             stats: The statistics of the steps since the previous emission.
         """
-        trainer.step_info["stats"] = stats
+        trainer.step_info.stats = stats
 
 
 def _world_size() -> int:

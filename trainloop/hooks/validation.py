@@ -2,15 +2,17 @@
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable, Mapping
-from typing import TYPE_CHECKING, Annotated, Any, cast
+from typing import TYPE_CHECKING, Annotated, Any, Literal, cast
 
 import torch
 from pydantic import Field, validate_call
 from pydantic.json_schema import SkipJsonSchema
 
+from ..every import Every
 from ..types import PositiveInt, StrictBool
-from ..utils import Records, module_modes_kept
+from ..utils import Records, flatten_nested_dict, module_modes_kept
 from .base import BaseHook
 from .registry import register_hook
 
@@ -27,15 +29,19 @@ _MISSING = object()
 
 @register_hook("validation")
 class ValidationHook(BaseHook):
-    """Run an evaluation every ``interval`` steps and log what it returns under ``prefix``.
+    """Run an evaluation every ``interval`` steps (or epochs) and log what it returns under ``prefix``.
 
-    The evaluation runs after the step's optimizer update, with the model in eval mode, under
+    Evaluations follow the ``every(n)`` rule (``trainloop.every``): after every ``interval``-th
+    step (or epoch), and after the last step of a run that ends cleanly (``at_last_step``). The
+    evaluation runs after the step's optimizer update, with the model in eval mode, under
     ``torch.no_grad()`` and the trainer's autocast (``settings.mixed_precision`` on
-    ``trainer.device``). Afterwards every submodule gets back the train/eval mode it had, also
+    ``trainer.device``); on a run ended early by an exit request it runs in ``on_after_train``
+    (put this hook before the hooks that write logged records, which close there). Afterwards every submodule gets back the train/eval mode it had, also
     when the evaluation raises. The returned records are logged with
     ``trainer.log({prefix: records})``, so an
     ``EarlyStoppingHook`` can monitor e.g. ``"val/loss"``,
-    and kept in ``last_records``.
+    kept in ``last_records``, and shown as a line on ``trainer.logger`` at INFO
+    (``Validation at step 100: val/loss 0.3120 val/accuracy 0.9583``).
 
     In Python ``evaluate`` may be any callable; in a settings file it is the name of a trainer
     method::
@@ -49,9 +55,10 @@ class ValidationHook(BaseHook):
         evaluate: ``fn(trainer) -> records`` (a nested dict of numbers or scalar tensors), or
             the name of a trainer method ``method() -> records``. A name is checked when
             training starts; a missing or non-callable attribute fails before the first step.
-        interval: Evaluate after every ``interval``-th step.
-        at_last_step: Also evaluate after step ``max_steps`` when it is not a multiple of
-            ``interval``. (A run that ends early on an exit request is not evaluated again.)
+        interval: Evaluate after every ``interval``-th step (or epoch, see ``unit``).
+        at_last_step: Also evaluate after the last step of a run that ends cleanly (``max_steps``
+            or ``max_epochs`` reached, or an exit request) when it was not just evaluated.
+        unit: ``"steps"`` or ``"epochs"``: what ``interval`` counts.
         prefix: The top-level key the records are logged under.
 
     Attributes:
@@ -68,9 +75,12 @@ class ValidationHook(BaseHook):
         interval: PositiveInt,
         at_last_step: StrictBool = True,
         prefix: Annotated[str, Field(min_length=1)] = "val",
+        unit: Literal["steps", "epochs"] = "steps",
     ) -> None:
         self.evaluate = evaluate
         self.interval = interval
+        self.unit = unit
+        self._every = Every(interval, unit)
         self.at_last_step = at_last_step
         self.prefix = prefix
         self.last_records: Records | None = None
@@ -83,6 +93,7 @@ class ValidationHook(BaseHook):
             AttributeError: The trainer has no attribute of that name.
             TypeError: The attribute is not callable.
         """
+        self._every.start(trainer)
         if not isinstance(self.evaluate, str):
             return
         method = getattr(trainer, self.evaluate, _MISSING)
@@ -99,9 +110,13 @@ class ValidationHook(BaseHook):
             )
 
     def on_after_step(self, trainer: BaseTrainer) -> None:
-        """Evaluate if this step is due; on the other steps this is one modulo."""
-        step = trainer.step
-        if step % self.interval == 0 or (self.at_last_step and step == trainer.max_steps):
+        """Evaluate if this step is due; on the other steps this costs one modulo or so."""
+        if self._every.due(trainer, self.at_last_step):
+            self.run(trainer)
+
+    def on_after_train(self, trainer: BaseTrainer) -> None:
+        """Evaluate the last step of a run ended early by an exit request, if not done yet."""
+        if self.at_last_step and self._every.due_at_end(trainer):
             self.run(trainer)
 
     def run(self, trainer: BaseTrainer) -> Records:
@@ -129,6 +144,14 @@ class ValidationHook(BaseHook):
         self.last_records = cast(Records, records)
         self.last_step = trainer.step
         trainer.log({self.prefix: self.last_records})
+        logger = trainer.logger
+        if logger.isEnabledFor(logging.INFO):
+            shown = trainer.metrics.last  # the values just logged, as floats
+            keys = [k for k in flatten_nested_dict(self.last_records, prefix=self.prefix) if k in shown]
+            logger.info(
+                "Validation at step %d: " + " ".join(["%s %.4g"] * len(keys)),
+                trainer.step, *(x for k in keys for x in (k, shown[k])),
+            )
         return self.last_records
 
     def _describe(self) -> str:

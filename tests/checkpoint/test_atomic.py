@@ -1,0 +1,122 @@
+"""trainloop.checkpoint.atomic: a reader sees the old directory or the complete new one, and what
+a crash leaves is settled by ``clean_leftovers``."""
+
+from __future__ import annotations
+
+import logging
+import os
+from pathlib import Path
+
+import pytest
+
+from trainloop.checkpoint.atomic import (
+    atomic_directory,
+    clean_leftovers,
+    discard,
+    make_temporary,
+    publish,
+    remove_directory,
+    replace_symlink,
+)
+
+LOGGER = logging.getLogger("test_atomic")
+
+
+def entries(parent: Path) -> list[str]:
+    return sorted(p.name for p in parent.iterdir())
+
+
+def fill(directory: Path, text: str) -> None:
+    (directory / "a.txt").write_text(text)
+    (directory / "sub").mkdir()
+    (directory / "sub" / "b.txt").write_text(text * 2)
+
+
+def test_atomic_directory_publishes_a_complete_directory_and_leaves_nothing_hidden(tmp_path):
+    target = tmp_path / "deep" / "7"
+    with atomic_directory(target) as tmp:
+        assert tmp.parent == target.parent and tmp.name.startswith(".7.tmp-")
+        assert not target.exists()  # invisible under its name until complete
+        fill(tmp, "x")
+    assert (target / "sub" / "b.txt").read_text() == "xx"
+    assert entries(target.parent) == ["7"]
+
+
+def test_replacing_keeps_the_old_contents_until_the_new_are_complete(tmp_path):
+    target = tmp_path / "7"
+    with atomic_directory(target) as tmp:
+        fill(tmp, "old")
+    with pytest.raises(RuntimeError, match="cut short"):
+        with atomic_directory(target) as tmp:
+            fill(tmp, "new")
+            raise RuntimeError("cut short")
+    assert (target / "a.txt").read_text() == "old"
+    assert entries(tmp_path) == ["7"]
+    with atomic_directory(target) as tmp:
+        fill(tmp, "new")
+    assert (target / "a.txt").read_text() == "new"
+    assert entries(tmp_path) == ["7"]
+
+
+def test_a_failing_then_undoes_the_publication_and_restores_the_replaced_directory(tmp_path):
+    target = tmp_path / "7"
+    with atomic_directory(target) as tmp:
+        fill(tmp, "old")
+    seen = []
+
+    def then():
+        seen.append((target / "a.txt").read_text())  # called with the new directory in place
+        raise OSError(28, "No space left on device")
+
+    tmp = make_temporary(target)
+    fill(tmp, "new")
+    with pytest.raises(OSError, match="No space left"):
+        publish(tmp, target, then)
+    assert seen == ["new"]
+    assert (target / "a.txt").read_text() == "old"
+    assert entries(tmp_path) == ["7"]
+
+
+def test_a_failing_then_on_a_first_publication_leaves_no_directory(tmp_path):
+    target = tmp_path / "7"
+    with pytest.raises(OSError):
+        with atomic_directory(target, then=lambda: os.rename(tmp_path / "missing", tmp_path / "x")) as tmp:
+            fill(tmp, "new")
+    assert entries(tmp_path) == []
+
+
+def test_discard_and_remove_directory(tmp_path):
+    tmp = make_temporary(tmp_path / "3")
+    fill(tmp, "x")
+    discard(tmp)
+    discard(tmp)  # already gone: nothing to do
+    assert entries(tmp_path) == []
+    (tmp_path / "4").mkdir()
+    fill(tmp_path / "4", "y")
+    remove_directory(tmp_path / "4")
+    assert entries(tmp_path) == []
+
+
+def test_replace_symlink_is_relative_and_replaces(tmp_path):
+    (tmp_path / "1").mkdir()
+    (tmp_path / "2").mkdir()
+    replace_symlink(tmp_path / "latest", "1")
+    replace_symlink(tmp_path / "latest", "2")
+    assert os.readlink(tmp_path / "latest") == "2"
+    assert (tmp_path / "latest").resolve() == (tmp_path / "2").resolve()
+    assert entries(tmp_path) == ["1", "2", "latest"]
+
+
+def test_clean_leftovers_restores_a_moved_aside_directory_and_removes_the_rest(tmp_path, caplog):
+    for name in ("5", ".5.tmp-0a", ".6.old-0b", ".4.del-0c", ".7.old-0d"):
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "f").write_text(name)
+    os.symlink("5", tmp_path / ".latest.tmp-0e")
+    (tmp_path / "7").mkdir()  # the new 7 made it: its old copy goes
+    (tmp_path / ".hidden-by-user").mkdir()  # not ours: untouched
+    with caplog.at_level(logging.WARNING, logger="test_atomic"):
+        clean_leftovers(tmp_path, LOGGER)
+    assert entries(tmp_path) == [".hidden-by-user", "5", "6", "7"]
+    assert (tmp_path / "6" / "f").read_text() == ".6.old-0b"
+    assert "Restored" in caplog.text and str(tmp_path / "6") in caplog.text
+    clean_leftovers(tmp_path / "absent", LOGGER)  # no directory: nothing to do

@@ -1,0 +1,109 @@
+"""Copying a training state to CPU memory for a background save, into reused buffers.
+
+A background save must write the state as it was when the save began, while training goes on
+changing the live tensors: so the state is first copied ("staged") to CPU memory, and only
+that copy is written. Reusing the previous save's buffers makes the copy cheap (see
+:class:`CpuStage`).
+"""
+
+from __future__ import annotations
+
+import copy
+from collections import OrderedDict
+from typing import Any
+
+import torch
+from torch.distributed.checkpoint.staging import AsyncStager
+from torch.distributed.tensor import DTensor
+
+__all__ = ["CpuStage", "ReusingStager", "stage_to_cpu"]
+
+
+def stage_to_cpu(obj: Any) -> Any:
+    """A copy of ``obj`` that training cannot change: tensors copied to CPU memory, containers
+    rebuilt, other mutable objects deep-copied (see :class:`CpuStage` to reuse the memory)."""
+    return CpuStage().copy(obj)
+
+
+class CpuStage:
+    """Copies a state to CPU memory, into the same buffers from one save to the next.
+
+    A fresh allocation of a large buffer costs a page fault per page on first touch, which
+    takes longer than the copy itself (here ~45 ms for 64 MB, against ~16 ms into a reused
+    buffer). A buffer is reused for the tensor at the same place in the state with the same
+    shape and dtype; the buffers are kept until the next copy, so the previous copy must no
+    longer be in use (one save in flight at most).
+    """
+
+    def __init__(self) -> None:
+        self._buffers: dict[tuple[Any, ...], torch.Tensor] = {}
+
+    def copy(self, obj: Any) -> Any:
+        """The copy of ``obj`` (tensors into this stage's buffers)."""
+        used: dict[tuple[Any, ...], torch.Tensor] = {}
+        copied = self._copy(obj, (), used)
+        if any(t.is_pinned() for t in used.values()):
+            torch.cuda.synchronize()  # the device-to-host copies were asynchronous
+        self._buffers = used  # buffers of tensors gone from the state are let go
+        return copied
+
+    def _copy(self, obj: Any, path: tuple[Any, ...], used: dict[tuple[Any, ...], torch.Tensor]) -> Any:
+        if isinstance(obj, DTensor):
+            # This rank's shard, in a DTensor again (no communication: shape and stride given).
+            local = self._copy(obj.to_local(), path, used)
+            return DTensor.from_local(
+                local, obj.device_mesh, obj.placements, run_check=False, shape=obj.shape, stride=obj.stride()
+            )
+        if isinstance(obj, torch.Tensor):
+            tensor = obj.detach()
+            key = (path, tensor.shape, tensor.dtype)
+            buffer = self._buffers.get(key)
+            if buffer is None:
+                buffer = torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=tensor.is_cuda)
+            buffer.copy_(tensor, non_blocking=tensor.is_cuda)
+            used[key] = buffer
+            return buffer
+        if isinstance(obj, dict):
+            items = [(k, self._copy(v, (*path, k), used)) for k, v in obj.items()]
+            return OrderedDict(items) if isinstance(obj, OrderedDict) else dict(items)
+        if isinstance(obj, (list, tuple)):
+            values = [self._copy(v, (*path, i), used) for i, v in enumerate(obj)]
+            if isinstance(obj, list):
+                return values
+            return type(obj)(*values) if hasattr(obj, "_fields") else tuple(values)
+        if obj is None or isinstance(obj, (bool, int, float, complex, str, bytes)):
+            return obj
+        return copy.deepcopy(obj)
+
+
+class ReusingStager(AsyncStager):
+    """DCP's staging step done by a :class:`CpuStage`, so each save reuses the last one's buffers.
+
+    Only for states whose sharded tensors live on a CPU device mesh: ``DTensor.from_local``
+    would move a staged shard back to an accelerator mesh's device.
+    """
+
+    _synchronize_after_execute = False  # stage() returns once the copy is complete
+
+    def __init__(self, stage: CpuStage) -> None:
+        self._stage = stage
+
+    def stage(self, state_dict: dict[str, Any]) -> dict[str, Any]:
+        return self._stage.copy(state_dict)
+
+    def synchronize_staging(self) -> None:
+        return None  # nothing to wait for: stage() copied synchronously
+
+    def close(self) -> None:
+        return None  # the buffers belong to the CpuStage, reused by the next save
+
+    @staticmethod
+    def suits(state_dict: Any) -> bool:
+        """Whether every DTensor in ``state_dict`` is on a CPU device mesh."""
+        if isinstance(state_dict, DTensor):
+            return state_dict.device_mesh.device_type == "cpu"
+        if isinstance(state_dict, dict):
+            return all(ReusingStager.suits(v) for v in state_dict.values())
+        if isinstance(state_dict, (list, tuple)):
+            return all(ReusingStager.suits(v) for v in state_dict)
+        return True

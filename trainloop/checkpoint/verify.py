@@ -1,0 +1,114 @@
+"""Choosing the checkpoint to resume from, verified by every rank at once.
+
+Rank 0 lists the candidates (the one ``latest`` points at, then the others from the highest
+step down) and checks each one's listing against its manifest: names and sizes, no reading.
+Then every rank hashes its share of the files and rank 0's verdict on the union is the same on
+every rank. The shard files rank ``r`` wrote (``sharded/__<r>_*.distcp``) are rank ``r``'s share
+(modulo the world size, when resumed on fewer ranks); the other files are spread so that every
+rank reads about as many bytes. So no rank waits on the others longer than its own share takes
+to read, however many ranks there are, instead of every rank waiting while rank 0 reads the
+whole checkpoint.
+
+Every rank must see the checkpoint directory (shared storage): a rank that cannot read its
+share refuses the checkpoint, as it could not load it either.
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+from collections.abc import Mapping
+from pathlib import Path
+
+from .errors import CheckpointError
+from .manifest import FileDigest, check_hashes, check_listing
+from .saver import agree_on_error, broadcast_from_rank_zero
+from .sharded import no_dist
+
+__all__ = ["choose_checkpoint", "hash_shares"]
+
+logger = logging.getLogger("trainloop")
+
+_SHARD = re.compile(r"sharded/__(\d+)_\d+\.distcp")
+
+
+def hash_shares(expected: Mapping[str, FileDigest], world: int) -> list[list[str]]:
+    """Which files each of ``world`` ranks hashes (the same answer on every rank).
+
+    Args:
+        expected: A manifest's entries, by relative path.
+        world: The number of ranks sharing the work.
+    """
+    shares: list[list[str]] = [[] for _ in range(world)]
+    loads = [0] * world
+    others = []
+    for rel, digest in sorted(expected.items()):
+        match = _SHARD.fullmatch(rel)
+        if match is None:
+            others.append(rel)
+            continue
+        owner = int(match[1]) % world  # the rank that wrote it, where there is one
+        shares[owner].append(rel)
+        loads[owner] += digest.size
+    for rel in sorted(others, key=lambda rel: (-expected[rel].size, rel)):  # largest first
+        owner = min(range(world), key=lambda rank: (loads[rank], rank))
+        shares[owner].append(rel)
+        loads[owner] += expected[rel].size
+    return shares
+
+
+def choose_checkpoint(candidates: list[Path] | None, explicit: bool, log: logging.Logger | None = None) -> Path | None:
+    """The first of rank 0's ``candidates`` that every rank finds intact (every rank calls).
+
+    Args:
+        candidates: Rank 0's list, best first (other ranks pass ``None``: rank 0's is used).
+        explicit: The user named the checkpoint: a bad one is an error, not skipped.
+        log: Where skipped checkpoints are reported (rank 0); the ``trainloop`` logger if omitted.
+
+    Returns:
+        The checkpoint, the same on every rank; ``None`` if none is intact.
+
+    Raises:
+        CheckpointError: ``explicit``, and the checkpoint is incomplete or corrupt (every rank
+            raises; the message names the file).
+    """
+    log = log or logger
+    candidates = broadcast_from_rank_zero(candidates)
+    rank, world = (0, 1) if no_dist() else (_rank(), _world())
+    for candidate in candidates or []:
+        listing: dict[str, FileDigest] | CheckpointError | None = None
+        if rank == 0:
+            try:
+                listing = check_listing(candidate)
+            except CheckpointError as error:
+                listing = error
+        listing = broadcast_from_rank_zero(listing)
+        error: BaseException | None = listing if isinstance(listing, CheckpointError) else None
+        if error is None:
+            assert isinstance(listing, dict)
+            share = hash_shares(listing, world)[rank]
+            try:
+                check_hashes(candidate, listing, share)
+            except (CheckpointError, OSError) as failure:
+                error = failure if isinstance(failure, CheckpointError) else CheckpointError(f"{candidate}: {failure}")
+            logger.debug("Rank %d hashed %d of the %d files of %s: %s", rank, len(share), len(listing), candidate, share)
+            error = agree_on_error(error)
+        if error is None:
+            return candidate
+        if explicit:
+            raise error
+        if rank == 0:
+            log.warning("Skipping checkpoint %s, which is incomplete or corrupt: %s", candidate, error)
+    return None
+
+
+def _rank() -> int:
+    import torch.distributed as dist
+
+    return dist.get_rank()
+
+
+def _world() -> int:
+    import torch.distributed as dist
+
+    return dist.get_world_size()

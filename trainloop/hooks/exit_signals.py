@@ -1,0 +1,106 @@
+"""The signals that end a run cleanly (preemption, Ctrl-C), caught for the duration of a run.
+
+A scheduler that preempts a job sends SIGTERM (Kubernetes, torchrun forwarding its own), or the
+signal ``sbatch --signal`` names (SIGUSR1 here by convention); a person presses Ctrl-C
+(SIGINT). The first such signal is only recorded: the step in progress finishes, the run saves
+and exits with ``128 + signal``. A SIGINT after that means "now": it raises
+``KeyboardInterrupt`` at once, saying so, and the exit save is given up. Any other repeated signal is ignored until
+the run has exited, so a scheduler that signals twice does not kill the exit save.
+"""
+
+from __future__ import annotations
+
+import logging
+import signal
+import threading
+import time
+from types import FrameType
+from typing import Any
+
+__all__ = ["DEFAULT_EXIT_SIGNALS", "ExitSignals", "as_signal"]
+
+DEFAULT_EXIT_SIGNALS = ("SIGTERM", "SIGUSR1", "SIGINT")
+"""What a ``CheckpointingHook`` catches unless told otherwise."""
+
+
+def as_signal(value: str | int) -> signal.Signals:
+    """A signal name (``"SIGTERM"``, ``"TERM"``) or number as a ``signal.Signals``.
+
+    Raises:
+        ValueError: It names no signal, or one that cannot be caught.
+    """
+    try:
+        if isinstance(value, str):
+            name = value.upper()
+            found = signal.Signals[name if name.startswith("SIG") else f"SIG{name}"]
+        else:
+            found = signal.Signals(value)
+    except (KeyError, ValueError):
+        raise ValueError(f"not a signal: {value!r} (give a name such as 'SIGTERM', or a number)") from None
+    if found in (signal.SIGKILL, signal.SIGSTOP):
+        raise ValueError(f"{found.name} cannot be caught")
+    return found
+
+
+class ExitSignals:
+    """Installs handlers for ``signals`` during a run and records the first one caught.
+
+    Args:
+        signals: The signals to catch.
+        required: Whether failing to install them (outside the main thread, where Python
+            cannot) is an error; else it is logged and the run goes on without them.
+        name: Who asked, for messages (e.g. ``"CheckpointingHook exit_signals"``).
+    """
+
+    def __init__(self, signals: tuple[signal.Signals, ...], required: bool, name: str) -> None:
+        self.signals = signals
+        self.required = required
+        self.name = name
+        self.caught: signal.Signals | None = None
+        self.caught_at: float | None = None  # time.monotonic() of the first signal
+        self.abandoned = False  # a second Ctrl-C: exit at once, without the exit save
+        self._previous: dict[signal.Signals, Any] = {}
+        self._logger = logging.getLogger("trainloop")
+
+    def install(self, logger: logging.Logger) -> None:
+        """Catch the signals from now on (the previous handlers are kept for :meth:`restore`).
+
+        Raises:
+            RuntimeError: Not in the main thread, and the signals were asked for explicitly.
+        """
+        self.caught, self.caught_at, self.abandoned = None, None, False
+        self._logger = logger
+        if not self.signals:
+            return
+        if threading.current_thread() is not threading.main_thread():
+            message = f"{self.name} cannot be installed outside the main thread"
+            if self.required:
+                raise RuntimeError(f"{message}: signal only works in main thread of the main interpreter")
+            logger.info("%s; the run will not save on %s", message, ", ".join(s.name for s in self.signals))
+            return
+        for signum in self.signals:
+            # A bound method gets the signal number from the OS: no loop variable to close over.
+            self._previous[signum] = signal.signal(signum, self._on_signal)
+
+    def restore(self) -> None:
+        """Give the signals back to the handlers they had before :meth:`install`."""
+        while self._previous:
+            signum, handler = self._previous.popitem()
+            # None: the previous handler was not installed from Python; the default is closest.
+            signal.signal(signum, handler if handler is not None else signal.SIG_DFL)
+
+    def exit_code(self, setting: str | int) -> int:
+        """The exit code for the signal caught: ``128 + signal`` or the fixed ``setting``."""
+        assert self.caught is not None
+        return 128 + self.caught if setting == "128+signal" else int(setting)
+
+    def _on_signal(self, signum: int, frame: FrameType | None) -> None:
+        if self.caught is None:
+            # Only record: the step in progress finishes, and the hook acts on it after the step.
+            self.caught, self.caught_at = signal.Signals(signum), time.monotonic()
+            return
+        if signum == signal.SIGINT and not self.abandoned:
+            self.abandoned = True
+            self._logger.error("Second Ctrl-C: exiting at once, without the exit checkpoint")
+            raise KeyboardInterrupt
+        # A repeated SIGTERM (a scheduler, torchrun) must not cut the exit save short.

@@ -1,0 +1,77 @@
+"""How long a run is: ``max_steps``, ``max_epochs``, whichever comes first.
+
+``RunLength`` answers the trainer's exit policy (``should_exit``) and the "last step" half of the
+``every(n)`` rule (``trainloop.every``), so both read one definition of where a run ends.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import TYPE_CHECKING, Any
+
+from .data import batches_per_epoch
+
+if TYPE_CHECKING:
+    from .data import EpochIterator
+    from .settings import TrainerSettings
+
+__all__ = ["RunLength"]
+
+
+class RunLength:
+    """Where a run ends, by steps, by epochs, or by both (whichever comes first).
+
+    Args:
+        settings: The run's settings (``max_steps``, ``max_epochs``,
+            ``gradient_accumulation_steps``).
+
+    Attributes:
+        epochs_at_start: Full passes completed when this run began drawing (resumed ones).
+        planned_steps: The steps the run is expected to take: ``max_steps``, or with
+            ``max_epochs`` ``ceil(max_epochs * len(loader) / gradient_accumulation_steps)`` when
+            that is less (an estimate when ``forward`` skips batches by returning ``loss=None``).
+            ``None`` until ``plan`` has seen the data loader, unless ``max_steps`` alone is set.
+    """
+
+    def __init__(self, settings: TrainerSettings) -> None:
+        self.max_steps = settings.max_steps
+        self.max_epochs = settings.max_epochs
+        self._accumulation = settings.gradient_accumulation_steps
+        self.planned_steps: int | None = self.max_steps if self.max_epochs is None else None
+        self._data: EpochIterator | None = None
+        self.epochs_at_start = 0
+
+    def plan(self, loader: Any) -> None:
+        """Derive ``planned_steps`` from the data loader's length.
+
+        Raises:
+            ValueError: ``max_epochs`` is set and the loader has no ``len()`` (a one-shot
+                iterator, an ``IterableDataset`` without a length).
+        """
+        if self.max_epochs is None:
+            return
+        length = batches_per_epoch(loader)
+        if length is None:
+            raise ValueError(
+                f"max_epochs={self.max_epochs} needs a data loader with a length, but "
+                f"build_data_loader() returned a {type(loader).__name__} without len(); "
+                "set max_steps instead"
+            )
+        by_epochs = max(1, math.ceil(self.max_epochs * length / self._accumulation))
+        self.planned_steps = by_epochs if self.max_steps is None else min(self.max_steps, by_epochs)
+
+    def follow(self, data: EpochIterator) -> None:
+        """Read epochs from this iterator (the one the run draws from)."""
+        self._data = data
+        self.epochs_at_start = data.epochs_completed
+
+    @property
+    def epochs_completed(self) -> int:
+        """Full passes over the data so far (0 before the data iterator exists)."""
+        return self._data.epochs_completed if self._data is not None else 0
+
+    def reached(self, step: int) -> bool:
+        """Whether the run ends after ``step``: ``max_steps`` reached or ``max_epochs`` completed."""
+        if self.max_steps is not None and step >= self.max_steps:
+            return True
+        return self.max_epochs is not None and self.epochs_completed >= self.max_epochs

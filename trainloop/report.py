@@ -1,0 +1,283 @@
+"""A run's report: one self-contained HTML page made from what its workspace holds.
+
+``trainloop report WORKSPACE`` (or ``write_report``) reads ``settings.json``, ``metrics.jsonl``,
+``trace.jsonl``, ``runs.jsonl`` and the checkpoints, and writes a page with the metric curves,
+the machine weighted by the run's trace, the time spent per state, the retries, the runs (and
+the signals or errors that ended them) and the checkpoints, the best one marked. Everything is
+inline (SVG, CSS): the page opens anywhere, without network access.
+"""
+
+from __future__ import annotations
+
+import html
+import json
+import signal
+from collections.abc import Mapping
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Any
+
+from .checkpoint.best import read_best
+from .checkpoint.files import LATEST, checkpoint_steps
+from .machine import TRANSITIONS, State, Transition, draw
+from .metrics import METRICS_FILE, read_metrics
+from .result import read_runs
+from .trace import TraceSummary, read_trace, summarize_trace
+
+__all__ = ["ReportError", "build_report", "machine_svg", "write_report"]
+
+REPORT_FILE = "report.html"
+
+_STYLE = """
+body { font: 14px/1.45 system-ui, -apple-system, "Segoe UI", sans-serif; color: #1f2328; margin: 0; background: #f6f8fa; }
+main { max-width: 1180px; margin: 0 auto; padding: 24px; }
+h1 { font-size: 24px; margin: 0 0 4px; } h2 { font-size: 18px; margin: 28px 0 10px; border-bottom: 1px solid #d0d7de; padding-bottom: 4px; }
+h3 { font-size: 15px; margin: 16px 0 6px; }
+.muted { color: #656d76; } .card { background: #fff; border: 1px solid #d0d7de; border-radius: 6px; padding: 12px; }
+.grid { display: grid; grid-template-columns: repeat(auto-fill, minmax(360px, 1fr)); gap: 12px; }
+.grid svg, .diagram svg { max-width: 100%; height: auto; }
+.diagram { overflow-x: auto; text-align: center; }
+table { border-collapse: collapse; background: #fff; } td, th { border: 1px solid #d0d7de; padding: 3px 10px; text-align: left; }
+td.num { text-align: right; font-variant-numeric: tabular-nums; }
+.bar { background: #54aeff; height: 10px; border-radius: 2px; }
+.best { background: #dafbe1; font-weight: 600; } .bad { color: #cf222e; }
+.stats { display: flex; gap: 12px; flex-wrap: wrap; } .stats .card { min-width: 130px; }
+.stats b { display: block; font-size: 20px; }
+pre { background: #fff; border: 1px solid #d0d7de; border-radius: 6px; padding: 10px; overflow-x: auto; font-size: 12px; }
+"""
+
+
+class ReportError(ValueError):
+    """The workspace cannot be reported on; the message names the path."""
+
+
+def write_report(workspace: Path | str, output: Path | str | None = None) -> Path:
+    """Write the report of ``workspace`` to ``output`` (default ``<workspace>/report.html``).
+
+    Raises:
+        ReportError: ``workspace`` is not a run's workspace, or a file in it is malformed.
+        OSError: The output cannot be written.
+    """
+    workspace = Path(workspace)
+    target = Path(output) if output is not None else workspace / REPORT_FILE
+    page = build_report(workspace)
+    target.write_text(page, encoding="utf-8")
+    return target
+
+
+def build_report(workspace: Path) -> str:
+    """The report page of ``workspace`` as HTML text.
+
+    Raises:
+        ReportError: ``workspace`` has no ``settings.json`` (no run recorded there), or one of
+            its files is malformed.
+    """
+    settings_file = workspace / "settings.json"
+    if not settings_file.is_file():
+        raise ReportError(f"{workspace}: no settings.json, so no run was recorded there (a run writes it in its workspace)")
+    try:
+        settings = json.loads(settings_file.read_text(encoding="utf-8"))
+        metrics = read_metrics(workspace / METRICS_FILE) if (workspace / METRICS_FILE).is_file() else []
+        trace = read_trace(workspace / "trace.jsonl") if (workspace / "trace.jsonl").is_file() else None
+    except ValueError as error:
+        raise ReportError(str(error)) from None
+    summary = summarize_trace(trace) if trace is not None else None
+    checkpoints = _checkpoints(workspace, settings)
+    best_step = next((c["step"] for c in checkpoints if c["best"]), None)
+    runs = read_runs(workspace)
+    parts = [
+        f"<h1>Run report: {_e(workspace.resolve().name)}</h1>",
+        f'<p class="muted">{_e(str(workspace))} · generated {datetime.now(UTC).strftime("%Y-%m-%d %H:%M UTC")} by trainloop</p>',
+        _overview(metrics, summary, runs, checkpoints),
+        "<h2>The machine</h2>",
+        _machine(summary),
+        _time_per_state(summary),
+        "<h2>Metrics</h2>",
+        _charts(metrics, best_step),
+        "<h2>Runs</h2>",
+        _runs(runs),
+        "<h2>Checkpoints</h2>",
+        _checkpoint_table(checkpoints),
+        "<h2>Settings</h2>",
+        f"<pre>{_e(json.dumps(settings, indent=2))}</pre>",
+    ]
+    body = "\n".join(parts)
+    return (
+        '<!DOCTYPE html>\n<html lang="en"><head><meta charset="utf-8">'
+        f"<title>trainloop report: {_e(workspace.resolve().name)}</title><style>{_STYLE}</style></head>"
+        f"<body><main>\n{body}\n</main></body></html>\n"
+    )
+
+
+# -- sections -------------------------------------------------------------------------------------
+
+
+def _overview(metrics: list[dict[str, Any]], summary: TraceSummary | None, runs: list[dict[str, Any]],
+              checkpoints: list[dict[str, Any]]) -> str:
+    steps = max([r["step"] for r in metrics] + [r.get("step", 0) for r in runs] + [summary.steps if summary else 0])
+    retries = _fired(summary, lambda t: t.dest is State.RETRYING) if summary else None
+    cards = [("steps", str(steps)), ("runs", str(len(runs) or (summary.runs if summary else "?")))]
+    for key in ("loss", "val/loss", "val/accuracy"):
+        value = next((r[key] for r in reversed(metrics) if key in r), None)
+        if value is not None:
+            cards.append((f"last {key}", f"{value:.4g}"))
+    cards.append(("retries", "not traced" if retries is None else str(retries)))
+    cards.append(("checkpoints", str(len(checkpoints))))
+    return '<div class="stats">' + "".join(f'<div class="card"><span class="muted">{_e(k)}</span><b>{_e(v)}</b></div>' for k, v in cards) + "</div>"
+
+
+def _charts(metrics: list[dict[str, Any]], best_step: int | None) -> str:
+    if not metrics:
+        return f'<p class="muted">No {METRICS_FILE} in this workspace (settings.metrics_file off, or nothing logged).</p>'
+    from .charts import group_metrics, group_title, metric_chart  # matplotlib: only for a report
+
+    out = ['<div class="grid">']
+    for group, curves in group_metrics(metrics).items():
+        for key, points in curves.items():
+            chart = metric_chart(key, {key: points}, best_step if group == "val" else None)
+            out.append(f'<div class="card" title="{_e(chart.title)}"><span class="muted">{_e(group_title(group))}</span>{chart.svg}</div>')
+    out.append("</div>")
+    return "\n".join(out)
+
+
+def machine_svg(counts: Mapping[tuple[State, State, str], int] | None = None) -> str | None:
+    """The machine drawn by Graphviz as SVG markup (``None`` when ``dot`` is not installed).
+
+    With ``counts`` (a trace's), edges are weighted by how often they fired and ``fail`` edges
+    that never fired are folded away; without, every ``fail`` edge is folded away.
+    """
+    from .graphviz import GraphvizError, render_dot
+
+    table = _drawn_table(counts)
+    try:
+        svg = render_dot(draw(table, "dot", counts=counts), "svg").decode("utf-8")
+    except GraphvizError:
+        return None
+    return svg[svg.index("<svg"):]
+
+
+def _drawn_table(counts: Mapping[tuple[State, State, str], int] | None) -> list[Transition]:
+    return [t for t in TRANSITIONS if t.trigger != "fail" or (counts is not None and counts.get((t.source, t.dest, t.trigger), 0))]
+
+
+def _machine(summary: TraceSummary | None) -> str:
+    counts = summary.counts if summary is not None else None
+    note = (
+        "Edge width grows with how often an edge fired in this workspace's runs; grey dashed edges never fired; "
+        "<code>fail</code> edges (an error in any state ends the run in <code>exiting</code>) are shown only where one fired."
+        if counts is not None
+        else 'No trace.jsonl here (run with <code>"trace": true</code> to weigh the edges); <code>fail</code> edges, '
+        "from every state to <code>exiting</code> on an error, are left out."
+    )
+    svg = machine_svg(counts)
+    if svg is not None:
+        return f'<p class="muted">{note}</p><div class="card diagram">{svg}</div>'
+    rows = "".join(
+        f"<tr><td>{t.source.value}</td><td>{t.dest.value}</td><td>{_e(t.trigger)}</td><td>{_e(t.condition or '')}</td>"
+        f'<td class="num">{"" if counts is None else counts.get((t.source, t.dest, t.trigger), 0)}</td></tr>'
+        for t in _drawn_table(counts)
+    )
+    return (
+        f'<p class="muted">{note} Graphviz\'s <code>dot</code> is not installed, so the machine is shown as its table '
+        "(install Graphviz and run <code>trainloop report</code> again for the drawing).</p>"
+        f"<table><tr><th>from</th><th>to</th><th>trigger</th><th>condition</th><th>fired</th></tr>{rows}</table>"
+    )
+
+
+def _time_per_state(summary: TraceSummary | None) -> str:
+    if summary is None or not summary.seconds_in_state:
+        return ""
+    total = sum(summary.seconds_in_state.values()) or 1.0
+    rows = []
+    for state, seconds in sorted(summary.seconds_in_state.items(), key=lambda item: -item[1]):
+        share = 100.0 * seconds / total
+        entered = sum(n for (_, dest, _), n in summary.counts.items() if dest is state)
+        rows.append(
+            f'<tr><td>{state.value}</td><td class="num">{seconds:.3f} s</td><td class="num">{share:.1f}%</td>'
+            f'<td class="num">{entered}</td><td style="width:240px"><div class="bar" style="width:{share:.1f}%"></div></td></tr>'
+        )
+    retries = _fired(summary, lambda t: t.dest is State.RETRYING)
+    saves = _fired(summary, lambda t: t.dest is State.CHECKPOINTING)
+    return (
+        "<h3>Time per state</h3><table><tr><th>state</th><th>time</th><th>share</th><th>entered</th><th></th></tr>"
+        + "".join(rows) + "</table>"
+        + f'<p>Retries (non-finite gradients): <b>{retries}</b> · checkpoints saved: <b>{saves}</b> · '
+        f"runs traced: <b>{summary.runs}</b></p>"
+    )
+
+
+def _fired(summary: TraceSummary, which: Any) -> int:
+    return sum(n for (source, dest, trigger), n in summary.counts.items() if which(Transition(trigger, source, dest)))
+
+
+def _runs(runs: list[dict[str, Any]]) -> str:
+    if not runs:
+        return '<p class="muted">No runs.jsonl here (written by trainloop as each run ends).</p>'
+    rows = []
+    for number, run in enumerate(runs, 1):
+        code = int(run.get("exit_code") or 0)
+        ended = "completed" if code == 0 else f"exit code {code}"
+        if code > 128:
+            try:
+                ended = f"{signal.Signals(code - 128).name} (exit code {code})"
+            except ValueError:
+                pass
+        error = run.get("error")
+        when = datetime.fromtimestamp(float(run.get("time", 0)), UTC).strftime("%Y-%m-%d %H:%M:%S")
+        rows.append(
+            f'<tr><td class="num">{number}</td><td>{when}</td><td class="num">{run.get("step")}</td>'
+            f'<td class="num">{run.get("epoch")}</td><td class="{"bad" if error or code else ""}">'
+            f"{_e(error or ended)}</td></tr>"
+        )
+    return "<table><tr><th>run</th><th>ended (UTC)</th><th>step</th><th>epochs</th><th>how it ended</th></tr>" + "".join(rows) + "</table>"
+
+
+def _checkpoints(workspace: Path, settings: Mapping[str, Any]) -> list[dict[str, Any]]:
+    """The checkpoints of every ``checkpointing`` hook declared in the settings (or ``checkpoints/``)."""
+    roots = []
+    for hook in settings.get("hooks") or []:
+        if isinstance(hook, Mapping) and hook.get("type") == "checkpointing":
+            path = Path(hook.get("path") or "checkpoints")
+            roots.append(path if path.is_absolute() else workspace / path)
+    if not roots and (workspace / "checkpoints").is_dir():
+        roots.append(workspace / "checkpoints")
+    found = []
+    for root in dict.fromkeys(roots):
+        best = read_best(root) or {}
+        latest = (root / LATEST).resolve().name if (root / LATEST).exists() else None
+        for step in checkpoint_steps(root):
+            metadata = _read_json(root / str(step) / "metadata.json")
+            found.append({
+                "root": root, "step": step, "time": metadata.get("time", ""), "best": best.get("best") == step,
+                "score": (best.get("scores") or {}).get(str(step)), "monitor": best.get("monitor"),
+                "latest": latest == str(step),
+            })
+    return found
+
+
+def _checkpoint_table(checkpoints: list[dict[str, Any]]) -> str:
+    if not checkpoints:
+        return '<p class="muted">No checkpoints.</p>'
+    monitor = next((c["monitor"] for c in checkpoints if c["monitor"]), None)
+    rows = []
+    for c in checkpoints:
+        marks = ", ".join(m for m, on in (("best", c["best"]), ("latest", c["latest"])) if on)
+        score = "" if c["score"] is None else f"{c['score']:.4g}"
+        rows.append(
+            f'<tr class="{"best" if c["best"] else ""}"><td>{_e(str(c["root"]))}/{c["step"]}</td><td class="num">{c["step"]}</td>'
+            f'<td>{_e(c["time"])}</td><td class="num">{score}</td><td>{marks}</td></tr>'
+        )
+    head = f"<th>{_e(monitor)}</th>" if monitor else "<th>score</th>"
+    return f"<table><tr><th>checkpoint</th><th>step</th><th>saved</th>{head}<th></th></tr>" + "".join(rows) + "</table>"
+
+
+def _read_json(path: Path) -> dict[str, Any]:
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return {}
+    return data if isinstance(data, dict) else {}
+
+
+def _e(text: str) -> str:
+    return html.escape(text, quote=True)

@@ -1,0 +1,105 @@
+"""``RunResult``: what ``train()`` returns, and ``<workspace>/runs.jsonl``: one line per run.
+
+Each run that has a workspace appends its outcome (rank 0)::
+
+    {"time": 1700000000.0, "step": 400, "epoch": 7, "exit_code": 0, "error": null,
+     "best_checkpoint": "runs/digits/checkpoints/400"}
+
+so a report shows how each run of a workspace ended (a signal's exit code, an error).
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from .trainer import BaseTrainer
+
+__all__ = ["RUNS_FILE", "RunResult", "finish_run", "read_runs", "run_result"]
+
+RUNS_FILE = "runs.jsonl"
+
+
+@dataclass(frozen=True)
+class RunResult:
+    """The outcome of a run, as ``train()`` returns it (also kept as ``trainer.result``).
+
+    Attributes:
+        step: The last step run (or resumed at, when nothing was left to run).
+        epoch: Full passes over the data completed.
+        exit_code: ``0``, or the code an exit signal asked for (``train()`` then raises
+            ``SystemExit`` with it; read the result from ``trainer.result``).
+        metrics: The last value of every key logged through ``trainer.log`` in this run,
+            flattened (``"val/loss"``), as Python floats.
+        best_checkpoint: The best checkpoint by a ``CheckpointingHook``'s ``monitor`` (with
+            ``keep_best``), else ``None``.
+        history: Every ``trainer.log`` call of this run as a flat record with ``step`` and
+            ``time`` (the workspace's ``metrics.jsonl`` holds the resumed runs' too).
+    """
+
+    step: int
+    epoch: int
+    exit_code: int
+    metrics: dict[str, float]
+    best_checkpoint: Path | None = None
+    history: list[dict[str, Any]] = field(default_factory=list, repr=False)
+
+
+def run_result(trainer: BaseTrainer) -> RunResult:
+    """The result of ``trainer``'s run, read once it has exited."""
+    best = None
+    for hook in trainer.hooks:
+        found = getattr(hook, "best_checkpoint", None)
+        if isinstance(found, Path):
+            best = found
+            break
+    return RunResult(
+        step=trainer.step,
+        epoch=trainer.run_length.epochs_completed,
+        exit_code=trainer.exit_code or 0,
+        metrics=dict(trainer.metrics.last),
+        best_checkpoint=best,
+        history=list(trainer.metrics.history),
+    )
+
+
+def finish_run(trainer: BaseTrainer) -> RunResult:
+    """The result of ``trainer``'s run; appended to ``<workspace>/runs.jsonl`` on rank 0."""
+    from .utils import is_rank_zero
+
+    result = run_result(trainer)
+    workspace = trainer.settings.workspace
+    if workspace is not None and is_rank_zero() and workspace.is_dir():
+        error = trainer.error
+        line = {
+            "time": time.time(),
+            "step": result.step,
+            "epoch": result.epoch,
+            "exit_code": result.exit_code,
+            "error": None if error is None else f"{type(error).__name__}: {error}"[:500],
+            "best_checkpoint": None if result.best_checkpoint is None else str(result.best_checkpoint),
+        }
+        with (workspace / RUNS_FILE).open("a", encoding="utf-8") as file:
+            file.write(json.dumps(line) + "\n")
+    return result
+
+
+def read_runs(workspace: Path) -> list[dict[str, Any]]:
+    """The runs recorded in ``workspace/runs.jsonl`` (none if it is missing); bad lines are skipped."""
+    try:
+        lines = (workspace / RUNS_FILE).read_text(encoding="utf-8").splitlines()
+    except OSError:
+        return []
+    runs = []
+    for line in lines:
+        try:
+            row = json.loads(line)
+        except ValueError:
+            continue
+        if isinstance(row, dict):
+            runs.append(row)
+    return runs
