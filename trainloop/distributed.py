@@ -250,6 +250,7 @@ def get_device(local_rank: int | None = None) -> torch.device:
     if not torch.accelerator.is_available():
         return torch.device("cpu")
     accelerator = torch.accelerator.current_accelerator()
+    assert accelerator is not None  # is_available() said there is one
     index = _env_local_rank() if local_rank is None else local_rank
     return torch.device(accelerator.type, index % torch.accelerator.device_count())
 

@@ -16,10 +16,10 @@ import torch
 import torch.distributed as dist
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "hooks"))  # checkpoint_child
-from checkpoint_child import StartedAt, StepDataTrainer  # noqa: E402
+from checkpoint_child import StartedAt, StepDataTrainer
 
-from trainloop.checkpoint import CheckpointError  # noqa: E402
-from trainloop.hooks.checkpointing import CheckpointingHook  # noqa: E402
+from trainloop.checkpoint import CheckpointError
+from trainloop.hooks.checkpointing import CheckpointingHook
 
 
 def join(rank: int, world: int, port: int) -> None:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import ast
+import sys
 from pathlib import Path
 
 import pytest
@@ -12,9 +13,8 @@ from ddp_worker import free_port
 
 from trainloop.checkpoint import latest_checkpoint
 
-import sys  # noqa: I001
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # ranks_worker, beside this file
-import ranks_worker  # noqa: E402
+import ranks_worker
 
 pytestmark = pytest.mark.filterwarnings("ignore:'set_vital' is deprecated:UserWarning")
 

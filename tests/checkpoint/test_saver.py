@@ -89,7 +89,7 @@ def test_an_unwritable_directory_is_a_save_error_naming_the_checkpoint(tmp_path,
 def test_a_state_that_cannot_be_written_is_a_checkpoint_error_not_a_save_error(tmp_path, async_save):
     saver = CheckpointSaver("full", async_save=async_save, logger=LOGGER)
     bad = state(1.0)
-    bad["training_state"]["fn"] = lambda: None  # noqa: E731 - cannot be pickled
+    bad["training_state"]["fn"] = lambda: None
     error = saver.save(tmp_path, 1, bad, make_metadata(1, 0, "full"), lambda _: None)
     if async_save and error is None:
         error = saver.settle(agree=False)

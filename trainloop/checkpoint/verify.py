@@ -80,8 +80,8 @@ def choose_checkpoint(candidates: list[Path] | None, explicit: bool, log: loggin
         if rank == 0:
             try:
                 listing = check_listing(candidate)
-            except CheckpointError as error:
-                listing = error
+            except CheckpointError as refused:
+                listing = refused
         listing = broadcast_from_rank_zero(listing)
         error: BaseException | None = listing if isinstance(listing, CheckpointError) else None
         if error is None:
