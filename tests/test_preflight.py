@@ -42,6 +42,9 @@ NO_WORKSPACE_LINES = [
     "run.json: hooks[1].log_dir: event files go to <workspace>/tensorboard, but no workspace is set: set workspace or give an absolute path",
 ]
 
+# A declared hook whose class misspells a hook method: it would never run.
+TYPO = {"max_steps": 3, "workspace": "ws", "trainer": "typo_hook_trainer:TypoHookTrainer", "hooks": [{"type": "typo_printer"}]}
+
 
 @pytest.fixture(autouse=True)
 def _isolated(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
@@ -61,6 +64,7 @@ def launched(tmp_path_factory: pytest.TempPathFactory) -> dict[str, tuple[Cli, P
         ("validate_doomed", DOOMED, ["validate", "run.json", "--trainer", TRAINER]),
         # The trainer named in the file, no --trainer.
         ("run_named", {"max_steps": 2, "workspace": "ws", "trainer": TRAINER}, ["run", "run.json"]),
+        *((f"{command}_typo", TYPO, [command, "run.json"]) for command in ("run", "validate")),
     ]:
         root = tmp_path_factory.mktemp(name)
         (root / "run.json").write_text(json.dumps(settings))
@@ -76,6 +80,18 @@ def test_a_run_that_cannot_work_exits_2_one_line_each_and_writes_nothing(launche
     assert_one_clean_error(result.stderr)
     assert result.stderr.splitlines() == [f"trainloop {command}: error: {line}" for line in DOOMED_LINES]
     assert [p.name for p in root.iterdir()] == ["run.json"]  # no ws/, settings.json, trace, events
+
+
+@pytest.mark.parametrize("command", ["run", "validate"])
+def test_a_declared_hook_with_a_misspelt_method_is_refused_before_anything_is_written(launched, command):
+    process, root = launched[f"{command}_typo"]
+    result = process.result()
+    assert result.returncode == 2 and result.stdout == ""
+    assert result.stderr.splitlines() == [
+        f"trainloop {command}: error: run.json: hooks[0]: TypoPrinter.on_after_steps is not a hook method, so it "
+        "would never be called; did you mean on_after_step?"
+    ]
+    assert [p.name for p in root.iterdir()] == ["run.json"]
 
 
 @pytest.mark.parametrize("command", ["run", "validate"])

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import math
 import signal
 from pathlib import Path
@@ -56,7 +57,15 @@ def test_an_error_still_leaves_a_result(tmp_path):
             if trainer.step == 2:
                 raise RuntimeError("boom")
 
-    trainer = TinyTrainer(max_steps=5, hooks=[Boom()])
+    trainer = TinyTrainer(max_steps=5, hooks=[Boom()], workspace=tmp_path)
     with pytest.raises(RuntimeError, match="boom"):
         trainer.train()
-    assert trainer.result.step == 2 and trainer.result.exit_code == 0
+    # The result says the run failed: an error's exit code (what the process exits with), and the error.
+    assert (trainer.result.step, trainer.result.exit_code, trainer.result.error) == (2, 1, "RuntimeError: boom")
+    (line,) = [json.loads(text) for text in (tmp_path / "runs.jsonl").read_text().splitlines()]
+    assert (line["exit_code"], line["error"]) == (1, "RuntimeError: boom")
+
+
+def test_a_clean_run_has_no_error():
+    result = TinyTrainer(max_steps=2).train()
+    assert (result.exit_code, result.error) == (0, None)

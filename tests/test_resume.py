@@ -5,7 +5,7 @@ import torch
 from tiny_trainer import ExitAt, TinyTrainer, make_data
 from torch import nn
 
-from trainloop import State
+from trainloop import BaseTrainer, State
 
 StatefulDataLoader = pytest.importorskip("torchdata.stateful_dataloader").StatefulDataLoader
 
@@ -65,3 +65,20 @@ def test_resuming_with_other_settings_warns_naming_them():
     saved = run(3).state_dict()
     with pytest.warns(UserWarning, match="differ from the checkpoint's: grad_clip, max_steps"):
         run(4, resume_from=saved, grad_clip=1.0)
+
+
+def test_a_changed_optimizer_declaration_on_resume_says_it_does_not_apply():
+    class Declared(DropoutTrainer):
+        build_optimizer = BaseTrainer.build_optimizer  # the declared optimizer
+
+    def declared_run(lr, resume_from=None):
+        trainer = Declared(max_steps=3 if resume_from is None else 4, optimizer={"name": "SGD", "lr": lr})
+        if resume_from is not None:
+            trainer.on_enter(State.RESTORING, lambda t: t.load_state_dict(resume_from))
+        trainer.train()
+        return trainer
+
+    saved = declared_run(0.1).state_dict()
+    with pytest.warns(UserWarning, match="changed optimizer settings take effect only in a fresh run"):
+        resumed = declared_run(0.5, resume_from=saved)
+    assert resumed.optimizer.param_groups[0]["lr"] == 0.1  # the checkpoint's, as the warning says

@@ -5,6 +5,7 @@ import itertools
 
 import pytest
 import torch
+from cli_process import call
 from tiny_trainer import CaptureHook, FlakyTrainer, TinyTrainer, make_data
 
 from trainloop import BaseHook, State
@@ -86,9 +87,18 @@ def test_an_fp16_nan_storm_raises_when_retries_run_out_and_keeps_the_last_good_c
 
 
 def test_fp16_without_declared_retries_is_a_validation_error():
-    with pytest.raises(ValueError, match="mixed_precision 'fp16' needs max_non_finite_grad_retries"):
+    with pytest.raises(ValueError, match=r"mixed_precision\n  Value error, 'fp16' needs max_non_finite_grad_retries"):
         TinyTrainer(max_steps=1, mixed_precision="fp16")
     TinyTrainer(max_steps=1, mixed_precision="fp16", max_non_finite_grad_retries=0)  # declared: fine
+
+
+def test_a_settings_file_with_fp16_and_no_retries_is_refused_naming_the_field(tmp_path, capsys, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "run.yaml").write_text("max_steps: 5\nworkspace: ws\nmixed_precision: fp16\n")
+    code, out, err = call(capsys, "run", "run.yaml", "--trainer", "tiny_trainer:TinyTrainer")
+    assert code == 2 and out == ""
+    assert err.startswith("trainloop run: error: run.yaml: mixed_precision: 'fp16' needs max_non_finite_grad_retries")
+    assert len(err.splitlines()) == 1 and not (tmp_path / "ws").exists()
 
 
 class SyncCounter:

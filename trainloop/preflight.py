@@ -30,7 +30,8 @@ import torch
 import torch.distributed as dist
 
 from .hooks.exit_signals import as_signal
-from .hooks.registry import HookSettings
+from .hooks.base import check_hook_methods
+from .hooks.registry import HOOK_TYPES, HookSettings
 from .settings_errors import field_path
 from .settings_input import Key
 
@@ -77,6 +78,10 @@ def preflight(
     if trainer is not None:
         problems += _contract(settings, trainer)
     for i, spec in enumerate(settings.hooks):
+        try:  # a misspelt on_* method of the hook's class would never run
+            check_hook_methods(HOOK_TYPES[spec.type])
+        except TypeError as error:
+            problems.append((("hooks", i), f"{field_path(('hooks', i))}: {error}"))
         check_hook = _HOOK_CHECKS.get(spec.type)
         if check_hook is not None:
             for name, message in check_hook(spec, settings, trainer):

@@ -29,16 +29,20 @@ class RunResult:
     """The outcome of a run, as ``train()`` returns it (also kept as ``trainer.result``).
 
     Attributes:
-        step: The last step run (or resumed at, when nothing was left to run).
+        step: The last step run (or resumed at, when nothing was left to run); for a run ended
+            by an error, the step in progress then, whose update may not have been applied.
         epoch: Full passes over the data completed.
-        exit_code: ``0``, or the code an exit signal asked for (``train()`` then raises
-            ``SystemExit`` with it; read the result from ``trainer.result``).
+        exit_code: ``0`` for a clean end; the code an exit signal asked for (``train()`` then
+            raises ``SystemExit`` with it); for a run ended by an error, what the process would
+            exit with: ``130`` for ``KeyboardInterrupt``, else ``1`` (read the result from
+            ``trainer.result``: ``train()`` re-raised the error).
         metrics: The last value of every key logged through ``trainer.log`` in this run,
             flattened (``"val/loss"``), as Python floats.
         best_checkpoint: The best checkpoint by a ``CheckpointingHook``'s ``monitor`` (with
             ``keep_best``), else ``None``.
         history: Every ``trainer.log`` call of this run as a flat record with ``step`` and
             ``time`` (the workspace's ``metrics.jsonl`` holds the resumed runs' too).
+        error: ``"TypeName: message"`` of the error that ended the run, else ``None``.
     """
 
     step: int
@@ -47,6 +51,7 @@ class RunResult:
     metrics: dict[str, float]
     best_checkpoint: Path | None = None
     history: list[dict[str, Any]] = field(default_factory=list, repr=False)
+    error: str | None = None
 
 
 def run_result(trainer: BaseTrainer) -> RunResult:
@@ -57,13 +62,19 @@ def run_result(trainer: BaseTrainer) -> RunResult:
         if isinstance(found, Path):
             best = found
             break
+    error = trainer.error
+    if error is None or isinstance(error, SystemExit):
+        exit_code = trainer.exit_code or 0
+    else:
+        exit_code = 130 if isinstance(error, KeyboardInterrupt) else 1
     return RunResult(
         step=trainer.step,
         epoch=trainer.run_length.epochs_completed,
-        exit_code=trainer.exit_code or 0,
+        exit_code=exit_code,
         metrics=dict(trainer.metrics.last),
         best_checkpoint=best,
         history=list(trainer.metrics.history),
+        error=None if error is None else f"{type(error).__name__}: {error}"[:500],
     )
 
 
@@ -74,13 +85,12 @@ def finish_run(trainer: BaseTrainer) -> RunResult:
     result = run_result(trainer)
     workspace = trainer.settings.workspace
     if workspace is not None and is_rank_zero() and workspace.is_dir():
-        error = trainer.error
         line = {
             "time": time.time(),
             "step": result.step,
             "epoch": result.epoch,
             "exit_code": result.exit_code,
-            "error": None if error is None else f"{type(error).__name__}: {error}"[:500],
+            "error": result.error,
             "best_checkpoint": None if result.best_checkpoint is None else str(result.best_checkpoint),
         }
         with (workspace / RUNS_FILE).open("a", encoding="utf-8") as file:

@@ -18,6 +18,7 @@ from pydantic import (
     ConfigDict,
     Field,
     ValidationError,
+    ValidationInfo,
     field_validator,
     model_validator,
 )
@@ -104,6 +105,18 @@ class TrainerSettings(BaseModel):
         # The familiar API accepted ``gradient_accumulation_steps=None`` for "no accumulation".
         return 1 if value is None else value
 
+    @field_validator("mixed_precision")
+    @classmethod
+    def _fp16_declares_retries(cls, value: str | None, info: ValidationInfo) -> str | None:
+        # On this field, so the error names it; max_non_finite_grad_retries is validated before it.
+        if value == "fp16" and "max_non_finite_grad_retries" in info.data and info.data["max_non_finite_grad_retries"] is None:
+            raise ValueError(
+                "'fp16' needs max_non_finite_grad_retries: GradScaler lowers its scale by refusing "
+                "updates with inf gradients, and each refused update is a retry of the step; declare "
+                "how many a step may take (e.g. 10), or 0 to fail at the first"
+            )
+        return value
+
     @field_validator("device", mode="before")
     @classmethod
     def _normalise_device(cls, value: Any) -> Any:
@@ -117,16 +130,6 @@ class TrainerSettings(BaseModel):
             except RuntimeError as error:
                 raise ValueError(f"not a torch device: {value!r}") from error
         return value
-
-    @model_validator(mode="after")
-    def _fp16_declares_retries(self) -> Self:
-        if self.mixed_precision == "fp16" and self.max_non_finite_grad_retries is None:
-            raise ValueError(
-                "mixed_precision 'fp16' needs max_non_finite_grad_retries: GradScaler lowers its "
-                "scale by refusing updates with inf gradients, and each refused update is a retry "
-                "of the step; declare how many a step may take (e.g. 10), or 0 to fail at the first"
-            )
-        return self
 
     @model_validator(mode="after")
     def _run_is_bounded(self) -> Self:

@@ -121,6 +121,16 @@ def _warn_on_changed_settings(trainer: BaseTrainer, saved: str | None) -> None:
     note = components.describe_schedule_change(then, trainer.settings, trainer.step)
     if note is not None:  # what a declared schedule does now, beyond "settings differ"
         warnings.warn(note, ChangedSettingsWarning, stacklevel=3)
+    if "optimizer" in changed and now.get("optimizer") is not None:
+        # The optimizer state loaded below carries the checkpoint's param groups (lr, betas,
+        # weight decay): a changed declaration would otherwise look applied and not be.
+        warnings.warn(
+            "optimizer: the checkpoint's optimizer state is restored, its learning rates and other "
+            "param-group values included, so the changed optimizer settings take effect only in a "
+            "fresh run",
+            ChangedSettingsWarning,
+            stacklevel=3,
+        )
 
 
 def _loader_state(loader: Any) -> Any:

@@ -129,9 +129,17 @@ def _validate_spec(value: Any, info: core_schema.ValidationInfo) -> HookSettings
         if HOOK_TYPES.get(value.type) is None:
             raise _unknown_type(value.type)
         return value
+    if isinstance(value, BaseHook):
+        # Someone coming from Lightning passes objects: they belong in build_hooks().
+        declared = next((name for name, cls in HOOK_TYPES.items() if type(value) is cls), None)
+        as_data = f' (or declare it as data: a mapping with "type": "{declared}" and its parameters)' if declared else ""
+        raise PydanticCustomError(
+            "hook_spec", "settings.hooks holds hooks as data, not {kind} objects: return hook objects from build_hooks(){as_data}",
+            {"kind": type(value).__name__, "as_data": as_data},
+        )
     if not isinstance(value, dict):
         raise PydanticCustomError(
-            "hook_spec", 'a hook is a mapping {{"type": ..., <its parameters>}}, not {kind}',
+            "hook_spec", 'a hook is declared as a mapping with "type" and its parameters, not {kind}',
             {"kind": type(value).__name__},
         )
     if "type" not in value:
