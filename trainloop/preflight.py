@@ -29,8 +29,8 @@ from typing import TYPE_CHECKING, Any
 import torch
 import torch.distributed as dist
 
-from .hooks.exit_signals import as_signal
 from .hooks.base import check_hook_methods
+from .hooks.exit_signals import as_signal
 from .hooks.registry import HOOK_TYPES, HookSettings
 from .settings_errors import field_path
 from .settings_input import Key
