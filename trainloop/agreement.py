@@ -5,6 +5,8 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
+from .ranks import world_size
+
 __all__ = ["ExitAgreement"]
 
 
@@ -22,7 +24,7 @@ class ExitAgreement:
     """
 
     def __init__(self) -> None:
-        self.active = dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
+        self.active = world_size() > 1
         self._group = None
         self._pending: tuple[dist.Work, torch.Tensor] | None = None
         if self.active and dist.get_backend() != "gloo":

@@ -41,9 +41,9 @@ from torch.distributed.fsdp import (
     fully_shard,
 )
 
+from .ranks import is_rank_zero, rank, world_size
 from .sync import gradient_sync
 from .types import PositiveFloat, StrictBool
-from .utils import is_rank_zero
 
 try:  # DeviceMesh is only importable where torch.distributed is built in
     from torch.distributed.device_mesh import DeviceMesh
@@ -253,16 +253,6 @@ def get_device(local_rank: int | None = None) -> torch.device:
     assert accelerator is not None  # is_available() said there is one
     index = _env_local_rank() if local_rank is None else local_rank
     return torch.device(accelerator.type, index % torch.accelerator.device_count())
-
-
-def rank() -> int:
-    """This process's rank in the default group; 0 when no group is initialised."""
-    return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
-
-
-def world_size() -> int:
-    """The number of processes in the default group; 1 when no group is initialised."""
-    return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
 
 
 def local_rank() -> int:

@@ -13,22 +13,24 @@ from collections.abc import Callable
 from time import perf_counter
 from typing import TYPE_CHECKING, Any
 
+import torch
+
 from .data import EpochIterator
 from .hooks.base import hook_dispatch, name_hooks, state_entry_methods
 from .hooks.registry import build_declared_hooks
 from .loss import Loss
 from .machine import State, StateMachine
 from .metrics import METRICS_FILE
+from .ranks import is_rank_zero
 from .requests import RunRequests
 from .rng import set_rng_state
 from .step import StepInfo, StepPlan, StepRunner
 from .trace import start_run_record
-from .utils import is_rank_zero
 
 if TYPE_CHECKING:
     from .trainer import BaseTrainer
 
-__all__ = ["Loop"]
+__all__ = ["Loop", "trainer_step_plan"]
 
 
 class Loop:
@@ -122,19 +124,11 @@ class Loop:
 
     def step_plan(self) -> StepPlan:
         """Everything the hot loop would otherwise look up per microstep, resolved once."""
-        t, settings = self.trainer, self.trainer.settings
-        return StepPlan(
-            model=t.model,
-            optimizer=t.optimizer,
-            forward=t.forward,
-            owner=f"{type(t).__name__}.forward()",
-            accumulation=settings.gradient_accumulation_steps,
-            grad_clip=settings.grad_clip,
-            grad_scaler=t.grad_scaler,
+        t = self.trainer
+        return trainer_step_plan(
+            t,
             lr_scheduler=t.lr_scheduler,
-            check_grads=settings.detect_non_finite_grads,
-            no_sync=settings.no_sync_accumulate,
-            autocast=t.autocast(),  # reused: an autocast object can be entered again
+            check_grads=t.settings.detect_non_finite_grads,
             before_optimizer_step=self.before_optimizer_step if t._dispatch["on_before_optimizer_step"] else None,
         )
 
@@ -242,3 +236,28 @@ class Loop:
 
     def checkpoint_due(self) -> bool:
         return self.requests.checkpoint_due(self.trainer.step, ending=self.should_exit)
+
+
+def trainer_step_plan(
+    trainer: BaseTrainer,
+    *,
+    check_grads: bool,
+    lr_scheduler: torch.optim.lr_scheduler.LRScheduler | None = None,
+    before_optimizer_step: Callable[[], None] | None = None,
+) -> StepPlan:
+    """The step of ``trainer``'s built components under its settings (``lr_find`` runs it too)."""
+    settings = trainer.settings
+    return StepPlan(
+        model=trainer.model,
+        optimizer=trainer.optimizer,
+        forward=trainer.forward,
+        owner=f"{type(trainer).__name__}.forward()",
+        accumulation=settings.gradient_accumulation_steps,
+        grad_clip=settings.grad_clip,
+        grad_scaler=trainer.grad_scaler,
+        lr_scheduler=lr_scheduler,
+        check_grads=check_grads,
+        no_sync=settings.no_sync_accumulate,
+        autocast=trainer.autocast(),  # reused: an autocast object can be entered again
+        before_optimizer_step=before_optimizer_step,
+    )

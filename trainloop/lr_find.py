@@ -38,6 +38,7 @@ from pydantic_core import PydanticCustomError
 from torch import nn
 
 from .data import EpochIterator
+from .loop import trainer_step_plan
 from .loss import Loss
 from .lr_find_result import LrFindResult, steepest_descent
 from .machine import State
@@ -325,19 +326,8 @@ def _trainer_plan(trainer: BaseTrainer) -> Iterator[tuple[StepPlan, Iterable[Any
     try:
         trainer._build_components()  # what train()'s building state does first, in its order
         trainer.grad_scaler = trainer.build_grad_scaler()
-        settings = trainer.settings
-        yield StepPlan(
-            model=trainer.model,
-            optimizer=trainer.optimizer,
-            forward=trainer.forward,
-            owner=f"{type(trainer).__name__}.forward()",
-            accumulation=settings.gradient_accumulation_steps,
-            grad_clip=settings.grad_clip,
-            grad_scaler=trainer.grad_scaler,
-            check_grads=False,  # the sweep checks the loss instead, before each update
-            no_sync=settings.no_sync_accumulate,
-            autocast=trainer.autocast(),
-        ), trainer.data_loader
+        # No lr scheduler, no hooks; the sweep checks the loss instead, before each update.
+        yield trainer_step_plan(trainer, check_grads=False), trainer.data_loader
     finally:
         for name, value in saved.items():
             if value is missing:

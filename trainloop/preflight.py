@@ -27,11 +27,11 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import torch
-import torch.distributed as dist
 
 from .hooks.base import check_hook_methods
 from .hooks.exit_signals import as_signal
 from .hooks.registry import HOOK_TYPES, HookSettings
+from .ranks import in_process_group, world_size
 from .settings_errors import field_path
 from .settings_input import Key
 
@@ -168,8 +168,8 @@ def _one_process() -> bool:
     and fail on another (no shared filesystem), leaving the others waiting in a collective. The
     checkpointing hook's own check, made on rank 0 and shared with every rank, covers that case.
     """
-    if dist.is_available() and dist.is_initialized():
-        return dist.get_world_size() == 1
+    if in_process_group():
+        return world_size() == 1
     return os.environ.get("WORLD_SIZE", "1") == "1"
 
 

@@ -80,7 +80,7 @@ def run_result(trainer: BaseTrainer) -> RunResult:
 
 def finish_run(trainer: BaseTrainer) -> RunResult:
     """The result of ``trainer``'s run; appended to ``<workspace>/runs.jsonl`` on rank 0."""
-    from .utils import is_rank_zero
+    from .ranks import is_rank_zero
 
     result = run_result(trainer)
     workspace = trainer.settings.workspace

@@ -11,7 +11,7 @@ from pathlib import Path
 from typing import IO, TYPE_CHECKING, NamedTuple
 
 from .machine import State, Transition
-from .utils import is_rank_zero
+from .ranks import is_rank_zero
 
 if TYPE_CHECKING:
     from .settings import TrainerSettings

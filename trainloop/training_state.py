@@ -10,9 +10,8 @@ import json
 import warnings
 from typing import TYPE_CHECKING, Any
 
-import torch.distributed as dist
-
 from . import components
+from .ranks import gather_from_ranks, rank, world_size
 from .rng import get_rng_state, set_rng_state
 
 if TYPE_CHECKING:
@@ -47,8 +46,8 @@ def training_state(trainer: BaseTrainer) -> dict[str, Any]:
             "lr_scheduler": trainer.lr_scheduler.state_dict() if trainer.lr_scheduler else None,
             "grad_scaler": trainer.grad_scaler.state_dict(),
             # What resumes the run exactly, per rank (each rank has its own).
-            "rng": _per_rank(get_rng_state()),
-            "data_loader": _per_rank(_loader_state(trainer.data_loader)),
+            "rng": gather_from_ranks(get_rng_state()),
+            "data_loader": gather_from_ranks(_loader_state(trainer.data_loader)),
             # JSON, never pickled: readable anywhere, and compared on resume.
             "settings": trainer.settings.model_dump_json(),
         },
@@ -87,7 +86,7 @@ def load_training_state(trainer: BaseTrainer, state_dict: dict[str, Any]) -> Non
 def _restore_per_rank(trainer: BaseTrainer, saved: dict[str, Any]) -> None:
     """Restore this rank's generators and data position, if saved for as many ranks."""
     rngs, loaders = saved.get("rng"), saved.get("data_loader")
-    rank, world = _rank_and_world()
+    this_rank, world = rank(), world_size()
     if rngs is None or len(rngs) != world:
         if rngs is not None:
             trainer.logger.warning(
@@ -96,14 +95,14 @@ def _restore_per_rank(trainer: BaseTrainer, saved: dict[str, Any]) -> None:
             )
         return
     if trainer._loop.data is None:
-        trainer._loop.restored_rng = rngs[rank]  # applied once the data iterator exists
+        trainer._loop.restored_rng = rngs[this_rank]  # applied once the data iterator exists
     else:
-        set_rng_state(rngs[rank])
-    if loaders is not None and loaders[rank] is not None:
+        set_rng_state(rngs[this_rank])
+    if loaders is not None and loaders[this_rank] is not None:
         # A saved position comes from a stateful loader (StatefulDataLoader), which the
         # trainer's declared type, an Iterable, does not promise.
         loader: Any = trainer.data_loader
-        loader.load_state_dict(loaders[rank])
+        loader.load_state_dict(loaders[this_rank])
 
 
 def _warn_on_changed_settings(trainer: BaseTrainer, saved: str | None) -> None:
@@ -137,19 +136,3 @@ def _loader_state(loader: Any) -> Any:
     """The loader's position when it can report one (``StatefulDataLoader``), else ``None``."""
     state_dict = getattr(loader, "state_dict", None)
     return state_dict() if callable(state_dict) else None
-
-
-def _rank_and_world() -> tuple[int, int]:
-    if dist.is_available() and dist.is_initialized():
-        return dist.get_rank(), dist.get_world_size()
-    return 0, 1
-
-
-def _per_rank(value: Any) -> list[Any]:
-    """``value`` of every rank, in rank order (a collective under a process group)."""
-    rank, world = _rank_and_world()
-    if world == 1:
-        return [value]
-    gathered: list[Any] = [None] * world
-    dist.all_gather_object(gathered, value)
-    return gathered

@@ -11,7 +11,6 @@ from numbers import Number
 from typing import Any, TypeAlias, Union
 
 import torch
-import torch.distributed as dist
 from torch import nn
 
 __all__ = [
@@ -19,7 +18,7 @@ __all__ = [
     "flatten_nested_dict",
     "hint_for_missing_key",
     "is_distributed_model",
-    "is_rank_zero",
+
     "key_average",
     "map_nested_tensor",
     "module_modes_kept",
@@ -172,8 +171,3 @@ def is_distributed_model(model: nn.Module) -> bool:
         return True
     fsdp = sys.modules.get("torch.distributed.fsdp")  # never imported: no FSDP model exists
     return fsdp is not None and isinstance(model, (fsdp.FSDPModule, fsdp.FullyShardedDataParallel))
-
-
-def is_rank_zero() -> bool:
-    """Whether this process is rank 0 of the default process group, or runs alone."""
-    return not (dist.is_available() and dist.is_initialized()) or dist.get_rank() == 0

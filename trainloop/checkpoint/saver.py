@@ -22,6 +22,7 @@ from typing import Any, cast
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 
+from ..ranks import in_process_group, rank
 from .atomic import clean_leftovers, discard, make_temporary, publish
 from .errors import CheckpointError
 from .files import check_keys, point_latest, save_error, write_checkpoint
@@ -31,7 +32,6 @@ from .sharded import (
     SHARDED_DIR,
     CheckpointException,
     hash_own_shards,
-    no_dist,
     quiet_single_process,
     shard_writer,
     split_state,
@@ -46,13 +46,9 @@ __all__ = ["CheckpointSaver", "agree_on_error", "broadcast_from_rank_zero"]
 _WRITE_ERRORS = (Exception, CheckpointException)
 
 
-def _rank() -> int:
-    return 0 if no_dist() else dist.get_rank()
-
-
 def broadcast_from_rank_zero(value: Any, group: Any = None) -> Any:
     """Rank 0's ``value`` on every rank (just ``value`` without a process group)."""
-    if no_dist():
+    if not in_process_group():
         return value
     box = [value]
     dist.broadcast_object_list(box, src=0, group=group)
@@ -61,7 +57,7 @@ def broadcast_from_rank_zero(value: Any, group: Any = None) -> Any:
 
 def agree_on_error(error: BaseException | None, group: Any = None) -> BaseException | None:
     """This rank's error, else the first other rank's, else ``None``: the same on every rank."""
-    if no_dist():
+    if not in_process_group():
         return error
     errors: list[Any] = [None] * dist.get_world_size(group)
     dist.all_gather_object(errors, error, group=group)
@@ -123,7 +119,7 @@ class CheckpointSaver:
 
     def close(self) -> None:
         """Release the background's process group (after :meth:`settle`)."""
-        if self._group is not None and not no_dist():
+        if self._group is not None and in_process_group():
             dist.destroy_process_group(self._group)
         self._group = None
 
@@ -171,13 +167,13 @@ class CheckpointSaver:
             published(target)
 
         if self.async_save:
-            if _rank() == 0:
+            if rank() == 0:
                 clean_leftovers(root, self.logger)
                 staged = self._stage.copy(state_dict)
                 self._pending = _Background(lambda: write(staged), root / str(step))
             return None
         error = None
-        if _rank() == 0:
+        if rank() == 0:
             try:
                 clean_leftovers(root, self.logger)
                 write(state_dict)
@@ -191,7 +187,7 @@ class CheckpointSaver:
                       published: Callable[[Path], None]) -> BaseException | None:
         target = root / str(step)
         prepared: Any = None
-        if _rank() == 0:
+        if rank() == 0:
             try:
                 clean_leftovers(root, self.logger)
                 prepared = str(make_temporary(target))
@@ -203,26 +199,26 @@ class CheckpointSaver:
         tmp = Path(prepared)
         # Rank 0 made it before telling: a rank that cannot see it has other storage (node-local
         # disk, another working directory for a relative path), where its shards would be lost.
-        seen = _rank() == 0 or visible(tmp)
+        seen = rank() == 0 or visible(tmp)
         shards, rest = split_state(state_dict)
         writer = shard_writer(tmp / SHARDED_DIR)
         if not self.async_save:
             def write_shards() -> None:
                 with quiet_single_process():
-                    dcp.save(shards, storage_writer=writer, no_dist=no_dist())
+                    dcp.save(shards, storage_writer=writer, no_dist=not in_process_group())
 
             return agree_on_error(self._finish_sharded(tmp, target, seen, write_shards, rest, metadata, published, None))
-        if self._group is None and not no_dist():
+        if self._group is None and in_process_group():
             # The background's collectives get their own group: on the default one they could
             # interleave with the training loop's and deadlock.
             self._group = dist.new_group(backend="gloo")
-        staged_rest = stage_to_cpu(rest) if _rank() == 0 else rest
+        staged_rest = stage_to_cpu(rest) if rank() == 0 else rest
         # Shards on an accelerator are staged by DCP itself (fresh buffers each time).
         stager = ReusingStager(self._stage) if ReusingStager.suits(shards) else None
         with quiet_single_process():  # here only the staging; DCP's thread may still say it
             # A Future, not a response with a staging future: both stagers stage at once.
             future = cast(Future, dcp.async_save(shards, storage_writer=writer, process_group=self._group,
-                                                 async_stager=stager, no_dist=no_dist()))
+                                                 async_stager=stager, no_dist=not in_process_group()))
         group = self._group
 
         def finish() -> None:
@@ -242,7 +238,7 @@ class CheckpointSaver:
         local: tuple[dict[str, FileDigest], BaseException | None, bool]
         try:
             write_shards()
-            local = (hash_own_shards(tmp, _rank()), None, seen)
+            local = (hash_own_shards(tmp, rank()), None, seen)
         except _WRITE_ERRORS as failure:
             local = ({}, as_save_failure(target, failure), seen)
         if not seen:
@@ -303,10 +299,9 @@ def _os_error(error: BaseException) -> OSError | None:
 
 
 def _gather_to_rank_zero(value: Any, group: Any) -> list[Any] | None:
-    if no_dist():
+    if not in_process_group():
         return [value]
-    rank = dist.get_rank()
-    gathered: list[Any] | None = [None] * dist.get_world_size(group) if rank == 0 else None
+    gathered: list[Any] | None = [None] * dist.get_world_size(group) if rank() == 0 else None
     dist.gather_object(value, gathered, dst=0, group=group)
     return gathered
 

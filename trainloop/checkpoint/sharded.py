@@ -27,7 +27,6 @@ from pathlib import Path
 from typing import Any
 
 import torch
-import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
 from torch.distributed.checkpoint.api import CheckpointException
@@ -38,6 +37,7 @@ from torch.distributed.checkpoint.metadata import (
     TensorStorageMetadata,
 )
 
+from ..ranks import in_process_group
 from .errors import CheckpointError
 from .files import SHARDED_DIR, load_file, refused_or_corrupt
 from .manifest import FileDigest, hash_file
@@ -141,11 +141,6 @@ def unshared_storage(target: Path, tmp: Path, gathered: list[tuple[dict[str, Fil
     return None
 
 
-def no_dist() -> bool:
-    """Whether DCP must run in this process alone (no process group)."""
-    return not (dist.is_available() and dist.is_initialized())
-
-
 @contextmanager
 def quiet_single_process() -> Iterator[None]:
     """Silence DCP's warning that it runs in one process: without a process group, we mean it."""
@@ -168,7 +163,7 @@ def load_sharded(directory: Path, template: dict[str, Any]) -> dict[str, Any]:
     reader = _SafeReader(directory / SHARDED_DIR)
     saved = {path[0] for path in _planner_paths(reader.read_metadata()).values()}
     sharded = {key: value for key, value in sharded.items() if key in saved or key == "model"}
-    _dcp_load(directory, sharded, reader, no_dist())
+    _dcp_load(directory, sharded, reader, not in_process_group())
     return join_state(sharded, load_file(directory / REST_FILE))
 
 

@@ -20,10 +20,10 @@ import re
 from collections.abc import Mapping
 from pathlib import Path
 
+from ..ranks import rank, world_size
 from .errors import CheckpointError
 from .manifest import FileDigest, check_hashes, check_listing
 from .saver import agree_on_error, broadcast_from_rank_zero
-from .sharded import no_dist
 
 __all__ = ["choose_checkpoint", "hash_shares"]
 
@@ -74,10 +74,10 @@ def choose_checkpoint(candidates: list[Path] | None, explicit: bool, log: loggin
     """
     log = log or logger
     candidates = broadcast_from_rank_zero(candidates)
-    rank, world = (0, 1) if no_dist() else (_rank(), _world())
+    this_rank, world = rank(), world_size()
     for candidate in candidates or []:
         listing: dict[str, FileDigest] | CheckpointError | None = None
-        if rank == 0:
+        if this_rank == 0:
             try:
                 listing = check_listing(candidate)
             except CheckpointError as refused:
@@ -86,29 +86,17 @@ def choose_checkpoint(candidates: list[Path] | None, explicit: bool, log: loggin
         error: BaseException | None = listing if isinstance(listing, CheckpointError) else None
         if error is None:
             assert isinstance(listing, dict)
-            share = hash_shares(listing, world)[rank]
+            share = hash_shares(listing, world)[this_rank]
             try:
                 check_hashes(candidate, listing, share)
             except (CheckpointError, OSError) as failure:
                 error = failure if isinstance(failure, CheckpointError) else CheckpointError(f"{candidate}: {failure}")
-            logger.debug("Rank %d hashed %d of the %d files of %s: %s", rank, len(share), len(listing), candidate, share)
+            logger.debug("Rank %d hashed %d of the %d files of %s: %s", this_rank, len(share), len(listing), candidate, share)
             error = agree_on_error(error)
         if error is None:
             return candidate
         if explicit:
             raise error
-        if rank == 0:
+        if this_rank == 0:
             log.warning("Skipping checkpoint %s, which is incomplete or corrupt: %s", candidate, error)
     return None
-
-
-def _rank() -> int:
-    import torch.distributed as dist
-
-    return dist.get_rank()
-
-
-def _world() -> int:
-    import torch.distributed as dist
-
-    return dist.get_world_size()

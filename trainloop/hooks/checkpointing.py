@@ -32,8 +32,9 @@ from ..checkpoint.files import (
 )
 from ..checkpoint.manifest import make_metadata
 from ..every import Every
+from ..ranks import is_rank_zero
 from ..types import NonNegativeFloat, NonNegativeInt, PositiveInt, StrictBool
-from ..utils import flatten_nested_dict, is_rank_zero
+from ..utils import flatten_nested_dict
 from .base import BaseHook
 from .early_stopping import MonitorNotFoundWarning
 from .exit_signals import DEFAULT_EXIT_SIGNALS, ExitSignals, as_signal

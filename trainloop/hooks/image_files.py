@@ -8,7 +8,8 @@ from typing import TYPE_CHECKING, Annotated, Any
 
 from pydantic import AfterValidator, validate_call
 
-from ..utils import flatten_nested_dict, is_rank_zero
+from ..ranks import is_rank_zero
+from ..utils import flatten_nested_dict
 from .base import BaseHook
 from .registry import register_hook
 

@@ -9,9 +9,9 @@ from datetime import timedelta
 from time import perf_counter
 from typing import TYPE_CHECKING, Any
 
-import torch.distributed as dist
 from pydantic import validate_call
 
+from ..ranks import is_rank_zero
 from ..types import NonNegativeInt, PositiveInt, StrictBool
 from ..utils import flatten_nested_dict
 from .registry import register_hook
@@ -197,7 +197,7 @@ class ProgressHook(StatsHook):
     def _open_bar(self, trainer: BaseTrainer) -> Any:
         """A tqdm bar on standard output if it is a terminal (rank 0 only), else ``None``."""
         stdout = sys.stdout
-        if stdout is None or not stdout.isatty() or _rank() != 0:
+        if stdout is None or not stdout.isatty() or not is_rank_zero():
             return None
         try:
             from tqdm import tqdm
@@ -219,7 +219,7 @@ class ProgressHook(StatsHook):
 
     def _make_lines_visible(self, logger: logging.Logger) -> None:
         """Give the lines a handler if logging was never configured (see the class docstring)."""
-        if logger.hasHandlers() or _rank() != 0:
+        if logger.hasHandlers() or not is_rank_zero():
             return
         handler = logging.StreamHandler()  # standard error, as it is now
         handler.setFormatter(logging.Formatter(_FALLBACK_FORMAT))
@@ -230,8 +230,3 @@ class ProgressHook(StatsHook):
             logger.setLevel(logging.INFO)
             self._cleanup.callback(logger.setLevel, logging.NOTSET)
 
-
-def _rank() -> int:
-    if dist.is_available() and dist.is_initialized():
-        return dist.get_rank()
-    return 0

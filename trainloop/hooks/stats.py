@@ -17,10 +17,10 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 import torch
-import torch.distributed as dist
 from pydantic import validate_call
 
 from ..every import Every
+from ..ranks import gather_from_ranks, world_size
 from ..types import PositiveInt, StrictBool
 from ..utils import Records, key_average
 from .base import BaseHook
@@ -208,7 +208,7 @@ class StatsHook(BaseHook):
 
     def _emit_window(self, trainer: BaseTrainer) -> None:
         stats = self._reduce(trainer.step)
-        if self.sync and _world_size() > 1:
+        if self.sync and world_size() > 1:
             stats = _combine_ranks(stats)
         self._reset_window()
         self.latest = stats
@@ -247,17 +247,9 @@ class StatsHook(BaseHook):
         trainer.step_info.stats = stats
 
 
-def _world_size() -> int:
-    if dist.is_available() and dist.is_initialized():
-        return dist.get_world_size()
-    return 1
-
-
 def _combine_ranks(local: TrainingStats) -> TrainingStats:
     """Average ``local`` with the other ranks' statistics (a collective: all ranks call it)."""
-    gathered: list[TrainingStats | None] = [None] * dist.get_world_size()
-    dist.all_gather_object(gathered, local)
-    ranks = [s for s in gathered if s is not None]
+    ranks = [s for s in gather_from_ranks(local) if s is not None]
     n = len(ranks)
     norms = [s.grad_norm for s in ranks if s.grad_norm is not None]
     memories = [s.max_memory for s in ranks if s.max_memory is not None]

@@ -7,7 +7,8 @@ from typing import TYPE_CHECKING, Any
 
 from pydantic import validate_call
 
-from ..utils import flatten_nested_dict, is_rank_zero, to_float
+from ..ranks import is_rank_zero
+from ..utils import flatten_nested_dict, to_float
 from .base import BaseHook
 from .registry import register_hook
 

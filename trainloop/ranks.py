@@ -1,0 +1,40 @@
+"""This process's place among the ranks: one helper per question, each safe without a process
+group (then there is one rank, rank 0)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch.distributed as dist
+
+__all__ = ["gather_from_ranks", "in_process_group", "is_rank_zero", "rank", "world_size"]
+
+
+def in_process_group() -> bool:
+    """Whether a default process group is initialised."""
+    return dist.is_available() and dist.is_initialized()
+
+
+def rank() -> int:
+    """This process's rank in the default group; 0 without one."""
+    return dist.get_rank() if in_process_group() else 0
+
+
+def world_size() -> int:
+    """The number of ranks in the default group; 1 without one."""
+    return dist.get_world_size() if in_process_group() else 1
+
+
+def is_rank_zero() -> bool:
+    """Whether this process is rank 0 (also true without a process group)."""
+    return rank() == 0
+
+
+def gather_from_ranks(value: Any) -> list[Any]:
+    """``value`` of every rank, in rank order (a collective under a process group)."""
+    world = world_size()
+    if world == 1:
+        return [value]
+    gathered: list[Any] = [None] * world
+    dist.all_gather_object(gathered, value)
+    return gathered
