@@ -420,16 +420,16 @@ def test_log_and_log_images_dispatch_to_hooks():
         def __init__(self):
             self.images = []
 
-        def on_log_images(self, trainer, records, dry_run=False):
-            self.images.append((records, dry_run))
+        def on_log_images(self, trainer, records):
+            self.images.append(records)
 
     capture, images = CaptureHook(), Images()
     trainer = TinyTrainer(max_steps=1, hooks=[capture, images])
     trainer.train()
     trainer.log({"a": {"b": 1.0}})
-    trainer.log_images({"x": "img"}, dry_run=True)
+    trainer.log_images({"x": "img"})
     assert capture.logged == [{"a": {"b": 1.0}}]
-    assert images.images == [({"x": "img"}, True)]
+    assert images.images == [{"x": "img"}]
 
 
 def test_unwrap_sees_through_wrappers():

@@ -106,7 +106,7 @@ class CaptureHook(BaseHook):
     def on_after_train(self, trainer):
         self._record(trainer, "on_after_train")
 
-    def on_log(self, trainer, records, dry_run=False):
+    def on_log(self, trainer, records):
         self.logged.append(records)
 
     def events(self, name: str) -> list[tuple[str, str, int]]:

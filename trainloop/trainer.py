@@ -317,18 +317,17 @@ class BaseTrainer:
 
     # -- logging and helpers -------------------------------------------------------------------
 
-    def log(self, records: Records, dry_run: bool = False) -> None:
+    def log(self, records: Records) -> None:
         """Send nested numeric records to every hook's ``on_log``, and record them in
         ``trainer.metrics`` (and ``<workspace>/metrics.jsonl``, see ``settings.metrics_file``)."""
-        if not dry_run:
-            self.metrics.record(self.step, records)
+        self.metrics.record(self.step, records)
         for fn in self._dispatch["on_log"]:
-            fn(self, records, dry_run=dry_run)
+            fn(self, records)
 
-    def log_images(self, records: dict[str, Any], dry_run: bool = False) -> None:
+    def log_images(self, records: dict[str, Any]) -> None:
         """Send images (e.g. PIL images) to every hook's ``on_log_images``."""
         for fn in self._dispatch["on_log_images"]:
-            fn(self, records, dry_run=dry_run)
+            fn(self, records)
 
     @staticmethod
     def unwrap(module: nn.Module) -> nn.Module:

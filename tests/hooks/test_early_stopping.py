@@ -110,16 +110,6 @@ def test_first_observation_nan_then_finite():
     assert stopper.best == 3.0 and stopper.bad_count == 1
 
 
-def test_dry_run_records_are_ignored():
-    trainer = TinyTrainer(max_steps=1)
-    stopper = EarlyStoppingHook("val/loss", patience=1)
-    stopper.on_log(trainer, {"val": {"loss": 1.0}})
-    stopper.on_log(trainer, {"val": {"loss": 2.0}}, dry_run=True)
-    assert (stopper.observations, stopper.best, stopper.stopped_step) == (1, 1.0, None)
-    stopper.on_log(trainer, {"val": {"loss": 2.0}})
-    assert stopper.stopped_step == 0 and stopper.bad_count == 1
-
-
 @pytest.mark.parametrize(
     ("value", "error", "match"),
     [

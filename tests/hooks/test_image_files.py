@@ -31,12 +31,12 @@ def gradient(mode: str = "RGB", size: tuple[int, int] = (6, 4)) -> Image.Image:
 class ImageLogHook(BaseHook):
     """Calls ``trainer.log_images(images)`` after the chosen steps."""
 
-    def __init__(self, images, steps, dry_run=False):
-        self.images, self.steps, self.dry_run = images, set(steps), dry_run
+    def __init__(self, images, steps):
+        self.images, self.steps = images, set(steps)
 
     def on_after_step(self, trainer):
         if trainer.step in self.steps:
-            trainer.log_images(self.images, dry_run=self.dry_run)
+            trainer.log_images(self.images)
 
 
 def test_images_are_written_per_step_and_read_back(tmp_path):
@@ -79,15 +79,6 @@ def test_other_formats_by_extension(tmp_path):
     ).train()
     with Image.open(tmp_path / "visualizations" / "1" / "x.tif") as back:
         assert back.format == "TIFF" and back.tobytes() == gradient().tobytes()
-
-
-def test_dry_run_writes_nothing(tmp_path):
-    TinyTrainer(
-        max_steps=2,
-        workspace=tmp_path,
-        hooks=[ImageFileLoggerHook(), ImageLogHook({"x": gradient()}, steps=[1, 2], dry_run=True)],
-    ).train()
-    assert not (tmp_path / "visualizations").exists() or not any((tmp_path / "visualizations").rglob("*"))
 
 
 @pytest.mark.parametrize("name", ["../escape", "a//b", "./x", "a/..", "a\\b"])

@@ -17,10 +17,10 @@ class LogCapture(BaseHook):
     """Keeps what reaches ``on_log``, with the step and whether it was a dry run."""
 
     def __init__(self):
-        self.logged: list[tuple[int, dict, bool]] = []
+        self.logged: list[tuple[int, dict]] = []
 
-    def on_log(self, trainer, records, dry_run=False):
-        self.logged.append((trainer.step, records, dry_run))
+    def on_log(self, trainer, records):
+        self.logged.append((trainer.step, records))
 
 
 
@@ -32,7 +32,7 @@ class MemoryHook(BaseHook):
 def test_logs_at_multiples_of_interval_and_at_the_last_step():
     logs = LogCapture()
     TinyTrainer(max_steps=5, hooks=[LoggingHook(interval=2), logs]).train()
-    assert [(step, dry) for step, _, dry in logs.logged] == [(2, False), (4, False), (5, False)]
+    assert [step for step, _ in logs.logged] == [2, 4, 5]
 
 
 def test_records_are_the_stats_aggregate():
@@ -43,7 +43,7 @@ def test_records_are_the_stats_aggregate():
     )
     trainer.train()
 
-    (_, first, _), (_, second, _) = logs.logged
+    (_, first), (_, second) = logs.logged
     assert set(first) == {
         "loss", "grad_norm", "lr", "step_time", "data_time", "non_finite_grad_retries", "max_memory", "records",
     }
@@ -85,7 +85,7 @@ def test_lr_of_each_named_group_before_the_scheduler_step():
 
     logs = LogCapture()
     Scheduled(max_steps=2, hooks=[LoggingHook(interval=1), logs]).train()
-    assert [records["lr"] for _, records, _ in logs.logged] == [
+    assert [records["lr"] for _, records in logs.logged] == [
         {"body": pytest.approx(0.1), "group_1": pytest.approx(0.01)},
         {"body": pytest.approx(0.01), "group_1": pytest.approx(0.001)},
     ]
@@ -94,7 +94,7 @@ def test_lr_of_each_named_group_before_the_scheduler_step():
 def test_an_exit_request_logs_the_last_steps_before_training_ends():
     logs = LogCapture()
     TinyTrainer(max_steps=100, hooks=[ExitAt(7), LoggingHook(interval=5), logs]).train()
-    assert [step for step, _, _ in logs.logged] == [5, 7]
+    assert [step for step, _ in logs.logged] == [5, 7]
 
 
 def test_defaults_and_settings_declaration():

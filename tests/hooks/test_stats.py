@@ -41,7 +41,7 @@ class LogCapture(BaseHook):
     def __init__(self):
         self.logged: list[tuple[int, dict]] = []
 
-    def on_log(self, trainer, records, dry_run=False):
+    def on_log(self, trainer, records):
         self.logged.append((trainer.step, records))
 
 

@@ -30,16 +30,16 @@ def scalars(events: EventAccumulator, tag: str) -> list[tuple[int, float]]:
 class LogHook(BaseHook):
     """Logs the step's loss (a tensor, as forward returns it) and a tag, every step."""
 
-    def __init__(self, run: float = 1.0, images=None, dry_run=False):
-        self.run, self.images, self.dry_run = run, images or {}, dry_run
+    def __init__(self, run: float = 1.0, images=None):
+        self.run, self.images = run, images or {}
         self.logged: list[tuple[int, float]] = []
 
     def on_after_step(self, trainer):
         mse = trainer.step_info.records[0]["mse"]
         self.logged.append((trainer.step, float(mse)))
-        trainer.log({"loss": {"mse": mse}, "run": self.run}, dry_run=self.dry_run)
+        trainer.log({"loss": {"mse": mse}, "run": self.run})
         if trainer.step in self.images:
-            trainer.log_images(self.images[trainer.step], dry_run=self.dry_run)
+            trainer.log_images(self.images[trainer.step])
 
 
 
@@ -118,13 +118,6 @@ def test_relative_and_absolute_log_dirs(tmp_path):
     # An absolute folder needs no workspace.
     TinyTrainer(max_steps=1, hooks=[TensorBoardHook(log_dir=tmp_path / "abs"), LogHook()]).train()
     assert scalars(read_events(tmp_path / "abs"), "run") == [(1, 1.0)]
-
-
-def test_dry_run_writes_no_events(tmp_path):
-    log = LogHook(images={1: {"pic": picture()}}, dry_run=True)
-    TinyTrainer(max_steps=2, workspace=tmp_path, hooks=[TensorBoardHook(), log]).train()
-    tags = read_events(tmp_path / "tensorboard").Tags()
-    assert tags["scalars"] == [] and tags["images"] == []
 
 
 @pytest.mark.parametrize("log_dir", [None, "relative/dir"])

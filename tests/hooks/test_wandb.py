@@ -133,10 +133,10 @@ def picture() -> Image.Image:
 
 
 class LogHook(BaseHook):
-    """Logs the loss (a tensor) and the attempt number every step, images and a dry run at some."""
+    """Logs the loss (a tensor) and the attempt number every step, and images at one."""
 
-    def __init__(self, attempt: float, image_step: int | None = None, dry_step: int | None = None):
-        self.attempt, self.image_step, self.dry_step = attempt, image_step, dry_step
+    def __init__(self, attempt: float, image_step: int | None = None):
+        self.attempt, self.image_step = attempt, image_step
         self.logged: dict[int, float] = {}
 
     def on_after_step(self, trainer):
@@ -145,9 +145,6 @@ class LogHook(BaseHook):
         trainer.log({"loss": {"mse": mse}, "attempt": self.attempt})
         if trainer.step == self.image_step:
             trainer.log_images({"samples": {"pic": picture()}})
-        if trainer.step == self.dry_step:
-            trainer.log({"dry": 1.0}, dry_run=True)
-            trainer.log_images({"dry_pic": picture()}, dry_run=True)
 
 
 
@@ -159,7 +156,7 @@ def test_offline_run_logs_records_and_images_then_a_resumed_run_continues_it(tmp
     workspace, checkpoint = tmp_path / "ws", tmp_path / "step2.pt"
     hook, log = (
         WandbHook("trainloop-test", config={"lr": 0.05}, tags=["tiny"]),
-        LogHook(1.0, image_step=2, dry_step=3),
+        LogHook(1.0, image_step=2),
     )
     TinyTrainer(max_steps=4, workspace=workspace, hooks=[hook, log, SaveAtStep(2, checkpoint)]).train()
 
@@ -175,7 +172,6 @@ def test_offline_run_logs_records_and_images_then_a_resumed_run_continues_it(tmp
     assert sorted(rows) == [1, 2, 3, 4]
     for step, value in log.logged.items():
         assert rows[step]["loss/mse"] == pytest.approx(value) and rows[step]["attempt"] == 1
-    assert not any("dry" in key for row in rows.values() for key in row)
     assert rows[2]["samples/pic/_type"] == "image-file" and rows[2]["samples/pic/format"] == "png"
     with Image.open(first_dir / "files" / rows[2]["samples/pic/path"]) as back:
         assert back.convert("RGB").tobytes() == picture().tobytes()

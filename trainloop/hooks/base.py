@@ -65,17 +65,11 @@ class BaseHook:
     def on_after_train(self, trainer: BaseTrainer) -> None:
         """Called in ``exiting``, however the run ends (after ``on_exception`` for an error)."""
 
-    def on_log(self, trainer: BaseTrainer, records: dict[str, Any], dry_run: bool = False) -> None:
-        """Receive the nested numeric records given to ``trainer.log``.
+    def on_log(self, trainer: BaseTrainer, records: dict[str, Any]) -> None:
+        """Receive the nested numeric records given to ``trainer.log``."""
 
-        With ``dry_run`` the caller rehearses: a hook checks the records but writes nothing and
-        changes no state.
-        """
-
-    def on_log_images(
-        self, trainer: BaseTrainer, records: dict[str, Any], dry_run: bool = False
-    ) -> None:
-        """Receive the images given to ``trainer.log_images`` (``dry_run``: write nothing)."""
+    def on_log_images(self, trainer: BaseTrainer, records: dict[str, Any]) -> None:
+        """Receive the images given to ``trainer.log_images``."""
 
     def on_state_dict(self, trainer: BaseTrainer, state_dict: dict[str, Any]) -> None:
         """Add this hook's state to the trainer's ``state_dict`` (key it by ``self.name``)."""

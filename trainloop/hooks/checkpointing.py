@@ -278,14 +278,13 @@ class CheckpointingHook(BaseHook):
     def _is_kept(self, step: int) -> bool:
         return (self.keep_interval > 0 and step % self.keep_interval == 0) or step in self.keep_steps
 
-    def on_log(self, trainer: BaseTrainer, records: dict[str, Any], dry_run: bool = False) -> None:
+    def on_log(self, trainer: BaseTrainer, records: dict[str, Any]) -> None:
         """Remember the last value of every logged metric, for the next ``metadata.json``."""
-        if not dry_run:
-            # Kept as given: converting a tensor to a float is a host sync, done only at a save.
-            flat = flatten_nested_dict(records)
-            self._metrics.update(flat)
-            if self._best is not None:
-                self._watch_monitor(trainer, flat)
+        # Kept as given: converting a tensor to a float is a host sync, done only at a save.
+        flat = flatten_nested_dict(records)
+        self._metrics.update(flat)
+        if self._best is not None:
+            self._watch_monitor(trainer, flat)
 
     def _watch_monitor(self, trainer: BaseTrainer, flat: dict[str, Any]) -> None:
         """Note the monitored metric; score a checkpoint already saved at this step."""

@@ -70,10 +70,8 @@ class EarlyStoppingHook(BaseHook):
         # Keys logged while the metric has not been seen, to suggest a fix for a typo.
         self._keys_seen: set[str] = set()
 
-    def on_log(self, trainer: BaseTrainer, records: dict[str, Any], dry_run: bool = False) -> None:
+    def on_log(self, trainer: BaseTrainer, records: dict[str, Any]) -> None:
         """Observe ``monitor`` if these records hold it; request exit when patience runs out."""
-        if dry_run:  # a rehearsal of logging must not change the run's course
-            return
         flat = flatten_nested_dict(records)
         if self.monitor not in flat:
             if self.observations == 0 and len(self._keys_seen) < 1000:

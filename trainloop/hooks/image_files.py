@@ -61,7 +61,7 @@ class ImageFileLoggerHook(BaseHook):
     ``trainer.log_images({"samples": {"a": img}})`` at step 12 writes
     ``<workspace>/visualizations/12/samples/a.png``: nested names, and ``/`` inside a name,
     become subfolders. An image the format cannot hold as it is (RGBA as JPEG, say) is
-    converted to RGB first. Values must be PIL images. Calls with ``dry_run=True`` write nothing.
+    converted to RGB first. Values must be PIL images.
 
     Args:
         image_format: File extension of a format PIL can save (``"png"``, ``"jpg"``,
@@ -86,11 +86,9 @@ class ImageFileLoggerHook(BaseHook):
             )
         self._root = trainer.workspace / "visualizations" if is_rank_zero() else None
 
-    def on_log_images(
-        self, trainer: BaseTrainer, records: dict[str, Any], dry_run: bool = False
-    ) -> None:
+    def on_log_images(self, trainer: BaseTrainer, records: dict[str, Any]) -> None:
         """Save each image as ``<workspace>/visualizations/<step>/<name>.<image_format>``."""
-        if self._root is None or dry_run:
+        if self._root is None:
             return
         from PIL import Image as PILImage
 

@@ -135,10 +135,10 @@ class ProgressHook(StatsHook):
             fmt, args = self._describe(trainer, stats)
             logger.info("Step %d/%d: " + fmt, trainer.step, trainer.max_steps, *args)
 
-    def on_log(self, trainer: BaseTrainer, records: dict[str, Any], dry_run: bool = False) -> None:
+    def on_log(self, trainer: BaseTrainer, records: dict[str, Any]) -> None:
         """Show the latest values logged under ``show_logged`` keys in the bar, as they come."""
         bar = self._bar
-        if bar is None or dry_run or not any(key in records for key in self.show_logged):
+        if bar is None or not any(key in records for key in self.show_logged):
             return
         last = trainer.metrics.last  # trainer.log recorded them as floats before calling hooks
         for key in self.show_logged:

@@ -30,7 +30,7 @@ class TensorBoardHook(BaseHook):
     is the scalar ``loss/mse``), at ``trainer.step``. Images must be PIL images. A run resumed
     from a checkpoint at step ``s`` purges the events of steps after ``s`` that an earlier
     attempt wrote, so the curves continue from the checkpoint. Events are flushed when a
-    checkpoint is written and when training ends. Calls with ``dry_run=True`` write nothing.
+    checkpoint is written and when training ends.
 
     Args:
         log_dir: Folder of the event files. ``None``: ``<workspace>/tensorboard``; a relative
@@ -69,18 +69,16 @@ class TensorBoardHook(BaseHook):
         purge_step = trainer.step + 1 if trainer.step > 0 else None
         self.writer = SummaryWriter(log_dir=str(log_dir), purge_step=purge_step)
 
-    def on_log(self, trainer: BaseTrainer, records: dict[str, Any], dry_run: bool = False) -> None:
+    def on_log(self, trainer: BaseTrainer, records: dict[str, Any]) -> None:
         """Add each record as a scalar at ``trainer.step``."""
-        if self.writer is None or dry_run:
+        if self.writer is None:
             return
         for key, value in flatten_nested_dict(records).items():
             self.writer.add_scalar(key, to_float(value, key), global_step=trainer.step)
 
-    def on_log_images(
-        self, trainer: BaseTrainer, records: dict[str, Any], dry_run: bool = False
-    ) -> None:
+    def on_log_images(self, trainer: BaseTrainer, records: dict[str, Any]) -> None:
         """Add each PIL image at ``trainer.step``."""
-        if self.writer is None or dry_run:
+        if self.writer is None:
             return
         for key, image in flatten_nested_dict(records).items():
             array, dataformats = _image_array(image, key)

@@ -37,8 +37,7 @@ class WandbHook(BaseHook):
     wandb drops the resumed run's entries for them until it passes them.
 
     The run is finished when training ends, marked failed (exit code 1) if it ended by an
-    error. ``wandb`` is imported only when training starts. Calls with ``dry_run=True`` send
-    nothing.
+    error. ``wandb`` is imported only when training starts.
 
     Args:
         project: The wandb project.
@@ -103,18 +102,16 @@ class WandbHook(BaseHook):
         id_file.write_text(self.run.id, encoding="utf-8")
         trainer.logger.info("wandb run %s (project %s)", self.run.id, self.project)
 
-    def on_log(self, trainer: BaseTrainer, records: dict[str, Any], dry_run: bool = False) -> None:
+    def on_log(self, trainer: BaseTrainer, records: dict[str, Any]) -> None:
         """Log the records at ``trainer.step``."""
-        if self.run is None or dry_run:
+        if self.run is None:
             return
         flat = {key: to_float(value, key) for key, value in flatten_nested_dict(records).items()}
         self.run.log(flat, step=trainer.step)
 
-    def on_log_images(
-        self, trainer: BaseTrainer, records: dict[str, Any], dry_run: bool = False
-    ) -> None:
+    def on_log_images(self, trainer: BaseTrainer, records: dict[str, Any]) -> None:
         """Log the PIL images at ``trainer.step``."""
-        if self.run is None or dry_run:
+        if self.run is None:
             return
         import wandb
         from PIL import Image as PILImage
