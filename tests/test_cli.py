@@ -25,7 +25,7 @@ from trainloop.machine import State, draw
 from trainloop.trace import TraceEntry, summarize_trace
 
 REPO = Path(__file__).resolve().parents[1]
-TESTS = REPO / "tests"
+TESTS = REPO / "tests" / "support"  # where cli_trainers is
 SCHEMA_FILE = REPO / "schemas" / "trainer_settings.schema.json"
 TRAINER = "cli_trainers:CliTrainer"
 

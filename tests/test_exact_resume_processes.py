@@ -34,7 +34,7 @@ pytest.importorskip("torchdata.stateful_dataloader")
 pytestmark = pytest.mark.filterwarnings("ignore:'set_vital' is deprecated:UserWarning")
 
 TESTS = Path(__file__).resolve().parent
-CHILD = TESTS / "resume_child.py"
+CHILD = TESTS / "support" / "resume_child.py"
 TIMEOUT = 240  # seconds; generous: children share two cores with other work
 
 MAX_STEPS = 17

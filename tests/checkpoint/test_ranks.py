@@ -3,18 +3,15 @@
 from __future__ import annotations
 
 import ast
-import sys
 from pathlib import Path
 
 import pytest
+import ranks_worker
 import torch
 import torch.multiprocessing as mp
 from ddp_worker import free_port
 
 from trainloop.checkpoint import latest_checkpoint
-
-sys.path.insert(0, str(Path(__file__).resolve().parent))  # ranks_worker, beside this file
-import ranks_worker
 
 pytestmark = pytest.mark.filterwarnings("ignore:'set_vital' is deprecated:UserWarning")
 

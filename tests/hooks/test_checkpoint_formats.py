@@ -6,13 +6,14 @@ from __future__ import annotations
 import logging
 import os
 import signal
-import sys
 import threading
 from pathlib import Path
 
+import checkpoint_child
 import pytest
 import torch
 import torch.multiprocessing as mp
+from checkpoint_child import FORMAT_CASES, StartedAt, StepDataTrainer
 from ddp_worker import free_port
 from tiny_trainer import CaptureHook, SignalAtStep, TinyTrainer
 
@@ -23,10 +24,6 @@ from trainloop.hooks.checkpointing import (
     checkpoint_steps,
     read_checkpoint,
 )
-
-sys.path.insert(0, str(Path(__file__).resolve().parent))  # checkpoint_child, beside this file
-import checkpoint_child
-from checkpoint_child import FORMAT_CASES, StartedAt, StepDataTrainer
 
 FORMATS = ["full", "sharded"]
 WORLD = 2

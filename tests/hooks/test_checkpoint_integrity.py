@@ -15,7 +15,6 @@ import random
 import resource
 import signal
 import subprocess
-import sys
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -24,6 +23,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from checkpoint_child import BallastHook, Child
 from tiny_trainer import CaptureHook, TinyTrainer
 
 import trainloop
@@ -38,9 +38,6 @@ from trainloop.hooks.checkpointing import (
     latest_checkpoint,
     read_checkpoint,
 )
-
-sys.path.insert(0, str(Path(__file__).resolve().parent))  # checkpoint_child, beside this file
-from checkpoint_child import BallastHook, Child
 
 FORMATS = ["full", "sharded"]
 

@@ -11,12 +11,12 @@ import logging
 import os
 import signal
 import subprocess
-import sys
 import threading
 from pathlib import Path
 
 import pytest
 import torch
+from checkpoint_child import Child
 from pydantic import ValidationError
 from tiny_trainer import CaptureHook, CounterHook, SignalAtStep, TinyTrainer
 
@@ -30,9 +30,6 @@ from trainloop.hooks.checkpointing import (
     read_checkpoint,
 )
 from trainloop.hooks.registry import HOOK_TYPES, hook_settings_model
-
-sys.path.insert(0, str(Path(__file__).resolve().parent))  # checkpoint_child, beside this file
-from checkpoint_child import Child
 
 # -- helpers ---------------------------------------------------------------------------------
 

@@ -18,7 +18,7 @@ from trainloop import BaseHook
 from trainloop.hooks.image_files import ImageFileLoggerHook
 from trainloop.hooks.registry import HOOK_TYPES, hook_settings_model
 
-TESTS_DIR = Path(__file__).resolve().parents[1]
+TESTS_DIR = Path(__file__).resolve().parents[1] / "support"  # where tiny_trainer is
 
 
 def gradient(mode: str = "RGB", size: tuple[int, int] = (6, 4)) -> Image.Image:

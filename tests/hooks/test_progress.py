@@ -56,7 +56,7 @@ def progress_lines(caplog) -> list[str]:
 
 def run_script(code: str, **kwargs) -> subprocess.CompletedProcess:
     """Run ``code`` in a fresh interpreter that has never configured logging."""
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), str(TESTS)])}
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), str(TESTS / "support")])}
     return subprocess.run(
         [sys.executable, "-c", textwrap.dedent(code)], env=env, cwd=ROOT, timeout=120, **kwargs
     )
@@ -219,7 +219,7 @@ def _run_in_pty(code: str) -> tuple[str, str]:
 
     master, slave = pty.openpty()
     fcntl.ioctl(slave, termios.TIOCSWINSZ, struct.pack("HHHH", 24, 100, 0, 0))
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), str(TESTS)])}
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), str(TESTS / "support")])}
     process = subprocess.Popen(
         [sys.executable, "-c", textwrap.dedent(code)], stdout=slave, stderr=subprocess.PIPE, env=env, cwd=ROOT
     )

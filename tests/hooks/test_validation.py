@@ -266,6 +266,6 @@ def test_unconfigured_logging_shows_results_beside_progress_lines_in_a_fresh_pro
         "TinyTrainer(max_steps=2, hooks=[ProgressHook(interval=1, bar=False),"
         " ValidationHook(lambda t: {'loss': 0.25}, interval=2)]).train()\n"
     )
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), str(ROOT / "tests")])}
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), str(ROOT / "tests" / "support")])}
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, check=True)
     assert "Step 2/2: step" in result.stderr and "Validation at step 2: val/loss 0.25" in result.stderr

@@ -9,7 +9,8 @@ import sys
 import threading
 from pathlib import Path
 
-TESTS = Path(__file__).resolve().parent
+SUPPORT = Path(__file__).resolve().parent  # tests/support: the test helpers
+REPO = SUPPORT.parents[1]
 
 
 class ChildProcess:
@@ -25,7 +26,7 @@ class ChildProcess:
 
     def __init__(self, script: Path | str, args: list[str], tmp: Path, env: dict[str, str] | None = None) -> None:
         full_env = dict(os.environ)
-        full_env["PYTHONPATH"] = os.pathsep.join([str(TESTS), str(TESTS.parent), *filter(None, [full_env.get("PYTHONPATH")])])
+        full_env["PYTHONPATH"] = os.pathsep.join([str(SUPPORT), str(REPO), *filter(None, [full_env.get("PYTHONPATH")])])
         full_env.update(env or {})
         self.stderr_path = tmp / f"stderr-{os.urandom(4).hex()}.txt"
         with open(self.stderr_path, "w") as stderr:

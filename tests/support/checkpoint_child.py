@@ -1,6 +1,6 @@
 """Processes the checkpoint tests start: a run to signal or kill, and 2-rank gloo workers.
 
-Needs ``tests/`` and the repository root on ``PYTHONPATH`` (or ``sys.path``). As a script it
+Needs ``tests/support/`` and the repository root on ``PYTHONPATH`` (or ``sys.path``). As a script it
 prints one line per event, flushed, so the parent can time its signal:
 
     started <step>           after any checkpoint was loaded (in on_before_train)
@@ -45,8 +45,6 @@ from torch import nn
 
 from trainloop import BaseHook
 from trainloop.hooks.checkpointing import CheckpointingHook
-
-TESTS = Path(__file__).resolve().parents[1]
 
 
 class Child(ChildProcess):

@@ -8,14 +8,11 @@ from __future__ import annotations
 
 import logging
 import os
-import sys
 from pathlib import Path
 from typing import Any
 
 import torch
 import torch.distributed as dist
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "hooks"))  # checkpoint_child
 from checkpoint_child import StartedAt, StepDataTrainer
 
 from trainloop.checkpoint import CheckpointError

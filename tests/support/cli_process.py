@@ -14,14 +14,14 @@ import pytest
 
 from trainloop.cli import main
 
-TESTS = Path(__file__).resolve().parent
-REPO = TESTS.parent
+SUPPORT = Path(__file__).resolve().parent  # tests/support: the test helpers
+REPO = SUPPORT.parents[1]
 
 
 def cli_env(**extra: str) -> dict[str, str]:
     """The environment of a CLI subprocess: tests/ importable, no stray TRAINLOOP_* variables."""
     env = {k: v for k, v in os.environ.items() if not k.upper().startswith("TRAINLOOP_")}
-    env["PYTHONPATH"] = os.pathsep.join([str(TESTS), str(REPO), env.get("PYTHONPATH", "")]).rstrip(os.pathsep)
+    env["PYTHONPATH"] = os.pathsep.join([str(SUPPORT), str(REPO), env.get("PYTHONPATH", "")]).rstrip(os.pathsep)
     env.update(extra)
     return env
 

@@ -1,6 +1,6 @@
 """Trainers that tests/test_cli.py names on the command line (``cli_trainers:CliTrainer``).
 
-Needs ``tests/`` on ``PYTHONPATH``. Everything a run does comes from its settings file, as it
+Needs ``tests/support/`` on ``PYTHONPATH``. Everything a run does comes from its settings file, as it
 would for a user's trainer run by ``trainloop run``.
 """
 
