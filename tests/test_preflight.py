@@ -204,3 +204,12 @@ def test_under_a_launcher_the_checkpoint_directory_is_left_to_the_hook(monkeypat
     assert preflight(settings) == ["hooks[0].load: no checkpoint directory at 'absent'"]
     monkeypatch.setenv("WORLD_SIZE", "2")
     assert preflight(settings) == []
+
+
+@pytest.mark.parametrize("command", ["run", "validate"])
+def test_two_declared_hooks_saving_state_under_one_name_are_refused(tmp_path, capsys, command):
+    (tmp_path / "run.json").write_text(json.dumps({"max_steps": 2, "workspace": "ws", "hooks": [{"type": "ema"}, {"type": "ema", "decay": 0.5}]}))
+    code, out, err = call(capsys, command, "run.json", "--trainer", TRAINER)
+    assert code == 2 and out == ""
+    assert err.splitlines() == [f"trainloop {command}: error: run.json: hooks[0] and hooks[1]: both save their state under the name 'ema_hook'; give each a \"name\""]
+    assert [p.name for p in tmp_path.iterdir()] == ["run.json"]

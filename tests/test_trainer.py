@@ -292,18 +292,37 @@ def test_state_dict_round_trip_resumes_to_the_same_result():
         torch.testing.assert_close(a, b)
 
 
-def test_hooks_add_and_restore_their_state():
+def test_hooks_add_and_restore_their_state_by_name_whatever_their_order():
     a, b = CounterHook(), CounterHook()
+    b.name = "second"
     trainer = TinyTrainer(max_steps=2, hooks=[a, b])
     trainer.train()
-    assert (a.name, b.name) == ("counter_hook", "counter_hook_2")
+    b.count = 7
     state = trainer.state_dict()
-    assert state["counter_hook"] == {"count": 2} and state["counter_hook_2"] == {"count": 2}
-    c = CounterHook()
-    restored = TinyTrainer(max_steps=2, hooks=[c])
+    assert state["counter_hook"] == {"count": 2} and state["second"] == {"count": 7}
+    c, d = CounterHook(), CounterHook()
+    d.name = "second"
+    restored = TinyTrainer(max_steps=2, hooks=[d, c])  # another order: each finds its own state
     restored.on_enter(State.RESTORING, lambda t: t.load_state_dict(state))
     restored.train()
-    assert c.count == 2 and restored.step == 2
+    assert (c.count, d.count) == (2, 7)
+
+
+def test_two_hooks_with_one_name_are_an_error_naming_it():
+    trainer = TinyTrainer(max_steps=2, hooks=[CounterHook(), CounterHook()])
+    with pytest.raises(ValueError, match=r"2 hooks are named 'counter_hook' \(CounterHook, CounterHook\): give each a name"):
+        trainer.train()
+    assert trainer.step == 0
+
+
+def test_a_declared_hook_takes_its_name_from_settings():
+    from trainloop import TrainerSettings
+
+    settings = TrainerSettings(max_steps=2, hooks=[{"type": "ema", "name": "ema_slow"}, {"type": "ema", "decay": 0.5}])
+    trainer = TinyTrainer(settings)
+    trainer.train()
+    assert [hook.name for hook in trainer.hooks] == ["ema_slow", "ema_hook"]
+    assert {"ema_slow", "ema_hook"} <= set(trainer.state_dict())
 
 
 def test_resuming_at_max_steps_goes_straight_to_exiting():

@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from .data import EpochIterator
-from .hooks.base import hook_dispatch, name_hooks, state_entry_methods
+from .hooks.base import check_hooks, hook_dispatch, state_entry_methods
 from .hooks.registry import build_declared_hooks
 from .loss import Loss
 from .machine import State, StateMachine
@@ -97,7 +97,7 @@ class Loop:
         t.lr_scheduler = t.build_lr_scheduler()
         t.grad_scaler = t.build_grad_scaler()
         t.hooks = build_declared_hooks(t.settings.hooks, t.build_hooks())
-        name_hooks(t.hooks)
+        check_hooks(t.hooks)
         t._dispatch = hook_dispatch(t.hooks)
         for hook in t.hooks:
             for state, method in state_entry_methods(hook):

@@ -220,6 +220,15 @@ def _combinations(settings: TrainerSettings) -> list[tuple[tuple[Key, ...], str]
         if len(indices) > 1:
             listed = " and ".join(f"hooks[{i}]" for i in indices)
             problems.append((("hooks",), f"{listed}: both write checkpoints to {str(path)!r}; give each its own path"))
+    by_state_key: dict[str, list[int]] = {}
+    for i, spec in enumerate(settings.hooks):
+        cls = HOOK_TYPES[spec.type]
+        if cls.saves_state():
+            by_state_key.setdefault(spec.name or cls.default_name(), []).append(i)
+    for key, indices in by_state_key.items():
+        if len(indices) > 1:
+            listed = " and ".join(f"hooks[{i}]" for i in indices)
+            problems.append((("hooks",), f"{listed}: both save their state under the name {key!r}; give each a \"name\""))
     by_signal: dict[signal.Signals, list[int]] = {}
     for i, spec in enumerate(settings.hooks):
         if "exit_signals" not in spec.model_fields_set:

@@ -181,16 +181,17 @@ def test_two_hooks_keep_separate_state():
     results = iter([{"loss": 1.0, "acc": 0.5}, {"loss": 2.0, "acc": 0.6}])
     by_loss = EarlyStoppingHook("val/m/loss", patience=5)
     by_acc = EarlyStoppingHook("val/m/acc", mode="max", patience=5)
+    by_acc.name = "stop_by_acc"
     trainer = TinyTrainer(
         max_steps=2, hooks=[ValidationHook(lambda t: {"m": next(results)}, interval=1), by_loss, by_acc]
     )
     trainer.train()
     state_dict = trainer.state_dict()
-    assert (by_loss.name, by_acc.name) == ("early_stopping_hook", "early_stopping_hook_2")
+    assert (by_loss.name, by_acc.name) == ("early_stopping_hook", "stop_by_acc")
     assert state_dict["early_stopping_hook"]["best"] == 1.0
     assert state_dict["early_stopping_hook"]["bad_count"] == 1
-    assert state_dict["early_stopping_hook_2"]["best"] == 0.6
-    assert state_dict["early_stopping_hook_2"]["bad_count"] == 0
+    assert state_dict["stop_by_acc"]["best"] == 0.6
+    assert state_dict["stop_by_acc"]["bad_count"] == 0
 
 
 def test_load_of_another_metric_or_a_checkpoint_without_state_starts_afresh(caplog):

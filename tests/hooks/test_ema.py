@@ -130,14 +130,15 @@ def test_resume_without_saved_average_starts_from_restored_weights(tmp_path, cap
 
 def test_two_ema_hooks_keep_separate_state():
     slow, fast = EmaHook(decay=0.9), EmaHook(decay=0.1)
+    fast.name = "ema_fast"
     trainer = TinyTrainer(max_steps=3, hooks=[slow, fast])
     trainer.train()
     state = trainer.state_dict()
 
-    assert (slow.name, fast.name) == ("ema_hook", "ema_hook_2")
+    assert (slow.name, fast.name) == ("ema_hook", "ema_fast")
     torch.testing.assert_close(state["ema_hook"]["module.0.weight"], slow.ema_model.module[0].weight)
-    torch.testing.assert_close(state["ema_hook_2"]["module.0.weight"], fast.ema_model.module[0].weight)
-    assert not torch.allclose(state["ema_hook"]["module.0.weight"], state["ema_hook_2"]["module.0.weight"])
+    torch.testing.assert_close(state["ema_fast"]["module.0.weight"], fast.ema_model.module[0].weight)
+    assert not torch.allclose(state["ema_hook"]["module.0.weight"], state["ema_fast"]["module.0.weight"])
 
 
 def test_state_dict_has_the_entry_while_restoring():

@@ -12,7 +12,7 @@ from ..machine import State
 if TYPE_CHECKING:
     from ..trainer import BaseTrainer
 
-__all__ = ["BaseHook", "HOOK_EVENTS", "HOOK_METHODS", "check_hook_methods", "hook_dispatch", "name_hooks", "state_entry_methods"]
+__all__ = ["BaseHook", "HOOK_EVENTS", "HOOK_METHODS", "check_hook_methods", "check_hooks", "hook_dispatch", "state_entry_methods"]
 
 
 class BaseHook:
@@ -33,16 +33,28 @@ class BaseHook:
 
     @property
     def name(self) -> str:
-        """A name unique among a trainer's hooks, used to key the hook's state in checkpoints.
+        """The hook's name, unique among a trainer's hooks: a checkpoint keys the hook's state by it.
 
-        Defaults to the class name in snake case; the trainer appends ``_2``, ``_3``... to
-        repeated names.
+        Defaults to the class name in snake case (``ema_hook``). Give two stateful hooks of one
+        class names of their own (``hook.name = "ema_fast"``, or ``"name"`` in a declared hook):
+        a state key must not depend on the hooks' order, so a repeated name among hooks that
+        save state is an error.
         """
-        return self._name or re.sub(r"(?<!^)(?=[A-Z])", "_", type(self).__name__).lower()
+        return self._name or self.default_name()
 
     @name.setter
     def name(self, value: str) -> None:
         self._name = value
+
+    @classmethod
+    def default_name(cls) -> str:
+        """The class name in snake case: ``EmaHook`` -> ``ema_hook``."""
+        return re.sub(r"(?<!^)(?=[A-Z])", "_", cls.__name__).lower()
+
+    @classmethod
+    def saves_state(cls) -> bool:
+        """Whether the class adds state to checkpoints (overrides ``on_state_dict``)."""
+        return cls.on_state_dict is not BaseHook.on_state_dict
 
     def on_before_train(self, trainer: BaseTrainer) -> None:
         """Called once in ``restoring``, after any checkpoint was loaded."""
@@ -118,23 +130,30 @@ def hook_dispatch(hooks: Sequence[BaseHook]) -> dict[str, tuple[Callable[..., No
     }
 
 
-def name_hooks(hooks: list[BaseHook]) -> None:
-    """Check the hooks (types, method names) and make their names unique (``name``, ``name_2``...).
+def check_hooks(hooks: list[BaseHook]) -> None:
+    """Check a run's hooks: their types, their method names, and that their names are unique.
 
     Raises:
         TypeError: An item is not a ``BaseHook``, or a hook defines an ``on_*`` method that is no
             hook method (a typo would otherwise never be called); the message suggests the
             closest one.
+        ValueError: Two hooks that save state have one name (checkpoints key each hook's state
+            by its name).
     """
-    seen: dict[str, int] = {}
+    classes: dict[str, list[str]] = {}
     for i, hook in enumerate(hooks):
         if not isinstance(hook, BaseHook):
             raise TypeError(f"build_hooks() item {i} is a {type(hook).__name__}, not a BaseHook")
         check_hook_methods(type(hook))
-        base = hook.name
-        seen[base] = seen.get(base, 0) + 1
-        if seen[base] > 1:
-            hook.name = f"{base}_{seen[base]}"
+        if hook.saves_state():  # only saved state needs a unique key
+            classes.setdefault(hook.name, []).append(type(hook).__name__)
+    for name, kinds in classes.items():
+        if len(kinds) > 1:
+            raise ValueError(
+                f"{len(kinds)} hooks are named {name!r} ({', '.join(kinds)}): give each a name of its "
+                "own (hook.name = ..., or \"name\" in a declared hook), since a checkpoint keys "
+                "each hook's state by its name"
+            )
 
 
 #: Every ``on_*`` method name a hook may define.

@@ -17,7 +17,7 @@ from collections.abc import Iterable, Sequence
 from functools import cache
 from typing import TYPE_CHECKING, Any, Literal, TypeVar
 
-from pydantic import BaseModel, ConfigDict, GetCoreSchemaHandler, GetJsonSchemaHandler, create_model
+from pydantic import BaseModel, ConfigDict, Field, GetCoreSchemaHandler, GetJsonSchemaHandler, create_model
 from pydantic_core import PydanticCustomError, core_schema
 
 from .base import BaseHook
@@ -47,6 +47,9 @@ class HookSettings(BaseModel):
     model_config = ConfigDict(frozen=True, extra="forbid")
 
     type: str
+    name: str | None = Field(None, min_length=1)
+    """The hook's name (its checkpoint state's key); by default its class name in snake case.
+    Needed when a run has two hooks of one class."""
 
     def build(self) -> BaseHook:
         """Construct the hook these settings describe.
@@ -55,7 +58,9 @@ class HookSettings(BaseModel):
         trainer does not build one declaration twice.
         """
         cls = HOOK_TYPES[self.type]
-        hook = cls(**{name: getattr(self, name) for name in type(self).model_fields if name != "type"})
+        hook = cls(**{name: getattr(self, name) for name in type(self).model_fields if name not in ("type", "name")})
+        if self.name is not None:
+            hook.name = self.name
         try:
             hook.declared_by = self  # type: ignore[attr-defined]
         except AttributeError:  # a hook with __slots__: build_hooks() should not build it then
