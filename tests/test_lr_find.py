@@ -532,6 +532,7 @@ DDP_SCRIPT = textwrap.dedent(
     from torch import nn
     from torch.utils.data import DataLoader, DistributedSampler
     from tiny_trainer import make_data
+    from trainloop.distributed import destroy
     from trainloop.lr_find import LrFindComponents, lr_find
 
     rank, port, out = int(sys.argv[1]), sys.argv[2], sys.argv[3]
@@ -549,7 +550,7 @@ DDP_SCRIPT = textwrap.dedent(
         with open(os.path.join(out, f"rank{rank}.json"), "w") as f:
             json.dump([result.lrs, result.raw_losses, result.suggestion, result.diverged_at], f)
     finally:
-        dist.destroy_process_group()
+        destroy(barrier=sys.exc_info()[0] is None)  # wait for every rank: a clean gloo exit
     """
 )
 

@@ -138,6 +138,7 @@ RANK_SCRIPT = textwrap.dedent(
     sys.path.insert(0, sys.argv[1])
     from tiny_trainer import TinyTrainer
     from trainloop import BaseHook
+    from trainloop.distributed import destroy
     from trainloop.hooks.image_files import ImageFileLoggerHook
 
     class LogRank(BaseHook):
@@ -148,7 +149,7 @@ RANK_SCRIPT = textwrap.dedent(
     try:
         TinyTrainer(max_steps=1, workspace=sys.argv[2], hooks=[ImageFileLoggerHook(), LogRank()]).train()
     finally:
-        dist.destroy_process_group()
+        destroy(barrier=sys.exc_info()[0] is None)  # wait for every rank: a clean gloo exit
     """
 )
 

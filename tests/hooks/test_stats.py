@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
+import sys
 from pathlib import Path
 
 import pytest
@@ -17,6 +18,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.data import DataLoader
 
 from trainloop import BaseHook
+from trainloop.distributed import destroy
 from trainloop.hooks.logging_hook import LoggingHook
 from trainloop.hooks.registry import HOOK_TYPES, hook_settings_model
 from trainloop.hooks.stats import StatsHook, TrainingStats
@@ -370,7 +372,7 @@ def _sync_worker(rank: int, world_size: int, init_file: str, out_dir: str) -> No
         }
         Path(out_dir, f"{rank}.json").write_text(json.dumps(result))
     finally:
-        dist.destroy_process_group()
+        destroy(barrier=sys.exc_info()[0] is None)  # wait for every rank: a clean gloo exit
 
 
 def test_sync_averages_across_two_gloo_ranks(tmp_path):

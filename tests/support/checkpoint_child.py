@@ -44,6 +44,7 @@ from tiny_trainer import TinyTrainer, make_data
 from torch import nn
 
 from trainloop import BaseHook
+from trainloop.distributed import destroy
 from trainloop.hooks.checkpointing import CheckpointingHook
 
 
@@ -239,7 +240,7 @@ def formats_worker(rank: int, world: int, port: int, out: str) -> None:
             results["full_refused"] = str(error)
         torch.save(results, os.path.join(out, f"rank{rank}.pt"))
     finally:
-        dist.destroy_process_group()
+        destroy(barrier=sys.exc_info()[0] is None)  # wait for every rank: a clean gloo exit
 
 
 def preempt(workspace: str, async_save: bool) -> None:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import socket
+import sys
 import warnings
 
 import torch
@@ -11,6 +12,8 @@ import torch.distributed as dist
 from tiny_trainer import TinyTrainer, make_data
 from torch import nn
 from torch.utils.data import DataLoader, DistributedSampler
+
+from trainloop.distributed import destroy
 
 
 def free_port() -> int:
@@ -63,7 +66,7 @@ def ddp_accumulation(rank: int, world_size: int, port: int, out: str, accumulati
             os.path.join(out, f"rank{rank}.pt"),
         )
     finally:
-        dist.destroy_process_group()
+        destroy(barrier=sys.exc_info()[0] is None)  # wait for every rank: a clean gloo exit
 
 
 class SkippingDDPTrainer(DDPTrainer):
@@ -86,7 +89,7 @@ def ddp_loss_none(rank: int, world_size: int, port: int, out: str) -> None:
         names = sorted({type(w.message).__name__ for w in caught if "loss=None" in str(w.message)})
         torch.save(names, os.path.join(out, f"rank{rank}.pt"))
     finally:
-        dist.destroy_process_group()
+        destroy(barrier=sys.exc_info()[0] is None)  # wait for every rank: a clean gloo exit
 
 
 class ExitOnRankOne(TinyTrainer):
@@ -115,7 +118,7 @@ def exit_agreement(rank: int, world_size: int, port: int, out: str) -> None:
             code = exit_.code
         torch.save({"step": trainer.step, "code": code, "state": trainer.state.value}, os.path.join(out, f"rank{rank}.pt"))
     finally:
-        dist.destroy_process_group()
+        destroy(barrier=sys.exc_info()[0] is None)  # wait for every rank: a clean gloo exit
 
 
 def ddp_token_loss(rank: int, world_size: int, port: int, out: str) -> None:
@@ -133,4 +136,4 @@ def ddp_token_loss(rank: int, world_size: int, port: int, out: str) -> None:
         trainer.train()
         torch.save([p.detach() for p in trainer.unwrapped_model.parameters()], os.path.join(out, f"rank{rank}.pt"))
     finally:
-        dist.destroy_process_group()
+        destroy(barrier=sys.exc_info()[0] is None)  # wait for every rank: a clean gloo exit

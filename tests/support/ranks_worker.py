@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import logging
 import os
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -16,6 +17,7 @@ import torch.distributed as dist
 from checkpoint_child import StartedAt, StepDataTrainer
 
 from trainloop.checkpoint import CheckpointError
+from trainloop.distributed import destroy
 from trainloop.hooks.checkpointing import CheckpointingHook
 
 
@@ -44,7 +46,7 @@ def unshared_storage(rank: int, world: int, port: int, out: str) -> None:
                 results[f"async{int(async_save)}"] = f"{type(error).__name__}: {error}"
         torch.save(results, Path(out) / f"rank{rank}.pt")
     finally:
-        dist.destroy_process_group()
+        destroy(barrier=sys.exc_info()[0] is None)  # wait for every rank: a clean gloo exit
 
 
 class Messages(logging.Handler):
@@ -81,7 +83,7 @@ def shared_verification(rank: int, world: int, port: int, out: str) -> None:
         StepDataTrainer(max_steps=6, workspace=workspace, wrap="fsdp", hooks=[started, hook]).train()
         torch.save({"started": started.step, "messages": messages.messages}, Path(out) / f"rank{rank}.pt")
     finally:
-        dist.destroy_process_group()
+        destroy(barrier=sys.exc_info()[0] is None)  # wait for every rank: a clean gloo exit
 
 
 def four_rank_resume(rank: int, world: int, port: int, out: str) -> None:
@@ -108,4 +110,4 @@ def four_rank_resume(rank: int, world: int, port: int, out: str) -> None:
         results["straight_unused"] = [p.detach().clone() for p in unbroken.model.parameters()]
         torch.save(results, Path(out) / f"rank{rank}.pt")
     finally:
-        dist.destroy_process_group()
+        destroy(barrier=sys.exc_info()[0] is None)  # wait for every rank: a clean gloo exit

@@ -46,6 +46,7 @@ from torch.utils.data import DistributedSampler
 from torchdata.stateful_dataloader import StatefulDataLoader
 
 from trainloop import BaseHook
+from trainloop.distributed import destroy
 from trainloop.hooks.checkpointing import CheckpointingHook
 from trainloop.trainer import ChangedSettingsWarning
 
@@ -153,7 +154,7 @@ def main() -> None:
             train(run)
     finally:
         if distributed:
-            dist.destroy_process_group()
+            destroy(barrier=sys.exc_info()[0] is None)  # wait for every rank: a clean gloo exit
 
 
 if __name__ == "__main__":
