@@ -8,11 +8,9 @@ the many variants of one error are run in-process through ``main()``, the same c
 from __future__ import annotations
 
 import json
-import os
 import shutil
 import signal
 import subprocess
-import sys
 from collections import Counter
 from pathlib import Path
 
@@ -30,13 +28,7 @@ SCHEMA_FILE = REPO / "schemas" / "trainer_settings.schema.json"
 TRAINER = "cli_trainers:CliTrainer"
 
 
-@pytest.fixture(autouse=True)
-def _isolated(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
-    # In-process calls read os.environ and may put the working directory on sys.path.
-    for key in [k for k in os.environ if k.upper().startswith("TRAINLOOP_")]:
-        monkeypatch.delenv(key)
-    monkeypatch.setattr(sys, "path", list(sys.path))
-    monkeypatch.chdir(tmp_path)
+pytestmark = pytest.mark.usefixtures("isolated_cli")  # see tests/conftest.py
 
 
 # -- one real run, shared by the run, graph and inspect tests ----------------------------------

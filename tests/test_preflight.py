@@ -7,8 +7,6 @@ problems, one line each, before anything is built or written.
 from __future__ import annotations
 
 import json
-import os
-import sys
 from pathlib import Path
 
 import pytest
@@ -46,13 +44,7 @@ NO_WORKSPACE_LINES = [
 TYPO = {"max_steps": 3, "workspace": "ws", "trainer": "typo_hook_trainer:TypoHookTrainer", "hooks": [{"type": "typo_printer"}]}
 
 
-@pytest.fixture(autouse=True)
-def _isolated(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
-    # In-process CLI calls read os.environ and put the working directory on sys.path.
-    for key in [k for k in os.environ if k.upper().startswith("TRAINLOOP_")]:
-        monkeypatch.delenv(key)
-    monkeypatch.setattr(sys, "path", list(sys.path))
-    monkeypatch.chdir(tmp_path)
+pytestmark = pytest.mark.usefixtures("isolated_cli")  # see tests/conftest.py
 
 
 @pytest.fixture(scope="module")
