@@ -26,7 +26,8 @@ from .utils import is_distributed_model
 
 __all__ = ["LossNoneWarning", "Microstep", "StepInfo", "StepPlan", "StepRunner", "unpack_forward_output"]
 
-_NO_CONTEXT = contextlib.nullcontext()  # reusable: entering it allocates nothing
+NO_CONTEXT = contextlib.nullcontext()
+"""The no-op context, one reusable object: entering it allocates nothing."""
 
 
 class LossNoneWarning(UserWarning):
@@ -66,7 +67,7 @@ class StepPlan:
     lr_scheduler: torch.optim.lr_scheduler.LRScheduler | None = None
     check_grads: bool = True
     no_sync: bool = True
-    autocast: contextlib.AbstractContextManager[Any] = _NO_CONTEXT
+    autocast: contextlib.AbstractContextManager[Any] = NO_CONTEXT
     before_optimizer_step: Callable[[], None] | None = None
 
 
@@ -131,7 +132,7 @@ class StepRunner:
         # set_requires_gradient_sync(False).
         sync_off = gradient_sync(plan.model, enabled=False)
         self._sync_off = sync_off if plan.no_sync and sync_off.controls_sync else None
-        self._autocast = None if isinstance(plan.autocast, contextlib.nullcontext) else plan.autocast
+        self._autocast = None if plan.autocast is NO_CONTEXT else plan.autocast
         self._scaler = plan.grad_scaler if plan.grad_scaler is not None and plan.grad_scaler.is_enabled() else None
         # With clipping on, the total norm clip_grad_norm_ returns answers the check for free.
         self._grad_check = (

@@ -22,7 +22,7 @@ from .metrics import MetricsLog
 from .result import RunResult, finish_run
 from .rng import seed_all
 from .settings import TrainerSettings
-from .step import LossNoneWarning, StepInfo
+from .step import NO_CONTEXT, LossNoneWarning, StepInfo
 from .trace import Trace
 from .training_state import ChangedSettingsWarning, load_training_state, training_state
 from .utils import Records, unwrap_model
@@ -32,7 +32,6 @@ if TYPE_CHECKING:
 
 __all__ = ["BaseTrainer", "ChangedSettingsWarning", "LossNoneWarning"]
 
-_NO_CONTEXT = contextlib.nullcontext()  # reusable: entering it allocates nothing
 _PRECISIONS = {"bf16": torch.bfloat16, "fp16": torch.float16}
 
 
@@ -213,7 +212,7 @@ class BaseTrainer:
         Use it to evaluate under the same precision as training.
         """
         dtype = _PRECISIONS.get(self.settings.mixed_precision or "")
-        return torch.autocast(self.device.type, dtype=dtype) if dtype is not None else _NO_CONTEXT
+        return torch.autocast(self.device.type, dtype=dtype) if dtype is not None else NO_CONTEXT
 
     def request_checkpoint(self, at_exit: bool = False) -> None:
         """Ask for a checkpoint at the end of the current step (the machine enters ``checkpointing``).
