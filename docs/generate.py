@@ -6,7 +6,7 @@ stale, or if ``docs/img/machine.svg`` was drawn from another transition table (t
 runs the check).
 
 ``python docs/generate.py --pictures`` also redraws the pictures (after a change to the machine's
-table, rerun it): ``docs/img/machine.svg`` from ``trainloop.machine.TRANSITIONS`` (needs
+table, rerun it): ``docs/img/machine.svg`` from ``trainloop.machine.table.TRANSITIONS`` (needs
 Graphviz's ``dot``), and ``docs/img/report.png``, a screenshot of the digits demo's
 ``trainloop report`` page, with ``docs/img/report.outline.json``, the page's outline that
 ``tests/test_docs.py`` compares with a fresh report of the demo (needs Chromium and
@@ -26,7 +26,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-from trainloop.hooks.base import HOOK_EVENTS
+from trainloop.hooks.dispatch import HOOK_EVENTS
 from trainloop.machine import TRANSITIONS, draw
 from trainloop.settings import TrainerSettings
 
@@ -139,7 +139,7 @@ def machine_svg_is_current() -> bool:
 
 
 def draw_machine_svg() -> None:
-    from trainloop.graphviz import render_dot
+    from trainloop.report.graphviz import render_dot
 
     source = machine_dot()
     svg = render_dot(source, "svg").decode()
@@ -209,7 +209,7 @@ def main(check: bool, pictures: bool = False) -> int:
         if check:
             stale.append(MACHINE_SVG.relative_to(ROOT).as_posix())
         else:
-            from trainloop.graphviz import GraphvizError
+            from trainloop.report.graphviz import GraphvizError
 
             try:
                 draw_machine_svg()

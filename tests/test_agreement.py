@@ -1,4 +1,4 @@
-from trainloop.agreement import ExitAgreement
+from trainloop.distributed.agreement import ExitAgreement
 
 
 def test_without_a_process_group_a_request_holds_at_once():

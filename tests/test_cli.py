@@ -20,7 +20,7 @@ from cli_process import Cli, assert_one_clean_error, call, cli_env, console_scri
 from trainloop import TrainerSettings
 from trainloop.cli import main
 from trainloop.machine import State, draw
-from trainloop.trace import TraceEntry, summarize_trace
+from trainloop.machine.trace import TraceEntry, summarize_trace
 
 REPO = Path(__file__).resolve().parents[1]
 TESTS = REPO / "tests" / "support"  # where cli_trainers is

@@ -10,7 +10,7 @@ import torch
 from pydantic import ValidationError
 from torch import nn
 
-from trainloop.components import OPTIMIZERS, OptimizerSettings, build_optimizer
+from trainloop.settings.optimizer import OPTIMIZERS, OptimizerSettings, build_optimizer
 
 # -- helpers ------------------------------------------------------------------------------------
 

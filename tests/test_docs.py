@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 from tiny_trainer import CaptureHook, TinyTrainer
 
-from trainloop.hooks.base import HOOK_EVENTS
+from trainloop.hooks.dispatch import HOOK_EVENTS
 
 ROOT = Path(__file__).resolve().parents[1]
 

@@ -8,7 +8,7 @@ from tiny_trainer import CaptureHook, ExitAt, TinyTrainer
 
 from trainloop import CheckpointingHook, LoggingHook, ValidationHook
 from trainloop.checkpoint.files import checkpoint_steps
-from trainloop.every import Every
+from trainloop.hooks.every import Every
 
 
 class Crash(Exception):

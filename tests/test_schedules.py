@@ -13,10 +13,10 @@ from tiny_trainer import ExitAt, TinyTrainer
 from torch import nn
 
 from trainloop import BaseHook, BaseTrainer, TrainerSettings
-from trainloop.components import OptimizerSettings, build_optimizer
 from trainloop.hooks.checkpointing import CheckpointingHook
 from trainloop.hooks.stats import StatsHook
-from trainloop.schedules import LR_SCHEDULES, LrScheduleSettings, build_lr_scheduler, lr_factor
+from trainloop.settings.optimizer import OptimizerSettings, build_optimizer
+from trainloop.settings.schedule import LR_SCHEDULES, LrScheduleSettings, build_lr_scheduler, lr_factor
 
 # -- helpers ------------------------------------------------------------------------------------
 

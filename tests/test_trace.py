@@ -4,7 +4,7 @@ import pytest
 from tiny_trainer import TinyTrainer
 
 from trainloop import State, read_trace, summarize_trace
-from trainloop.trace import Trace, TraceEntry
+from trainloop.machine.trace import Trace, TraceEntry
 
 
 def test_a_traced_run_writes_trace_jsonl_and_settings_json(tmp_path):

@@ -1,8 +1,9 @@
 """trainloop: a minimalist PyTorch training loop driven by validated settings and an explicit
 state machine."""
 
-from .data import DataExhaustedError
-from .hooks import (
+from trainloop import _moved
+from trainloop.data import DataExhaustedError
+from trainloop.hooks import (
     BaseHook,
     CheckpointingHook,
     CudaMaxMemoryHook,
@@ -17,19 +18,21 @@ from .hooks import (
     WandbHook,
     register_hook,
 )
-from .loss import Loss
-from .lr_find import LrFindComponents, LrFindResult, lr_find
-from .machine import TRANSITIONS, State, Transition
-from .preflight import PreflightError
-from .result import RunResult
-from .rng import seed_all
-from .settings import SettingsFileError, TrainerSettings
-from .step import StepInfo
-from .trace import Trace, TraceEntry, TraceSummary, read_trace, summarize_trace
-from .trainer import BaseTrainer, LossNoneWarning
-from .utils import flatten_nested_dict, key_average, map_nested_tensor
+from trainloop.loss import Loss
+from trainloop.lr_find.search import LrFindComponents, LrFindResult, lr_find
+from trainloop.machine.table import TRANSITIONS, State, Transition
+from trainloop.machine.trace import Trace, TraceEntry, TraceSummary, read_trace, summarize_trace
+from trainloop.nested import flatten_nested_dict, key_average, map_nested_tensor
+from trainloop.result import RunResult
+from trainloop.rng import seed_all
+from trainloop.settings.model import SettingsFileError, TrainerSettings
+from trainloop.settings.preflight import PreflightError
+from trainloop.step import StepInfo
+from trainloop.trainer import BaseTrainer, LossNoneWarning
+from trainloop.version import __version__ as __version__
 
-__version__ = "0.1.0"
+_moved.install()
+
 
 __all__ = [
     "TRANSITIONS",

@@ -15,20 +15,21 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from .data import EpochIterator
-from .hooks.base import check_hooks, hook_dispatch, state_entry_methods
-from .hooks.registry import build_declared_hooks
-from .loss import Loss
-from .machine import State, StateMachine
-from .metrics import METRICS_FILE
-from .ranks import is_rank_zero
-from .requests import RunRequests
-from .rng import set_rng_state
-from .step import StepInfo, StepPlan, StepRunner
-from .trace import start_run_record
+from trainloop.data import EpochIterator
+from trainloop.distributed.ranks import is_rank_zero
+from trainloop.hooks.dispatch import check_hooks, hook_dispatch, state_entry_methods
+from trainloop.hooks.registry import build_declared_hooks
+from trainloop.loss import Loss
+from trainloop.machine.runner import StateMachine
+from trainloop.machine.table import State
+from trainloop.machine.trace import start_run_record
+from trainloop.metrics import METRICS_FILE
+from trainloop.requests import RunRequests
+from trainloop.rng import set_rng_state
+from trainloop.step import StepInfo, StepPlan, StepRunner
 
 if TYPE_CHECKING:
-    from .trainer import BaseTrainer
+    from trainloop.trainer import BaseTrainer
 
 __all__ = ["Loop", "trainer_step_plan"]
 

@@ -16,7 +16,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import IO, Any
 
-from .utils import flatten_nested_dict, to_float
+from trainloop.nested import flatten_nested_dict, to_float
 
 __all__ = ["METRICS_FILE", "MetricsLog", "read_metrics"]
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from .agreement import ExitAgreement
+from trainloop.distributed.agreement import ExitAgreement
 
 __all__ = ["RunRequests"]
 

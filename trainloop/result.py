@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from .trainer import BaseTrainer
+    from trainloop.trainer import BaseTrainer
 
 __all__ = ["RUNS_FILE", "RunResult", "finish_run", "read_runs", "run_result"]
 
@@ -80,7 +80,7 @@ def run_result(trainer: BaseTrainer) -> RunResult:
 
 def finish_run(trainer: BaseTrainer) -> RunResult:
     """The result of ``trainer``'s run; appended to ``<workspace>/runs.jsonl`` on rank 0."""
-    from .ranks import is_rank_zero
+    from trainloop.distributed.ranks import is_rank_zero
 
     result = run_result(trainer)
     workspace = trainer.settings.workspace

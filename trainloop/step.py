@@ -19,10 +19,10 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from .grads import NonFiniteGradCheck
-from .loss import Loss
-from .sync import gradient_sync
-from .utils import is_distributed_model
+from trainloop.distributed.sync import gradient_sync
+from trainloop.grads import NonFiniteGradCheck
+from trainloop.loss import Loss
+from trainloop.wrappers import is_distributed_model
 
 __all__ = ["LossNoneWarning", "Microstep", "StepInfo", "StepPlan", "StepRunner", "unpack_forward_output"]
 

@@ -13,19 +13,23 @@ from typing import TYPE_CHECKING, Any, ClassVar
 import torch
 from torch import nn
 
-from . import components, preflight
-from .hooks.base import BaseHook, hook_dispatch
-from .limits import RunLength
-from .loop import Loop
-from .machine import Handle, State
-from .metrics import MetricsLog
-from .result import RunResult, finish_run
-from .rng import seed_all
-from .settings import TrainerSettings
-from .step import NO_CONTEXT, LossNoneWarning, StepInfo
-from .trace import Trace
-from .training_state import ChangedSettingsWarning, load_training_state, training_state
-from .utils import Records, unwrap_model
+from trainloop.hooks.base import BaseHook
+from trainloop.hooks.dispatch import hook_dispatch
+from trainloop.loop import Loop
+from trainloop.machine.runner import Handle
+from trainloop.machine.table import State
+from trainloop.machine.trace import Trace
+from trainloop.metrics import MetricsLog
+from trainloop.nested import Records
+from trainloop.result import RunResult, finish_run
+from trainloop.rng import seed_all
+from trainloop.run_length import RunLength
+from trainloop.settings import optimizer as components
+from trainloop.settings import preflight
+from trainloop.settings.model import TrainerSettings
+from trainloop.step import NO_CONTEXT, LossNoneWarning, StepInfo
+from trainloop.training_state import ChangedSettingsWarning, load_training_state, training_state
+from trainloop.wrappers import unwrap_model
 
 if TYPE_CHECKING:
     from torch.distributed.checkpoint.state_dict import StateDictOptions
@@ -266,7 +270,7 @@ class BaseTrainer:
               checkpointing: on_enter_checkpointing hooks save
             exiting:        on_after_train; close the data iterator
 
-        The next state is chosen by ``trainloop.machine.TRANSITIONS``; every decision about what
+        The next state is chosen by ``trainloop.machine.table.TRANSITIONS``; every decision about what
         follows an update (retry, save, exit, next step) leaves from ``stepping``. The work of
         each state is ``trainloop.loop.Loop``'s.
 
@@ -275,13 +279,13 @@ class BaseTrainer:
             checkpoint (also kept as ``trainer.result``).
 
         Raises:
-            trainloop.preflight.PreflightError: The settings and this trainer class cannot work
+            trainloop.settings.preflight.PreflightError: The settings and this trainer class cannot work
                 together; nothing was built or written.
             RuntimeError: Gradients stayed non-finite beyond ``max_non_finite_grad_retries``.
             trainloop.data.DataExhaustedError: A one-shot iterator ran out before ``max_steps``.
             SystemExit: A hook requested exit with an exit code.
         """
-        preflight.check(self)  # before anything is built or written: see trainloop.preflight
+        preflight.check(self)  # before anything is built or written: see trainloop.settings.preflight
         if self.state is not State.IDLE:
             raise RuntimeError(f"train() runs once per trainer; this one is in state {self.state.value!r}")
         try:

@@ -10,12 +10,12 @@ import json
 import warnings
 from typing import TYPE_CHECKING, Any
 
-from . import components
-from .ranks import gather_from_ranks, rank, world_size
-from .rng import get_rng_state, set_rng_state
+from trainloop.distributed.ranks import gather_from_ranks, rank, world_size
+from trainloop.rng import get_rng_state, set_rng_state
+from trainloop.settings import optimizer as components
 
 if TYPE_CHECKING:
-    from .trainer import BaseTrainer
+    from trainloop.trainer import BaseTrainer
 
 __all__ = ["ChangedSettingsWarning", "load_training_state", "training_state"]
 

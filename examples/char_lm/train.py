@@ -29,7 +29,7 @@ from torch.utils.data import DataLoader
 
 from trainloop import BaseTrainer, Loss, TrainerSettings
 from trainloop.hooks.ema import EmaHook
-from trainloop.types import NonNegativeFloat, PositiveInt
+from trainloop.settings.types import NonNegativeFloat, PositiveInt
 
 ROOT = Path(__file__).resolve().parents[2]
 

@@ -4,7 +4,7 @@ import pytest
 from tiny_trainer import TinyTrainer
 
 from trainloop import BaseHook, State
-from trainloop.hooks.base import HOOK_METHODS, hook_dispatch
+from trainloop.hooks.dispatch import HOOK_METHODS, hook_dispatch
 
 
 @pytest.mark.parametrize(

@@ -12,7 +12,7 @@ from pydantic import Field
 from tiny_trainer import TinyTrainer
 
 from trainloop import BaseHook, BaseTrainer, TrainerSettings
-from trainloop.types import NonNegativeFloat, PositiveInt, StrictBool
+from trainloop.settings.types import NonNegativeFloat, PositiveInt, StrictBool
 
 
 class CliSettings(TrainerSettings):

@@ -1,7 +1,7 @@
 """Worker processes for tests/test_distributed.py (spawned, so importable by module name).
 
 Each worker plays one torchrun process: it sets the environment torchrun would set and joins
-the group through ``trainloop.distributed.init_distributed``. Results go to ``<out>/rank<r>.pt``.
+the group through ``trainloop.distributed.process_group.init_distributed``. Results go to ``<out>/rank<r>.pt``.
 """
 
 from __future__ import annotations

@@ -5,22 +5,9 @@ they also serve tools that inspect or convert checkpoints. ``metadata.json`` and
 ``manifest.json`` are plain JSON, readable without torch.
 """
 
-from .errors import CheckpointError, CheckpointSaveError
-from .files import (
-    LATEST,
-    checkpoint_format,
-    checkpoint_steps,
-    latest_checkpoint,
-    read_checkpoint,
-    write_checkpoint,
-)
-from .manifest import (
-    MANIFEST,
-    METADATA,
-    make_metadata,
-    read_metadata,
-    verify_checkpoint,
-)
+from trainloop.checkpoint.errors import CheckpointError, CheckpointSaveError
+from trainloop.checkpoint.files import LATEST, checkpoint_format, checkpoint_steps, latest_checkpoint, read_checkpoint, write_checkpoint
+from trainloop.checkpoint.manifest import MANIFEST, METADATA, make_metadata, read_metadata, verify_checkpoint
 
 __all__ = [
     "LATEST",

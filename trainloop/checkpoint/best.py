@@ -18,7 +18,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import AfterValidator, Field, StrictStr, ValidationInfo
 
-from ..utils import hint_for_missing_key, to_float
+from trainloop.nested import hint_for_missing_key, to_float
 
 __all__ = ["BEST_FILE", "BestCheckpoints", "Monitor", "check_best", "read_best"]
 

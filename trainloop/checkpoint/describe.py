@@ -13,10 +13,10 @@ from typing import Any
 
 import torch
 
-from ..components import OPTIMIZERS
-from .errors import CheckpointError
-from .files import checkpoint_format, read_checkpoint
-from .manifest import read_metadata, verify_checkpoint
+from trainloop.checkpoint.errors import CheckpointError
+from trainloop.checkpoint.files import checkpoint_format, read_checkpoint
+from trainloop.checkpoint.manifest import read_metadata, verify_checkpoint
+from trainloop.settings.optimizer import OPTIMIZERS
 
 __all__ = ["describe_checkpoint", "format_checkpoint", "jsonable"]
 

@@ -21,19 +21,11 @@ from logging import Logger
 from pathlib import Path
 from typing import Any
 
-import torch
-
-from .atomic import atomic_directory, replace_symlink
-from .errors import CheckpointError, CheckpointSaveError
-from .manifest import (
-    METADATA,
-    FileDigest,
-    make_metadata,
-    save_torch,
-    verify_checkpoint,
-    write_json,
-    write_manifest,
-)
+from trainloop._moved import moved_names
+from trainloop.checkpoint.atomic import atomic_directory, replace_symlink
+from trainloop.checkpoint.errors import CheckpointError, CheckpointSaveError
+from trainloop.checkpoint.loading import SHARDED_DIR, load_file
+from trainloop.checkpoint.manifest import METADATA, FileDigest, make_metadata, save_torch, verify_checkpoint, write_json, write_manifest
 
 __all__ = [
     "LATEST",
@@ -42,15 +34,15 @@ __all__ = [
     "checkpoint_format",
     "checkpoint_steps",
     "latest_checkpoint",
-    "load_file",
     "point_latest",
     "read_checkpoint",
     "save_error",
     "write_checkpoint",
 ]
 
+__getattr__ = moved_names(__name__)  # names that moved, still importable (see trainloop._moved)
+
 LATEST = "latest"
-SHARDED_DIR = "sharded"
 _REQUIRED = ("model", "training_state")
 _FILE_KEY = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.\-]*")
 
@@ -216,7 +208,7 @@ def read_checkpoint(directory: Path, verify: bool = True) -> dict[str, Any]:
     if verify:
         verify_checkpoint(directory)
     if checkpoint_format(directory) == "sharded":
-        from .sharded import read_sharded
+        from trainloop.checkpoint.sharded import read_sharded
 
         return read_sharded(directory)
     files = {path.stem: path for path in sorted(directory.glob("*.pt"))}
@@ -226,38 +218,3 @@ def read_checkpoint(directory: Path, verify: bool = True) -> dict[str, Any]:
     return {key: load_file(path) for key, path in files.items()}
 
 
-def load_file(path: Path) -> Any:
-    """``torch.load(path, weights_only=True)`` onto the CPU.
-
-    Raises:
-        CheckpointError: The file is corrupt, or holds objects that unpickling could run code
-            with (the message names the file and what was refused).
-    """
-    try:
-        return torch.load(path, map_location="cpu", weights_only=True)
-    except Exception as error:
-        raise refused_or_corrupt(str(path), error) from error
-
-
-def refused_or_corrupt(what: str, error: BaseException) -> CheckpointError:
-    """The error for ``what`` (a file, an entry) that ``torch.load(weights_only=True)`` failed on."""
-    refused = _refusal(error)
-    if refused is not None:
-        return CheckpointError(
-            f"{what}: refused to load: it holds objects other than tensors and plain "
-            f"containers, and unpickling them could run code ({refused})"
-        )
-    return CheckpointError(f"{what}: cannot load: {error}")
-
-
-def _refusal(error: BaseException) -> str | None:
-    """What ``weights_only`` refused, if that is why loading failed (else ``None``)."""
-    # torch's message is long and advises weights_only=False; keep only what it refused.
-    text = str(error)
-    if "Weights only load failed" not in text:
-        return None
-    marker = "WeightsUnpickler error:"
-    for line in text.splitlines():
-        if marker in line:
-            return line.split(marker, 1)[1].split(" Please use", 1)[0].strip()
-    return "weights_only=True"

@@ -27,8 +27,9 @@ from typing import Any, BinaryIO
 
 import torch
 
-from ..utils import flatten_nested_dict, to_float
-from .errors import CheckpointError
+from trainloop.checkpoint.errors import CheckpointError
+from trainloop.nested import flatten_nested_dict, to_float
+from trainloop.version import __version__
 
 __all__ = [
     "MANIFEST",
@@ -126,7 +127,6 @@ def make_metadata(step: int, epoch: int, format: str, metrics: Mapping[str, Any]
         metrics: The last logged records, flattened (``"a/b"`` keys); values that are not
             numbers are left out, non-finite ones are written as ``null`` (JSON has no NaN).
     """
-    from .. import __version__
 
     metadata: dict[str, Any] = {
         "step": step,

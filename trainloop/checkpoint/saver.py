@@ -22,12 +22,11 @@ from typing import Any, cast
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 
-from ..ranks import in_process_group, rank
-from .atomic import clean_leftovers, discard, make_temporary, publish
-from .errors import CheckpointError
-from .files import check_keys, point_latest, save_error, write_checkpoint
-from .manifest import METADATA, FileDigest, save_torch, write_json, write_manifest
-from .sharded import (
+from trainloop.checkpoint.atomic import clean_leftovers, discard, make_temporary, publish
+from trainloop.checkpoint.errors import CheckpointError
+from trainloop.checkpoint.files import check_keys, point_latest, save_error, write_checkpoint
+from trainloop.checkpoint.manifest import METADATA, FileDigest, save_torch, write_json, write_manifest
+from trainloop.checkpoint.sharded import (
     REST_FILE,
     SHARDED_DIR,
     CheckpointException,
@@ -38,7 +37,8 @@ from .sharded import (
     unshared_storage,
     visible,
 )
-from .staging import CpuStage, ReusingStager, stage_to_cpu
+from trainloop.checkpoint.staging import CpuStage, ReusingStager, stage_to_cpu
+from trainloop.distributed.ranks import in_process_group, rank
 
 __all__ = ["CheckpointSaver", "agree_on_error", "broadcast_from_rank_zero"]
 

@@ -37,10 +37,10 @@ from torch.distributed.checkpoint.metadata import (
     TensorStorageMetadata,
 )
 
-from ..ranks import in_process_group
-from .errors import CheckpointError
-from .files import SHARDED_DIR, load_file, refused_or_corrupt
-from .manifest import FileDigest, hash_file
+from trainloop.checkpoint.errors import CheckpointError
+from trainloop.checkpoint.loading import SHARDED_DIR, load_file, refused_or_corrupt
+from trainloop.checkpoint.manifest import FileDigest, hash_file
+from trainloop.distributed.ranks import in_process_group
 
 __all__ = [
     "REST_FILE",

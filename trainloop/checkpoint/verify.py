@@ -20,10 +20,10 @@ import re
 from collections.abc import Mapping
 from pathlib import Path
 
-from ..ranks import rank, world_size
-from .errors import CheckpointError
-from .manifest import FileDigest, check_hashes, check_listing
-from .saver import agree_on_error, broadcast_from_rank_zero
+from trainloop.checkpoint.errors import CheckpointError
+from trainloop.checkpoint.manifest import FileDigest, check_hashes, check_listing
+from trainloop.checkpoint.saver import agree_on_error, broadcast_from_rank_zero
+from trainloop.distributed.ranks import rank, world_size
 
 __all__ = ["choose_checkpoint", "hash_shares"]
 

@@ -6,27 +6,20 @@ its type looked up in the registry when settings are validated.
 Heavy optional packages (wandb, tensorboard, PIL, tqdm) are imported only when a hook uses them.
 """
 
-from .base import HOOK_EVENTS, BaseHook, hook_dispatch
-from .checkpointing import CheckpointingHook
-from .cuda_memory import CudaMaxMemoryHook
-from .early_stopping import EarlyStoppingHook
-from .ema import EmaHook
-from .image_files import ImageFileLoggerHook
-from .logging_hook import LoggingHook
-from .progress import ProgressHook
-from .registry import (
-    HOOK_TYPES,
-    HookSettings,
-    HookSpec,
-    build_declared_hooks,
-    hook_settings_model,
-    register_hook,
-    unregister_hook,
-)
-from .stats import StatsHook, TrainingStats
-from .tensorboard import TensorBoardHook
-from .validation import ValidationHook
-from .wandb import WandbHook
+from trainloop.hooks.base import BaseHook
+from trainloop.hooks.checkpointing import CheckpointingHook
+from trainloop.hooks.cuda_memory import CudaMaxMemoryHook
+from trainloop.hooks.dispatch import HOOK_EVENTS, hook_dispatch
+from trainloop.hooks.early_stopping import EarlyStoppingHook
+from trainloop.hooks.ema import EmaHook
+from trainloop.hooks.image_files import ImageFileLoggerHook
+from trainloop.hooks.logging_hook import LoggingHook
+from trainloop.hooks.progress import ProgressHook
+from trainloop.hooks.registry import HOOK_TYPES, HookSettings, HookSpec, build_declared_hooks, hook_settings_model, register_hook, unregister_hook
+from trainloop.hooks.stats import StatsHook, TrainingStats
+from trainloop.hooks.tensorboard import TensorBoardHook
+from trainloop.hooks.validation import ValidationHook
+from trainloop.hooks.wandb import WandbHook
 
 __all__ = [
     "HOOK_EVENTS",

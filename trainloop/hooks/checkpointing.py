@@ -18,10 +18,10 @@ from typing import TYPE_CHECKING, Annotated, Any, Literal
 
 from pydantic import AfterValidator, Field, StrictInt, StrictStr, validate_call
 
-from ..checkpoint.atomic import clean_leftovers, remove_directory
-from ..checkpoint.best import BestCheckpoints, Monitor, check_best
-from ..checkpoint.errors import CheckpointError, CheckpointSaveError
-from ..checkpoint.files import (
+from trainloop.checkpoint.atomic import clean_leftovers, remove_directory
+from trainloop.checkpoint.best import BestCheckpoints, Monitor, check_best
+from trainloop.checkpoint.errors import CheckpointError, CheckpointSaveError
+from trainloop.checkpoint.files import (
     LATEST,
     checkpoint_candidates,
     checkpoint_format,
@@ -30,19 +30,19 @@ from ..checkpoint.files import (
     read_checkpoint,
     write_checkpoint,
 )
-from ..checkpoint.manifest import make_metadata
-from ..every import Every
-from ..ranks import is_rank_zero
-from ..types import NonNegativeFloat, NonNegativeInt, PositiveInt, StrictBool
-from ..utils import flatten_nested_dict
-from .base import BaseHook
-from .early_stopping import MonitorNotFoundWarning
-from .exit_signals import DEFAULT_EXIT_SIGNALS, ExitSignals, as_signal
-from .registry import register_hook
+from trainloop.checkpoint.manifest import make_metadata
+from trainloop.distributed.ranks import is_rank_zero
+from trainloop.exit_signals import DEFAULT_EXIT_SIGNALS, ExitSignals, as_signal
+from trainloop.hooks.base import BaseHook
+from trainloop.hooks.early_stopping import MonitorNotFoundWarning
+from trainloop.hooks.every import Every
+from trainloop.hooks.registry import register_hook
+from trainloop.nested import flatten_nested_dict
+from trainloop.settings.types import NonNegativeFloat, NonNegativeInt, PositiveInt, StrictBool
 
 if TYPE_CHECKING:
-    from ..checkpoint.saver import CheckpointSaver
-    from ..trainer import BaseTrainer
+    from trainloop.checkpoint.saver import CheckpointSaver
+    from trainloop.trainer import BaseTrainer
 
 __all__ = [
     "LATEST",
@@ -70,7 +70,7 @@ ExitCode = Annotated[int, Field(ge=0, le=255, strict=True)]
 class CheckpointingHook(BaseHook):
     """Save checkpoints on a schedule and on exit signals; prune old ones; resume from one.
 
-    Saves happen in the ``checkpointing`` state by the ``every(n)`` rule (``trainloop.every``):
+    Saves happen in the ``checkpointing`` state by the ``every(n)`` rule (``trainloop.hooks.every``):
     at the end of every ``interval``-th step (or epoch, see ``unit``) and of the last step of a
     run that ends cleanly; also of every step kept by ``keep_interval`` or ``keep_steps``, and
     of the step during which an exit signal arrived. A checkpoint is a directory
@@ -198,7 +198,7 @@ class CheckpointingHook(BaseHook):
         self._settle(trainer, agree=False)  # a hook used again: its last run's save completes first
         # Imported here: torch.distributed.checkpoint costs ~0.8 s to import, paid only by runs
         # that checkpoint.
-        from ..checkpoint.saver import CheckpointSaver
+        from trainloop.checkpoint.saver import CheckpointSaver
 
         self._saver = CheckpointSaver(self.format, self.async_save, trainer.logger)
         self._root = root
@@ -214,7 +214,7 @@ class CheckpointingHook(BaseHook):
         if checkpoint_format(directory) == "full":
             trainer.load_state_dict(read_checkpoint(directory, verify=False))  # verified by _choose
             return
-        from ..checkpoint.sharded import load_sharded
+        from trainloop.checkpoint.sharded import load_sharded
 
         with _sharded_state_dict(trainer):
             trainer.load_state_dict(load_sharded(directory, trainer.state_dict()))
@@ -222,8 +222,8 @@ class CheckpointingHook(BaseHook):
     def _choose(self, trainer: BaseTrainer, root: Path) -> Path | None:
         """The checkpoint to load: rank 0 lists the candidates, every rank hashes its share of
         their files (see :mod:`trainloop.checkpoint.verify`); the same answer on every rank."""
-        from ..checkpoint.saver import broadcast_from_rank_zero
-        from ..checkpoint.verify import choose_checkpoint
+        from trainloop.checkpoint.saver import broadcast_from_rank_zero
+        from trainloop.checkpoint.verify import choose_checkpoint
 
         candidates: list[Path] | None = None
         error: BaseException | None = None
@@ -316,7 +316,7 @@ class CheckpointingHook(BaseHook):
         self._last_saved_step = step
         if self._best is not None and self._best.observed is not None and self._best.observed[0] == step:
             self._best.score(*self._best.observed)  # before the save: pruning reads it
-        from ..checkpoint.saver import CheckpointSaver
+        from trainloop.checkpoint.saver import CheckpointSaver
 
         saver = self._saver or CheckpointSaver(self.format, self.async_save, trainer.logger)
         self._saver = saver

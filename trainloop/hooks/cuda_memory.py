@@ -8,11 +8,11 @@ from typing import TYPE_CHECKING
 import torch
 from pydantic import validate_call
 
-from .base import BaseHook
-from .registry import register_hook
+from trainloop.hooks.base import BaseHook
+from trainloop.hooks.registry import register_hook
 
 if TYPE_CHECKING:
-    from ..trainer import BaseTrainer
+    from trainloop.trainer import BaseTrainer
 
 __all__ = ["CudaMaxMemoryHook"]
 

@@ -8,13 +8,13 @@ from typing import TYPE_CHECKING, Annotated, Any, Literal
 
 from pydantic import Field, validate_call
 
-from ..types import NonNegativeFloat, PositiveInt
-from ..utils import flatten_nested_dict, hint_for_missing_key, to_float
-from .base import BaseHook
-from .registry import register_hook
+from trainloop.hooks.base import BaseHook
+from trainloop.hooks.registry import register_hook
+from trainloop.nested import flatten_nested_dict, hint_for_missing_key, to_float
+from trainloop.settings.types import NonNegativeFloat, PositiveInt
 
 if TYPE_CHECKING:
-    from ..trainer import BaseTrainer
+    from trainloop.trainer import BaseTrainer
 
 __all__ = ["EarlyStoppingHook", "MonitorNotFoundWarning"]
 

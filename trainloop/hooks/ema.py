@@ -7,11 +7,11 @@ from typing import TYPE_CHECKING, Annotated, Any
 from pydantic import Field, validate_call
 from torch.optim.swa_utils import AveragedModel, get_ema_multi_avg_fn
 
-from .base import BaseHook
-from .registry import register_hook
+from trainloop.hooks.base import BaseHook
+from trainloop.hooks.registry import register_hook
 
 if TYPE_CHECKING:
-    from ..trainer import BaseTrainer
+    from trainloop.trainer import BaseTrainer
 
 __all__ = ["EmaHook"]
 

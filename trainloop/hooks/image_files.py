@@ -8,15 +8,15 @@ from typing import TYPE_CHECKING, Annotated, Any
 
 from pydantic import AfterValidator, validate_call
 
-from ..ranks import is_rank_zero
-from ..utils import flatten_nested_dict
-from .base import BaseHook
-from .registry import register_hook
+from trainloop.distributed.ranks import is_rank_zero
+from trainloop.hooks.base import BaseHook
+from trainloop.hooks.registry import register_hook
+from trainloop.nested import flatten_nested_dict
 
 if TYPE_CHECKING:
     from PIL.Image import Image
 
-    from ..trainer import BaseTrainer
+    from trainloop.trainer import BaseTrainer
 
 __all__ = ["ImageFileLoggerHook"]
 

@@ -4,11 +4,11 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from .registry import register_hook
-from .stats import StatsHook, TrainingStats
+from trainloop.hooks.registry import register_hook
+from trainloop.hooks.stats import StatsHook, TrainingStats
 
 if TYPE_CHECKING:
-    from ..trainer import BaseTrainer
+    from trainloop.trainer import BaseTrainer
 
 __all__ = ["LoggingHook"]
 

@@ -11,14 +11,14 @@ from typing import TYPE_CHECKING, Any
 
 from pydantic import validate_call
 
-from ..ranks import is_rank_zero
-from ..types import NonNegativeInt, PositiveInt, StrictBool
-from ..utils import flatten_nested_dict
-from .registry import register_hook
-from .stats import StatsHook, TrainingStats
+from trainloop.distributed.ranks import is_rank_zero
+from trainloop.hooks.registry import register_hook
+from trainloop.hooks.stats import StatsHook, TrainingStats
+from trainloop.nested import flatten_nested_dict
+from trainloop.settings.types import NonNegativeInt, PositiveInt, StrictBool
 
 if TYPE_CHECKING:
-    from ..trainer import BaseTrainer
+    from trainloop.trainer import BaseTrainer
 
 __all__ = ["ProgressHook"]
 
@@ -40,7 +40,7 @@ class ProgressHook(StatsHook):
     trainer clips; ``retries`` when steps were retried; ``lr/<group>`` per group when the
     optimizer has several; ``| key value ...`` with ``with_records``. The numbers are the
     ``StatsHook`` aggregate of the steps since the last report. Reports follow the
-    ``every(n)`` rule (``trainloop.every``).
+    ``every(n)`` rule (``trainloop.hooks.every``).
 
     When standard output is a terminal, ``bar`` is on, ``tqdm`` is installed and this is rank 0,
     a live progress bar replaces the lines (its postfix carries the same numbers, and the latest

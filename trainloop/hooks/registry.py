@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING, Any, Literal, TypeVar
 from pydantic import BaseModel, ConfigDict, Field, GetCoreSchemaHandler, GetJsonSchemaHandler, create_model
 from pydantic_core import PydanticCustomError, core_schema
 
-from .base import BaseHook
+from trainloop.hooks.base import BaseHook
 
 if TYPE_CHECKING:
     from pydantic.json_schema import JsonSchemaValue

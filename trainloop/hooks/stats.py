@@ -19,15 +19,15 @@ from typing import TYPE_CHECKING, Any
 import torch
 from pydantic import validate_call
 
-from ..every import Every
-from ..ranks import gather_from_ranks, world_size
-from ..types import PositiveInt, StrictBool
-from ..utils import Records, key_average
-from .base import BaseHook
-from .registry import register_hook
+from trainloop.distributed.ranks import gather_from_ranks, world_size
+from trainloop.hooks.base import BaseHook
+from trainloop.hooks.every import Every
+from trainloop.hooks.registry import register_hook
+from trainloop.nested import Records, key_average
+from trainloop.settings.types import PositiveInt, StrictBool
 
 if TYPE_CHECKING:
-    from ..trainer import BaseTrainer
+    from trainloop.trainer import BaseTrainer
 
 __all__ = ["StatsHook", "TrainingStats"]
 
@@ -98,7 +98,7 @@ class StatsHook(BaseHook):
     clips), step and data time, the retry count, ``step_info.max_memory`` when another hook
     records it (that hook must come before this one), ``forward``'s records, and each param
     group's learning rate before the scheduler steps. By the ``every(n)`` rule
-    (``trainloop.every``: every multiple of ``interval`` and the last step of a run that ends
+    (``trainloop.hooks.every``: every multiple of ``interval`` and the last step of a run that ends
     cleanly, also early on an exit request) it reduces them into a ``TrainingStats`` and calls
     ``emit``.
 

@@ -7,16 +7,16 @@ from typing import TYPE_CHECKING, Any
 
 from pydantic import validate_call
 
-from ..ranks import is_rank_zero
-from ..utils import flatten_nested_dict, to_float
-from .base import BaseHook
-from .registry import register_hook
+from trainloop.distributed.ranks import is_rank_zero
+from trainloop.hooks.base import BaseHook
+from trainloop.hooks.registry import register_hook
+from trainloop.nested import flatten_nested_dict, to_float
 
 if TYPE_CHECKING:
     from PIL.Image import Image
     from torch.utils.tensorboard import SummaryWriter
 
-    from ..trainer import BaseTrainer
+    from trainloop.trainer import BaseTrainer
 
 __all__ = ["TensorBoardHook"]
 

@@ -10,14 +10,15 @@ import torch
 from pydantic import Field, validate_call
 from pydantic.json_schema import SkipJsonSchema
 
-from ..every import Every
-from ..types import PositiveInt, StrictBool
-from ..utils import Records, flatten_nested_dict, module_modes_kept
-from .base import BaseHook
-from .registry import register_hook
+from trainloop.hooks.base import BaseHook
+from trainloop.hooks.every import Every
+from trainloop.hooks.registry import register_hook
+from trainloop.nested import Records, flatten_nested_dict
+from trainloop.settings.types import PositiveInt, StrictBool
+from trainloop.wrappers import module_modes_kept
 
 if TYPE_CHECKING:
-    from ..trainer import BaseTrainer
+    from trainloop.trainer import BaseTrainer
 
 __all__ = ["ValidationHook"]
 
@@ -31,7 +32,7 @@ _MISSING = object()
 class ValidationHook(BaseHook):
     """Run an evaluation every ``interval`` steps (or epochs) and log what it returns under ``prefix``.
 
-    Evaluations follow the ``every(n)`` rule (``trainloop.every``): after every ``interval``-th
+    Evaluations follow the ``every(n)`` rule (``trainloop.hooks.every``): after every ``interval``-th
     step (or epoch), and after the last step of a run that ends cleanly (``at_last_step``). The
     evaluation runs after the step's optimizer update, with the model in eval mode, under
     ``torch.no_grad()`` and the trainer's autocast (``settings.mixed_precision`` on

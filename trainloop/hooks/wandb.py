@@ -7,13 +7,13 @@ from typing import TYPE_CHECKING, Annotated, Any, Literal
 
 from pydantic import Field, validate_call
 
-from ..ranks import is_rank_zero
-from ..utils import flatten_nested_dict, to_float
-from .base import BaseHook
-from .registry import register_hook
+from trainloop.distributed.ranks import is_rank_zero
+from trainloop.hooks.base import BaseHook
+from trainloop.hooks.registry import register_hook
+from trainloop.nested import flatten_nested_dict, to_float
 
 if TYPE_CHECKING:
-    from ..trainer import BaseTrainer
+    from trainloop.trainer import BaseTrainer
 
 __all__ = ["RUN_ID_FILE", "WandbHook"]
 

@@ -28,16 +28,16 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from .hooks.base import check_hook_methods
-from .hooks.exit_signals import as_signal
-from .hooks.registry import HOOK_TYPES, HookSettings
-from .ranks import in_process_group, world_size
-from .settings_errors import field_path
-from .settings_input import Key
+from trainloop.distributed.ranks import in_process_group, world_size
+from trainloop.exit_signals import as_signal
+from trainloop.hooks.dispatch import check_hook_methods
+from trainloop.hooks.registry import HOOK_TYPES, HookSettings
+from trainloop.settings.errors import field_path
+from trainloop.settings.sources import Key
 
 if TYPE_CHECKING:
-    from .settings import TrainerSettings
-    from .trainer import BaseTrainer
+    from trainloop.settings.model import TrainerSettings
+    from trainloop.trainer import BaseTrainer
 
 __all__ = ["PreflightError", "check", "preflight"]
 
@@ -113,7 +113,7 @@ def _class_of(trainer: type[BaseTrainer] | BaseTrainer) -> type[BaseTrainer]:
 
 
 def _contract(settings: TrainerSettings, trainer: type[BaseTrainer] | BaseTrainer) -> list[tuple[tuple[Key, ...], str]]:
-    from .trainer import BaseTrainer
+    from trainloop.trainer import BaseTrainer
 
     cls = _class_of(trainer)
     problems: list[tuple[tuple[Key, ...], str]] = [

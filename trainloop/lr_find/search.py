@@ -37,16 +37,16 @@ from pydantic.dataclasses import dataclass as pydantic_dataclass
 from pydantic_core import PydanticCustomError
 from torch import nn
 
-from .data import EpochIterator
-from .loop import trainer_step_plan
-from .loss import Loss
-from .lr_find_result import LrFindResult, steepest_descent
-from .machine import State
-from .rng import get_rng_state, set_rng_state
-from .step import StepPlan, StepRunner
-from .trainer import BaseTrainer
-from .types import PositiveFloat, PositiveInt
-from .utils import is_distributed_model, module_modes_kept
+from trainloop.data import EpochIterator
+from trainloop.loop import trainer_step_plan
+from trainloop.loss import Loss
+from trainloop.lr_find.result import LrFindResult, steepest_descent
+from trainloop.machine.table import State
+from trainloop.rng import get_rng_state, set_rng_state
+from trainloop.settings.types import PositiveFloat, PositiveInt
+from trainloop.step import StepPlan, StepRunner
+from trainloop.trainer import BaseTrainer
+from trainloop.wrappers import is_distributed_model, module_modes_kept
 
 __all__ = ["LrFindComponents", "LrFindResult", "lr_find"]
 

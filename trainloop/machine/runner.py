@@ -1,113 +1,33 @@
-"""The training state machine: its states, its transition table, and the runner around it.
+"""The runner of the transition table: ``transitions`` for the edges somebody listens to, a fast
+path that runs the same actions and sets the same states for the others.
 
-The table ``TRANSITIONS`` is the single description of the loop. Rows that leave the same
-state are tried top to bottom; the first whose condition holds fires, and runs the row's
-action (if any) on the way. The ``transitions`` library runs an edge whenever a callback
-listens to it (a state's entry or exit, or the edge itself); edges nobody listens to take a fast
-path that runs the same action and sets the state, because a ``transitions`` trigger costs about
-20 µs and the hot edges fire on every microstep.
+A ``transitions`` trigger costs about 20 µs and the hot edges fire on every microstep, so an edge
+that no callback listens to (no entry or exit callback on its states, none on the edge) takes the
+fast path; a test compares traces both ways.
 """
 
 from __future__ import annotations
 
 import inspect
 import logging
-import math
 from collections.abc import Callable, Iterable, Mapping
-from dataclasses import dataclass
-from enum import Enum
 from typing import TYPE_CHECKING, Any
 
 from transitions import Machine
 from transitions import State as _LibraryState
 
-if TYPE_CHECKING:
-    from .trace import Trace
+from trainloop.machine.diagram import draw
+from trainloop.machine.table import FAIL, TRANSITIONS, State, Transition
 
-__all__ = ["Handle", "State", "StateMachine", "Transition", "TRANSITIONS", "draw"]
+if TYPE_CHECKING:
+    from trainloop.machine.trace import Trace
+
+__all__ = ["Handle", "StateMachine"]
 
 # ``transitions`` logs every callback at INFO; keep it quiet unless the user configured it.
 _transitions_logger = logging.getLogger("transitions")
 if _transitions_logger.level == logging.NOTSET:
     _transitions_logger.setLevel(logging.WARNING)
-
-
-class State(str, Enum):
-    """The states of a training run."""
-
-    IDLE = "idle"
-    """Constructed, ``train()`` not called yet."""
-    BUILDING = "building"
-    """Building data loader, model, optimizer, lr scheduler, grad scaler and hooks."""
-    RESTORING = "restoring"
-    """Loading a checkpoint (if a hook does), then ``on_before_train``."""
-    ACCUMULATING = "accumulating"
-    """One microstep: draw a batch, ``forward``, backward. Entered for every microstep of a
-    step, the first included (also without accumulation)."""
-    STEPPING = "stepping"
-    """The optimizer update of a step: unscale, ``Loss`` normalisation, clipping, the
-    non-finite check, optimizer and scheduler step, ``on_after_step``."""
-    RETRYING = "retrying"
-    """The update found non-finite gradients (fp16's skipped updates included): zero them,
-    reset the step's records, count the retry."""
-    CHECKPOINTING = "checkpointing"
-    """A save is due; hooks write it."""
-    EXITING = "exiting"
-    """``on_after_train``, data iterator closed. Final."""
-
-    def __str__(self) -> str:
-        return self.value
-
-    # str's own hash, in C: Enum's is a Python call (the loop looks states up in dicts every
-    # microstep), and it agrees with ``==``, which compares the string value.
-    __hash__ = str.__hash__
-
-
-@dataclass(frozen=True)
-class Transition:
-    """One row of the transition table.
-
-    Attributes:
-        trigger: The event's name, as it appears in traces and diagrams.
-        source: The state the edge leaves.
-        dest: The state the edge enters.
-        condition: Name of the policy that must hold for the edge to fire (a key of the
-            ``conditions`` mapping given to ``StateMachine``); ``None`` always holds.
-        action: Name of the bookkeeping the edge does when it fires (a key of the ``actions``
-            mapping given to ``StateMachine``). It runs once the machine is in ``dest``, before
-            ``dest``'s entry callbacks: they see what it did. ``None``: nothing.
-    """
-
-    trigger: str
-    source: State
-    dest: State
-    condition: str | None = None
-    action: str | None = None
-
-
-_S = State
-
-#: The loop, readable top to bottom. Per source state, rows are tried in this order. Every
-#: decision about what follows an optimizer update leaves from ``stepping``.
-TRANSITIONS: tuple[Transition, ...] = (
-    Transition("start", _S.IDLE, _S.BUILDING),
-    Transition("restore", _S.BUILDING, _S.RESTORING),
-    Transition("finish", _S.RESTORING, _S.EXITING, "should_exit"),
-    Transition("begin_step", _S.RESTORING, _S.ACCUMULATING, action="begin_step"),
-    Transition("accumulate", _S.ACCUMULATING, _S.ACCUMULATING, "microsteps_remain"),
-    Transition("update", _S.ACCUMULATING, _S.STEPPING),
-    Transition("retry", _S.STEPPING, _S.RETRYING, "grads_non_finite"),
-    Transition("checkpoint", _S.STEPPING, _S.CHECKPOINTING, "checkpoint_due"),
-    Transition("finish", _S.STEPPING, _S.EXITING, "should_exit"),
-    Transition("begin_step", _S.STEPPING, _S.ACCUMULATING, action="begin_step"),
-    Transition("redo_step", _S.RETRYING, _S.ACCUMULATING, action="redo_step"),
-    Transition("finish", _S.CHECKPOINTING, _S.EXITING, "should_exit"),
-    Transition("begin_step", _S.CHECKPOINTING, _S.ACCUMULATING, action="begin_step"),
-    # An error (or an interrupt) anywhere ends the run through ``exiting``.
-    *(Transition("fail", s, _S.EXITING) for s in _S if s not in (_S.IDLE, _S.EXITING)),
-)
-
-FAIL = "fail"
 
 
 class Handle:
@@ -319,64 +239,3 @@ class StateMachine:
     def diagram(self, format: str = "mermaid") -> str:
         """Draw the machine from its table: ``"mermaid"`` or ``"dot"`` (Graphviz) source text."""
         return draw(self.table, format)
-
-
-# Edges into these states are rare and telling: coloured in a drawing of a run that took them.
-_RARE_EDGE_COLORS = {State.RETRYING: "darkorange", State.CHECKPOINTING: "royalblue"}
-
-
-def _label(t: Transition) -> str:
-    """``trigger``, then ``[condition]`` and ``/ action()`` when the row has them."""
-    label = f"{t.trigger} [{t.condition}]" if t.condition else t.trigger
-    return f"{label} / {t.action}()" if t.action else label
-
-
-def draw(
-    table: Iterable[Transition] = TRANSITIONS,
-    format: str = "mermaid",
-    counts: Mapping[tuple[State, State, str], int] | None = None,
-) -> str:
-    """Render a transition table as Mermaid ``stateDiagram-v2`` or Graphviz DOT source.
-
-    Args:
-        table: The transitions to draw.
-        format: ``"mermaid"`` or ``"dot"``.
-        counts: How often each edge ``(source, dest, trigger)`` fired in a run (e.g.
-            ``summarize_trace(...).counts``). Each edge's label then ends with ``(n=<count>)``;
-            in DOT the line's width grows with the count, an edge that never fired is grey and
-            dashed, and fired edges into ``retrying``, ``checkpointing`` (and ``fail``) are coloured.
-
-    Raises:
-        ValueError: ``format`` is neither.
-    """
-    table = tuple(table)
-
-    def label(t: Transition) -> str:
-        return _label(t) if counts is None else f"{_label(t)} (n={counts.get((t.source, t.dest, t.trigger), 0)})"
-
-    if format == "mermaid":
-        lines = ["stateDiagram-v2", f"    [*] --> {State.IDLE.value}"]
-        lines += [f"    {t.source.value} --> {t.dest.value}: {label(t)}" for t in table]
-        lines.append(f"    {State.EXITING.value} --> [*]")
-        return "\n".join(lines) + "\n"
-    if format == "dot":
-        lines = ["digraph trainloop {", "    rankdir=LR;", "    node [shape=box, style=rounded];"]
-        lines.append(f'    "{State.EXITING.value}" [peripheries=2];')
-        for t in table:
-            attributes = [f'label="{label(t)}"']
-            if t.trigger == FAIL:
-                attributes.append("style=dashed")
-            if counts is not None:
-                fired = counts.get((t.source, t.dest, t.trigger), 0)
-                if fired:
-                    # Logarithmic: a per-microstep edge must not drown the rare ones (retries, saves).
-                    attributes.append(f"penwidth={min(1.0 + 1.5 * math.log10(fired), 8.0):.2f}")
-                    color = "red" if t.trigger == FAIL else _RARE_EDGE_COLORS.get(t.dest)
-                    if color is not None:
-                        attributes.append(f"color={color}, fontcolor={color}")
-                else:
-                    attributes.append("color=gray70, fontcolor=gray55" + ("" if t.trigger == FAIL else ", style=dashed"))
-            lines.append(f'    "{t.source.value}" -> "{t.dest.value}" [{", ".join(attributes)}];')
-        lines.append("}")
-        return "\n".join(lines) + "\n"
-    raise ValueError(f"unknown diagram format {format!r}; use 'mermaid' or 'dot'")

@@ -10,7 +10,8 @@ A script launched by ``torchrun`` joins the process group, wraps its model and t
             return wrap_model(Net().to(self.device), "fsdp", shard_modules=(Block,))
 
 Run alone (no ``torchrun`` environment), the same script trains in one process: the context
-is a no-op, and ``wrap_model(..., "auto")`` returns the model unchanged.
+is a no-op, and ``wrap_model(..., "auto")`` returns the model unchanged. This module is the
+process group's part: joining it, the device, leaving it (``trainloop.distributed.wrap`` wraps).
 """
 
 from __future__ import annotations
@@ -18,59 +19,20 @@ from __future__ import annotations
 import gc
 import logging
 import os
-from collections.abc import Callable
 from dataclasses import dataclass, field
 from datetime import timedelta
 from types import TracebackType
-from typing import Annotated, Any, Literal, Self
+from typing import Self
 
 import torch
 import torch.distributed as dist
-from pydantic import (
-    BaseModel,
-    ConfigDict,
-    Field,
-    StrictStr,
-    field_validator,
-    validate_call,
-)
-from torch import nn
-from torch.distributed.fsdp import (
-    MixedPrecisionPolicy,
-    OffloadPolicy,
-    fully_shard,
-)
+from pydantic import ConfigDict, StrictStr, validate_call
 
-from .ranks import is_rank_zero, rank, world_size
-from .sync import gradient_sync
-from .types import PositiveFloat, StrictBool
+from trainloop.distributed.ranks import is_rank_zero
 
-try:  # DeviceMesh is only importable where torch.distributed is built in
-    from torch.distributed.device_mesh import DeviceMesh
-except ImportError:  # pragma: no cover
-    DeviceMesh = Any  # type: ignore[misc,assignment]
-
-__all__ = [
-    "DDPOptions",
-    "DistributedContext",
-    "FSDPOptions",
-    "Strategy",
-    "destroy",
-    "get_device",
-    "gradient_sync",
-    "init_distributed",
-    "is_main",
-    "local_rank",
-    "rank",
-    "world_size",
-    "wrap_model",
-]
+__all__ = ["DistributedContext", "destroy", "get_device", "init_distributed", "is_main", "local_rank"]
 
 logger = logging.getLogger(__name__)
-
-Strategy = Literal["auto", "ddp", "fsdp", "none"]
-"""How ``wrap_model`` wraps: DDP, FSDP2 ``fully_shard``, nothing, or DDP when there are
-two or more ranks (``"auto"``)."""
 
 # torchrun's rendezvous variables that init_process_group("env://") reads.
 _REQUIRED_ENV = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
@@ -289,175 +251,3 @@ def destroy(barrier: bool = False) -> None:
         dist.barrier()
     dist.destroy_process_group()
     gc.collect()
-
-
-# -- wrapping ------------------------------------------------------------------------------------
-
-
-class DDPOptions(BaseModel):
-    """``wrap_model`` options for ``strategy="ddp"`` (and ``"auto"``): DDP's own arguments.
-
-    Only the options given are passed on, so DDP's defaults apply to the others.
-
-    Attributes:
-        broadcast_buffers: Broadcast rank 0's buffers at each forward (deprecated by torch 2.13
-            in favour of ``forward_sync_buffers``, which older versions lack).
-        bucket_cap_mb: Gradient bucket size in MiB (DDP's default if ``None``).
-        find_unused_parameters: Allow parameters that get no gradient in some forward.
-        gradient_as_bucket_view: Let gradients be views into the buckets (saves memory).
-        static_graph: The set of used parameters never changes (enables optimisations).
-    """
-
-    model_config = ConfigDict(extra="forbid", frozen=True, title="wrap_model DDP options")
-
-    broadcast_buffers: StrictBool | None = None
-    bucket_cap_mb: PositiveFloat | None = None
-    find_unused_parameters: StrictBool = False
-    gradient_as_bucket_view: StrictBool = False
-    static_graph: StrictBool = False
-
-
-ShardPredicate = Callable[[nn.Module], bool]
-
-
-class FSDPOptions(BaseModel):
-    """``wrap_model`` options for ``strategy="fsdp"`` (FSDP2 ``fully_shard``).
-
-    Attributes:
-        shard_modules: Which submodules get their own ``fully_shard`` group (one all-gather and
-            one reduce-scatter each), before the root gets the rest: module classes (e.g.
-            ``(nn.TransformerEncoderLayer,)``) or a predicate ``fn(module) -> bool``. ``None``:
-            the root alone (one group, no memory saving from layer-by-layer gathering).
-        reshard_after_forward: ``fully_shard``'s: ``True`` frees gathered parameters after
-            forward, ``False`` keeps them for backward, an int reshards to that smaller world
-            size; ``None`` (torch's default) is ``True`` for the submodules, ``False`` for the root.
-        mesh: The device mesh to shard over; every rank of the default group if ``None``.
-        mp_policy: Mixed-precision policy (parameter, reduction and output dtypes).
-        offload_policy: e.g. ``CPUOffloadPolicy()`` to keep sharded parameters on the CPU.
-    """
-
-    model_config = ConfigDict(
-        extra="forbid", frozen=True, arbitrary_types_allowed=True, title="wrap_model FSDP options"
-    )
-
-    shard_modules: tuple[type[nn.Module], ...] | ShardPredicate | None = None
-    reshard_after_forward: StrictBool | Annotated[int, Field(ge=2, strict=True)] | None = None
-    mesh: DeviceMesh | None = None
-    mp_policy: MixedPrecisionPolicy | None = None
-    offload_policy: OffloadPolicy | None = None
-
-    @field_validator("shard_modules", mode="before")
-    @classmethod
-    def _one_class_is_a_tuple(cls, value: Any) -> Any:
-        # A class is callable too: without this it would be taken for a predicate.
-        if isinstance(value, type):
-            return (value,)
-        if isinstance(value, list):
-            return tuple(value)
-        return value
-
-    @field_validator("shard_modules")
-    @classmethod
-    def _non_empty(cls, value: Any) -> Any:
-        if isinstance(value, tuple) and not value:
-            raise ValueError("give at least one module class, or None to shard the root alone")
-        return value
-
-    def matches(self, module: nn.Module) -> bool:
-        """Whether ``module`` gets its own ``fully_shard`` group."""
-        rule = self.shard_modules
-        if rule is None:
-            return False
-        if isinstance(rule, tuple):
-            return isinstance(module, rule)
-        return bool(rule(module))
-
-    def fully_shard_kwargs(self) -> dict[str, Any]:
-        """The keyword arguments for ``fully_shard``, leaving torch's defaults where unset."""
-        names = ("reshard_after_forward", "mesh", "mp_policy", "offload_policy")
-        return {name: getattr(self, name) for name in names if getattr(self, name) is not None}
-
-
-class _NoOptions(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True, title="wrap_model options for strategy='none'")
-
-
-class _WrapArguments(BaseModel):
-    # Validated by name, so an error names the parameter even when it was passed by position.
-    model_config = ConfigDict(arbitrary_types_allowed=True, strict=True, title="wrap_model")
-
-    model: nn.Module
-    strategy: Strategy
-
-
-_OPTIONS: dict[str, type[BaseModel]] = {
-    "ddp": DDPOptions,
-    "auto": DDPOptions,
-    "fsdp": FSDPOptions,
-    "none": _NoOptions,
-}
-
-
-def wrap_model(model: nn.Module, strategy: Strategy = "auto", **options: Any) -> nn.Module:
-    """Wrap ``model`` for data-parallel training; a one-liner for ``build_model``.
-
-    Move the model to its device first (``model.to(self.device)``).
-
-    - ``"ddp"``: ``DistributedDataParallel(model, **options)`` (see ``DDPOptions``).
-    - ``"fsdp"``: FSDP2. Every submodule that ``shard_modules`` matches is passed to
-      ``fully_shard`` (innermost first), then the root; the model is changed in place and
-      returned, its parameters now ``DTensor`` shards (see ``FSDPOptions``). For
-      checkpoints, give the trainer ``state_dict_options=StateDictOptions(full_state_dict=True,
-      cpu_offload=True)`` so rank 0 holds (and ``CheckpointingHook`` writes) full tensors.
-    - ``"none"``: the model itself.
-    - ``"auto"``: ``"ddp"`` with two or more ranks, else ``"none"`` (DDP options are
-      validated either way, so one script runs alone and under torchrun).
-
-    Args:
-        model: The module to wrap, on its device.
-        strategy: One of ``"auto"``, ``"ddp"``, ``"fsdp"``, ``"none"``.
-        **options: The chosen strategy's options (``DDPOptions`` or ``FSDPOptions``).
-
-    Returns:
-        The wrapped module.
-
-    Raises:
-        pydantic.ValidationError: An argument or option is invalid or does not belong to the
-            strategy; the error names it.
-        RuntimeError: ``"ddp"`` or ``"fsdp"`` without an initialised process group.
-        ValueError: ``shard_modules`` matched no submodule.
-    """
-    _WrapArguments(model=model, strategy=strategy)
-    settings = _OPTIONS[strategy].model_validate(options)
-    if strategy == "auto":
-        strategy = "ddp" if world_size() > 1 else "none"
-    if strategy == "none":
-        return model
-    if not (dist.is_available() and dist.is_initialized()):
-        raise RuntimeError(
-            f"wrap_model(strategy={strategy!r}) needs an initialised process group: call "
-            "init_distributed() first (under torchrun), or use strategy='auto' to run alone"
-        )
-    if strategy == "ddp":
-        assert isinstance(settings, DDPOptions)
-        # Only what the user set: DDP's own defaults then hold (and no deprecated argument is passed).
-        return nn.parallel.DistributedDataParallel(model, **settings.model_dump(exclude_unset=True))
-    assert isinstance(settings, FSDPOptions)
-    return _fully_shard(model, settings)
-
-
-def _fully_shard(model: nn.Module, options: FSDPOptions) -> nn.Module:
-    kwargs = options.fully_shard_kwargs()
-    # named_modules() lists a parent before its children; reversed, every matched module is
-    # sharded after the matched modules nested inside it, as fully_shard requires (bottom-up).
-    groups = [m for _, m in reversed(list(model.named_modules())) if m is not model and options.matches(m)]
-    if options.shard_modules is not None and not groups:
-        raise ValueError(
-            f"wrap_model shard_modules={options.shard_modules!r} matched no submodule of "
-            f"{type(model).__name__}; pass None to shard the root alone"
-        )
-    for module in groups:
-        fully_shard(module, **kwargs)
-    fully_shard(model, **kwargs)
-    logger.debug("fully_shard: %d submodule groups and the root", len(groups))
-    return model

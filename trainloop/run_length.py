@@ -1,7 +1,7 @@
 """How long a run is: ``max_steps``, ``max_epochs``, whichever comes first.
 
 ``RunLength`` answers the trainer's exit policy (``should_exit``) and the "last step" half of the
-``every(n)`` rule (``trainloop.every``), so both read one definition of where a run ends.
+``every(n)`` rule (``trainloop.hooks.every``), so both read one definition of where a run ends.
 """
 
 from __future__ import annotations
@@ -9,11 +9,11 @@ from __future__ import annotations
 import math
 from typing import TYPE_CHECKING, Any
 
-from .data import batches_per_epoch
+from trainloop.data import batches_per_epoch
 
 if TYPE_CHECKING:
-    from .data import EpochIterator
-    from .settings import TrainerSettings
+    from trainloop.data import EpochIterator
+    from trainloop.settings.model import TrainerSettings
 
 __all__ = ["RunLength"]
 

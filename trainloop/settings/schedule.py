@@ -20,7 +20,7 @@ import torch
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 from torch.optim.lr_scheduler import LambdaLR, LRScheduler
 
-from .types import NonNegativeInt
+from trainloop.settings.types import NonNegativeInt
 
 __all__ = ["LR_SCHEDULES", "LrScheduleSettings", "build_lr_scheduler", "describe_schedule_change", "lr_factor"]
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from .ranks import world_size
+from trainloop.distributed.ranks import world_size
 
 __all__ = ["ExitAgreement"]
 

@@ -23,12 +23,12 @@ from pydantic import (
     model_validator,
 )
 
-from .components import OptimizerSettings
-from .hooks.registry import HookSpec
-from .schedules import LrScheduleSettings
-from .settings_errors import describe_validation_error
-from .settings_input import ENV_PREFIX, SettingsFileError, SettingsInput, read_settings_input
-from .types import NonNegativeInt, PositiveFloat, PositiveInt, StrictBool
+from trainloop.hooks.registry import HookSpec
+from trainloop.settings.errors import describe_validation_error
+from trainloop.settings.optimizer import OptimizerSettings
+from trainloop.settings.schedule import LrScheduleSettings
+from trainloop.settings.sources import ENV_PREFIX, SettingsFileError, SettingsInput, read_settings_input
+from trainloop.settings.types import NonNegativeInt, PositiveFloat, PositiveInt, StrictBool
 
 __all__ = ["ENV_PREFIX", "TRAINER_PATTERN", "SettingsFileError", "TrainerSettings"]
 

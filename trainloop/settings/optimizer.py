@@ -13,7 +13,7 @@ group's own learning rate::
 
 ``build_optimizer`` and ``build_lr_scheduler`` turn them into torch objects. Both
 settings models are frozen and strict, produce a JSON Schema and round-trip through JSON. The
-schedule lives in ``trainloop.schedules``; its names are re-exported here.
+schedule lives in ``trainloop.settings.schedule``; its names are re-exported here.
 """
 
 from __future__ import annotations
@@ -37,8 +37,8 @@ from pydantic import (
 )
 from torch import nn
 
-from .schedules import LR_SCHEDULES, LrScheduleSettings, build_lr_scheduler, describe_schedule_change, lr_factor
-from .types import StrictBool
+from trainloop.settings.schedule import LR_SCHEDULES, LrScheduleSettings, build_lr_scheduler, describe_schedule_change, lr_factor
+from trainloop.settings.types import StrictBool
 
 __all__ = [
     "LR_SCHEDULES",

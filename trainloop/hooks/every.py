@@ -16,7 +16,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Literal
 
 if TYPE_CHECKING:
-    from .trainer import BaseTrainer
+    from trainloop.trainer import BaseTrainer
 
 __all__ = ["Every", "Unit"]
 

@@ -30,21 +30,17 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
-from .checkpoint import (
-    MANIFEST,
-    METADATA,
-    CheckpointError,
-    latest_checkpoint,
-)
-from .checkpoint.describe import describe_checkpoint, format_checkpoint, jsonable
-from .checkpoint.files import SHARDED_DIR
-from .graphviz import GraphvizError, find_dot, render_dot
-from .machine import TRANSITIONS, State, draw
-from .preflight import preflight
-from .settings import SettingsFileError, TrainerSettings
-from .settings_input import read_settings_input
-from .trace import TraceSummary, read_trace, summarize_trace
-from .trainer import BaseTrainer
+from trainloop.checkpoint import MANIFEST, METADATA, CheckpointError, latest_checkpoint
+from trainloop.checkpoint.describe import describe_checkpoint, format_checkpoint, jsonable
+from trainloop.checkpoint.loading import SHARDED_DIR
+from trainloop.machine.diagram import draw
+from trainloop.machine.table import TRANSITIONS, State
+from trainloop.machine.trace import TraceSummary, read_trace, summarize_trace
+from trainloop.report.graphviz import GraphvizError, find_dot, render_dot
+from trainloop.settings.model import SettingsFileError, TrainerSettings
+from trainloop.settings.preflight import preflight
+from trainloop.settings.sources import read_settings_input
+from trainloop.trainer import BaseTrainer
 
 __all__ = ["CliError", "describe_checkpoint", "load_trainer_class", "main"]
 
@@ -125,7 +121,7 @@ def _checked_settings(args: argparse.Namespace, trainer_required: bool) -> tuple
 
     The layers are defaults < the file < ``TRAINLOOP_*`` environment < ``--set``. The trainer
     is ``--trainer``, else the settings' ``trainer`` key; its ``settings_class`` validates them,
-    and ``trainloop.preflight`` checks them against it. Nothing is built or written.
+    and ``trainloop.settings.preflight`` checks them against it. Nothing is built or written.
 
     Raises:
         CliError: Any problem, one line each, naming the file, variable or override and field.
@@ -356,7 +352,7 @@ def _find_checkpoint(path: str) -> tuple[Path, Path | None]:
 
 def _intact_alternative(root: Path, broken: Path) -> str:
     """Which checkpoint under ``root`` a resume would use instead of the broken one, as a hint."""
-    quiet = logging.getLogger("trainloop.cli.quiet")  # the skipped ones are reported already
+    quiet = logging.getLogger("trainloop.cli.main.quiet")  # the skipped ones are reported already
     if not quiet.handlers:
         quiet.addHandler(logging.NullHandler())
         quiet.propagate = False
@@ -385,7 +381,7 @@ def _cmd_inspect(args: argparse.Namespace) -> int:
 
 def _cmd_report(args: argparse.Namespace) -> int:
     """``trainloop report``: write a run's self-contained HTML report page."""
-    from .report import ReportError, write_report  # matplotlib is imported only for a report
+    from trainloop.report.page import ReportError, write_report  # matplotlib is imported only for a report
 
     try:
         target = write_report(args.workspace, args.output)

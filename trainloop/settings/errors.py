@@ -17,8 +17,8 @@ from typing import Any
 from pydantic import BaseModel, ValidationError
 from pydantic_core import ErrorDetails
 
-from .hooks.registry import HOOK_TYPES, HookSpec, hook_settings_model
-from .settings_input import Key, SettingsInput
+from trainloop.hooks.registry import HOOK_TYPES, HookSpec, hook_settings_model
+from trainloop.settings.sources import Key, SettingsInput
 
 __all__ = ["describe_validation_error", "field_path"]
 

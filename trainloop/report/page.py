@@ -17,12 +17,13 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
-from .checkpoint.best import read_best
-from .checkpoint.files import LATEST, checkpoint_steps
-from .machine import TRANSITIONS, State, Transition, draw
-from .metrics import METRICS_FILE, read_metrics
-from .result import read_runs
-from .trace import TraceSummary, read_trace, summarize_trace
+from trainloop.checkpoint.best import read_best
+from trainloop.checkpoint.files import LATEST, checkpoint_steps
+from trainloop.machine.diagram import draw
+from trainloop.machine.table import TRANSITIONS, State, Transition
+from trainloop.machine.trace import TraceSummary, read_trace, summarize_trace
+from trainloop.metrics import METRICS_FILE, read_metrics
+from trainloop.result import read_runs
 
 __all__ = ["ReportError", "build_report", "machine_svg", "write_report"]
 
@@ -129,7 +130,7 @@ def _overview(metrics: list[dict[str, Any]], summary: TraceSummary | None, runs:
 def _charts(metrics: list[dict[str, Any]], best_step: int | None) -> str:
     if not metrics:
         return f'<p class="muted">No {METRICS_FILE} in this workspace (settings.metrics_file off, or nothing logged).</p>'
-    from .charts import group_metrics, group_title, metric_chart  # matplotlib: only for a report
+    from trainloop.report.charts import group_metrics, group_title, metric_chart  # matplotlib: only for a report
 
     out = ['<div class="grid">']
     for group, curves in group_metrics(metrics).items():
@@ -146,7 +147,7 @@ def machine_svg(counts: Mapping[tuple[State, State, str], int] | None = None) ->
     With ``counts`` (a trace's), edges are weighted by how often they fired and ``fail`` edges
     that never fired are folded away; without, every ``fail`` edge is folded away.
     """
-    from .graphviz import GraphvizError, render_dot
+    from trainloop.report.graphviz import GraphvizError, render_dot
 
     table = _drawn_table(counts)
     try:

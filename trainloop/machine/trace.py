@@ -10,11 +10,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO, TYPE_CHECKING, NamedTuple
 
-from .machine import State, Transition
-from .ranks import is_rank_zero
+from trainloop.distributed.ranks import is_rank_zero
+from trainloop.machine.table import State, Transition
 
 if TYPE_CHECKING:
-    from .settings import TrainerSettings
+    from trainloop.settings.model import TrainerSettings
 
 __all__ = ["Trace", "TraceEntry", "TraceSummary", "read_trace", "start_run_record", "summarize_trace"]
 

@@ -1,0 +1,54 @@
+"""Loading one checkpoint file safely: ``torch.load(weights_only=True)``, and the error that says
+whether a file was corrupt or refused (objects whose unpickling could run code). Both formats
+(``trainloop.checkpoint.files``, ``trainloop.checkpoint.sharded``) read through it."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from trainloop.checkpoint.errors import CheckpointError
+
+__all__ = ["SHARDED_DIR", "load_file", "refused_or_corrupt"]
+
+SHARDED_DIR = "sharded"
+"""The ``torch.distributed.checkpoint`` directory inside a sharded checkpoint."""
+
+
+def load_file(path: Path) -> Any:
+    """``torch.load(path, weights_only=True)`` onto the CPU.
+
+    Raises:
+        CheckpointError: The file is corrupt, or holds objects that unpickling could run code
+            with (the message names the file and what was refused).
+    """
+    try:
+        return torch.load(path, map_location="cpu", weights_only=True)
+    except Exception as error:
+        raise refused_or_corrupt(str(path), error) from error
+
+
+def refused_or_corrupt(what: str, error: BaseException) -> CheckpointError:
+    """The error for ``what`` (a file, an entry) that ``torch.load(weights_only=True)`` failed on."""
+    refused = _refusal(error)
+    if refused is not None:
+        return CheckpointError(
+            f"{what}: refused to load: it holds objects other than tensors and plain "
+            f"containers, and unpickling them could run code ({refused})"
+        )
+    return CheckpointError(f"{what}: cannot load: {error}")
+
+
+def _refusal(error: BaseException) -> str | None:
+    """What ``weights_only`` refused, if that is why loading failed (else ``None``)."""
+    # torch's message is long and advises weights_only=False; keep only what it refused.
+    text = str(error)
+    if "Weights only load failed" not in text:
+        return None
+    marker = "WeightsUnpickler error:"
+    for line in text.splitlines():
+        if marker in line:
+            return line.split(marker, 1)[1].split(" Please use", 1)[0].strip()
+    return "weights_only=True"

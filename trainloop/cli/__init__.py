@@ -1,0 +1,5 @@
+"""The ``trainloop`` command line (``trainloop --help``)."""
+
+from trainloop.cli.main import main
+
+__all__ = ["main"]

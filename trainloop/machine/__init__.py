@@ -1,0 +1,22 @@
+"""The machine: its table as data (``table``), the runner (``runner``), its drawing
+(``diagram``) and the record of a run (``trace``)."""
+
+from trainloop.machine.diagram import draw
+from trainloop.machine.runner import Handle, StateMachine
+from trainloop.machine.table import FAIL, TRANSITIONS, State, Transition
+from trainloop.machine.trace import Trace, TraceEntry, TraceSummary, read_trace, summarize_trace
+
+__all__ = [
+    "FAIL",
+    "TRANSITIONS",
+    "Handle",
+    "State",
+    "StateMachine",
+    "Trace",
+    "TraceEntry",
+    "TraceSummary",
+    "Transition",
+    "draw",
+    "read_trace",
+    "summarize_trace",
+]

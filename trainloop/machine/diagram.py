@@ -1,0 +1,71 @@
+"""The machine drawn from its table: Mermaid ``stateDiagram-v2`` or Graphviz DOT source text."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable, Mapping
+
+from trainloop.machine.table import FAIL, TRANSITIONS, State, Transition
+
+__all__ = ["draw"]
+
+
+# Edges into these states are rare and telling: coloured in a drawing of a run that took them.
+_RARE_EDGE_COLORS = {State.RETRYING: "darkorange", State.CHECKPOINTING: "royalblue"}
+
+
+def _label(t: Transition) -> str:
+    """``trigger``, then ``[condition]`` and ``/ action()`` when the row has them."""
+    label = f"{t.trigger} [{t.condition}]" if t.condition else t.trigger
+    return f"{label} / {t.action}()" if t.action else label
+
+
+def draw(
+    table: Iterable[Transition] = TRANSITIONS,
+    format: str = "mermaid",
+    counts: Mapping[tuple[State, State, str], int] | None = None,
+) -> str:
+    """Render a transition table as Mermaid ``stateDiagram-v2`` or Graphviz DOT source.
+
+    Args:
+        table: The transitions to draw.
+        format: ``"mermaid"`` or ``"dot"``.
+        counts: How often each edge ``(source, dest, trigger)`` fired in a run (e.g.
+            ``summarize_trace(...).counts``). Each edge's label then ends with ``(n=<count>)``;
+            in DOT the line's width grows with the count, an edge that never fired is grey and
+            dashed, and fired edges into ``retrying``, ``checkpointing`` (and ``fail``) are coloured.
+
+    Raises:
+        ValueError: ``format`` is neither.
+    """
+    table = tuple(table)
+
+    def label(t: Transition) -> str:
+        return _label(t) if counts is None else f"{_label(t)} (n={counts.get((t.source, t.dest, t.trigger), 0)})"
+
+    if format == "mermaid":
+        lines = ["stateDiagram-v2", f"    [*] --> {State.IDLE.value}"]
+        lines += [f"    {t.source.value} --> {t.dest.value}: {label(t)}" for t in table]
+        lines.append(f"    {State.EXITING.value} --> [*]")
+        return "\n".join(lines) + "\n"
+    if format == "dot":
+        lines = ["digraph trainloop {", "    rankdir=LR;", "    node [shape=box, style=rounded];"]
+        lines.append(f'    "{State.EXITING.value}" [peripheries=2];')
+        for t in table:
+            attributes = [f'label="{label(t)}"']
+            if t.trigger == FAIL:
+                attributes.append("style=dashed")
+            if counts is not None:
+                fired = counts.get((t.source, t.dest, t.trigger), 0)
+                if fired:
+                    # Logarithmic: a per-microstep edge must not drown the rare ones (retries, saves).
+                    attributes.append(f"penwidth={min(1.0 + 1.5 * math.log10(fired), 8.0):.2f}")
+                    color = "red" if t.trigger == FAIL else _RARE_EDGE_COLORS.get(t.dest)
+                    if color is not None:
+                        attributes.append(f"color={color}, fontcolor={color}")
+                else:
+                    attributes.append("color=gray70, fontcolor=gray55" + ("" if t.trigger == FAIL else ", style=dashed"))
+            lines.append(f'    "{t.source.value}" -> "{t.dest.value}" [{", ".join(attributes)}];')
+        lines.append("}")
+        return "\n".join(lines) + "\n"
+    raise ValueError(f"unknown diagram format {format!r}; use 'mermaid' or 'dot'")

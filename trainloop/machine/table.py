@@ -1,0 +1,92 @@
+"""The training state machine as data: its states and its transition table.
+
+The table ``TRANSITIONS`` is the single description of the loop. Rows that leave the same
+state are tried top to bottom; the first whose condition holds fires, and runs the row's
+action (if any) on the way (``trainloop.machine.runner`` runs it; ``trainloop.machine.diagram``
+draws it).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from enum import Enum
+
+__all__ = ["FAIL", "State", "TRANSITIONS", "Transition"]
+
+
+class State(str, Enum):
+    """The states of a training run."""
+
+    IDLE = "idle"
+    """Constructed, ``train()`` not called yet."""
+    BUILDING = "building"
+    """Building data loader, model, optimizer, lr scheduler, grad scaler and hooks."""
+    RESTORING = "restoring"
+    """Loading a checkpoint (if a hook does), then ``on_before_train``."""
+    ACCUMULATING = "accumulating"
+    """One microstep: draw a batch, ``forward``, backward. Entered for every microstep of a
+    step, the first included (also without accumulation)."""
+    STEPPING = "stepping"
+    """The optimizer update of a step: unscale, ``Loss`` normalisation, clipping, the
+    non-finite check, optimizer and scheduler step, ``on_after_step``."""
+    RETRYING = "retrying"
+    """The update found non-finite gradients (fp16's skipped updates included): zero them,
+    reset the step's records, count the retry."""
+    CHECKPOINTING = "checkpointing"
+    """A save is due; hooks write it."""
+    EXITING = "exiting"
+    """``on_after_train``, data iterator closed. Final."""
+
+    def __str__(self) -> str:
+        return self.value
+
+    # str's own hash, in C: Enum's is a Python call (the loop looks states up in dicts every
+    # microstep), and it agrees with ``==``, which compares the string value.
+    __hash__ = str.__hash__
+
+
+@dataclass(frozen=True)
+class Transition:
+    """One row of the transition table.
+
+    Attributes:
+        trigger: The event's name, as it appears in traces and diagrams.
+        source: The state the edge leaves.
+        dest: The state the edge enters.
+        condition: Name of the policy that must hold for the edge to fire (a key of the
+            ``conditions`` mapping given to ``StateMachine``); ``None`` always holds.
+        action: Name of the bookkeeping the edge does when it fires (a key of the ``actions``
+            mapping given to ``StateMachine``). It runs once the machine is in ``dest``, before
+            ``dest``'s entry callbacks: they see what it did. ``None``: nothing.
+    """
+
+    trigger: str
+    source: State
+    dest: State
+    condition: str | None = None
+    action: str | None = None
+
+
+_S = State
+
+#: The loop, readable top to bottom. Per source state, rows are tried in this order. Every
+#: decision about what follows an optimizer update leaves from ``stepping``.
+TRANSITIONS: tuple[Transition, ...] = (
+    Transition("start", _S.IDLE, _S.BUILDING),
+    Transition("restore", _S.BUILDING, _S.RESTORING),
+    Transition("finish", _S.RESTORING, _S.EXITING, "should_exit"),
+    Transition("begin_step", _S.RESTORING, _S.ACCUMULATING, action="begin_step"),
+    Transition("accumulate", _S.ACCUMULATING, _S.ACCUMULATING, "microsteps_remain"),
+    Transition("update", _S.ACCUMULATING, _S.STEPPING),
+    Transition("retry", _S.STEPPING, _S.RETRYING, "grads_non_finite"),
+    Transition("checkpoint", _S.STEPPING, _S.CHECKPOINTING, "checkpoint_due"),
+    Transition("finish", _S.STEPPING, _S.EXITING, "should_exit"),
+    Transition("begin_step", _S.STEPPING, _S.ACCUMULATING, action="begin_step"),
+    Transition("redo_step", _S.RETRYING, _S.ACCUMULATING, action="redo_step"),
+    Transition("finish", _S.CHECKPOINTING, _S.EXITING, "should_exit"),
+    Transition("begin_step", _S.CHECKPOINTING, _S.ACCUMULATING, action="begin_step"),
+    # An error (or an interrupt) anywhere ends the run through ``exiting``.
+    *(Transition("fail", s, _S.EXITING) for s in _S if s not in (_S.IDLE, _S.EXITING)),
+)
+
+FAIL = "fail"
