@@ -11,7 +11,7 @@ from collections.abc import Callable
 from types import TracebackType
 from typing import Self
 
-# Must stay the same list as tests/test_step.py's SyncCounter.METHODS (tests/test_benchmarks_peers.py checks).
+# Must stay the same list as tests/test_step.py's SyncCounter.METHODS (tests/processes/test_benchmarks_peers.py checks).
 SYNC_METHODS = ("item", "tolist", "numpy", "__bool__", "__float__", "__int__", "__index__")
 
 

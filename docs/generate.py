@@ -9,7 +9,7 @@ runs the check).
 table, rerun it): ``docs/img/machine.svg`` from ``trainloop.machine.table.TRANSITIONS`` (needs
 Graphviz's ``dot``), and ``docs/img/report.png``, a screenshot of the digits demo's
 ``trainloop report`` page, with ``docs/img/report.outline.json``, the page's outline that
-``tests/test_docs.py`` compares with a fresh report of the demo (needs Chromium and
+``tests/docs/test_docs.py`` compares with a fresh report of the demo (needs Chromium and
 scikit-learn; the demo runs for ~15 s in a temporary directory).
 """
 

@@ -1,4 +1,4 @@
-"""Trainers that tests/test_cli.py names on the command line (``cli_trainers:CliTrainer``).
+"""Trainers that tests/cli/test_cli.py names on the command line (``cli_trainers:CliTrainer``).
 
 Needs ``tests/support/`` on ``PYTHONPATH``. Everything a run does comes from its settings file, as it
 would for a user's trainer run by ``trainloop run``.

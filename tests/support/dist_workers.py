@@ -1,4 +1,4 @@
-"""Worker processes for tests/test_distributed.py (spawned, so importable by module name).
+"""Worker processes for tests/distributed/test_distributed.py (spawned, so importable by module name).
 
 Each worker plays one torchrun process: it sets the environment torchrun would set and joins
 the group through ``trainloop.distributed.process_group.init_distributed``. Results go to ``<out>/rank<r>.pt``.

@@ -1,4 +1,4 @@
-"""Training runs that tests/test_exact_resume_processes.py starts in new processes, to stop
+"""Training runs that tests/processes/test_exact_resume_processes.py starts in new processes, to stop
 them with a real SIGTERM or SIGKILL and to resume them.
 
 Needs ``tests/`` and the repository root on ``PYTHONPATH``. Run as::

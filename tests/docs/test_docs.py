@@ -12,7 +12,7 @@ from tiny_trainer import CaptureHook, TinyTrainer
 
 from trainloop.hooks.dispatch import HOOK_EVENTS
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def test_generated_docs_are_current():

@@ -15,7 +15,7 @@ from pydantic import ValidationError
 from trainloop.hooks.ema import EmaHook
 from trainloop.trainer import ChangedSettingsWarning
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 CONFIG_BUILDER = ROOT / "examples" / "config_builder"
 CHAR_LM = ROOT / "examples" / "char_lm"
 

@@ -22,7 +22,7 @@ from trainloop.cli import main
 from trainloop.machine import State, draw
 from trainloop.machine.trace import TraceEntry, summarize_trace
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 TESTS = REPO / "tests" / "support"  # where cli_trainers is
 SCHEMA_FILE = REPO / "schemas" / "trainer_settings.schema.json"
 TRAINER = "cli_trainers:CliTrainer"

@@ -17,7 +17,7 @@ from tiny_trainer import SignalAtStep, TinyTrainer
 from trainloop import CheckpointingHook, LoggingHook, ValidationHook
 from trainloop.report import build_report
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
 
 

@@ -20,7 +20,7 @@ from torch.utils.data import DataLoader
 from trainloop.loss import Loss
 from trainloop.lr_find import LrFindComponents, LrFindResult, lr_find
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 
 
 def full_data_mse(model: nn.Module) -> float:

@@ -33,7 +33,7 @@ from trainloop.hooks.checkpointing import (
 pytest.importorskip("torchdata.stateful_dataloader")
 pytestmark = pytest.mark.filterwarnings("ignore:'set_vital' is deprecated:UserWarning")
 
-TESTS = Path(__file__).resolve().parent
+TESTS = Path(__file__).resolve().parents[1]
 CHILD = TESTS / "support" / "resume_child.py"
 TIMEOUT = 240  # seconds; generous: children share two cores with other work
 

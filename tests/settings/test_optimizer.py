@@ -1,4 +1,4 @@
-"""The optimizer declared in settings: discovery, validation, param groups (schedules: test_schedules.py)."""
+"""The optimizer declared in settings: discovery, validation, param groups (schedules: test_schedule.py)."""
 
 from __future__ import annotations
 

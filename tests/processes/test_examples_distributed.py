@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 TORCHRUN_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT", "TORCHELASTIC_RUN_ID")
 STEPS = 100  # the examples default to 150; 100 reach 90% and keep the test short
 ACCURACY = re.compile(rf"^final accuracy (\d\.\d{{4}}) after {STEPS} steps on 2 ranks$", re.MULTILINE)

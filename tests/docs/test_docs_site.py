@@ -20,7 +20,7 @@ import yaml
 import trainloop
 from trainloop.cli.main import _build_parser
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]
 DOCS = REPO / "docs"
 CONFIG = REPO / "mkdocs.yml"
 

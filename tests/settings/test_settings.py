@@ -192,7 +192,7 @@ def test_a_warmup_as_long_as_the_run_is_rejected():
 
 
 def test_schema_file_is_current():
-    schema_file = Path(__file__).resolve().parents[1] / "schemas" / "trainer_settings.schema.json"
+    schema_file = Path(__file__).resolve().parents[2] / "schemas" / "trainer_settings.schema.json"
     assert json.loads(schema_file.read_text()) == TrainerSettings.json_schema(), (
         "schemas/trainer_settings.schema.json is stale: run `trainloop schema --output schemas/trainer_settings.schema.json`"
     )
