@@ -16,7 +16,7 @@ import torch
 from tiny_trainer import TinyTrainer, make_data
 from torch.utils.data import DataLoader
 
-from trainloop import BaseHook, DataExhaustedError, Loss, State, key_average
+from trainloop import BaseHook, DataExhaustedError, Loss, State
 from trainloop.hooks.checkpointing import (
     CheckpointingHook,
     checkpoint_steps,
@@ -25,6 +25,7 @@ from trainloop.hooks.checkpointing import (
 )
 from trainloop.hooks.logging_hook import LoggingHook
 from trainloop.hooks.stats import StatsHook
+from trainloop.utils import key_average
 
 pytestmark = pytest.mark.filterwarnings("ignore:'set_vital' is deprecated:UserWarning")
 

@@ -4,7 +4,8 @@ from collections import namedtuple
 import pytest
 import torch
 
-from trainloop import flatten_nested_dict, key_average, map_nested_tensor
+from trainloop import map_nested_tensor
+from trainloop.utils import flatten_nested_dict, key_average
 
 
 def test_map_nested_tensor_maps_tensors_in_any_nesting_and_keeps_the_rest():

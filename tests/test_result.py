@@ -9,7 +9,8 @@ from pathlib import Path
 
 import pytest
 import torch
-from tiny_trainer import SignalAtStep, TinyTrainer
+from helper_hooks import SignalAtStep
+from tiny_trainer import TinyTrainer
 
 from trainloop import CheckpointingHook, LoggingHook, ValidationHook
 from trainloop.result import RunResult

@@ -6,7 +6,8 @@ import itertools
 import pytest
 import torch
 from cli_process import call
-from tiny_trainer import CaptureHook, FlakyTrainer, TinyTrainer, make_data
+from helper_hooks import CaptureHook
+from tiny_trainer import FlakyTrainer, TinyTrainer, make_data
 
 from trainloop import BaseHook, State
 from trainloop.checkpoint import latest_checkpoint

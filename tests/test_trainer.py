@@ -4,7 +4,8 @@ import warnings
 
 import pytest
 import torch
-from tiny_trainer import CaptureHook, CounterHook, FlakyTrainer, TinyTrainer, make_data
+from helper_hooks import CaptureHook, CounterHook
+from tiny_trainer import FlakyTrainer, TinyTrainer, make_data
 from torch import nn
 from torch.utils.data import DataLoader
 

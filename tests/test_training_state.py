@@ -2,7 +2,8 @@
 
 import pytest
 import torch
-from tiny_trainer import ExitAt, TinyTrainer, make_data
+from helper_hooks import ExitAt
+from tiny_trainer import TinyTrainer, make_data
 from torch import nn
 
 from trainloop import BaseTrainer, State

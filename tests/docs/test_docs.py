@@ -8,7 +8,8 @@ import sys
 from pathlib import Path
 
 import pytest
-from tiny_trainer import CaptureHook, TinyTrainer
+from helper_hooks import CaptureHook
+from tiny_trainer import TinyTrainer
 
 from trainloop.hooks.dispatch import HOOK_EVENTS
 

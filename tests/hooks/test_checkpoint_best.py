@@ -10,7 +10,8 @@ from pathlib import Path
 
 import pydantic
 import pytest
-from tiny_trainer import ExitAt, TinyTrainer
+from helper_hooks import ExitAt
+from tiny_trainer import TinyTrainer
 
 from trainloop import CheckpointingHook, TrainerSettings, ValidationHook
 from trainloop.checkpoint.files import checkpoint_steps

@@ -24,7 +24,8 @@ from pathlib import Path
 import pytest
 import torch
 from checkpoint_child import BallastHook, Child
-from tiny_trainer import CaptureHook, TinyTrainer
+from helper_hooks import CaptureHook
+from tiny_trainer import TinyTrainer
 
 import trainloop
 from trainloop import BaseHook

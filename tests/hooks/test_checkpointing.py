@@ -17,8 +17,9 @@ from pathlib import Path
 import pytest
 import torch
 from checkpoint_child import Child
+from helper_hooks import CaptureHook, CounterHook, SaveRecorder, SignalAtStep
 from pydantic import ValidationError
-from tiny_trainer import CaptureHook, CounterHook, SignalAtStep, TinyTrainer
+from tiny_trainer import TinyTrainer
 
 from trainloop import BaseHook
 from trainloop.checkpoint.manifest import write_manifest
@@ -32,17 +33,6 @@ from trainloop.hooks.checkpointing import (
 from trainloop.hooks.registry import HOOK_TYPES, hook_settings_model
 
 # -- helpers ---------------------------------------------------------------------------------
-
-
-class SaveRecorder(BaseHook):
-    """Records the step of every save."""
-
-    def __init__(self) -> None:
-        self.saved: list[int] = []
-
-    def on_enter_checkpointing(self, trainer):
-        self.saved.append(trainer.step)
-
 
 
 class MomentumTrainer(TinyTrainer):

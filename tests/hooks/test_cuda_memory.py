@@ -6,8 +6,9 @@ import warnings
 
 import pytest
 import torch
+from helper_hooks import CaptureHook
 from pydantic import ValidationError
-from tiny_trainer import CaptureHook, TinyTrainer
+from tiny_trainer import TinyTrainer
 
 from trainloop.hooks.cuda_memory import CudaMaxMemoryHook
 from trainloop.hooks.registry import HOOK_TYPES, hook_settings_model

@@ -9,7 +9,8 @@ import warnings
 import pydantic
 import pytest
 import torch
-from tiny_trainer import CaptureHook, TinyTrainer
+from helper_hooks import CaptureHook
+from tiny_trainer import TinyTrainer
 
 from trainloop import BaseHook, State
 from trainloop.hooks.early_stopping import EarlyStoppingHook, MonitorNotFoundWarning

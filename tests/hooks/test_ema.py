@@ -6,6 +6,7 @@ import logging
 
 import pytest
 import torch
+from helper_hooks import LoadHook
 from pydantic import ValidationError
 from tiny_trainer import TinyTrainer
 from torch import nn
@@ -38,16 +39,6 @@ class SnapshotHook(BaseHook):
                 if v.is_floating_point()
             }
         )
-
-
-class LoadHook(BaseHook):
-    """Loads a saved trainer state dict when the run restores, as a checkpoint hook would."""
-
-    def __init__(self, state_dict):
-        self.state_dict = state_dict
-
-    def on_enter_restoring(self, trainer):
-        trainer.load_state_dict(self.state_dict)
 
 
 def hand_ema(snapshots, decay, start=None):

@@ -4,7 +4,8 @@ run that ends cleanly (max_steps, max_epochs or an exit request), never after an
 from __future__ import annotations
 
 import pytest
-from tiny_trainer import CaptureHook, ExitAt, TinyTrainer
+from helper_hooks import CaptureHook, ExitAt
+from tiny_trainer import TinyTrainer
 
 from trainloop import CheckpointingHook, LoggingHook, ValidationHook
 from trainloop.checkpoint.files import checkpoint_steps

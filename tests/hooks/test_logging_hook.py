@@ -4,29 +4,13 @@ from __future__ import annotations
 
 import pytest
 import torch
+from helper_hooks import CaptureHook, ExitAt, LogCapture, MemoryHook
 from pydantic import ValidationError
-from tiny_trainer import CaptureHook, ExitAt, TinyTrainer
+from tiny_trainer import TinyTrainer
 
-from trainloop import BaseHook
 from trainloop.hooks.logging_hook import LoggingHook
 from trainloop.hooks.registry import HOOK_TYPES, hook_settings_model
 from trainloop.hooks.stats import StatsHook
-
-
-class LogCapture(BaseHook):
-    """Keeps what reaches ``on_log``, with the step and whether it was a dry run."""
-
-    def __init__(self):
-        self.logged: list[tuple[int, dict]] = []
-
-    def on_log(self, trainer, records):
-        self.logged.append((trainer.step, records))
-
-
-
-class MemoryHook(BaseHook):
-    def on_after_step(self, trainer):
-        trainer.step_info.max_memory = float(trainer.step * 1000)
 
 
 def test_logs_at_multiples_of_interval_and_at_the_last_step():
@@ -39,7 +23,7 @@ def test_records_are_the_stats_aggregate():
     capture, logs, stats = CaptureHook(), LogCapture(), StatsHook(interval=2)
     trainer = TinyTrainer(
         max_steps=4, grad_clip=0.5, gradient_accumulation_steps=2,
-        hooks=[MemoryHook(), stats, LoggingHook(interval=2), logs, capture],
+        hooks=[MemoryHook(lambda step: float(step * 1000)), stats, LoggingHook(interval=2), logs, capture],
     )
     trainer.train()
 

@@ -12,6 +12,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from helper_hooks import MemoryHook
 from pydantic import ValidationError
 from tiny_trainer import TinyTrainer
 
@@ -22,11 +23,6 @@ from trainloop.hooks.registry import HOOK_TYPES, hook_settings_model
 TESTS = Path(__file__).resolve().parents[1]
 ROOT = TESTS.parent
 NUMBER = r"\d+\.\d{4}"
-
-
-class MemoryHook(BaseHook):
-    def on_after_step(self, trainer):
-        trainer.step_info.max_memory = 1.5  # GiB, as CudaMaxMemoryHook records it
 
 
 class NanOnceTrainer(TinyTrainer):

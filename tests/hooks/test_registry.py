@@ -5,8 +5,9 @@ from pathlib import Path
 
 import pytest
 from cli_process import Cli
+from helper_hooks import CaptureHook
 from pydantic import ValidationError
-from tiny_trainer import CaptureHook, TinyTrainer, make_data
+from tiny_trainer import TinyTrainer, make_data
 from torch.utils.data import DataLoader
 
 from trainloop import BaseHook, CheckpointingHook, ProgressHook, TrainerSettings

@@ -12,8 +12,9 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+from helper_hooks import CaptureHook, ExitAt, LogCapture, MemoryHook
 from pydantic import ValidationError
-from tiny_trainer import CaptureHook, ExitAt, TinyTrainer, make_data
+from tiny_trainer import TinyTrainer, make_data
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.data import DataLoader
 
@@ -35,28 +36,6 @@ class Recorder(StatsHook):
 
     def emit(self, trainer, stats):
         self.emitted.append((trainer.step, stats))
-
-
-class LogCapture(BaseHook):
-    """Keeps what reaches ``on_log``, with the step."""
-
-    def __init__(self):
-        self.logged: list[tuple[int, dict]] = []
-
-    def on_log(self, trainer, records):
-        self.logged.append((trainer.step, records))
-
-
-class MemoryHook(BaseHook):
-    """Records a made-up peak memory per step, as a CUDA memory hook would."""
-
-    def __init__(self, by_step: dict[int, float]):
-        self.by_step = by_step
-
-    def on_after_step(self, trainer):
-        if trainer.step in self.by_step:
-            trainer.step_info.max_memory = self.by_step[trainer.step]
-
 
 
 class RecordsTrainer(TinyTrainer):
@@ -208,7 +187,7 @@ def test_retries_are_counted_in_their_window():
 
 def test_peak_memory_is_the_max_of_the_window():
     rec = Recorder(interval=2)
-    TinyTrainer(max_steps=5, hooks=[MemoryHook({1: 5.0, 2: 9.0, 3: 2.0, 4: 1.0}), rec]).train()
+    TinyTrainer(max_steps=5, hooks=[MemoryHook({1: 5.0, 2: 9.0, 3: 2.0, 4: 1.0}.get), rec]).train()
     assert [s.max_memory for _, s in rec.emitted] == [9.0, 2.0, None]
     assert "max_memory" in rec.emitted[0][1].to_records()
     assert "max_memory" not in rec.emitted[2][1].to_records()
@@ -358,7 +337,7 @@ def _sync_worker(rank: int, world_size: int, init_file: str, out_dir: str) -> No
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world_size)
     try:
         local, synced, logs = Recorder(interval=2, sync=False), Recorder(interval=2, sync=True), LogCapture()
-        memory = MemoryHook({1: 10.0 + rank, 2: 20.0 * (rank + 1), 3: 1.0})
+        memory = MemoryHook({1: 10.0 + rank, 2: 20.0 * (rank + 1), 3: 1.0}.get)
         trainer = _RankTrainer(
             max_steps=3, grad_clip=1.0, rank=rank,
             hooks=[memory, local, synced, LoggingHook(interval=2), logs],

@@ -7,10 +7,11 @@ from pathlib import Path
 
 import pytest
 import torch
+from helper_hooks import LoadHook, LogHook, SaveAtStep
 from PIL import Image
 from pydantic import ValidationError
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
-from tiny_trainer import LoadHook, SaveAtStep, TinyTrainer
+from tiny_trainer import TinyTrainer
 
 from trainloop import BaseHook
 from trainloop.hooks.registry import HOOK_TYPES, hook_settings_model
@@ -27,23 +28,6 @@ def scalars(events: EventAccumulator, tag: str) -> list[tuple[int, float]]:
     return [(e.step, e.value) for e in events.Scalars(tag)]
 
 
-class LogHook(BaseHook):
-    """Logs the step's loss (a tensor, as forward returns it) and a tag, every step."""
-
-    def __init__(self, run: float = 1.0, images=None):
-        self.run, self.images = run, images or {}
-        self.logged: list[tuple[int, float]] = []
-
-    def on_after_step(self, trainer):
-        mse = trainer.step_info.records[0]["mse"]
-        self.logged.append((trainer.step, float(mse)))
-        trainer.log({"loss": {"mse": mse}, "run": self.run})
-        if trainer.step in self.images:
-            trainer.log_images(self.images[trainer.step])
-
-
-
-
 def picture() -> Image.Image:
     image = Image.new("RGB", (5, 3))
     image.putdata([(40 * x, 80 * y, 7) for y in range(3) for x in range(5)])
@@ -51,14 +35,14 @@ def picture() -> Image.Image:
 
 
 def test_scalars_and_images_are_written_under_the_workspace(tmp_path):
-    log = LogHook(images={2: {"samples": {"pic": picture(), "grey": picture().convert("L")}}})
+    log = LogHook({"run": 1.0}, images={2: {"samples": {"pic": picture(), "grey": picture().convert("L")}}})
     TinyTrainer(max_steps=3, workspace=tmp_path, hooks=[TensorBoardHook(), log]).train()
 
     events = read_events(tmp_path / "tensorboard")
     assert set(events.Tags()["scalars"]) == {"loss/mse", "run"}
     mse = scalars(events, "loss/mse")
     assert [s for s, _ in mse] == [1, 2, 3]
-    assert [v for _, v in mse] == pytest.approx([v for _, v in log.logged])
+    assert [v for _, v in mse] == pytest.approx(list(log.logged.values()))
     assert scalars(events, "run") == [(1, 1.0), (2, 1.0), (3, 1.0)]
 
     assert set(events.Tags()["images"]) == {"samples/pic", "samples/grey"}
@@ -77,12 +61,12 @@ def test_resume_purges_steps_after_the_checkpoint(tmp_path):
     TinyTrainer(
         max_steps=6,
         workspace=tmp_path,
-        hooks=[TensorBoardHook(), LogHook(run=1.0), SaveAtStep(3, checkpoint)],
+        hooks=[TensorBoardHook(), LogHook({"run": 1.0}), SaveAtStep(3, checkpoint)],
     ).train()
     assert [s for s, _ in scalars(read_events(tmp_path / "tensorboard"), "run")] == [1, 2, 3, 4, 5, 6]
 
     resumed = TinyTrainer(
-        max_steps=5, workspace=tmp_path, hooks=[LoadHook(checkpoint), TensorBoardHook(), LogHook(run=2.0)]
+        max_steps=5, workspace=tmp_path, hooks=[LoadHook(checkpoint), TensorBoardHook(), LogHook({"run": 2.0})]
     )
     resumed.train()
 
@@ -105,18 +89,18 @@ def test_events_are_flushed_when_a_checkpoint_is_written(tmp_path):
             self.seen = [s for s, _ in scalars(read_events(tmp_path / "tensorboard"), "run")]
 
     probe = CheckpointAtTwo()
-    TinyTrainer(max_steps=4, workspace=tmp_path, hooks=[TensorBoardHook(), LogHook(), probe]).train()
+    TinyTrainer(max_steps=4, workspace=tmp_path, hooks=[TensorBoardHook(), LogHook({"run": 1.0}), probe]).train()
     assert probe.seen == [1, 2]
 
 
 def test_relative_and_absolute_log_dirs(tmp_path):
     TinyTrainer(
-        max_steps=1, workspace=tmp_path / "ws", hooks=[TensorBoardHook(log_dir="tb/a"), LogHook()]
+        max_steps=1, workspace=tmp_path / "ws", hooks=[TensorBoardHook(log_dir="tb/a"), LogHook({"run": 1.0})]
     ).train()
     assert scalars(read_events(tmp_path / "ws" / "tb" / "a"), "run") == [(1, 1.0)]
 
     # An absolute folder needs no workspace.
-    TinyTrainer(max_steps=1, hooks=[TensorBoardHook(log_dir=tmp_path / "abs"), LogHook()]).train()
+    TinyTrainer(max_steps=1, hooks=[TensorBoardHook(log_dir=tmp_path / "abs"), LogHook({"run": 1.0})]).train()
     assert scalars(read_events(tmp_path / "abs"), "run") == [(1, 1.0)]
 
 

@@ -12,7 +12,8 @@ from pathlib import Path
 import pydantic
 import pytest
 import torch
-from tiny_trainer import CaptureHook, TinyTrainer, make_data
+from helper_hooks import CaptureHook
+from tiny_trainer import TinyTrainer, make_data
 
 from trainloop import BaseHook, State
 from trainloop.hooks.registry import HOOK_TYPES, hook_settings_model

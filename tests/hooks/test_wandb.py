@@ -10,9 +10,10 @@ from pathlib import Path
 
 import pytest
 import torch
+from helper_hooks import LoadHook, LogHook, SaveAtStep
 from PIL import Image
 from pydantic import ValidationError
-from tiny_trainer import LoadHook, SaveAtStep, TinyTrainer
+from tiny_trainer import TinyTrainer
 
 from trainloop import BaseHook
 from trainloop.hooks.registry import HOOK_TYPES, hook_settings_model
@@ -132,23 +133,6 @@ def picture() -> Image.Image:
     return image
 
 
-class LogHook(BaseHook):
-    """Logs the loss (a tensor) and the attempt number every step, and images at one."""
-
-    def __init__(self, attempt: float, image_step: int | None = None):
-        self.attempt, self.image_step = attempt, image_step
-        self.logged: dict[int, float] = {}
-
-    def on_after_step(self, trainer):
-        mse = trainer.step_info.records[0]["mse"]
-        self.logged[trainer.step] = float(mse)
-        trainer.log({"loss": {"mse": mse}, "attempt": self.attempt})
-        if trainer.step == self.image_step:
-            trainer.log_images({"samples": {"pic": picture()}})
-
-
-
-
 # -- tests -----------------------------------------------------------------------------------
 
 
@@ -156,7 +140,7 @@ def test_offline_run_logs_records_and_images_then_a_resumed_run_continues_it(tmp
     workspace, checkpoint = tmp_path / "ws", tmp_path / "step2.pt"
     hook, log = (
         WandbHook("trainloop-test", config={"lr": 0.05}, tags=["tiny"]),
-        LogHook(1.0, image_step=2),
+        LogHook({"attempt": 1.0}, images={2: {"samples": {"pic": picture()}}}),
     )
     TinyTrainer(max_steps=4, workspace=workspace, hooks=[hook, log, SaveAtStep(2, checkpoint)]).train()
 
@@ -181,7 +165,7 @@ def test_offline_run_logs_records_and_images_then_a_resumed_run_continues_it(tmp
     TinyTrainer(
         max_steps=4,
         workspace=workspace,
-        hooks=[LoadHook(checkpoint), WandbHook("trainloop-test"), LogHook(2.0)],
+        hooks=[LoadHook(checkpoint), WandbHook("trainloop-test"), LogHook({"attempt": 2.0})],
     ).train()
     (second_dir,) = set(offline_runs(workspace)) - {first_dir}
     second = OfflineRun(second_dir)
@@ -189,7 +173,7 @@ def test_offline_run_logs_records_and_images_then_a_resumed_run_continues_it(tmp
     assert {step: row["attempt"] for step, row in second.rows().items()} == {3: 2, 4: 2}
 
     # Started again from step 0 in the same workspace: a new run, whose id replaces the old.
-    TinyTrainer(max_steps=1, workspace=workspace, hooks=[WandbHook("trainloop-test"), LogHook(3.0)]).train()
+    TinyTrainer(max_steps=1, workspace=workspace, hooks=[WandbHook("trainloop-test"), LogHook({"attempt": 3.0})]).train()
     (third_dir,) = set(offline_runs(workspace)) - {first_dir, second_dir}
     third = OfflineRun(third_dir)
     assert third.run.run_id != run_id
@@ -206,7 +190,7 @@ def test_failed_run_exits_1_and_wandb_dir_and_kwargs_are_respected(tmp_path, off
     (tmp_path / "elsewhere").mkdir()
     hook = WandbHook("trainloop-test", image_format="jpg", name="custom-name", job_type="unit")
     trainer = TinyTrainer(
-        max_steps=5, workspace=tmp_path / "ws", hooks=[hook, LogHook(1.0, image_step=1), Boom()]
+        max_steps=5, workspace=tmp_path / "ws", hooks=[hook, LogHook({"attempt": 1.0}, images={1: {"samples": {"pic": picture()}}}), Boom()]
     )
     with pytest.raises(RuntimeError, match="boom"):
         trainer.train()

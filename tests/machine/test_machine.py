@@ -1,8 +1,8 @@
 import pytest
 import torch
 
-from trainloop import TRANSITIONS, BaseHook, State
-from trainloop.machine import StateMachine, Transition, draw
+from trainloop import BaseHook, State
+from trainloop.machine import TRANSITIONS, StateMachine, Transition, draw
 
 
 class Policies:
@@ -192,7 +192,8 @@ def test_mermaid_and_dot_are_drawn_from_the_table():
 
 def scripted_run(listen_everywhere):
     """Accumulation, a retry, a checkpoint and an exit request, with or without callbacks."""
-    from tiny_trainer import ExitAt, FlakyTrainer
+    from helper_hooks import ExitAt
+    from tiny_trainer import FlakyTrainer
 
     class SaveAtThree(BaseHook):
         def on_after_step(self, trainer):

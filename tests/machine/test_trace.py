@@ -3,7 +3,8 @@ import json
 import pytest
 from tiny_trainer import TinyTrainer
 
-from trainloop import State, read_trace, summarize_trace
+from trainloop import State
+from trainloop.machine import read_trace, summarize_trace
 from trainloop.machine.trace import Trace, TraceEntry
 
 

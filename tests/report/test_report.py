@@ -12,7 +12,8 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from tiny_trainer import SignalAtStep, TinyTrainer
+from helper_hooks import SignalAtStep
+from tiny_trainer import TinyTrainer
 
 from trainloop import CheckpointingHook, LoggingHook, ValidationHook
 from trainloop.report import build_report

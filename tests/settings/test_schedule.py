@@ -8,8 +8,9 @@ import math
 
 import pytest
 import torch
+from helper_hooks import ExitAt
 from pydantic import ValidationError
-from tiny_trainer import ExitAt, TinyTrainer
+from tiny_trainer import TinyTrainer
 from torch import nn
 
 from trainloop import BaseHook, BaseTrainer, TrainerSettings

@@ -12,7 +12,8 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from tiny_trainer import CaptureHook, TinyTrainer, make_data
+from helper_hooks import CaptureHook
+from tiny_trainer import TinyTrainer, make_data
 from torch import nn
 from torch.distributed.checkpoint.state_dict import StateDictOptions
 from torch.distributed.fsdp import FSDPModule
