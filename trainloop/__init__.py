@@ -1,7 +1,15 @@
 """trainloop: a minimalist PyTorch training loop driven by validated settings and an explicit
-state machine."""
+state machine.
+
+The top level is the user's contract: the trainer and hooks to subclass, the built-in hooks, the
+settings, what a run reports (``StepInfo``, ``RunResult``, ``State``) and the errors a user
+catches. Everything else lives in documented namespaces: ``trainloop.settings``,
+``trainloop.machine``, ``trainloop.hooks``, ``trainloop.checkpoint``, ``trainloop.distributed``,
+``trainloop.lr_find``, ``trainloop.report`` and ``trainloop.utils`` (docs/architecture.md).
+"""
 
 from trainloop import _moved
+from trainloop.checkpoint.errors import CheckpointError, CheckpointSaveError
 from trainloop.data import DataExhaustedError
 from trainloop.hooks import (
     BaseHook,
@@ -19,10 +27,9 @@ from trainloop.hooks import (
     register_hook,
 )
 from trainloop.loss import Loss
-from trainloop.lr_find.search import LrFindComponents, LrFindResult, lr_find
-from trainloop.machine.table import TRANSITIONS, State, Transition
-from trainloop.machine.trace import Trace, TraceEntry, TraceSummary, read_trace, summarize_trace
-from trainloop.nested import flatten_nested_dict, key_average, map_nested_tensor
+from trainloop.lr_find.search import lr_find
+from trainloop.machine.table import State
+from trainloop.nested import map_nested_tensor
 from trainloop.result import RunResult
 from trainloop.rng import seed_all
 from trainloop.settings.model import SettingsFileError, TrainerSettings
@@ -33,9 +40,12 @@ from trainloop.version import __version__ as __version__
 
 _moved.install()
 
+# Names the top level exported before (TRANSITIONS, read_trace, key_average, ...) still import
+# from here, with a DeprecationWarning naming their namespace (see trainloop._moved).
+__getattr__ = _moved.moved_names(__name__)
 
 __all__ = [
-    "TRANSITIONS",
+    # the trainer and the hooks: what a user subclasses and declares
     "BaseHook",
     "BaseTrainer",
     "CheckpointingHook",
@@ -49,27 +59,23 @@ __all__ = [
     "TensorBoardHook",
     "ValidationHook",
     "WandbHook",
-    "DataExhaustedError",
-    "Loss",
-    "LrFindComponents",
-    "LrFindResult",
-    "LossNoneWarning",
-    "PreflightError",
-    "RunResult",
+    "register_hook",
+    # the settings
     "SettingsFileError",
+    "TrainerSettings",
+    # what forward returns and what a run shows
+    "Loss",
+    "RunResult",
     "State",
     "StepInfo",
-    "Trace",
-    "TraceEntry",
-    "TraceSummary",
-    "TrainerSettings",
-    "Transition",
-    "flatten_nested_dict",
-    "key_average",
+    # what a user catches
+    "CheckpointError",
+    "CheckpointSaveError",
+    "DataExhaustedError",
+    "LossNoneWarning",
+    "PreflightError",
+    # helpers the seed taught at the top level
     "lr_find",
     "map_nested_tensor",
-    "read_trace",
-    "register_hook",
     "seed_all",
-    "summarize_trace",
 ]

@@ -27,9 +27,8 @@ from torch import nn
 from torch.nn import functional as F
 from torch.utils.data import DataLoader
 
-from trainloop import BaseTrainer, Loss, TrainerSettings
-from trainloop.hooks.ema import EmaHook
-from trainloop.settings.types import NonNegativeFloat, PositiveInt
+from trainloop import BaseTrainer, EmaHook, Loss, TrainerSettings
+from trainloop.settings import NonNegativeFloat, PositiveInt
 
 ROOT = Path(__file__).resolve().parents[2]
 

@@ -20,10 +20,8 @@ from sklearn.model_selection import train_test_split
 from torch import nn
 from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 
-from trainloop import BaseTrainer
+from trainloop import BaseTrainer, CheckpointingHook, ProgressHook
 from trainloop.distributed import init_distributed, is_main, wrap_model
-from trainloop.hooks.checkpointing import CheckpointingHook
-from trainloop.hooks.progress import ProgressHook
 
 
 def load_split() -> tuple[TensorDataset, TensorDataset]:

@@ -7,7 +7,7 @@ they also serve tools that inspect or convert checkpoints. ``metadata.json`` and
 
 from trainloop.checkpoint.errors import CheckpointError, CheckpointSaveError
 from trainloop.checkpoint.files import LATEST, checkpoint_format, checkpoint_steps, latest_checkpoint, read_checkpoint, write_checkpoint
-from trainloop.checkpoint.manifest import MANIFEST, METADATA, make_metadata, read_metadata, verify_checkpoint
+from trainloop.checkpoint.manifest import MANIFEST, METADATA, read_metadata, verify_checkpoint
 
 __all__ = [
     "LATEST",
@@ -18,7 +18,6 @@ __all__ = [
     "checkpoint_format",
     "checkpoint_steps",
     "latest_checkpoint",
-    "make_metadata",
     "read_checkpoint",
     "read_metadata",
     "verify_checkpoint",

@@ -9,13 +9,13 @@ Heavy optional packages (wandb, tensorboard, PIL, tqdm) are imported only when a
 from trainloop.hooks.base import BaseHook
 from trainloop.hooks.checkpointing import CheckpointingHook
 from trainloop.hooks.cuda_memory import CudaMaxMemoryHook
-from trainloop.hooks.dispatch import HOOK_EVENTS, hook_dispatch
-from trainloop.hooks.early_stopping import EarlyStoppingHook
+from trainloop.hooks.dispatch import HOOK_EVENTS
+from trainloop.hooks.early_stopping import EarlyStoppingHook, MonitorNotFoundWarning
 from trainloop.hooks.ema import EmaHook
 from trainloop.hooks.image_files import ImageFileLoggerHook
 from trainloop.hooks.logging_hook import LoggingHook
 from trainloop.hooks.progress import ProgressHook
-from trainloop.hooks.registry import HOOK_TYPES, HookSettings, HookSpec, build_declared_hooks, hook_settings_model, register_hook, unregister_hook
+from trainloop.hooks.registry import HOOK_TYPES, HookSpec, hook_settings_model, register_hook, unregister_hook
 from trainloop.hooks.stats import StatsHook, TrainingStats
 from trainloop.hooks.tensorboard import TensorBoardHook
 from trainloop.hooks.validation import ValidationHook
@@ -29,18 +29,16 @@ __all__ = [
     "CudaMaxMemoryHook",
     "EarlyStoppingHook",
     "EmaHook",
-    "HookSettings",
     "HookSpec",
     "ImageFileLoggerHook",
     "LoggingHook",
+    "MonitorNotFoundWarning",
     "ProgressHook",
     "StatsHook",
     "TensorBoardHook",
     "TrainingStats",
     "ValidationHook",
     "WandbHook",
-    "build_declared_hooks",
-    "hook_dispatch",
     "hook_settings_model",
     "register_hook",
     "unregister_hook",

@@ -3,11 +3,10 @@
 
 from trainloop.machine.diagram import draw
 from trainloop.machine.runner import Handle, StateMachine
-from trainloop.machine.table import FAIL, TRANSITIONS, State, Transition
+from trainloop.machine.table import TRANSITIONS, State, Transition
 from trainloop.machine.trace import Trace, TraceEntry, TraceSummary, read_trace, summarize_trace
 
 __all__ = [
-    "FAIL",
     "TRANSITIONS",
     "Handle",
     "State",

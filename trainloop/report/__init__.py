@@ -1,6 +1,8 @@
 """``trainloop report``: one self-contained HTML page about a run's workspace (``page``), its metric
-charts (``charts``) and the machine drawn with Graphviz where it is installed (``graphviz``)."""
+charts (``charts``) and the machine drawn with Graphviz where it is installed (``graphviz``); the
+metrics a run logged (``metrics.jsonl``) read back with ``read_metrics``."""
 
-from trainloop.report.page import REPORT_FILE, ReportError, build_report, machine_svg, write_report
+from trainloop.metrics import read_metrics
+from trainloop.report.page import ReportError, build_report, write_report
 
-__all__ = ["REPORT_FILE", "ReportError", "build_report", "machine_svg", "write_report"]
+__all__ = ["ReportError", "build_report", "read_metrics", "write_report"]

@@ -4,7 +4,16 @@ the optimizer and schedule declarations (``optimizer``, ``schedule``), the field
 (``types``) and the checks across settings, trainer and hooks made before anything runs
 (``preflight``)."""
 
-from trainloop.settings.model import ENV_PREFIX, TRAINER_PATTERN, TrainerSettings
+from trainloop.settings.model import TrainerSettings
 from trainloop.settings.sources import SettingsFileError
+from trainloop.settings.types import NonNegativeFloat, NonNegativeInt, PositiveFloat, PositiveInt, StrictBool
 
-__all__ = ["ENV_PREFIX", "TRAINER_PATTERN", "SettingsFileError", "TrainerSettings"]
+__all__ = [
+    "NonNegativeFloat",
+    "NonNegativeInt",
+    "PositiveFloat",
+    "PositiveInt",
+    "SettingsFileError",
+    "StrictBool",
+    "TrainerSettings",
+]
