@@ -103,6 +103,163 @@ def hooks_reference() -> str:
     return "\n".join(parts).rstrip()
 
 
+# -- the architecture: the namespaces' exports and the import graph --------------------------------
+
+PACKAGE = ROOT / "trainloop"
+ARCHITECTURE_SVG = DOCS / "img" / "architecture.svg"
+#: The documented namespaces, in the order the architecture page teaches them.
+NAMESPACES = (
+    "trainloop",
+    "trainloop.settings",
+    "trainloop.machine",
+    "trainloop.hooks",
+    "trainloop.checkpoint",
+    "trainloop.distributed",
+    "trainloop.lr_find",
+    "trainloop.report",
+    "trainloop.utils",
+)
+
+
+def namespaces_table() -> str:
+    import importlib
+
+    rows = ["| namespace | exports |", "|---|---|"]
+    for name in NAMESPACES:
+        exports = ", ".join(f"`{n}`" for n in sorted(importlib.import_module(name).__all__, key=str.lower))
+        rows.append(f"| `{name}` | {exports} |")
+    return "\n".join(rows)
+
+
+def wing_of(module: str) -> str | None:
+    """The node a module belongs to in the picture: its subpackage, or the top-level module itself
+    (``None`` for the facade ``trainloop/__init__.py`` and private modules)."""
+    parts = module.split(".")
+    if len(parts) < 2 or parts[1].startswith("_"):
+        return None
+    return parts[1] + "/" if (PACKAGE / parts[1]).is_dir() else parts[1]
+
+
+def import_graph() -> dict[str, set[str]]:
+    """Wing -> the wings it imports (at run time or for types only), from the source with ``ast``."""
+    import ast
+
+    modules = {".".join(p.relative_to(ROOT).with_suffix("").parts).removesuffix(".__init__") for p in PACKAGE.rglob("*.py")}
+    graph: dict[str, set[str]] = {}
+    for path in sorted(PACKAGE.rglob("*.py")):
+        name = ".".join(path.relative_to(ROOT).with_suffix("").parts).removesuffix(".__init__")
+        source = wing_of(name) if not path.name == "__main__.py" else None
+        if source is None:
+            continue
+        graph.setdefault(source, set())
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Import):
+                targets = [a.name for a in node.names]
+            elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+                targets = [f"{node.module}.{a.name}" if f"{node.module}.{a.name}" in modules else node.module for a in node.names]
+            else:
+                continue
+            for target in targets:
+                wing = wing_of(target) if target.startswith("trainloop.") else None
+                if wing is not None and wing != source:
+                    graph[source].add(wing)
+    return graph
+
+
+def house_order(graph: dict[str, set[str]]) -> list[str]:
+    """The wings from the top of the house down, so that as few imports as possible point up
+    (the greedy ordering of Eades, Lin and Smyth: sinks go to the bottom, sources to the top,
+    otherwise the wing that imports most and is imported least goes next from the top)."""
+    left = {n: set(deps) for n, deps in graph.items()}
+    top: list[str] = []
+    bottom: list[str] = []
+    while left:
+        importers = {n: {m for m in left if n in left[m]} for n in left}
+        if sinks := sorted(n for n in left if not left[n]):
+            bottom[:0] = sinks
+        elif sources := sorted(n for n in left if not importers[n]):
+            top += sources
+        else:
+            top.append(max(sorted(left), key=lambda n: len(left[n]) - len(importers[n])))
+        for n in (sinks or sources or top[-1:]):
+            left.pop(n)
+        for deps in left.values():
+            deps.difference_update(top + bottom)
+    return top + bottom
+
+
+def architecture_layers(graph: dict[str, set[str]]) -> tuple[list[list[str]], set[tuple[str, str]]]:
+    """The wings in rows, lowest first, and the imports that point up (those that close a cycle).
+
+    A wing sits one row above the highest wing it imports downwards; rows are ordered to keep
+    the edges short."""
+    rank = {n: i for i, n in enumerate(house_order(graph))}
+    upward = {(a, b) for a in graph for b in graph[a] if rank[b] < rank[a]}
+    height: dict[str, int] = {}
+    for node in reversed(list(rank)):  # bottom up: every wing it imports downwards is placed
+        height[node] = 1 + max((height[d] for d in graph[node] if (node, d) not in upward), default=-1)
+    rows: list[list[str]] = [[] for _ in range(1 + max(height.values()))]
+    for node in sorted(graph):
+        rows[height[node]].append(node)
+    for below, row in zip(rows, rows[1:]):
+        position = {n: i / max(1, len(below) - 1) for i, n in enumerate(below)}
+        row.sort(key=lambda n: (sum(position[d] for d in graph[n] if d in position) / max(1, sum(d in position for d in graph[n])), n))
+    return rows, upward
+
+
+def architecture_svg() -> str:
+    """The import graph of the package's wings as an SVG, written without a layout engine."""
+    graph = import_graph()
+    rows, upward = architecture_layers(graph)
+    char, box_h, gap_x, gap_y, margin, top = 7.2, 26, 18, 70, 20, 84
+    width_of = {n: round(len(n) * char + 20) for n in graph}
+    row_width = [sum(width_of[n] for n in row) + gap_x * (len(row) - 1) for row in rows]
+    width = round(max(*row_width, 80 * char) + 2 * margin)  # at least the caption's width
+    height = top + len(rows) * (box_h + gap_y) - gap_y + margin
+    where: dict[str, tuple[float, float]] = {}  # node -> (centre x, top y)
+    for i, row in enumerate(rows):
+        y = top + (len(rows) - 1 - i) * (box_h + gap_y)
+        x = (width - row_width[i]) / 2
+        for n in row:
+            where[n] = (x + width_of[n] / 2, y)
+            x += width_of[n] + gap_x
+    out = [
+        f'<svg xmlns="http://www.w3.org/2000/svg" width="{width}" height="{height}" viewBox="0 0 {width} {height}" '
+        'font-family="DejaVu Sans Mono, monospace" font-size="12">',
+        '<defs><marker id="arrow" viewBox="0 0 8 8" refX="8" refY="4" markerWidth="7" markerHeight="7" orient="auto">'
+        '<path d="M0,0 L8,4 L0,8 z" fill="#7f8c8d"/></marker>'
+        '<marker id="cycle" viewBox="0 0 8 8" refX="8" refY="4" markerWidth="7" markerHeight="7" orient="auto">'
+        '<path d="M0,0 L8,4 L0,8 z" fill="#c0392b"/></marker></defs>',
+        f'<rect width="{width}" height="{height}" fill="white"/>',
+        f'<text x="{margin}" y="24" font-size="14" font-weight="bold">trainloop: who imports whom</text>',
+        f'<text x="{margin}" y="42" fill="#555">A → B: a module of A imports one of B (type-only imports too).</text>',
+        f'<text x="{margin}" y="58" fill="#555">Packages end in /. Red: an import that points up the house, closing a cycle.</text>',
+    ]
+    for source in sorted(graph):
+        for dest in sorted(graph[source]):
+            (x1, y1), (x2, y2) = where[source], where[dest]
+            colour, marker = ("#c0392b", "cycle") if (source, dest) in upward else ("#95a5a6", "arrow")
+            if y1 == y2:  # same row: an arc above it
+                path = f"M{x1:.1f},{y1} Q{(x1 + x2) / 2:.1f},{y1 - 40} {x2:.1f},{y2}"
+            else:
+                start, end = (y1 + box_h, y2) if y1 < y2 else (y1, y2 + box_h)
+                path = f"M{x1:.1f},{start} L{x2:.1f},{end}"
+            out.append(
+                f'<path d="{path}" fill="none" stroke="{colour}" stroke-opacity="0.7" marker-end="url(#{marker})">'
+                f"<title>{source} → {dest}</title></path>"
+            )
+    for node in sorted(graph):
+        x, y = where[node]
+        fill = "#d6eaf8" if node.endswith("/") else "#f2f3f4"
+        out.append(
+            f'<g><title>{node}</title><rect x="{x - width_of[node] / 2:.1f}" y="{y}" width="{width_of[node]}" height="{box_h}" '
+            f'rx="5" fill="{fill}" stroke="#34495e"/>'
+            f'<text x="{x:.1f}" y="{y + 17}" text-anchor="middle">{node}</text></g>'
+        )
+    out.append("</svg>")
+    return "\n".join(out) + "\n"
+
+
 GENERATORS = {
     "hooks-reference": hooks_reference,
     "machine-diagram": machine_diagram,
@@ -110,6 +267,7 @@ GENERATORS = {
     "transition-table": transition_table,
     "hook-states": hook_states,
     "settings-table": settings_table,
+    "namespaces": namespaces_table,
 }
 PATTERN = re.compile(r"(<!-- generated: ([\w-]+) -->\n)(.*?)(<!-- end generated -->)", re.S)
 
@@ -216,6 +374,10 @@ def main(check: bool, pictures: bool = False) -> int:
             except GraphvizError as error:
                 print(f"docs/img/machine.svg is stale and cannot be redrawn: {error}")
                 return 1
+    if ARCHITECTURE_SVG.read_text() != architecture_svg():
+        stale.append(ARCHITECTURE_SVG.relative_to(ROOT).as_posix())
+        if not check:
+            ARCHITECTURE_SVG.write_text(architecture_svg())
     for path in [*sorted(DOCS.glob("*.md")), ROOT / "README.md"]:
         text = path.read_text()
         new = render(text)

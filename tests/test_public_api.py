@@ -38,7 +38,7 @@ NAMESPACES = [
 GUIDES = [p for p in sorted((ROOT / "docs").glob("*.md")) if p.name != "api.md"] + [ROOT / "README.md"]
 
 FENCE = re.compile(r"^[ \t]*```[^\n]*\n(.*?)^[ \t]*```", re.M | re.S)
-INLINE = re.compile(r"`([^`\n]+)`")
+INLINE = re.compile(r"(`+)((?:(?!\n\n).)+?)\1", re.S)  # `code` or ``code``, which may wrap a line
 FROM_IMPORT = re.compile(r"^\s*from\s+(trainloop(?:\.\w+)*)\s+import\s+(\([^)]*\)|[^\n#]+)", re.M)
 DOTTED = re.compile(r"(?<![\w.])trainloop(?:\.\w+)+")
 
@@ -49,7 +49,7 @@ def code_of(path: Path) -> str:
     if path.suffix == ".py":
         return text
     blocks = FENCE.findall(text)
-    return "\n".join([*blocks, *INLINE.findall(FENCE.sub("", text))])
+    return "\n".join([*blocks, *(code for _, code in INLINE.findall(FENCE.sub("", text)))])
 
 
 def teaching_sources() -> list[Path]:
