@@ -131,6 +131,21 @@ def namespaces_table() -> str:
     return "\n".join(rows)
 
 
+def layout_table() -> str:
+    """Each wing (a subpackage) and each top-level module with the first paragraph of its docstring."""
+    import ast
+
+    rows = ["| where | modules | what it holds |", "|---|---|---|"]
+    paths = sorted(PACKAGE.glob("*/__init__.py")) + sorted(p for p in PACKAGE.glob("*.py") if not p.stem.startswith("_"))
+    for path in paths:
+        name = f"{path.parent.name}/" if path.name == "__init__.py" else f"{path.name}"
+        doc = ast.get_docstring(ast.parse(path.read_text())) or ""
+        summary = " ".join(doc.split("\n\n")[0].split()).replace("|", "\\|")
+        modules = ", ".join(m.stem for m in sorted(path.parent.glob("*.py")) if m.stem != "__init__") if name.endswith("/") else ""
+        rows.append(f"| `{name}` | {modules} | {summary} |")
+    return "\n".join(rows)
+
+
 def wing_of(module: str) -> str | None:
     """The node a module belongs to in the picture: its subpackage, or the top-level module itself
     (``None`` for the facade ``trainloop/__init__.py`` and private modules)."""
@@ -268,6 +283,7 @@ GENERATORS = {
     "hook-states": hook_states,
     "settings-table": settings_table,
     "namespaces": namespaces_table,
+    "layout": layout_table,
 }
 PATTERN = re.compile(r"(<!-- generated: ([\w-]+) -->\n)(.*?)(<!-- end generated -->)", re.S)
 

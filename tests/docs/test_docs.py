@@ -88,3 +88,24 @@ def test_the_report_picture_shows_what_a_fresh_report_of_the_demo_shows(tmp_path
     assert generate.REPORT_PNG.stat().st_size > 50_000
     assert "](docs/img/report.png)" in (ROOT / "README.md").read_text()
     assert "](img/report.png)" in (ROOT / "docs" / "results.md").read_text()
+
+
+def test_the_architecture_picture_is_drawn_from_the_current_imports(monkeypatch):
+    generate = _generate_module()
+    svg = generate.ARCHITECTURE_SVG.read_text()
+    assert svg == generate.architecture_svg(), "docs/img/architecture.svg is stale: run python docs/generate.py"
+    graph = generate.import_graph()
+    wings = {p.name + "/" for p in (ROOT / "trainloop").iterdir() if (p / "__init__.py").is_file()}
+    assert wings <= set(graph) and {"trainer", "loop", "step"} <= set(graph)
+    for source, dests in graph.items():  # every wing and every import between wings is drawn
+        assert f"<title>{source}</title>" in svg
+        for dest in dests:
+            assert f"<title>{source} → {dest}</title>" in svg
+    assert "machine/" in graph["loop"]  # the graph sees real imports: the loop runs the machine
+    # An import added between two wings makes the picture stale.
+    monkeypatch.setattr(generate, "import_graph", lambda: {**graph, "version": graph["version"] | {"trainer"}})
+    assert generate.architecture_svg() != svg
+    page = (ROOT / "docs" / "architecture.md").read_text()
+    assert "](img/architecture.svg)" in page
+    for wing in wings:  # the layout table names every wing
+        assert f"| `{wing}` |" in page
