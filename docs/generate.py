@@ -209,10 +209,11 @@ def architecture_layers(graph: dict[str, set[str]]) -> tuple[list[list[str]], se
     A wing sits one row above the highest wing it imports downwards; rows are ordered to keep
     the edges short."""
     rank = {n: i for i, n in enumerate(house_order(graph))}
-    upward = {(a, b) for a in graph for b in graph[a] if rank[b] < rank[a]}
     height: dict[str, int] = {}
     for node in reversed(list(rank)):  # bottom up: every wing it imports downwards is placed
-        height[node] = 1 + max((height[d] for d in graph[node] if (node, d) not in upward), default=-1)
+        height[node] = 1 + max((height[d] for d in graph[node] if rank[d] > rank[node]), default=-1)
+    # Every cycle has at least one import that does not point down.
+    upward = {(a, b) for a in graph for b in graph[a] if height[b] >= height[a]}
     rows: list[list[str]] = [[] for _ in range(1 + max(height.values()))]
     for node in sorted(graph):
         rows[height[node]].append(node)

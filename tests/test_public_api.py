@@ -17,7 +17,6 @@ import pkgutil
 import re
 import subprocess
 import sys
-import warnings
 from pathlib import Path
 
 import pytest
