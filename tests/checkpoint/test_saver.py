@@ -16,10 +16,10 @@ from trainloop.checkpoint import (
     CheckpointSaveError,
     checkpoint_format,
     checkpoint_steps,
-    make_metadata,
     read_checkpoint,
     verify_checkpoint,
 )
+from trainloop.checkpoint.manifest import make_metadata
 from trainloop.checkpoint.saver import CheckpointSaver, agree_on_error, as_save_failure, broadcast_from_rank_zero
 
 LOGGER = logging.getLogger("test_saver")
