@@ -136,7 +136,7 @@ def write_checkpoint(
         step: The step, which names the directory.
         state_dict: A trainer's ``state_dict()``; each top-level key becomes one file.
         metadata: The contents of ``metadata.json``; by default made from the state's step and
-            epoch (see :func:`~trainloop.checkpoint.make_metadata`).
+            epoch (see :func:`~trainloop.checkpoint.manifest.make_metadata`).
 
     Returns:
         The checkpoint directory.
