@@ -99,6 +99,36 @@ class StepInfo:
     stats: Any = None  # a trainloop.hooks.stats.TrainingStats
     extras: dict[str, Any] = field(default_factory=dict)
 
+    # Read and written like the seed's dict too (``step_info["loss"]``, ``step_info["max_memory"] =
+    # ...``): a field by its name, any other key in ``extras``. A field that holds ``None`` (no
+    # clipping: no ``grad_norm``) is absent, as the seed's dict had no such key.
+
+    def __getitem__(self, key: str) -> Any:
+        if key in _STEP_INFO_FIELDS:
+            value = getattr(self, key)
+            if value is None:
+                raise KeyError(key)
+            return value
+        return self.extras[key]
+
+    def __setitem__(self, key: str, value: Any) -> None:
+        if key in _STEP_INFO_FIELDS:
+            setattr(self, key, value)
+        else:
+            self.extras[key] = value
+
+    def __contains__(self, key: object) -> bool:
+        if key in _STEP_INFO_FIELDS:
+            return getattr(self, key) is not None
+        return key in self.extras
+
+    def get(self, key: str, default: Any = None) -> Any:
+        """``self[key]`` if present, else ``default``."""
+        return self[key] if key in self else default
+
+
+_STEP_INFO_FIELDS = frozenset(StepInfo.__dataclass_fields__) - {"extras"}
+
 
 class Microstep(NamedTuple):
     """What one microstep computed.
@@ -150,6 +180,11 @@ class StepRunner:
         """Start a step (or its retry): no microstep done, no items counted."""
         self.microsteps = 0
         self.items = None
+
+    def microsteps_remain(self) -> bool:
+        """Whether the step in progress needs another microstep (``plan.accumulation``, the one
+        place a run reads its accumulation from: the machine's edge and ``lr_find`` ask this)."""
+        return self.microsteps < self.plan.accumulation
 
     def microstep(self) -> Microstep:
         """Draw batches until ``forward`` returns a loss, and backpropagate it.

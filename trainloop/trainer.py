@@ -8,13 +8,12 @@ import logging
 from collections.abc import Callable, Iterable
 from logging import Logger
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar, Generic, NoReturn, TypeVar, overload
 
 import torch
 from torch import nn
 
 from trainloop.hooks.base import BaseHook
-from trainloop.hooks.dispatch import hook_dispatch
 from trainloop.loop import Loop
 from trainloop.machine.runner import Handle
 from trainloop.machine.table import State
@@ -22,8 +21,8 @@ from trainloop.machine.trace import Trace
 from trainloop.metrics import MetricsLog
 from trainloop.nested import Records
 from trainloop.result import RunResult, finish_run
-from trainloop.rng import seed_all
 from trainloop.run_length import RunLength
+from trainloop.run_state import RunState
 from trainloop.settings import optimizer as components
 from trainloop.settings import preflight
 from trainloop.settings.model import TrainerSettings
@@ -37,6 +36,73 @@ if TYPE_CHECKING:
 __all__ = ["BaseTrainer", "ChangedSettingsWarning", "LossNoneWarning"]
 
 _PRECISIONS = {"bf16": torch.bfloat16, "fp16": torch.float16}
+
+T = TypeVar("T")
+
+
+class _RunValue(Generic[T]):
+    """A trainer attribute that shows the loop's ``RunState``: read-only, and assigning it raises
+    an ``AttributeError`` that says what to do instead (the loop is its one writer)."""
+
+    def __init__(self, doc: str, instead: str) -> None:
+        self.__doc__ = doc
+        self.instead = instead
+
+    def __set_name__(self, owner: type, name: str) -> None:
+        self.name = name
+
+    @overload
+    def __get__(self, trainer: None, owner: type) -> _RunValue[T]: ...
+    @overload
+    def __get__(self, trainer: BaseTrainer, owner: type) -> T: ...
+    def __get__(self, trainer: BaseTrainer | None, owner: type) -> _RunValue[T] | T:
+        if trainer is None:
+            return self
+        value: T = getattr(trainer._run, self.name)
+        return value
+
+    def __set__(self, trainer: BaseTrainer, value: NoReturn) -> NoReturn:
+        raise AttributeError(f"trainer.{self.name} is the loop's and read-only: {self.instead}")
+
+
+class _Built(Generic[T]):
+    """A component the loop builds in ``building`` (``build_<name>()``), held in its ``RunState``.
+
+    Before ``train()`` it may be assigned (to use a trainer's ``forward`` outside a run, say);
+    during a run, assigning it raises an ``AttributeError``: change the object in place, or
+    restore a state with ``load_state_dict()``.
+    """
+
+    def __set_name__(self, owner: type, name: str) -> None:
+        self.name = name
+        self.__doc__ = f"The ``build_{name}()`` result, built by the loop in ``building``."
+
+    @overload
+    def __get__(self, trainer: None, owner: type) -> _Built[T]: ...
+    @overload
+    def __get__(self, trainer: BaseTrainer, owner: type) -> T: ...
+    def __get__(self, trainer: BaseTrainer | None, owner: type) -> _Built[T] | T:
+        if trainer is None:
+            return self
+        try:
+            value: T = trainer._run.built[self.name]
+        except (KeyError, AttributeError):  # AttributeError: before BaseTrainer.__init__ ran
+            raise AttributeError(
+                f"trainer.{self.name} is not built yet: train() builds it with build_{self.name}() in 'building'"
+            ) from None
+        return value
+
+    def __set__(self, trainer: BaseTrainer, value: T) -> None:
+        if "_run" not in trainer.__dict__:  # a subclass's __init__ before calling BaseTrainer's
+            trainer.__dict__.setdefault("_built_early", {})[self.name] = value
+            return
+        state = trainer.state
+        if state not in (State.IDLE, State.BUILDING):
+            raise AttributeError(
+                f"trainer.{self.name} was built in 'building' and is not replaced during a run (state "
+                f"{state.value!r}): change it in place, or restore a state with trainer.load_state_dict()"
+            )
+        trainer._run.built[self.name] = value
 
 
 class BaseTrainer:
@@ -66,12 +132,37 @@ class BaseTrainer:
 
     settings_class: ClassVar[type[TrainerSettings]] = TrainerSettings
 
-    # Built in ``building``, in this order, by the ``build_*`` methods.
-    data_loader: Iterable[Any]
-    model: nn.Module
-    optimizer: torch.optim.Optimizer
-    lr_scheduler: torch.optim.lr_scheduler.LRScheduler | None
-    grad_scaler: torch.amp.GradScaler
+    # Built in ``building``, in this order, by the ``build_*`` methods; the loop holds them.
+    data_loader: _Built[Iterable[Any]] = _Built()
+    model: _Built[nn.Module] = _Built()
+    optimizer: _Built[torch.optim.Optimizer] = _Built()
+    lr_scheduler: _Built[torch.optim.lr_scheduler.LRScheduler | None] = _Built()
+    grad_scaler: _Built[torch.amp.GradScaler] = _Built()
+
+    # The run's state, as the loop keeps it (see ``trainloop.run_state.RunState``).
+    step: _RunValue[int] = _RunValue(
+        "The last begun step: incremented when a new step begins (0 before the first).",
+        "to resume at another step, restore a state with trainer.load_state_dict(); "
+        "to end the run, call trainer.request_exit()",
+    )
+    epoch: _RunValue[int] = _RunValue(
+        "The epoch the run resumed in; once the run has exited, the epoch its data ended in "
+        "(``run_length.epochs_completed`` counts full passes while it runs).",
+        "restore a state with trainer.load_state_dict(), or end the run with trainer.request_exit()",
+    )
+    step_info: _RunValue[StepInfo] = _RunValue(
+        "What the step in progress did (see ``StepInfo``); a hook may add records to it.",
+        "the loop starts a new one each step; add records to it instead "
+        "(trainer.step_info['name'] = value)",
+    )
+    hooks: _RunValue[tuple[BaseHook, ...]] = _RunValue(
+        "The run's hooks, in the order they are called: ``build_hooks()``'s, then the declared ones.",
+        "return hooks from build_hooks() or declare them in settings.hooks",
+    )
+    error: _RunValue[BaseException | None] = _RunValue(
+        "What ended the run, if an error did (``train()`` re-raised it).",
+        "raise the error, or end the run cleanly with trainer.request_exit()",
+    )
 
     def __init__(
         self,
@@ -88,16 +179,12 @@ class BaseTrainer:
         self.device = (
             torch.device(self.settings.device) if self.settings.device else torch.get_default_device()
         )
-        self.step = 0  # the last begun step; incremented when a new step begins
-        self.epoch = 0
-        self.step_info = StepInfo()  # what the step in progress did; see StepInfo
-        self.hooks: list[BaseHook] = []
-        self.error: BaseException | None = None
         self.run_length = RunLength(self.settings)  # where the run ends: max_steps, max_epochs
         self.metrics = MetricsLog()  # every trainer.log call; metrics.jsonl in the workspace
         self.result: RunResult | None = None
-        self._dispatch = hook_dispatch(())
         self._loop = Loop(self)
+        self._run: RunState = self._loop.run_state
+        self._run.built.update(self.__dict__.pop("_built_early", {}))
         self._machine = self._loop.machine
         self._requests = self._loop.requests
 
@@ -175,6 +262,12 @@ class BaseTrainer:
     def state(self) -> State:
         """The machine's current state."""
         return self._machine.state
+
+    @property
+    def loop(self) -> Loop:
+        """The loop that runs this trainer and owns its run state (machinery: tools such as
+        ``lr_find`` use it; hooks read the trainer instead)."""
+        return self._loop
 
     @property
     def trace(self) -> Trace | None:
@@ -296,15 +389,15 @@ class BaseTrainer:
             raise SystemExit(self.exit_code)
         return self.result
 
-    def _build_components(self) -> None:
-        """Seed, then build data loader, model and optimizer, in that order (each may read the
-        ones before it); ``building`` starts with these, and ``lr_find`` builds these alone."""
-        if self.settings.seed is not None:
-            seed_all(self.settings.seed)
-        self.data_loader = self.build_data_loader()
-        self.run_length.plan(self.data_loader)
-        self.model = self.build_model()
-        self.optimizer = self.build_optimizer()
+    @classmethod
+    def missing_methods(cls) -> list[str]:
+        """The methods of the user's contract this class leaves to ``BaseTrainer``'s stubs.
+
+        ``build_optimizer`` is listed when not overridden, though ``settings.optimizer`` can
+        stand in for it (the preflight decides).
+        """
+        required = ("build_data_loader", "build_model", "forward", "build_optimizer")
+        return [name for name in required if getattr(cls, name) is getattr(BaseTrainer, name)]
 
     # -- state -----------------------------------------------------------------------------
 
@@ -312,24 +405,25 @@ class BaseTrainer:
         """The full training state: model, optimizer, scheduler, grad scaler, step, per-rank
         random generators and data position, settings, and hooks' (see
         ``trainloop.training_state``)."""
-        return training_state(self)
+        return training_state(self, self._run)
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        """Restore what ``state_dict`` returned."""
-        load_training_state(self, state_dict)
+        """Restore what ``state_dict`` returned (the step and epoch included)."""
+        load_training_state(self, self._run, state_dict)
 
     # -- logging and helpers -------------------------------------------------------------------
 
     def log(self, records: Records) -> None:
         """Send nested numeric records to every hook's ``on_log``, and record them in
         ``trainer.metrics`` (and ``<workspace>/metrics.jsonl``, see ``settings.metrics_file``)."""
-        self.metrics.record(self.step, records)
-        for fn in self._dispatch["on_log"]:
+        run = self._run
+        self.metrics.record(run.step, records)
+        for fn in run.dispatch["on_log"]:
             fn(self, records)
 
     def log_images(self, records: dict[str, Any]) -> None:
         """Send images (e.g. PIL images) to every hook's ``on_log_images``."""
-        for fn in self._dispatch["on_log_images"]:
+        for fn in self._run.dispatch["on_log_images"]:
             fn(self, records)
 
     @staticmethod
