@@ -13,8 +13,9 @@ from __future__ import annotations
 import contextlib
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import TYPE_CHECKING, Any, Generic, NoReturn, Protocol, TypeVar, overload
 
+from trainloop.machine.table import State
 from trainloop.step import StepInfo
 
 if TYPE_CHECKING:
@@ -27,19 +28,21 @@ if TYPE_CHECKING:
 
     from trainloop.data import EpochIterator
     from trainloop.hooks.base import BaseHook
-    from trainloop.machine.table import State
     from trainloop.metrics import MetricsLog
     from trainloop.nested import Records
     from trainloop.run_length import RunLength
     from trainloop.settings.model import TrainerSettings
 
-__all__ = ["COMPONENTS", "Dispatch", "RunState", "TrainerContract", "TrainerView"]
+__all__ = ["COMPONENTS", "Built", "Dispatch", "RunState", "RunValue", "TrainerContract", "TrainerView"]
 
 Dispatch = dict[str, tuple[Callable[..., None], ...]]
 """Per hook event, the bound methods of the hooks that override it (``hook_dispatch``)."""
 
 #: What ``building`` builds, in order, each by the trainer's ``build_<name>()``.
 COMPONENTS = ("data_loader", "model", "optimizer", "lr_scheduler", "grad_scaler")
+
+#: Where a component assigned before the trainer's loop exists waits for it (instance ``__dict__``).
+EARLY_COMPONENTS = "_components_before_init"
 
 
 @dataclass(eq=False)
@@ -69,6 +72,87 @@ class RunState:
     data: EpochIterator | None = None
     restored_rng: dict[str, Any] | None = None
     error: BaseException | None = None
+
+
+T = TypeVar("T")
+
+
+class RunValue(Generic[T]):
+    """A trainer attribute that shows its loop's ``RunState``: read-only, and assigning it raises
+    an ``AttributeError`` that says what to do instead (the loop is its one writer).
+
+    Args:
+        doc: The attribute's docstring.
+        instead: What to call instead of assigning it.
+    """
+
+    def __init__(self, doc: str, instead: str) -> None:
+        self.__doc__ = doc
+        self.instead = instead
+
+    def __set_name__(self, owner: type, name: str) -> None:
+        """Learn the attribute's name."""
+        self.name = name
+
+    @overload
+    def __get__(self, trainer: None, owner: type) -> RunValue[T]: ...
+    @overload
+    def __get__(self, trainer: Any, owner: type) -> T: ...
+    def __get__(self, trainer: Any, owner: type) -> RunValue[T] | T:
+        """The loop's value (the descriptor itself on the class)."""
+        if trainer is None:
+            return self
+        value: T = getattr(trainer.loop.run_state, self.name)
+        return value
+
+    def __set__(self, trainer: Any, value: NoReturn) -> NoReturn:
+        """Refuse, saying what to call instead."""
+        raise AttributeError(f"trainer.{self.name} is the loop's and read-only: {self.instead}")
+
+
+class Built(Generic[T]):
+    """A component the loop builds in ``building`` (``build_<name>()``), held in its ``RunState``.
+
+    Before ``train()`` it may be assigned (to use a trainer's ``forward`` outside a run, say);
+    during a run, assigning it raises an ``AttributeError``: change the object in place, or
+    restore a state with ``load_state_dict()``.
+    """
+
+    def __set_name__(self, owner: type, name: str) -> None:
+        """Learn the attribute's name."""
+        self.name = name
+        self.__doc__ = f"The ``build_{name}()`` result, built by the loop in ``building``."
+
+    @overload
+    def __get__(self, trainer: None, owner: type) -> Built[T]: ...
+    @overload
+    def __get__(self, trainer: Any, owner: type) -> T: ...
+    def __get__(self, trainer: Any, owner: type) -> Built[T] | T:
+        """The built component (the descriptor itself on the class)."""
+        if trainer is None:
+            return self
+        loop = getattr(trainer, "loop", None)  # None: before BaseTrainer.__init__ made it
+        try:
+            value: T = loop.run_state.built[self.name]  # type: ignore[union-attr]
+        except (KeyError, AttributeError):
+            raise AttributeError(
+                f"trainer.{self.name} is not built yet: train() builds it with build_{self.name}() in 'building'"
+            ) from None
+        return value
+
+    def __set__(self, trainer: Any, value: T) -> None:
+        """Hold ``value`` as the component, unless a run is past ``building``."""
+        loop = getattr(trainer, "loop", None)
+        if loop is None:  # a subclass's __init__ before it called BaseTrainer's: kept till then
+            trainer.__dict__.setdefault(EARLY_COMPONENTS, {})[self.name] = value
+            return
+        state = trainer.state
+        if state not in (State.IDLE, State.BUILDING):
+            raise AttributeError(
+                f"trainer.{self.name} was built in 'building' and is not replaced during a run (state "
+                f"{state.value!r}): change it in place, or restore a state with trainer.load_state_dict()"
+            )
+        loop.run_state.built[self.name] = value
 
 
 class TrainerView(Protocol):

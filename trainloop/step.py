@@ -104,6 +104,7 @@ class StepInfo:
     # clipping: no ``grad_norm``) is absent, as the seed's dict had no such key.
 
     def __getitem__(self, key: str) -> Any:
+        """A field by its name (``KeyError`` while it holds ``None``), else ``extras[key]``."""
         if key in _STEP_INFO_FIELDS:
             value = getattr(self, key)
             if value is None:
@@ -112,12 +113,14 @@ class StepInfo:
         return self.extras[key]
 
     def __setitem__(self, key: str, value: Any) -> None:
+        """Set a field by its name, else ``extras[key]``."""
         if key in _STEP_INFO_FIELDS:
             setattr(self, key, value)
         else:
             self.extras[key] = value
 
     def __contains__(self, key: object) -> bool:
+        """Whether ``self[key]`` would find a value."""
         if key in _STEP_INFO_FIELDS:
             return getattr(self, key) is not None
         return key in self.extras
@@ -170,7 +173,8 @@ class StepRunner:
             if plan.check_grads and self._scaler is None and plan.grad_clip is None
             else None
         )
-        # Optimizers that unscale inside their own step (fused ones) must step through the scaler.
+        # Optimizers that unscale inside their own step (fused ones) must step through the scaler;
+        # torch marks them with this private flag, which GradScaler.step reads too.
         self._step_through_scaler = getattr(plan.optimizer, "_step_supports_amp_scaling", False)
         self.items: torch.Tensor | int | None = None  # the step's Loss item count so far
         self.microsteps = 0  # microsteps done in the step in progress
@@ -268,7 +272,8 @@ class StepRunner:
             self.grad_norm = grad_norm
         if scaler is not None:
             # The step's one host sync, the one GradScaler.step would make anyway: a skipped
-            # update is a retry, decided here, not a silent no-op.
+            # update is a retry, decided here, not a silent no-op. (torch's private API: GradScaler
+            # has no public way to read what unscale_ found, and GradScaler.step reads this one.)
             found = scaler._found_inf_per_device(optimizer).values()
             if any(bool(f.item()) for f in found):
                 scaler.update()  # lowers the scale for the retry

@@ -8,7 +8,7 @@ import logging
 from collections.abc import Callable, Iterable
 from logging import Logger
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, ClassVar, Generic, NoReturn, TypeVar, overload
+from typing import TYPE_CHECKING, Any, ClassVar
 
 import torch
 from torch import nn
@@ -22,7 +22,7 @@ from trainloop.metrics import MetricsLog
 from trainloop.nested import Records
 from trainloop.result import RunResult, finish_run
 from trainloop.run_length import RunLength
-from trainloop.run_state import RunState
+from trainloop.run_state import EARLY_COMPONENTS, Built, RunState, RunValue
 from trainloop.settings import optimizer as components
 from trainloop.settings import preflight
 from trainloop.settings.model import TrainerSettings
@@ -36,74 +36,6 @@ if TYPE_CHECKING:
 __all__ = ["BaseTrainer", "ChangedSettingsWarning", "LossNoneWarning"]
 
 _PRECISIONS = {"bf16": torch.bfloat16, "fp16": torch.float16}
-
-T = TypeVar("T")
-
-
-class _RunValue(Generic[T]):
-    """A trainer attribute that shows the loop's ``RunState``: read-only, and assigning it raises
-    an ``AttributeError`` that says what to do instead (the loop is its one writer)."""
-
-    def __init__(self, doc: str, instead: str) -> None:
-        self.__doc__ = doc
-        self.instead = instead
-
-    def __set_name__(self, owner: type, name: str) -> None:
-        self.name = name
-
-    @overload
-    def __get__(self, trainer: None, owner: type) -> _RunValue[T]: ...
-    @overload
-    def __get__(self, trainer: BaseTrainer, owner: type) -> T: ...
-    def __get__(self, trainer: BaseTrainer | None, owner: type) -> _RunValue[T] | T:
-        if trainer is None:
-            return self
-        value: T = getattr(trainer._run, self.name)
-        return value
-
-    def __set__(self, trainer: BaseTrainer, value: NoReturn) -> NoReturn:
-        raise AttributeError(f"trainer.{self.name} is the loop's and read-only: {self.instead}")
-
-
-class _Built(Generic[T]):
-    """A component the loop builds in ``building`` (``build_<name>()``), held in its ``RunState``.
-
-    Before ``train()`` it may be assigned (to use a trainer's ``forward`` outside a run, say);
-    during a run, assigning it raises an ``AttributeError``: change the object in place, or
-    restore a state with ``load_state_dict()``.
-    """
-
-    def __set_name__(self, owner: type, name: str) -> None:
-        self.name = name
-        self.__doc__ = f"The ``build_{name}()`` result, built by the loop in ``building``."
-
-    @overload
-    def __get__(self, trainer: None, owner: type) -> _Built[T]: ...
-    @overload
-    def __get__(self, trainer: BaseTrainer, owner: type) -> T: ...
-    def __get__(self, trainer: BaseTrainer | None, owner: type) -> _Built[T] | T:
-        if trainer is None:
-            return self
-        try:
-            value: T = trainer._run.built[self.name]
-        except (KeyError, AttributeError):  # AttributeError: before BaseTrainer.__init__ ran
-            raise AttributeError(
-                f"trainer.{self.name} is not built yet: train() builds it with build_{self.name}() in 'building'"
-            ) from None
-        return value
-
-    def __set__(self, trainer: BaseTrainer, value: T) -> None:
-        if "_run" not in trainer.__dict__:  # a subclass's __init__ before calling BaseTrainer's
-            trainer.__dict__.setdefault("_built_early", {})[self.name] = value
-            return
-        state = trainer.state
-        if state not in (State.IDLE, State.BUILDING):
-            raise AttributeError(
-                f"trainer.{self.name} was built in 'building' and is not replaced during a run (state "
-                f"{state.value!r}): change it in place, or restore a state with trainer.load_state_dict()"
-            )
-        trainer._run.built[self.name] = value
-
 
 class BaseTrainer:
     """A training loop whose sequencing is an explicit state machine.
@@ -133,33 +65,33 @@ class BaseTrainer:
     settings_class: ClassVar[type[TrainerSettings]] = TrainerSettings
 
     # Built in ``building``, in this order, by the ``build_*`` methods; the loop holds them.
-    data_loader: _Built[Iterable[Any]] = _Built()
-    model: _Built[nn.Module] = _Built()
-    optimizer: _Built[torch.optim.Optimizer] = _Built()
-    lr_scheduler: _Built[torch.optim.lr_scheduler.LRScheduler | None] = _Built()
-    grad_scaler: _Built[torch.amp.GradScaler] = _Built()
+    data_loader: Built[Iterable[Any]] = Built()
+    model: Built[nn.Module] = Built()
+    optimizer: Built[torch.optim.Optimizer] = Built()
+    lr_scheduler: Built[torch.optim.lr_scheduler.LRScheduler | None] = Built()
+    grad_scaler: Built[torch.amp.GradScaler] = Built()
 
     # The run's state, as the loop keeps it (see ``trainloop.run_state.RunState``).
-    step: _RunValue[int] = _RunValue(
+    step: RunValue[int] = RunValue(
         "The last begun step: incremented when a new step begins (0 before the first).",
         "to resume at another step, restore a state with trainer.load_state_dict(); "
         "to end the run, call trainer.request_exit()",
     )
-    epoch: _RunValue[int] = _RunValue(
+    epoch: RunValue[int] = RunValue(
         "The epoch the run resumed in; once the run has exited, the epoch its data ended in "
         "(``run_length.epochs_completed`` counts full passes while it runs).",
         "restore a state with trainer.load_state_dict(), or end the run with trainer.request_exit()",
     )
-    step_info: _RunValue[StepInfo] = _RunValue(
+    step_info: RunValue[StepInfo] = RunValue(
         "What the step in progress did (see ``StepInfo``); a hook may add records to it.",
         "the loop starts a new one each step; add records to it instead "
         "(trainer.step_info['name'] = value)",
     )
-    hooks: _RunValue[tuple[BaseHook, ...]] = _RunValue(
+    hooks: RunValue[tuple[BaseHook, ...]] = RunValue(
         "The run's hooks, in the order they are called: ``build_hooks()``'s, then the declared ones.",
         "return hooks from build_hooks() or declare them in settings.hooks",
     )
-    error: _RunValue[BaseException | None] = _RunValue(
+    error: RunValue[BaseException | None] = RunValue(
         "What ended the run, if an error did (``train()`` re-raised it).",
         "raise the error, or end the run cleanly with trainer.request_exit()",
     )
@@ -184,7 +116,7 @@ class BaseTrainer:
         self.result: RunResult | None = None
         self._loop = Loop(self)
         self._run: RunState = self._loop.run_state
-        self._run.built.update(self.__dict__.pop("_built_early", {}))
+        self._run.built.update(self.__dict__.pop(EARLY_COMPONENTS, {}))
         self._machine = self._loop.machine
         self._requests = self._loop.requests
 
