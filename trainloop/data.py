@@ -45,7 +45,8 @@ class EpochIterator:
         self._iterator = self._start_epoch()
         self._may_be_empty = resumed
         if resumed:
-            # A restored StatefulDataLoader resumes mid-epoch; its iterator knows how far.
+            # A restored StatefulDataLoader resumes mid-epoch; its iterator knows how far (a
+            # private counter of torch's DataLoader iterators: there is no public one).
             self._drawn_this_epoch = int(getattr(self._iterator, "_num_yielded", 0))
 
     def _start_epoch(self) -> Iterator[Any]:

@@ -2,16 +2,18 @@
 transition table's conditions name. ``BaseTrainer.train()`` runs it; ``trainloop.machine`` says
 which state comes next.
 
-What the run produces (``step``, ``epoch``, ``step_info``, the built components, ``hooks``)
-lives on the trainer, where users and hooks read it; what only sequencing needs (the step
-runner, the retry count, the requests) lives here.
+The loop owns the run: what it produces (``step``, ``epoch``, ``step_info``, the built
+components, ``hooks``, the data iterator) is its ``RunState``, which the trainer shows read-only
+to users and hooks; what only sequencing needs (the step runner, the retry count, the requests)
+lives here too.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import contextlib
+from collections.abc import Callable, Iterator
 from time import perf_counter
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -25,11 +27,12 @@ from trainloop.machine.table import State
 from trainloop.machine.trace import start_run_record
 from trainloop.metrics import METRICS_FILE
 from trainloop.requests import RunRequests
-from trainloop.rng import set_rng_state
+from trainloop.rng import seed_all, set_rng_state
+from trainloop.run_state import RunState
 from trainloop.step import StepInfo, StepPlan, StepRunner
 
 if TYPE_CHECKING:
-    from trainloop.trainer import BaseTrainer
+    from trainloop.run_state import TrainerContract
 
 __all__ = ["Loop", "trainer_step_plan"]
 
@@ -41,14 +44,13 @@ class Loop:
         trainer: The trainer whose contract (``build_*``, ``forward``) and hooks the loop calls.
     """
 
-    def __init__(self, trainer: BaseTrainer) -> None:
+    def __init__(self, trainer: TrainerContract) -> None:
         self.trainer = trainer
+        self.run_state = RunState(dispatch=hook_dispatch(()))
         self.requests = RunRequests()
         self.retries = 0  # retries of the step in progress
         self.applied = True  # whether the last optimizer update was applied
-        self.data: EpochIterator | None = None
         self.runner: StepRunner | None = None
-        self.restored_rng: dict[str, Any] | None = None  # set by a checkpoint load in restoring
         self.step_start = 0.0
         self.machine = StateMachine(
             conditions={
@@ -59,7 +61,7 @@ class Loop:
             },
             actions={"begin_step": self.begin_step, "redo_step": self.redo_step},
             owner=trainer,
-            step=lambda: trainer.step,
+            step=lambda: self.run_state.step,
         )
 
     def run(self) -> None:
@@ -80,10 +82,10 @@ class Loop:
                 work[state]()
                 state = machine.advance()
         except BaseException as error:
-            trainer.error = error
+            self.run_state.error = error
             machine.fail()
             try:
-                for fn in trainer._dispatch["on_exception"]:
+                for fn in self.run_state.dispatch["on_exception"]:
                     fn(trainer, error)
             finally:
                 self.exit()
@@ -93,32 +95,57 @@ class Loop:
     # -- the work of each state ----------------------------------------------------------------
 
     def build(self) -> None:
-        t = self.trainer
-        t._build_components()
-        t.lr_scheduler = t.build_lr_scheduler()
-        t.grad_scaler = t.build_grad_scaler()
-        t.hooks = build_declared_hooks(t.settings.hooks, t.build_hooks())
-        check_hooks(t.hooks)
-        t._dispatch = hook_dispatch(t.hooks)
-        for hook in t.hooks:
+        t, run = self.trainer, self.run_state
+        self.build_components()
+        hooks = build_declared_hooks(t.settings.hooks, t.build_hooks())
+        check_hooks(hooks)
+        run.hooks = tuple(hooks)
+        run.dispatch = hook_dispatch(hooks)
+        for hook in hooks:
             for state, method in state_entry_methods(hook):
                 self.machine.on_enter(state, method)
 
+    def build_components(self, lr_scheduler: bool = True) -> None:
+        """Seed, then build data loader, model, optimizer, lr scheduler and grad scaler, in that
+        order (each may read the ones before it): ``building`` starts with these, and ``lr_find``
+        builds them without the lr scheduler (``lr_scheduler=False``)."""
+        t, built = self.trainer, self.run_state.built
+        if t.settings.seed is not None:
+            seed_all(t.settings.seed)
+        built["data_loader"] = t.build_data_loader()
+        t.run_length.plan(built["data_loader"])
+        built["model"] = t.build_model()
+        built["optimizer"] = t.build_optimizer()
+        if lr_scheduler:
+            built["lr_scheduler"] = t.build_lr_scheduler()
+        built["grad_scaler"] = t.build_grad_scaler()
+
+    @contextlib.contextmanager
+    def components_kept(self) -> Iterator[None]:
+        """Give the built components back what they held (or their absence) afterwards: for a
+        tool that builds and runs a trainer's step outside ``train()`` (``lr_find``)."""
+        saved = dict(self.run_state.built)
+        try:
+            yield
+        finally:
+            self.run_state.built.clear()
+            self.run_state.built.update(saved)
+
     def restore(self) -> None:
         # A checkpoint, if any, was loaded by on_enter_restoring callbacks before this runs.
-        t = self.trainer
+        t, run = self.trainer, self.run_state
         if t.settings.metrics_file and t.settings.workspace is not None and is_rank_zero():
-            t.metrics.open(t.settings.workspace / METRICS_FILE, resumed_step=t.step)
-        for fn in t._dispatch["on_before_train"]:
+            t.metrics.open(t.settings.workspace / METRICS_FILE, resumed_step=run.step)
+        for fn in run.dispatch["on_before_train"]:
             fn(t)
-        self.data = EpochIterator(t.data_loader, t.epoch, resumed=t.step > 0)
-        t.run_length.follow(self.data)
-        if self.restored_rng is not None:
+        run.data = EpochIterator(run.built["data_loader"], run.epoch, resumed=run.step > 0)
+        t.run_length.follow(run.data)
+        if run.restored_rng is not None:
             # Only now: creating the data iterator draws from torch's generator (its base seed),
             # which the uninterrupted run did long before this step.
-            set_rng_state(self.restored_rng)
-            self.restored_rng = None
-        self.runner = StepRunner(self.step_plan(), self.data)
+            set_rng_state(run.restored_rng)
+            run.restored_rng = None
+        self.runner = StepRunner(self.step_plan(), run.data)
         self.requests.open()
         t.model.train()
         t.optimizer.zero_grad()
@@ -130,30 +157,30 @@ class Loop:
             t,
             lr_scheduler=t.lr_scheduler,
             check_grads=t.settings.detect_non_finite_grads,
-            before_optimizer_step=self.before_optimizer_step if t._dispatch["on_before_optimizer_step"] else None,
+            before_optimizer_step=self.before_optimizer_step if self.run_state.dispatch["on_before_optimizer_step"] else None,
         )
 
     def before_optimizer_step(self) -> None:
-        for fn in self.trainer._dispatch["on_before_optimizer_step"]:
+        for fn in self.run_state.dispatch["on_before_optimizer_step"]:
             fn(self.trainer)
 
     def accumulate(self) -> None:
         loss, records, data_time = self.runner.microstep()  # type: ignore[union-attr]
-        info = self.trainer.step_info
+        info = self.run_state.step_info
         info.data_time.append(data_time)
         info.records.append(records)
         info.loss.append(loss.sum.detach() / loss.count if isinstance(loss, Loss) else loss.detach())
 
     def update(self) -> None:
-        t, runner = self.trainer, self.runner
+        t, run, runner = self.trainer, self.run_state, self.runner
         self.applied = runner.update()  # type: ignore[union-attr]
         if t.settings.grad_clip is not None:
-            t.step_info.grad_norm = runner.grad_norm  # type: ignore[union-attr]
+            run.step_info.grad_norm = runner.grad_norm  # type: ignore[union-attr]
         if not self.applied:
             self._raise_if_no_retries_left()
             return
-        t.step_info.step_time = perf_counter() - self.step_start
-        for fn in t._dispatch["on_after_step"]:
+        run.step_info.step_time = perf_counter() - self.step_start
+        for fn in run.dispatch["on_after_step"]:
             fn(t)
         self.requests.settle()
 
@@ -185,40 +212,40 @@ class Loop:
             t.step, self.retries, t.settings.max_non_finite_grad_retries,
         )
         t.optimizer.zero_grad()
-        info = t.step_info
+        info = self.run_state.step_info
         info.loss, info.records = [], []
         info.non_finite_grad_retries = self.retries
 
     def checkpoint(self) -> None:
         # The save itself is done by on_enter_checkpointing callbacks (CheckpointingHook).
-        self.requests.checkpointed(self.trainer.step)
+        self.requests.checkpointed(self.run_state.step)
 
     def exit(self) -> None:
-        t = self.trainer
+        t, run = self.trainer, self.run_state
         if self.machine.trace is not None:
             self.machine.trace.close()
         try:
-            for fn in t._dispatch["on_after_train"]:
+            for fn in run.dispatch["on_after_train"]:
                 fn(t)
         finally:
             t.metrics.close()
             self.requests.close()
-            if self.data is not None:
-                self.data.close()
-                t.epoch = self.data.epoch
+            if run.data is not None:
+                run.data.close()
+                run.epoch = run.data.epoch
 
     # -- the edges' actions --------------------------------------------------------------------
 
     def begin_step(self) -> None:
         """``begin_step``: a new step, counted, announced to ``on_before_step``."""
-        t = self.trainer
-        t.step += 1
+        run = self.run_state
+        run.step += 1
         self.retries = 0
-        t.step_info = StepInfo()
+        run.step_info = StepInfo()
         self.step_start = perf_counter()
         self.runner.begin()  # type: ignore[union-attr]
-        for fn in t._dispatch["on_before_step"]:
-            fn(t)
+        for fn in run.dispatch["on_before_step"]:
+            fn(self.trainer)
 
     def redo_step(self) -> None:
         """``redo_step``: the same step again, on fresh batches; neither counted nor announced."""
@@ -227,20 +254,20 @@ class Loop:
     # -- the policies --------------------------------------------------------------------------
 
     def should_exit(self) -> bool:
-        return self.requests.exit_agreed or self.trainer.run_length.reached(self.trainer.step)
+        return self.requests.exit_agreed or self.trainer.run_length.reached(self.run_state.step)
 
     def microsteps_remain(self) -> bool:
-        return self.runner.microsteps < self.trainer.settings.gradient_accumulation_steps  # type: ignore[union-attr]
+        return self.runner.microsteps_remain()  # type: ignore[union-attr]
 
     def grads_non_finite(self) -> bool:
         return not self.applied
 
     def checkpoint_due(self) -> bool:
-        return self.requests.checkpoint_due(self.trainer.step, ending=self.should_exit)
+        return self.requests.checkpoint_due(self.run_state.step, ending=self.should_exit)
 
 
 def trainer_step_plan(
-    trainer: BaseTrainer,
+    trainer: TrainerContract,
     *,
     check_grads: bool,
     lr_scheduler: torch.optim.lr_scheduler.LRScheduler | None = None,

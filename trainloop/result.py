@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from trainloop.trainer import BaseTrainer
+    from trainloop.run_state import TrainerView
 
 __all__ = ["RUNS_FILE", "RunResult", "finish_run", "read_runs", "run_result"]
 
@@ -54,7 +54,7 @@ class RunResult:
     error: str | None = None
 
 
-def run_result(trainer: BaseTrainer) -> RunResult:
+def run_result(trainer: TrainerView) -> RunResult:
     """The result of ``trainer``'s run, read once it has exited."""
     best = None
     for hook in trainer.hooks:
@@ -78,7 +78,7 @@ def run_result(trainer: BaseTrainer) -> RunResult:
     )
 
 
-def finish_run(trainer: BaseTrainer) -> RunResult:
+def finish_run(trainer: TrainerView) -> RunResult:
     """The result of ``trainer``'s run; appended to ``<workspace>/runs.jsonl`` on rank 0."""
     from trainloop.distributed.ranks import is_rank_zero
 

@@ -36,7 +36,7 @@ class RunLength:
     def __init__(self, settings: TrainerSettings) -> None:
         self.max_steps = settings.max_steps
         self.max_epochs = settings.max_epochs
-        self._accumulation = settings.gradient_accumulation_steps
+        self._settings = settings  # gradient_accumulation_steps is read there, not copied
         self.planned_steps: int | None = self.max_steps if self.max_epochs is None else None
         self._data: EpochIterator | None = None
         self.epochs_at_start = 0
@@ -57,7 +57,7 @@ class RunLength:
                 f"build_data_loader() returned a {type(loader).__name__} without len(); "
                 "set max_steps instead"
             )
-        by_epochs = max(1, math.ceil(self.max_epochs * length / self._accumulation))
+        by_epochs = max(1, math.ceil(self.max_epochs * length / self._settings.gradient_accumulation_steps))
         self.planned_steps = by_epochs if self.max_steps is None else min(self.max_steps, by_epochs)
 
     def follow(self, data: EpochIterator) -> None:

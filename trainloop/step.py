@@ -99,6 +99,39 @@ class StepInfo:
     stats: Any = None  # a trainloop.hooks.stats.TrainingStats
     extras: dict[str, Any] = field(default_factory=dict)
 
+    # Read and written like the seed's dict too (``step_info["loss"]``, ``step_info["max_memory"] =
+    # ...``): a field by its name, any other key in ``extras``. A field that holds ``None`` (no
+    # clipping: no ``grad_norm``) is absent, as the seed's dict had no such key.
+
+    def __getitem__(self, key: str) -> Any:
+        """A field by its name (``KeyError`` while it holds ``None``), else ``extras[key]``."""
+        if key in _STEP_INFO_FIELDS:
+            value = getattr(self, key)
+            if value is None:
+                raise KeyError(key)
+            return value
+        return self.extras[key]
+
+    def __setitem__(self, key: str, value: Any) -> None:
+        """Set a field by its name, else ``extras[key]``."""
+        if key in _STEP_INFO_FIELDS:
+            setattr(self, key, value)
+        else:
+            self.extras[key] = value
+
+    def __contains__(self, key: object) -> bool:
+        """Whether ``self[key]`` would find a value."""
+        if key in _STEP_INFO_FIELDS:
+            return getattr(self, key) is not None
+        return key in self.extras
+
+    def get(self, key: str, default: Any = None) -> Any:
+        """``self[key]`` if present, else ``default``."""
+        return self[key] if key in self else default
+
+
+_STEP_INFO_FIELDS = frozenset(StepInfo.__dataclass_fields__) - {"extras"}
+
 
 class Microstep(NamedTuple):
     """What one microstep computed.
@@ -140,7 +173,8 @@ class StepRunner:
             if plan.check_grads and self._scaler is None and plan.grad_clip is None
             else None
         )
-        # Optimizers that unscale inside their own step (fused ones) must step through the scaler.
+        # Optimizers that unscale inside their own step (fused ones) must step through the scaler;
+        # torch marks them with this private flag, which GradScaler.step reads too.
         self._step_through_scaler = getattr(plan.optimizer, "_step_supports_amp_scaling", False)
         self.items: torch.Tensor | int | None = None  # the step's Loss item count so far
         self.microsteps = 0  # microsteps done in the step in progress
@@ -150,6 +184,11 @@ class StepRunner:
         """Start a step (or its retry): no microstep done, no items counted."""
         self.microsteps = 0
         self.items = None
+
+    def microsteps_remain(self) -> bool:
+        """Whether the step in progress needs another microstep (``plan.accumulation``, the one
+        place a run reads its accumulation from: the machine's edge and ``lr_find`` ask this)."""
+        return self.microsteps < self.plan.accumulation
 
     def microstep(self) -> Microstep:
         """Draw batches until ``forward`` returns a loss, and backpropagate it.
@@ -233,7 +272,8 @@ class StepRunner:
             self.grad_norm = grad_norm
         if scaler is not None:
             # The step's one host sync, the one GradScaler.step would make anyway: a skipped
-            # update is a retry, decided here, not a silent no-op.
+            # update is a retry, decided here, not a silent no-op. (torch's private API: GradScaler
+            # has no public way to read what unscale_ found, and GradScaler.step reads this one.)
             found = scaler._found_inf_per_device(optimizer).values()
             if any(bool(f.item()) for f in found):
                 scaler.update()  # lowers the scale for the retry

@@ -14,7 +14,6 @@ import torch
 from torch import nn
 
 from trainloop.hooks.base import BaseHook
-from trainloop.hooks.dispatch import hook_dispatch
 from trainloop.loop import Loop
 from trainloop.machine.runner import Handle
 from trainloop.machine.table import State
@@ -22,8 +21,8 @@ from trainloop.machine.trace import Trace
 from trainloop.metrics import MetricsLog
 from trainloop.nested import Records
 from trainloop.result import RunResult, finish_run
-from trainloop.rng import seed_all
 from trainloop.run_length import RunLength
+from trainloop.run_state import EARLY_COMPONENTS, Built, RunState, RunValue
 from trainloop.settings import optimizer as components
 from trainloop.settings import preflight
 from trainloop.settings.model import TrainerSettings
@@ -37,7 +36,6 @@ if TYPE_CHECKING:
 __all__ = ["BaseTrainer", "ChangedSettingsWarning", "LossNoneWarning"]
 
 _PRECISIONS = {"bf16": torch.bfloat16, "fp16": torch.float16}
-
 
 class BaseTrainer:
     """A training loop whose sequencing is an explicit state machine.
@@ -66,12 +64,37 @@ class BaseTrainer:
 
     settings_class: ClassVar[type[TrainerSettings]] = TrainerSettings
 
-    # Built in ``building``, in this order, by the ``build_*`` methods.
-    data_loader: Iterable[Any]
-    model: nn.Module
-    optimizer: torch.optim.Optimizer
-    lr_scheduler: torch.optim.lr_scheduler.LRScheduler | None
-    grad_scaler: torch.amp.GradScaler
+    # Built in ``building``, in this order, by the ``build_*`` methods; the loop holds them.
+    data_loader: Built[Iterable[Any]] = Built()
+    model: Built[nn.Module] = Built()
+    optimizer: Built[torch.optim.Optimizer] = Built()
+    lr_scheduler: Built[torch.optim.lr_scheduler.LRScheduler | None] = Built()
+    grad_scaler: Built[torch.amp.GradScaler] = Built()
+
+    # The run's state, as the loop keeps it (see ``trainloop.run_state.RunState``).
+    step: RunValue[int] = RunValue(
+        "The last begun step: incremented when a new step begins (0 before the first).",
+        "to resume at another step, restore a state with trainer.load_state_dict(); "
+        "to end the run, call trainer.request_exit()",
+    )
+    epoch: RunValue[int] = RunValue(
+        "The epoch the run resumed in; once the run has exited, the epoch its data ended in "
+        "(``run_length.epochs_completed`` counts full passes while it runs).",
+        "restore a state with trainer.load_state_dict(), or end the run with trainer.request_exit()",
+    )
+    step_info: RunValue[StepInfo] = RunValue(
+        "What the step in progress did (see ``StepInfo``); a hook may add records to it.",
+        "the loop starts a new one each step; add records to it instead "
+        "(trainer.step_info['name'] = value)",
+    )
+    hooks: RunValue[tuple[BaseHook, ...]] = RunValue(
+        "The run's hooks, in the order they are called: ``build_hooks()``'s, then the declared ones.",
+        "return hooks from build_hooks() or declare them in settings.hooks",
+    )
+    error: RunValue[BaseException | None] = RunValue(
+        "What ended the run, if an error did (``train()`` re-raised it).",
+        "raise the error, or end the run cleanly with trainer.request_exit()",
+    )
 
     def __init__(
         self,
@@ -88,16 +111,12 @@ class BaseTrainer:
         self.device = (
             torch.device(self.settings.device) if self.settings.device else torch.get_default_device()
         )
-        self.step = 0  # the last begun step; incremented when a new step begins
-        self.epoch = 0
-        self.step_info = StepInfo()  # what the step in progress did; see StepInfo
-        self.hooks: list[BaseHook] = []
-        self.error: BaseException | None = None
         self.run_length = RunLength(self.settings)  # where the run ends: max_steps, max_epochs
         self.metrics = MetricsLog()  # every trainer.log call; metrics.jsonl in the workspace
         self.result: RunResult | None = None
-        self._dispatch = hook_dispatch(())
         self._loop = Loop(self)
+        self._run: RunState = self._loop.run_state
+        self._run.built.update(self.__dict__.pop(EARLY_COMPONENTS, {}))
         self._machine = self._loop.machine
         self._requests = self._loop.requests
 
@@ -175,6 +194,12 @@ class BaseTrainer:
     def state(self) -> State:
         """The machine's current state."""
         return self._machine.state
+
+    @property
+    def loop(self) -> Loop:
+        """The loop that runs this trainer and owns its run state (machinery: tools such as
+        ``lr_find`` use it; hooks read the trainer instead)."""
+        return self._loop
 
     @property
     def trace(self) -> Trace | None:
@@ -296,15 +321,15 @@ class BaseTrainer:
             raise SystemExit(self.exit_code)
         return self.result
 
-    def _build_components(self) -> None:
-        """Seed, then build data loader, model and optimizer, in that order (each may read the
-        ones before it); ``building`` starts with these, and ``lr_find`` builds these alone."""
-        if self.settings.seed is not None:
-            seed_all(self.settings.seed)
-        self.data_loader = self.build_data_loader()
-        self.run_length.plan(self.data_loader)
-        self.model = self.build_model()
-        self.optimizer = self.build_optimizer()
+    @classmethod
+    def missing_methods(cls) -> list[str]:
+        """The methods of the user's contract this class leaves to ``BaseTrainer``'s stubs.
+
+        ``build_optimizer`` is listed when not overridden, though ``settings.optimizer`` can
+        stand in for it (the preflight decides).
+        """
+        required = ("build_data_loader", "build_model", "forward", "build_optimizer")
+        return [name for name in required if getattr(cls, name) is getattr(BaseTrainer, name)]
 
     # -- state -----------------------------------------------------------------------------
 
@@ -312,24 +337,25 @@ class BaseTrainer:
         """The full training state: model, optimizer, scheduler, grad scaler, step, per-rank
         random generators and data position, settings, and hooks' (see
         ``trainloop.training_state``)."""
-        return training_state(self)
+        return training_state(self, self._run)
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        """Restore what ``state_dict`` returned."""
-        load_training_state(self, state_dict)
+        """Restore what ``state_dict`` returned (the step and epoch included)."""
+        load_training_state(self, self._run, state_dict)
 
     # -- logging and helpers -------------------------------------------------------------------
 
     def log(self, records: Records) -> None:
         """Send nested numeric records to every hook's ``on_log``, and record them in
         ``trainer.metrics`` (and ``<workspace>/metrics.jsonl``, see ``settings.metrics_file``)."""
-        self.metrics.record(self.step, records)
-        for fn in self._dispatch["on_log"]:
+        run = self._run
+        self.metrics.record(run.step, records)
+        for fn in run.dispatch["on_log"]:
             fn(self, records)
 
     def log_images(self, records: dict[str, Any]) -> None:
         """Send images (e.g. PIL images) to every hook's ``on_log_images``."""
-        for fn in self._dispatch["on_log_images"]:
+        for fn in self._run.dispatch["on_log_images"]:
             fn(self, records)
 
     @staticmethod

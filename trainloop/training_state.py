@@ -15,7 +15,7 @@ from trainloop.rng import get_rng_state, set_rng_state
 from trainloop.settings import optimizer as components
 
 if TYPE_CHECKING:
-    from trainloop.trainer import BaseTrainer
+    from trainloop.run_state import RunState, TrainerView
 
 __all__ = ["ChangedSettingsWarning", "load_training_state", "training_state"]
 
@@ -24,8 +24,11 @@ class ChangedSettingsWarning(UserWarning):
     """A run resumes from a checkpoint made with different settings."""
 
 
-def training_state(trainer: BaseTrainer) -> dict[str, Any]:
+def training_state(trainer: TrainerView, run: RunState) -> dict[str, Any]:
     """The full training state: model, optimizer, scheduler, grad scaler, step, and hooks'.
+
+    ``run`` is the trainer's run state (its loop's), which holds the data position and the
+    hooks' dispatch.
 
     Model and optimizer go through ``torch.distributed.checkpoint.state_dict`` so DDP and FSDP
     models give the same layout as plain ones.
@@ -36,12 +39,12 @@ def training_state(trainer: BaseTrainer) -> dict[str, Any]:
     model_state, optimizer_state = get_state_dict(
         trainer.model, trainer.optimizer, options=trainer.state_dict_options
     )
-    data = trainer._loop.data
+    data = run.data
     state_dict: dict[str, Any] = {
         "model": model_state,
         "training_state": {
-            "step": trainer.step,
-            "epoch": data.resume_epoch if data is not None else trainer.epoch,
+            "step": run.step,
+            "epoch": data.resume_epoch if data is not None else run.epoch,
             "optimizer": optimizer_state,
             "lr_scheduler": trainer.lr_scheduler.state_dict() if trainer.lr_scheduler else None,
             "grad_scaler": trainer.grad_scaler.state_dict(),
@@ -52,25 +55,25 @@ def training_state(trainer: BaseTrainer) -> dict[str, Any]:
             "settings": trainer.settings.model_dump_json(),
         },
     }
-    for fn in trainer._dispatch["on_state_dict"]:
+    for fn in run.dispatch["on_state_dict"]:
         fn(trainer, state_dict)
     return state_dict
 
 
-def load_training_state(trainer: BaseTrainer, state_dict: dict[str, Any]) -> None:
-    """Restore into ``trainer`` what ``training_state`` returned."""
+def load_training_state(trainer: TrainerView, run: RunState, state_dict: dict[str, Any]) -> None:
+    """Restore into ``trainer`` and its run state what ``training_state`` returned."""
     from torch.distributed.checkpoint.state_dict import set_state_dict
 
     saved = state_dict["training_state"]
-    trainer.step = saved["step"]
-    trainer.epoch = saved.get("epoch", 0)
-    trainer.logger.info("Resuming from step %d", trainer.step)
+    run.step = saved["step"]
+    run.epoch = saved.get("epoch", 0)
+    trainer.logger.info("Resuming from step %d", run.step)
     if trainer.lr_scheduler is not None:
         # The scheduler must load before the optimizer: loading it rewrites the optimizer's
         # lr with its own (pytorch/pytorch#119168).
         trainer.lr_scheduler.load_state_dict(saved["lr_scheduler"])
     trainer.grad_scaler.load_state_dict(saved["grad_scaler"])
-    _restore_per_rank(trainer, saved)
+    _restore_per_rank(trainer, run, saved)
     _warn_on_changed_settings(trainer, saved.get("settings"))
     set_state_dict(
         trainer.model,
@@ -79,11 +82,11 @@ def load_training_state(trainer: BaseTrainer, state_dict: dict[str, Any]) -> Non
         optim_state_dict=saved["optimizer"],
         options=trainer.state_dict_options,
     )
-    for fn in trainer._dispatch["on_load_state_dict"]:
+    for fn in run.dispatch["on_load_state_dict"]:
         fn(trainer, state_dict)
 
 
-def _restore_per_rank(trainer: BaseTrainer, saved: dict[str, Any]) -> None:
+def _restore_per_rank(trainer: TrainerView, run: RunState, saved: dict[str, Any]) -> None:
     """Restore this rank's generators and data position, if saved for as many ranks."""
     rngs, loaders = saved.get("rng"), saved.get("data_loader")
     this_rank, world = rank(), world_size()
@@ -94,8 +97,8 @@ def _restore_per_rank(trainer: BaseTrainer, saved: dict[str, Any]) -> None:
                 "not restored, so the resumed run is not an exact continuation", len(rngs), world,
             )
         return
-    if trainer._loop.data is None:
-        trainer._loop.restored_rng = rngs[this_rank]  # applied once the data iterator exists
+    if run.data is None:
+        run.restored_rng = rngs[this_rank]  # applied once the data iterator exists
     else:
         set_rng_state(rngs[this_rank])
     if loaders is not None and loaders[this_rank] is not None:
@@ -105,7 +108,7 @@ def _restore_per_rank(trainer: BaseTrainer, saved: dict[str, Any]) -> None:
         loader.load_state_dict(loaders[this_rank])
 
 
-def _warn_on_changed_settings(trainer: BaseTrainer, saved: str | None) -> None:
+def _warn_on_changed_settings(trainer: TrainerView, saved: str | None) -> None:
     if saved is None:
         return
     then = json.loads(saved)

@@ -17,7 +17,7 @@ def unwrap_model(module: nn.Module) -> nn.Module:
     """See through ``torch.compile``, DDP, DataParallel and ``AveragedModel`` wrappers."""
     while True:
         if isinstance(module, torch._dynamo.eval_frame.OptimizedModule):
-            module = module._orig_mod
+            module = module._orig_mod  # torch.compile's wrapper has no public accessor for it
         elif isinstance(
             module,
             (

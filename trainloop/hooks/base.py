@@ -3,10 +3,7 @@
 from __future__ import annotations
 
 import re
-from typing import TYPE_CHECKING, Any
-
-if TYPE_CHECKING:
-    from trainloop.trainer import BaseTrainer
+from typing import Any
 
 from trainloop._moved import moved_names
 
@@ -26,7 +23,13 @@ class BaseHook:
 
     A hook reads the trainer but does not steer it directly; its levers are requests that the
     trainer settles at the end of a step: ``trainer.request_checkpoint()`` and
-    ``trainer.request_exit()``.
+    ``trainer.request_exit()``. The run's state (``step``, ``epoch``, ``step_info``, ``hooks``,
+    the built components) is the loop's: assigning it raises an ``AttributeError`` that says
+    what to call instead; adding records to ``trainer.step_info`` is a hook's right.
+
+    The ``trainer`` the methods receive is typed ``Any`` here, so that a subclass may annotate
+    it with its own trainer class, with ``BaseTrainer``, or with the read-only view
+    ``trainloop.run_state.TrainerView`` (what the built-in hooks use).
     """
 
     _name: str | None = None
@@ -56,35 +59,35 @@ class BaseHook:
         """Whether the class adds state to checkpoints (overrides ``on_state_dict``)."""
         return cls.on_state_dict is not BaseHook.on_state_dict
 
-    def on_before_train(self, trainer: BaseTrainer) -> None:
+    def on_before_train(self, trainer: Any) -> None:
         """Called once in ``restoring``, after any checkpoint was loaded."""
 
-    def on_before_step(self, trainer: BaseTrainer) -> None:
+    def on_before_step(self, trainer: Any) -> None:
         """Called when a new step begins (the ``begin_step`` edge into ``accumulating``; not
         again when the step is retried)."""
 
-    def on_before_optimizer_step(self, trainer: BaseTrainer) -> None:
+    def on_before_optimizer_step(self, trainer: Any) -> None:
         """Called in ``stepping``, gradients unscaled and normalised, before clipping."""
 
-    def on_after_step(self, trainer: BaseTrainer) -> None:
+    def on_after_step(self, trainer: Any) -> None:
         """Called in ``stepping`` after the optimizer and scheduler stepped (never for an update
         that found non-finite gradients); ``trainer.step_info`` is complete."""
 
-    def on_exception(self, trainer: BaseTrainer, error: BaseException) -> None:
+    def on_exception(self, trainer: Any, error: BaseException) -> None:
         """Called in ``exiting`` when the run ends by an error (or an interrupt), before
         ``on_after_train``; ``error`` is what ``train()`` re-raises afterwards."""
 
-    def on_after_train(self, trainer: BaseTrainer) -> None:
+    def on_after_train(self, trainer: Any) -> None:
         """Called in ``exiting``, however the run ends (after ``on_exception`` for an error)."""
 
-    def on_log(self, trainer: BaseTrainer, records: dict[str, Any]) -> None:
+    def on_log(self, trainer: Any, records: dict[str, Any]) -> None:
         """Receive the nested numeric records given to ``trainer.log``."""
 
-    def on_log_images(self, trainer: BaseTrainer, records: dict[str, Any]) -> None:
+    def on_log_images(self, trainer: Any, records: dict[str, Any]) -> None:
         """Receive the images given to ``trainer.log_images``."""
 
-    def on_state_dict(self, trainer: BaseTrainer, state_dict: dict[str, Any]) -> None:
+    def on_state_dict(self, trainer: Any, state_dict: dict[str, Any]) -> None:
         """Add this hook's state to the trainer's ``state_dict`` (key it by ``self.name``)."""
 
-    def on_load_state_dict(self, trainer: BaseTrainer, state_dict: dict[str, Any]) -> None:
+    def on_load_state_dict(self, trainer: Any, state_dict: dict[str, Any]) -> None:
         """Restore this hook's state from a trainer ``state_dict``."""

@@ -42,7 +42,7 @@ from trainloop.settings.types import NonNegativeFloat, NonNegativeInt, PositiveI
 
 if TYPE_CHECKING:
     from trainloop.checkpoint.saver import CheckpointSaver
-    from trainloop.trainer import BaseTrainer
+    from trainloop.run_state import TrainerView
 
 __all__ = [
     "LATEST",
@@ -192,7 +192,7 @@ class CheckpointingHook(BaseHook):
 
     # -- restoring -----------------------------------------------------------------------------
 
-    def on_enter_restoring(self, trainer: BaseTrainer) -> None:
+    def on_enter_restoring(self, trainer: TrainerView) -> None:
         """Load the checkpoint ``load`` names, if any, into the trainer."""
         root = self.directory(trainer)  # fails early on a relative path without workspace
         self._settle(trainer, agree=False)  # a hook used again: its last run's save completes first
@@ -219,7 +219,7 @@ class CheckpointingHook(BaseHook):
         with _sharded_state_dict(trainer):
             trainer.load_state_dict(load_sharded(directory, trainer.state_dict()))
 
-    def _choose(self, trainer: BaseTrainer, root: Path) -> Path | None:
+    def _choose(self, trainer: TrainerView, root: Path) -> Path | None:
         """The checkpoint to load: rank 0 lists the candidates, every rank hashes its share of
         their files (see :mod:`trainloop.checkpoint.verify`); the same answer on every rank."""
         from trainloop.checkpoint.saver import broadcast_from_rank_zero
@@ -246,7 +246,7 @@ class CheckpointingHook(BaseHook):
             raise error
         return choose_checkpoint(candidates, explicit=isinstance(self.load, Path), log=trainer.logger)
 
-    def on_before_train(self, trainer: BaseTrainer) -> None:
+    def on_before_train(self, trainer: TrainerView) -> None:
         """Ask for a save at the end of the run, and install the exit-signal handlers."""
         trainer.request_checkpoint(at_exit=True)
         self._every.start(trainer)
@@ -257,7 +257,7 @@ class CheckpointingHook(BaseHook):
 
     # -- stepping ------------------------------------------------------------------------------
 
-    def on_after_step(self, trainer: BaseTrainer) -> None:
+    def on_after_step(self, trainer: TrainerView) -> None:
         """Request a save when one is due; after an exit signal, request the exit."""
         step = trainer.step
         caught = self._signals.caught
@@ -278,7 +278,7 @@ class CheckpointingHook(BaseHook):
     def _is_kept(self, step: int) -> bool:
         return (self.keep_interval > 0 and step % self.keep_interval == 0) or step in self.keep_steps
 
-    def on_log(self, trainer: BaseTrainer, records: dict[str, Any]) -> None:
+    def on_log(self, trainer: TrainerView, records: dict[str, Any]) -> None:
         """Remember the last value of every logged metric, for the next ``metadata.json``."""
         # Kept as given: converting a tensor to a float is a host sync, done only at a save.
         flat = flatten_nested_dict(records)
@@ -286,7 +286,7 @@ class CheckpointingHook(BaseHook):
         if self._best is not None:
             self._watch_monitor(trainer, flat)
 
-    def _watch_monitor(self, trainer: BaseTrainer, flat: dict[str, Any]) -> None:
+    def _watch_monitor(self, trainer: TrainerView, flat: dict[str, Any]) -> None:
         """Note the monitored metric; score a checkpoint already saved at this step."""
         assert self._best is not None
         value = self._best.observe(trainer.step, flat)
@@ -300,7 +300,7 @@ class CheckpointingHook(BaseHook):
 
     # -- checkpointing -------------------------------------------------------------------------
 
-    def on_enter_checkpointing(self, trainer: BaseTrainer) -> None:
+    def on_enter_checkpointing(self, trainer: TrainerView) -> None:
         """Save the trainer's state; ``latest`` and pruning follow once it is complete."""
         if self._signals.caught is not None and self.exit_wait > 0:
             trainer.logger.info("Waiting %.1f s (exit_wait) before the exit checkpoint", self.exit_wait)
@@ -323,14 +323,14 @@ class CheckpointingHook(BaseHook):
         error = saver.save(root, step, state_dict, metadata, lambda _: self._prune(root, step, trainer.logger))
         self._report(trainer, error)
 
-    def _report(self, trainer: BaseTrainer, error: BaseException | None) -> None:
+    def _report(self, trainer: TrainerView, error: BaseException | None) -> None:
         if error is None:
             return
         if self.on_save_error == "raise" or not isinstance(error, CheckpointSaveError):
             raise error
         trainer.logger.warning("%s; training goes on (on_save_error='warn')", error)
 
-    def _settle(self, trainer: BaseTrainer, agree: bool) -> None:
+    def _settle(self, trainer: TrainerView, agree: bool) -> None:
         if self._saver is not None:
             self._report(trainer, self._saver.settle(agree))
 
@@ -350,7 +350,7 @@ class CheckpointingHook(BaseHook):
 
     # -- exiting -------------------------------------------------------------------------------
 
-    def on_after_train(self, trainer: BaseTrainer) -> None:
+    def on_after_train(self, trainer: TrainerView) -> None:
         """Wait for a save in flight; then give the exit signals back to their previous handlers;
         warn if ``monitor`` was never logged.
 
@@ -365,7 +365,7 @@ class CheckpointingHook(BaseHook):
         finally:
             self._signals.restore()
 
-    def _settle_at_exit(self, trainer: BaseTrainer) -> None:
+    def _settle_at_exit(self, trainer: TrainerView) -> None:
         saver, self._saver = self._saver, None
         if saver is None:
             return
@@ -390,7 +390,7 @@ class CheckpointingHook(BaseHook):
         best = self._best.best
         return self._root / str(best) if best is not None and (self._root / str(best)).is_dir() else None
 
-    def directory(self, trainer: BaseTrainer) -> Path:
+    def directory(self, trainer: TrainerView) -> Path:
         """Where this hook's checkpoints live for ``trainer``.
 
         Raises:
@@ -407,7 +407,7 @@ class CheckpointingHook(BaseHook):
 
 
 @contextmanager
-def _sharded_state_dict(trainer: BaseTrainer) -> Iterator[None]:
+def _sharded_state_dict(trainer: TrainerView) -> Iterator[None]:
     """Make ``trainer.state_dict()`` and ``load_state_dict()`` keep each rank's shards.
 
     The trainer's own options may ask for full tensors (for full checkpoints); DCP needs the

@@ -12,7 +12,7 @@ from trainloop.hooks.base import BaseHook
 from trainloop.hooks.registry import register_hook
 
 if TYPE_CHECKING:
-    from trainloop.trainer import BaseTrainer
+    from trainloop.run_state import TrainerView
 
 __all__ = ["CudaMaxMemoryHook"]
 
@@ -35,7 +35,7 @@ class CudaMaxMemoryHook(BaseHook):
     def __init__(self) -> None:
         self._device: torch.device | None = None
 
-    def on_before_train(self, trainer: BaseTrainer) -> None:
+    def on_before_train(self, trainer: TrainerView) -> None:
         """Check the trainer's device; warn once and stay idle if it is not CUDA."""
         if trainer.device.type == "cuda":
             self._device = trainer.device
@@ -48,12 +48,12 @@ class CudaMaxMemoryHook(BaseHook):
                 stacklevel=2,
             )
 
-    def on_before_step(self, trainer: BaseTrainer) -> None:
+    def on_before_step(self, trainer: TrainerView) -> None:
         """Reset the peak so it covers this step only."""
         if self._device is not None:
             torch.cuda.reset_peak_memory_stats(self._device)
 
-    def on_after_step(self, trainer: BaseTrainer) -> None:
+    def on_after_step(self, trainer: TrainerView) -> None:
         """Store the step's peak allocation (GiB) in ``step_info.max_memory``."""
         if self._device is not None:
             trainer.step_info.max_memory = torch.cuda.max_memory_allocated(self._device) / _GIB

@@ -14,7 +14,7 @@ from trainloop.nested import flatten_nested_dict, hint_for_missing_key, to_float
 from trainloop.settings.types import NonNegativeFloat, PositiveInt
 
 if TYPE_CHECKING:
-    from trainloop.trainer import BaseTrainer
+    from trainloop.run_state import TrainerView
 
 __all__ = ["EarlyStoppingHook", "MonitorNotFoundWarning"]
 
@@ -70,7 +70,7 @@ class EarlyStoppingHook(BaseHook):
         # Keys logged while the metric has not been seen, to suggest a fix for a typo.
         self._keys_seen: set[str] = set()
 
-    def on_log(self, trainer: BaseTrainer, records: dict[str, Any]) -> None:
+    def on_log(self, trainer: TrainerView, records: dict[str, Any]) -> None:
         """Observe ``monitor`` if these records hold it; request exit when patience runs out."""
         flat = flatten_nested_dict(records)
         if self.monitor not in flat:
@@ -79,7 +79,7 @@ class EarlyStoppingHook(BaseHook):
             return
         self._observe(trainer, to_float(flat[self.monitor], self.monitor))
 
-    def _observe(self, trainer: BaseTrainer, value: float) -> None:
+    def _observe(self, trainer: TrainerView, value: float) -> None:
         self.observations += 1
         if self._improves(value):
             self.best = value
@@ -103,7 +103,7 @@ class EarlyStoppingHook(BaseHook):
             return value < self.best - self.min_delta
         return value > self.best + self.min_delta
 
-    def on_after_train(self, trainer: BaseTrainer) -> None:
+    def on_after_train(self, trainer: TrainerView) -> None:
         """Warn if the monitored metric never appeared (a typo in ``monitor``, most often)."""
         # A run that failed may simply not have reached its first evaluation.
         if self.observations or trainer.error is not None:
@@ -116,7 +116,7 @@ class EarlyStoppingHook(BaseHook):
             stacklevel=2,
         )
 
-    def on_state_dict(self, trainer: BaseTrainer, state_dict: dict[str, Any]) -> None:
+    def on_state_dict(self, trainer: TrainerView, state_dict: dict[str, Any]) -> None:
         """Save the best value and the count without improvement under ``self.name``."""
         state_dict[self.name] = {
             "monitor": self.monitor,
@@ -126,7 +126,7 @@ class EarlyStoppingHook(BaseHook):
             "observations": self.observations,
         }
 
-    def on_load_state_dict(self, trainer: BaseTrainer, state_dict: dict[str, Any]) -> None:
+    def on_load_state_dict(self, trainer: TrainerView, state_dict: dict[str, Any]) -> None:
         """Restore the state saved by ``on_state_dict``.
 
         A checkpoint without this hook's state, or one that monitored another metric or mode,

@@ -11,7 +11,7 @@ from trainloop.hooks.base import BaseHook
 from trainloop.hooks.registry import register_hook
 
 if TYPE_CHECKING:
-    from trainloop.trainer import BaseTrainer
+    from trainloop.run_state import TrainerView
 
 __all__ = ["EmaHook"]
 
@@ -41,7 +41,7 @@ class EmaHook(BaseHook):
         self.decay = decay
         self.ema_model: AveragedModel | None = None
 
-    def _ensure_ema_model(self, trainer: BaseTrainer) -> AveragedModel:
+    def _ensure_ema_model(self, trainer: TrainerView) -> AveragedModel:
         if self.ema_model is None:
             # No ``device`` argument: the copy stays where the model is, and ``n_averaged``
             # stays on the CPU, so the ``n_averaged == 0`` test in ``update_parameters`` is
@@ -54,21 +54,21 @@ class EmaHook(BaseHook):
             self.ema_model.requires_grad_(False)
         return self.ema_model
 
-    def on_before_train(self, trainer: BaseTrainer) -> None:
+    def on_before_train(self, trainer: TrainerView) -> None:
         """Create the averaged model (unless a checkpoint already restored it)."""
         self._ensure_ema_model(trainer)
 
-    def on_after_step(self, trainer: BaseTrainer) -> None:
+    def on_after_step(self, trainer: TrainerView) -> None:
         """Fold the freshly stepped weights into the average."""
         self.ema_model.update_parameters(trainer.unwrapped_model)  # type: ignore[union-attr]
 
-    def on_state_dict(self, trainer: BaseTrainer, state_dict: dict[str, Any]) -> None:
+    def on_state_dict(self, trainer: TrainerView, state_dict: dict[str, Any]) -> None:
         """Save the averaged weights and the update count under ``self.name``."""
         # Also before training starts: a loader that fills a template state dict in place
         # (torch.distributed.checkpoint) needs the entry to exist while restoring.
         state_dict[self.name] = self._ensure_ema_model(trainer).state_dict()
 
-    def on_load_state_dict(self, trainer: BaseTrainer, state_dict: dict[str, Any]) -> None:
+    def on_load_state_dict(self, trainer: TrainerView, state_dict: dict[str, Any]) -> None:
         """Restore the average saved under ``self.name``.
 
         A checkpoint without it (saved by a run without this hook) starts a fresh average from

@@ -16,7 +16,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Literal
 
 if TYPE_CHECKING:
-    from trainloop.trainer import BaseTrainer
+    from trainloop.run_state import TrainerView
 
 __all__ = ["Every", "Unit"]
 
@@ -44,13 +44,13 @@ class Every:
         self._epochs: int | None = None  # epochs completed after the last step seen
         self._stepped = False  # a step finished in this run
 
-    def start(self, trainer: BaseTrainer) -> None:
+    def start(self, trainer: TrainerView) -> None:
         """Begin a run (call it in ``on_before_train``): epochs are counted from its start."""
         self.last_step = None
         self._stepped = False
         self._epochs = None  # the data iterator does not exist yet; read at the first step
 
-    def due(self, trainer: BaseTrainer, at_last_step: bool = True) -> bool:
+    def due(self, trainer: TrainerView, at_last_step: bool = True) -> bool:
         """Whether to act after the step that just finished (call it in ``on_after_step``).
 
         Args:
@@ -72,7 +72,7 @@ class Every:
             return True
         return False
 
-    def due_at_end(self, trainer: BaseTrainer) -> bool:
+    def due_at_end(self, trainer: TrainerView) -> bool:
         """Whether the run ended cleanly after a step not acted on (call it in ``on_after_train``)."""
         step = trainer.step
         if trainer.error is not None or not self._stepped or step == self.last_step:

@@ -16,7 +16,7 @@ from trainloop.nested import flatten_nested_dict
 if TYPE_CHECKING:
     from PIL.Image import Image
 
-    from trainloop.trainer import BaseTrainer
+    from trainloop.run_state import TrainerView
 
 __all__ = ["ImageFileLoggerHook"]
 
@@ -77,7 +77,7 @@ class ImageFileLoggerHook(BaseHook):
         self._pil_format = _savable_extensions()[image_format]
         self._root: Path | None = None
 
-    def on_before_train(self, trainer: BaseTrainer) -> None:
+    def on_before_train(self, trainer: TrainerView) -> None:
         """Resolve the output folder; only rank 0 writes."""
         if trainer.workspace is None:
             raise ValueError(
@@ -86,7 +86,7 @@ class ImageFileLoggerHook(BaseHook):
             )
         self._root = trainer.workspace / "visualizations" if is_rank_zero() else None
 
-    def on_log_images(self, trainer: BaseTrainer, records: dict[str, Any]) -> None:
+    def on_log_images(self, trainer: TrainerView, records: dict[str, Any]) -> None:
         """Save each image as ``<workspace>/visualizations/<step>/<name>.<image_format>``."""
         if self._root is None:
             return

@@ -8,7 +8,7 @@ from trainloop.hooks.registry import register_hook
 from trainloop.hooks.stats import StatsHook, TrainingStats
 
 if TYPE_CHECKING:
-    from trainloop.trainer import BaseTrainer
+    from trainloop.run_state import TrainerView
 
 __all__ = ["LoggingHook"]
 
@@ -37,6 +37,6 @@ class LoggingHook(StatsHook):
         pydantic.ValidationError: A parameter is invalid; the error names it.
     """
 
-    def emit(self, trainer: BaseTrainer, stats: TrainingStats) -> None:
+    def emit(self, trainer: TrainerView, stats: TrainingStats) -> None:
         """Pass the statistics to ``trainer.log``."""
         trainer.log(stats.to_records())

@@ -18,7 +18,7 @@ from trainloop.nested import flatten_nested_dict
 from trainloop.settings.types import NonNegativeInt, PositiveInt, StrictBool
 
 if TYPE_CHECKING:
-    from trainloop.trainer import BaseTrainer
+    from trainloop.run_state import TrainerView
 
 __all__ = ["ProgressHook"]
 
@@ -96,7 +96,7 @@ class ProgressHook(StatsHook):
         self._bar: Any = None
         self._cleanup = contextlib.ExitStack()
 
-    def on_before_train(self, trainer: BaseTrainer) -> None:
+    def on_before_train(self, trainer: TrainerView) -> None:
         """Start the ETA clock, and open the bar or make sure the lines will be seen."""
         super().on_before_train(trainer)
         self._steps_run = 0
@@ -106,14 +106,14 @@ class ProgressHook(StatsHook):
         if self._bar is None:
             self._make_lines_visible(trainer.logger)
 
-    def on_after_step(self, trainer: BaseTrainer) -> None:
+    def on_after_step(self, trainer: TrainerView) -> None:
         """Count the step for the ETA, then aggregate (and maybe report) it."""
         self._steps_run += 1
         if self._steps_run == self.eta_warmup:
             self._eta_start = perf_counter()
         super().on_after_step(trainer)
 
-    def on_after_train(self, trainer: BaseTrainer) -> None:
+    def on_after_train(self, trainer: TrainerView) -> None:
         """Report steps not yet reported, then close the bar and undo any logging set-up."""
         try:
             super().on_after_train(trainer)
@@ -121,7 +121,7 @@ class ProgressHook(StatsHook):
             self._bar = None
             self._cleanup.close()
 
-    def emit(self, trainer: BaseTrainer, stats: TrainingStats) -> None:
+    def emit(self, trainer: TrainerView, stats: TrainingStats) -> None:
         """Show one report: update the bar, or log a line."""
         bar = self._bar
         if bar is not None:
@@ -135,7 +135,7 @@ class ProgressHook(StatsHook):
             fmt, args = self._describe(trainer, stats)
             logger.info("Step %d/%d: " + fmt, trainer.step, trainer.max_steps, *args)
 
-    def on_log(self, trainer: BaseTrainer, records: dict[str, Any]) -> None:
+    def on_log(self, trainer: TrainerView, records: dict[str, Any]) -> None:
         """Show the latest values logged under ``show_logged`` keys in the bar, as they come."""
         bar = self._bar
         if bar is None or not any(key in records for key in self.show_logged):
@@ -153,7 +153,7 @@ class ProgressHook(StatsHook):
     def _logged_text(self) -> str:
         return "".join(f" {name} {value:.4g}" for name, value in self._logged.items())
 
-    def _describe(self, trainer: BaseTrainer, stats: TrainingStats) -> tuple[str, list[Any]]:
+    def _describe(self, trainer: TrainerView, stats: TrainingStats) -> tuple[str, list[Any]]:
         """The report as a %-format and its arguments (so logging formats it lazily)."""
         seconds = "s" if self.show_units else ""
         parts = [f"step %.4f{seconds}", f"data %.4f{seconds}"]
@@ -187,14 +187,14 @@ class ProgressHook(StatsHook):
                 args += [key, value]
         return " ".join(parts), args
 
-    def _eta(self, trainer: BaseTrainer) -> timedelta | None:
+    def _eta(self, trainer: TrainerView) -> timedelta | None:
         timed = self._steps_run - self.eta_warmup
         if self._eta_start is None or timed <= 0:
             return None
         per_step = (perf_counter() - self._eta_start) / timed
         return timedelta(seconds=round(per_step * max(self._max_steps - trainer.step, 0)))
 
-    def _open_bar(self, trainer: BaseTrainer) -> Any:
+    def _open_bar(self, trainer: TrainerView) -> Any:
         """A tqdm bar on standard output if it is a terminal (rank 0 only), else ``None``."""
         stdout = sys.stdout
         if stdout is None or not stdout.isatty() or not is_rank_zero():

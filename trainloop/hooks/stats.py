@@ -27,7 +27,7 @@ from trainloop.nested import Records, key_average
 from trainloop.settings.types import PositiveInt, StrictBool
 
 if TYPE_CHECKING:
-    from trainloop.trainer import BaseTrainer
+    from trainloop.run_state import TrainerView
 
 __all__ = ["StatsHook", "TrainingStats"]
 
@@ -148,14 +148,14 @@ class StatsHook(BaseHook):
 
     # -- collecting ------------------------------------------------------------------------
 
-    def on_before_train(self, trainer: BaseTrainer) -> None:
+    def on_before_train(self, trainer: TrainerView) -> None:
         """Start an empty window."""
         self._max_steps = trainer.max_steps
         self._every.start(trainer)
         self.latest = None
         self._reset_window()
 
-    def on_before_optimizer_step(self, trainer: BaseTrainer) -> None:
+    def on_before_optimizer_step(self, trainer: TrainerView) -> None:
         """Capture each param group's learning rate: the one this step uses."""
         # The scheduler steps right after the optimizer, so this is the last moment the lr is
         # the step's own. It is stored into a list kept across steps: no allocation per step.
@@ -177,7 +177,7 @@ class StatsHook(BaseHook):
         self._lr_names = names
         self._lrs = [None] * len(groups)
 
-    def on_after_step(self, trainer: BaseTrainer) -> None:
+    def on_after_step(self, trainer: TrainerView) -> None:
         """Add the step to the window; emit at a multiple of ``interval`` or the last step."""
         info = trainer.step_info
         self._steps += 1
@@ -197,7 +197,7 @@ class StatsHook(BaseHook):
         if self._every.due(trainer):
             self._emit_window(trainer)
 
-    def on_after_train(self, trainer: BaseTrainer) -> None:
+    def on_after_train(self, trainer: TrainerView) -> None:
         """Emit the steps of a run that ended cleanly between two emissions (an exit request)."""
         # Not after an error (due_at_end says no): other ranks may not reach this point, and a
         # collective would hang.
@@ -206,7 +206,7 @@ class StatsHook(BaseHook):
 
     # -- reducing --------------------------------------------------------------------------
 
-    def _emit_window(self, trainer: BaseTrainer) -> None:
+    def _emit_window(self, trainer: TrainerView) -> None:
         stats = self._reduce(trainer.step)
         if self.sync and world_size() > 1:
             stats = _combine_ranks(stats)
@@ -237,7 +237,7 @@ class StatsHook(BaseHook):
             records=records,
         )
 
-    def emit(self, trainer: BaseTrainer, stats: TrainingStats) -> None:
+    def emit(self, trainer: TrainerView, stats: TrainingStats) -> None:
         """Receive each new aggregate; the base class publishes it in ``step_info.stats``.
 
         Args:

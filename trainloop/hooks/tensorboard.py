@@ -16,7 +16,7 @@ if TYPE_CHECKING:
     from PIL.Image import Image
     from torch.utils.tensorboard import SummaryWriter
 
-    from trainloop.trainer import BaseTrainer
+    from trainloop.run_state import TrainerView
 
 __all__ = ["TensorBoardHook"]
 
@@ -46,7 +46,7 @@ class TensorBoardHook(BaseHook):
         self.log_dir = log_dir
         self.writer: SummaryWriter | None = None
 
-    def _resolve_log_dir(self, trainer: BaseTrainer) -> Path:
+    def _resolve_log_dir(self, trainer: TrainerView) -> Path:
         if self.log_dir is not None and self.log_dir.is_absolute():
             return self.log_dir
         if trainer.workspace is None:
@@ -57,7 +57,7 @@ class TensorBoardHook(BaseHook):
             )
         return trainer.workspace / (self.log_dir or "tensorboard")
 
-    def on_before_train(self, trainer: BaseTrainer) -> None:
+    def on_before_train(self, trainer: TrainerView) -> None:
         """Open the writer on rank 0, purging events past a resumed checkpoint's step."""
         log_dir = self._resolve_log_dir(trainer)
         if not is_rank_zero():
@@ -69,14 +69,14 @@ class TensorBoardHook(BaseHook):
         purge_step = trainer.step + 1 if trainer.step > 0 else None
         self.writer = SummaryWriter(log_dir=str(log_dir), purge_step=purge_step)
 
-    def on_log(self, trainer: BaseTrainer, records: dict[str, Any]) -> None:
+    def on_log(self, trainer: TrainerView, records: dict[str, Any]) -> None:
         """Add each record as a scalar at ``trainer.step``."""
         if self.writer is None:
             return
         for key, value in flatten_nested_dict(records).items():
             self.writer.add_scalar(key, to_float(value, key), global_step=trainer.step)
 
-    def on_log_images(self, trainer: BaseTrainer, records: dict[str, Any]) -> None:
+    def on_log_images(self, trainer: TrainerView, records: dict[str, Any]) -> None:
         """Add each PIL image at ``trainer.step``."""
         if self.writer is None:
             return
@@ -84,12 +84,12 @@ class TensorBoardHook(BaseHook):
             array, dataformats = _image_array(image, key)
             self.writer.add_image(key, array, global_step=trainer.step, dataformats=dataformats)
 
-    def on_enter_checkpointing(self, trainer: BaseTrainer) -> None:
+    def on_enter_checkpointing(self, trainer: TrainerView) -> None:
         """Flush, so the events up to the checkpoint are on disk with it."""
         if self.writer is not None:
             self.writer.flush()
 
-    def on_after_train(self, trainer: BaseTrainer) -> None:
+    def on_after_train(self, trainer: TrainerView) -> None:
         """Flush and close the writer."""
         if self.writer is not None:
             self.writer.close()

@@ -18,7 +18,7 @@ from trainloop.settings.types import PositiveInt, StrictBool
 from trainloop.wrappers import module_modes_kept
 
 if TYPE_CHECKING:
-    from trainloop.trainer import BaseTrainer
+    from trainloop.run_state import TrainerView
 
 __all__ = ["ValidationHook"]
 
@@ -87,7 +87,7 @@ class ValidationHook(BaseHook):
         self.last_records: Records | None = None
         self.last_step: int | None = None
 
-    def on_before_train(self, trainer: BaseTrainer) -> None:
+    def on_before_train(self, trainer: TrainerView) -> None:
         """Check that a method named by ``evaluate`` exists on the trainer and is callable.
 
         Raises:
@@ -110,17 +110,17 @@ class ValidationHook(BaseHook):
                 "not a method"
             )
 
-    def on_after_step(self, trainer: BaseTrainer) -> None:
+    def on_after_step(self, trainer: TrainerView) -> None:
         """Evaluate if this step is due; on the other steps this costs one modulo or so."""
         if self._every.due(trainer, self.at_last_step):
             self.run(trainer)
 
-    def on_after_train(self, trainer: BaseTrainer) -> None:
+    def on_after_train(self, trainer: TrainerView) -> None:
         """Evaluate the last step of a run ended early by an exit request, if not done yet."""
         if self.at_last_step and self._every.due_at_end(trainer):
             self.run(trainer)
 
-    def run(self, trainer: BaseTrainer) -> Records:
+    def run(self, trainer: TrainerView) -> Records:
         """Evaluate now (eval mode, no grad, autocast), log the records and return them.
 
         Args:

@@ -13,7 +13,7 @@ from trainloop.hooks.registry import register_hook
 from trainloop.nested import flatten_nested_dict, to_float
 
 if TYPE_CHECKING:
-    from trainloop.trainer import BaseTrainer
+    from trainloop.run_state import TrainerView
 
 __all__ = ["RUN_ID_FILE", "WandbHook"]
 
@@ -68,7 +68,7 @@ class WandbHook(BaseHook):
         self.wandb_kwargs = wandb_kwargs
         self.run: Any = None  # the wandb.Run, on rank 0 while training
 
-    def on_before_train(self, trainer: BaseTrainer) -> None:
+    def on_before_train(self, trainer: TrainerView) -> None:
         """Start (or, when resuming, continue) the wandb run on rank 0."""
         if trainer.workspace is None:
             raise ValueError(
@@ -102,14 +102,14 @@ class WandbHook(BaseHook):
         id_file.write_text(self.run.id, encoding="utf-8")
         trainer.logger.info("wandb run %s (project %s)", self.run.id, self.project)
 
-    def on_log(self, trainer: BaseTrainer, records: dict[str, Any]) -> None:
+    def on_log(self, trainer: TrainerView, records: dict[str, Any]) -> None:
         """Log the records at ``trainer.step``."""
         if self.run is None:
             return
         flat = {key: to_float(value, key) for key, value in flatten_nested_dict(records).items()}
         self.run.log(flat, step=trainer.step)
 
-    def on_log_images(self, trainer: BaseTrainer, records: dict[str, Any]) -> None:
+    def on_log_images(self, trainer: TrainerView, records: dict[str, Any]) -> None:
         """Log the PIL images at ``trainer.step``."""
         if self.run is None:
             return
@@ -125,7 +125,7 @@ class WandbHook(BaseHook):
             images[key] = wandb.Image(image, file_type=self.image_format)
         self.run.log(images, step=trainer.step)
 
-    def on_after_train(self, trainer: BaseTrainer) -> None:
+    def on_after_train(self, trainer: TrainerView) -> None:
         """Finish the run; failed (exit code 1) if training ended by an error."""
         if self.run is not None:
             self.run.finish(exit_code=0 if trainer.error is None else 1)

@@ -277,7 +277,7 @@ class _Sweep:
         """
         runner.begin()
         total: torch.Tensor | None = None
-        for _ in range(self.plan.accumulation):
+        while runner.microsteps_remain():  # the machine's accumulating edge asks the same
             loss = runner.microstep().loss
             value = loss.sum.detach() if isinstance(loss, Loss) else loss.detach() / self.plan.accumulation
             total = value if total is None else total + value
@@ -312,28 +312,19 @@ def _components_plan(components: LrFindComponents) -> StepPlan:
 def _trainer_plan(trainer: BaseTrainer) -> Iterator[tuple[StepPlan, Iterable[Any]]]:
     """Build a trainer's step through its ``build_*`` methods, outside ``train()``.
 
-    ``forward`` reads ``self.model`` (and maybe the others), so the built objects are set on the
-    trainer for the test's duration; the attributes get their previous values (or absence) back.
+    ``forward`` reads ``self.model`` (and maybe the others), so the trainer's loop holds the built
+    objects for the test's duration; they get their previous values (or absence) back.
     """
     if trainer.state is not State.IDLE:
         raise RuntimeError(
             "lr_find() needs a trainer that has not started train(); this one is in state "
             f"{trainer.state.value!r}"
         )
-    names = ("data_loader", "model", "optimizer", "grad_scaler")
-    missing = object()
-    saved = {name: trainer.__dict__.get(name, missing) for name in names}
-    try:
-        trainer._build_components()  # what train()'s building state does first, in its order
-        trainer.grad_scaler = trainer.build_grad_scaler()
+    loop = trainer.loop
+    with loop.components_kept():
+        loop.build_components(lr_scheduler=False)  # what train()'s building state does, in its order
         # No lr scheduler, no hooks; the sweep checks the loss instead, before each update.
         yield trainer_step_plan(trainer, check_grads=False), trainer.data_loader
-    finally:
-        for name, value in saved.items():
-            if value is missing:
-                trainer.__dict__.pop(name, None)
-            else:
-                setattr(trainer, name, value)
 
 
 @contextlib.contextmanager

@@ -36,8 +36,8 @@ from trainloop.settings.errors import field_path
 from trainloop.settings.sources import Key
 
 if TYPE_CHECKING:
+    from trainloop.run_state import TrainerContract
     from trainloop.settings.model import TrainerSettings
-    from trainloop.trainer import BaseTrainer
 
 __all__ = ["PreflightError", "check", "preflight"]
 
@@ -58,7 +58,7 @@ class PreflightError(ValueError):
 
 def preflight(
     settings: TrainerSettings,
-    trainer: type[BaseTrainer] | BaseTrainer | None = None,
+    trainer: type[TrainerContract] | TrainerContract | None = None,
     source_of: Callable[[tuple[Key, ...]], str] | None = None,
 ) -> list[str]:
     """What stops ``settings`` from running, found without building or writing anything.
@@ -94,7 +94,7 @@ def preflight(
     return [f"{source_of(path)}: {line}" for path, line in problems]
 
 
-def check(trainer: BaseTrainer) -> None:
+def check(trainer: TrainerContract) -> None:
     """``preflight`` of a trainer about to train.
 
     Raises:
@@ -108,20 +108,17 @@ def check(trainer: BaseTrainer) -> None:
 # -- the trainer ---------------------------------------------------------------------------------
 
 
-def _class_of(trainer: type[BaseTrainer] | BaseTrainer) -> type[BaseTrainer]:
+def _class_of(trainer: type[TrainerContract] | TrainerContract) -> type[TrainerContract]:
     return trainer if isinstance(trainer, type) else type(trainer)
 
 
-def _contract(settings: TrainerSettings, trainer: type[BaseTrainer] | BaseTrainer) -> list[tuple[tuple[Key, ...], str]]:
-    from trainloop.trainer import BaseTrainer
-
+def _contract(settings: TrainerSettings, trainer: type[TrainerContract] | TrainerContract) -> list[tuple[tuple[Key, ...], str]]:
     cls = _class_of(trainer)
+    missing = cls.missing_methods()
     problems: list[tuple[tuple[Key, ...], str]] = [
-        ((), f"{cls.__name__} must implement {name}()")
-        for name in ("build_data_loader", "build_model", "forward")
-        if getattr(cls, name) is getattr(BaseTrainer, name)
+        ((), f"{cls.__name__} must implement {name}()") for name in missing if name != "build_optimizer"
     ]
-    if settings.optimizer is None and cls.build_optimizer is BaseTrainer.build_optimizer:
+    if settings.optimizer is None and "build_optimizer" in missing:
         problems.append((("optimizer",), f"optimizer: none declared, and {cls.__name__} does not implement build_optimizer()"))
     return problems
 
@@ -132,7 +129,7 @@ HookProblem = tuple[str | None, str]
 HookCheck = Callable[[Any, "TrainerSettings", Any], list[HookProblem]]
 
 
-def _validation(spec: Any, settings: TrainerSettings, trainer: type[BaseTrainer] | BaseTrainer | None) -> list[HookProblem]:
+def _validation(spec: Any, settings: TrainerSettings, trainer: type[TrainerContract] | TrainerContract | None) -> list[HookProblem]:
     name = spec.evaluate
     if trainer is None or not isinstance(name, str):
         return []
