@@ -35,7 +35,7 @@ from trainloop.distributed.ranks import is_rank_zero
 from trainloop.exit_signals import DEFAULT_EXIT_SIGNALS, ExitSignals, as_signal
 from trainloop.hooks.base import BaseHook
 from trainloop.hooks.early_stopping import MonitorNotFoundWarning
-from trainloop.hooks.every import Every
+from trainloop.hooks.every import Schedule
 from trainloop.hooks.registry import register_hook
 from trainloop.nested import flatten_nested_dict
 from trainloop.settings.types import NonNegativeFloat, NonNegativeInt, PositiveInt, StrictBool
@@ -70,9 +70,10 @@ ExitCode = Annotated[int, Field(ge=0, le=255, strict=True)]
 class CheckpointingHook(BaseHook):
     """Save checkpoints on a schedule and on exit signals; prune old ones; resume from one.
 
-    Saves happen in the ``checkpointing`` state by the ``every(n)`` rule (``trainloop.hooks.every``):
-    at the end of every ``interval``-th step (or epoch, see ``unit``) and of the last step of a
-    run that ends cleanly; also of every step kept by ``keep_interval`` or ``keep_steps``, and
+    Saves happen in the ``checkpointing`` state on the hook's ``schedule``, the ``every(n)`` rule
+    (``trainloop.hooks.every``): at the end of every ``interval``-th step (or epoch, see ``unit``)
+    and of the last step of a run that ends cleanly (a standing at-exit request covers a run ended
+    by an exit request); also of every step kept by ``keep_interval`` or ``keep_steps``, and
     of the step during which an exit signal arrived. A checkpoint is a directory
     ``<path>/<step>/`` (see :mod:`trainloop.checkpoint.files`) with a ``metadata.json`` (step,
     epoch, time, the last metrics logged, versions, format) and, written last, a
@@ -163,7 +164,7 @@ class CheckpointingHook(BaseHook):
         check_best(keep_best, monitor)
         self.interval = interval
         self.unit = unit
-        self._every = Every(interval, unit)
+        self.schedule = Schedule(interval, unit)
         self.keep_previous = keep_previous
         self.keep_best = keep_best
         self.monitor = monitor
@@ -249,7 +250,6 @@ class CheckpointingHook(BaseHook):
     def on_before_train(self, trainer: BaseTrainer) -> None:
         """Ask for a save at the end of the run, and install the exit-signal handlers."""
         trainer.request_checkpoint(at_exit=True)
-        self._every.start(trainer)
         self._last_saved_step = None
         self._exit_asked = False
         self._metrics = {}
@@ -258,7 +258,7 @@ class CheckpointingHook(BaseHook):
     # -- stepping ------------------------------------------------------------------------------
 
     def on_after_step(self, trainer: BaseTrainer) -> None:
-        """Request a save when one is due; after an exit signal, request the exit."""
+        """Request a save of a kept step; after an exit signal, request the exit."""
         step = trainer.step
         caught = self._signals.caught
         if caught is not None and not self._exit_asked:
@@ -272,8 +272,16 @@ class CheckpointingHook(BaseHook):
                 if signal.SIGINT in self.exit_signals else "",
             )
             trainer.request_exit(code)
-        if self._every.due(trainer) or self._is_kept(step):
+        if self._is_kept(step):
             trainer.request_checkpoint()
+
+    def on_schedule(self, trainer: BaseTrainer) -> None:
+        """Request a save: the schedule is due.
+
+        At the end of a run ended by an exit request this comes in ``exiting``, after the save
+        the standing at-exit request made of the same step, and changes nothing.
+        """
+        trainer.request_checkpoint()
 
     def _is_kept(self, step: int) -> bool:
         return (self.keep_interval > 0 and step % self.keep_interval == 0) or step in self.keep_steps

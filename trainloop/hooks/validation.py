@@ -11,7 +11,7 @@ from pydantic import Field, validate_call
 from pydantic.json_schema import SkipJsonSchema
 
 from trainloop.hooks.base import BaseHook
-from trainloop.hooks.every import Every
+from trainloop.hooks.every import Schedule
 from trainloop.hooks.registry import register_hook
 from trainloop.nested import Records, flatten_nested_dict
 from trainloop.settings.types import PositiveInt, StrictBool
@@ -32,8 +32,9 @@ _MISSING = object()
 class ValidationHook(BaseHook):
     """Run an evaluation every ``interval`` steps (or epochs) and log what it returns under ``prefix``.
 
-    Evaluations follow the ``every(n)`` rule (``trainloop.hooks.every``): after every ``interval``-th
-    step (or epoch), and after the last step of a run that ends cleanly (``at_last_step``). The
+    Evaluations follow the hook's ``schedule``, the ``every(n)`` rule (``trainloop.hooks.every``):
+    after every ``interval``-th step (or epoch), and after the last step of a run that ends
+    cleanly (``at_last_step``). The
     evaluation runs after the step's optimizer update, with the model in eval mode, under
     ``torch.no_grad()`` and the trainer's autocast (``settings.mixed_precision`` on
     ``trainer.device``); on a run ended early by an exit request it runs in ``on_after_train``
@@ -81,7 +82,7 @@ class ValidationHook(BaseHook):
         self.evaluate = evaluate
         self.interval = interval
         self.unit = unit
-        self._every = Every(interval, unit)
+        self.schedule = Schedule(interval, unit, at_end=at_last_step)
         self.at_last_step = at_last_step
         self.prefix = prefix
         self.last_records: Records | None = None
@@ -94,7 +95,6 @@ class ValidationHook(BaseHook):
             AttributeError: The trainer has no attribute of that name.
             TypeError: The attribute is not callable.
         """
-        self._every.start(trainer)
         if not isinstance(self.evaluate, str):
             return
         method = getattr(trainer, self.evaluate, _MISSING)
@@ -110,15 +110,9 @@ class ValidationHook(BaseHook):
                 "not a method"
             )
 
-    def on_after_step(self, trainer: BaseTrainer) -> None:
-        """Evaluate if this step is due; on the other steps this costs one modulo or so."""
-        if self._every.due(trainer, self.at_last_step):
-            self.run(trainer)
-
-    def on_after_train(self, trainer: BaseTrainer) -> None:
-        """Evaluate the last step of a run ended early by an exit request, if not done yet."""
-        if self.at_last_step and self._every.due_at_end(trainer):
-            self.run(trainer)
+    def on_schedule(self, trainer: BaseTrainer) -> None:
+        """Evaluate: the schedule is due (a step that is not due never calls the hook)."""
+        self.run(trainer)
 
     def run(self, trainer: BaseTrainer) -> Records:
         """Evaluate now (eval mode, no grad, autocast), log the records and return them.
