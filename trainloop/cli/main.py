@@ -38,7 +38,7 @@ from trainloop.machine.table import TRANSITIONS, State
 from trainloop.machine.trace import TraceSummary, read_trace, summarize_trace
 from trainloop.report.graphviz import GraphvizError, find_dot, render_dot
 from trainloop.settings.model import SettingsFileError, TrainerSettings
-from trainloop.settings.preflight import preflight
+from trainloop.settings.preflight import checked, preflight
 from trainloop.settings.sources import read_settings_input
 from trainloop.trainer import BaseTrainer
 
@@ -193,7 +193,8 @@ def _cmd_run(args: argparse.Namespace) -> int:
     _configure_logging(args.log_level)
     try:
         # A signal exit raises SystemExit(code) from train(): it propagates as the exit code.
-        trainer_class(settings).train()
+        with checked(settings, trainer_class):  # the preflight above ran: train() does not repeat it
+            trainer_class(settings).train()
     except KeyboardInterrupt:
         print(f"{PROG}: interrupted", file=sys.stderr)
         return 128 + signal.SIGINT

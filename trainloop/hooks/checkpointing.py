@@ -10,7 +10,7 @@ import dataclasses
 import signal
 import time
 import warnings
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from contextlib import contextmanager, nullcontext
 from logging import Logger
 from pathlib import Path
@@ -34,6 +34,7 @@ from trainloop.checkpoint.manifest import make_metadata
 from trainloop.distributed.ranks import is_rank_zero
 from trainloop.exit_signals import DEFAULT_EXIT_SIGNALS, ExitSignals, as_signal
 from trainloop.hooks.base import BaseHook
+from trainloop.hooks.checks import HookProblem, listed, needs_workspace, one_process
 from trainloop.hooks.early_stopping import MonitorNotFoundWarning
 from trainloop.hooks.every import Schedule
 from trainloop.hooks.registry import register_hook
@@ -140,6 +141,34 @@ class CheckpointingHook(BaseHook):
     Raises:
         pydantic.ValidationError: A parameter is invalid; the error names it.
     """
+
+    @classmethod
+    def check_settings(cls, declared: Any, settings: Any, trainer: Any) -> list[HookProblem]:
+        """A relative ``path`` needs a workspace; a ``load`` directory must exist (checked in a
+        single process only: under a launcher, rank 0 checks it for every rank when loading)."""
+        problems = needs_workspace(settings, declared.path, "path", f"checkpoints go to {str(declared.path)!r}, a relative path")
+        if isinstance(declared.load, Path) and one_process() and not declared.load.expanduser().is_dir():
+            problems.append(("load", f"no checkpoint directory at {str(declared.load)!r}"))
+        return problems
+
+    @classmethod
+    def check_together(cls, declared: Sequence[tuple[int, Any]], settings: Any) -> list[str]:
+        """At most one hook loads a checkpoint, and no two write into one directory."""
+        problems = []
+        loading = [i for i, spec in declared if spec.load is not None]
+        if len(loading) > 1:
+            problems.append(f"{listed(loading)}: each would load a checkpoint into the trainer; set load to null on all but one")
+        by_directory: dict[Path, list[int]] = {}
+        for i, spec in declared:
+            path = Path(spec.path).expanduser()
+            if not path.is_absolute() and settings.workspace is not None:
+                path = settings.workspace / path
+            by_directory.setdefault(path, []).append(i)
+        problems += [
+            f"{listed(indices)}: both write checkpoints to {str(path)!r}; give each its own path"
+            for path, indices in by_directory.items() if len(indices) > 1
+        ]
+        return problems
 
     @validate_call
     def __init__(

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import difflib
 import logging
 from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING, Annotated, Any, Literal, cast
@@ -11,6 +12,7 @@ from pydantic import Field, validate_call
 from pydantic.json_schema import SkipJsonSchema
 
 from trainloop.hooks.base import BaseHook
+from trainloop.hooks.checks import HookProblem
 from trainloop.hooks.every import Schedule
 from trainloop.hooks.registry import register_hook
 from trainloop.nested import Records, flatten_nested_dict
@@ -67,6 +69,23 @@ class ValidationHook(BaseHook):
         last_records: What the last evaluation returned, or ``None`` before the first.
         last_step: The step of the last evaluation, or ``None`` before the first.
     """
+
+    @classmethod
+    def check_settings(cls, declared: Any, settings: Any, trainer: Any) -> list[HookProblem]:
+        """The method ``evaluate`` names exists on the trainer (see ``BaseHook.check_settings``)."""
+        name = declared.evaluate
+        if trainer is None or not isinstance(name, str):
+            return []
+        found = getattr(trainer, name, _MISSING)
+        cls_name = (trainer if isinstance(trainer, type) else type(trainer)).__name__
+        if found is _MISSING:
+            methods = [m for m in dir(trainer) if not m.startswith("_") and callable(getattr(trainer, m, None))]
+            close = difflib.get_close_matches(name, methods, n=1)
+            hint = f" (did you mean {close[0]!r}?)" if close else ""
+            return [("evaluate", f"{cls_name} has no method {name!r}{hint}")]
+        if not callable(found):
+            return [("evaluate", f"{cls_name}.{name} is a {type(found).__name__}, not a method")]
+        return []
 
     @validate_call
     def __init__(
