@@ -39,8 +39,9 @@ class ValidationHook(BaseHook):
     cleanly (``at_last_step``). The
     evaluation runs after the step's optimizer update, with the model in eval mode, under
     ``torch.no_grad()`` and the trainer's autocast (``settings.mixed_precision`` on
-    ``trainer.device``); on a run ended early by an exit request it runs in ``on_after_train``
-    (put this hook before the hooks that write logged records, which close there). Afterwards
+    ``trainer.device``); on a run ended early by an exit request it runs in ``exiting``, before
+    this hook's ``on_after_train`` (put this hook before the hooks that write logged records,
+    which close there). Afterwards
     every submodule gets back the train/eval mode it had, also when the evaluation raises. The
     returned records are logged with ``trainer.log({prefix: records})``, so an
     ``EarlyStoppingHook`` can monitor e.g. ``"val/loss"``, kept in ``last_records``, and shown
