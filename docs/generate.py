@@ -60,7 +60,21 @@ def hook_states() -> str:
     for event, state in HOOK_EVENTS.items():
         where = f"`{state.value}`" if state else f"when `trainer.{event.removeprefix('on_')}()` is called"
         rows.append(f"| `{event}` | {where} |")
+    rows.append(
+        "| `on_schedule` | when the hook's `schedule` is due: `stepping` (after its `on_after_step`); "
+        "`exiting` for the last step of a run ended by an exit request; `restoring` with `at_start` |"
+    )
     rows.append("| `on_enter_<state>` | on entering `<state>` |")
+    return "\n".join(rows)
+
+
+def example_hook_schedules() -> str:
+    """The digits example's declared hooks, each beside the state it acts in, with its schedule."""
+    from trainloop.hooks.listing import declared_hook_lines
+
+    declared = json.loads((ROOT / "examples" / "digits" / "settings.json").read_text())["hooks"]
+    rows = ["| state | hook |", "|---|---|"]
+    rows += [f"| `{state.value if state else 'any'}` | {line} |" for state, line in declared_hook_lines(declared)]
     return "\n".join(rows)
 
 
@@ -282,6 +296,7 @@ GENERATORS = {
     "machine-diagram-without-fail": machine_diagram_without_fail,
     "transition-table": transition_table,
     "hook-states": hook_states,
+    "example-hook-schedules": example_hook_schedules,
     "settings-table": settings_table,
     "namespaces": namespaces_table,
     "layout": layout_table,

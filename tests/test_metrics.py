@@ -17,8 +17,8 @@ class CrashAt(LoggingHook):
         super().__init__(interval=1)
         self.crash_step = step
 
-    def on_after_step(self, trainer):
-        super().on_after_step(trainer)  # logs this step first
+    def on_schedule(self, trainer):
+        super().on_schedule(trainer)  # logs this step first
         if trainer.step == self.crash_step:
             raise KeyboardInterrupt  # as a user's Ctrl-C without exit signals would
 

@@ -264,6 +264,11 @@ def test_steps_that_do_not_emit_run_no_tensor_op():
                 super().on_after_step(trainer)
             self.ops.append((trainer.step, log.ops))
 
+        def on_schedule(self, trainer):  # called on the emitting steps only
+            with _OpLog() as log:
+                super().on_schedule(trainer)
+            self.ops.append((trainer.step, log.ops))
+
     hook = Watched()
     TinyTrainer(max_steps=6, grad_clip=1.0, gradient_accumulation_steps=2, hooks=[hook]).train()
     quiet = [ops for step, ops in hook.ops if step % 3]

@@ -5,7 +5,7 @@
     trainloop run run.yaml [--trainer train:MyTrainer] [--set max_steps=100 ...]
     trainloop validate run.yaml [--trainer train:MyTrainer] [--set ...]
     trainloop schema [--trainer train:MyTrainer] [--output schema.json]
-    trainloop graph [--format mermaid|dot|svg|png] [--trace runs/exp1] [--output machine.svg]
+    trainloop graph [--format mermaid|dot|svg|png] [--trace runs/exp1] [--settings run.yaml [--trainer train:MyTrainer]] [--output machine.svg]
     trainloop inspect runs/exp1/checkpoints
     trainloop report runs/exp1 [--output report.html]
 
@@ -38,7 +38,7 @@ from trainloop.machine.table import TRANSITIONS, State
 from trainloop.machine.trace import TraceSummary, read_trace, summarize_trace
 from trainloop.report.graphviz import GraphvizError, find_dot, render_dot
 from trainloop.settings.model import SettingsFileError, TrainerSettings
-from trainloop.settings.preflight import preflight
+from trainloop.settings.preflight import checked, preflight
 from trainloop.settings.sources import read_settings_input
 from trainloop.trainer import BaseTrainer
 
@@ -193,7 +193,8 @@ def _cmd_run(args: argparse.Namespace) -> int:
     _configure_logging(args.log_level)
     try:
         # A signal exit raises SystemExit(code) from train(): it propagates as the exit code.
-        trainer_class(settings).train()
+        with checked(settings, trainer_class):  # the preflight above ran: train() does not repeat it
+            trainer_class(settings).train()
     except KeyboardInterrupt:
         print(f"{PROG}: interrupted", file=sys.stderr)
         return 128 + signal.SIGINT
@@ -290,8 +291,36 @@ def _render_with_dot(source: str, format: str) -> bytes:
         raise CliError(str(error), FAILURE) from None
 
 
+def _graph_hook_notes(settings_file: str, trainer_spec: str | None) -> dict[State, list[str]]:
+    """The hooks a settings file declares, by the state each acts in, with their schedules.
+
+    The file is read as ``run`` reads it (with the ``TRAINLOOP_*`` environment) and validated by
+    the trainer's ``settings_class`` (``--trainer``, else the file's ``trainer`` key; importing
+    it registers its hook types); no preflight: drawing runs nothing.
+
+    Raises:
+        CliError: The file cannot be read or does not validate, or the trainer cannot be used.
+    """
+    from trainloop.hooks.listing import declared_hook_lines, hook_notes
+
+    try:
+        found = read_settings_input(settings_file, os.environ, [])
+    except SettingsFileError as error:
+        raise CliError(str(error)) from None
+    spec, given_as = trainer_spec, "--trainer"
+    if spec is None and isinstance(found.data.get("trainer"), str):
+        spec, given_as = found.data["trainer"], f"{found.source_of(('trainer',))}: trainer"
+    settings_class = load_trainer_class(spec, given_as).settings_class if spec is not None else TrainerSettings
+    try:
+        settings = settings_class.validate_input(found)
+    except SettingsFileError as error:
+        raise CliError(str(error)) from None
+    return hook_notes(declared_hook_lines(settings.hooks))
+
+
 def _cmd_graph(args: argparse.Namespace) -> int:
-    """``trainloop graph``: draw the machine, optionally weighted by a run's trace."""
+    """``trainloop graph``: draw the machine, optionally weighted by a run's trace, optionally with
+    the hooks a settings file declares beside the states they act in."""
     binary = args.format in ("svg", "png")
     if binary:
         _find_dot(args.format)  # before reading anything: fail fast
@@ -307,7 +336,8 @@ def _cmd_graph(args: argparse.Namespace) -> int:
         summary = summarize_trace(entries)
         counts = summary.counts
         sys.stderr.write(_describe_trace(path, summary))
-    source = draw(TRANSITIONS, "mermaid" if args.format == "mermaid" else "dot", counts=counts)
+    notes = _graph_hook_notes(args.settings, args.trainer) if args.settings is not None else None
+    source = draw(TRANSITIONS, "mermaid" if args.format == "mermaid" else "dot", counts=counts, notes=notes)
     _write_output(args.output, _render_with_dot(source, args.format) if binary else source)
     return 0
 
@@ -444,11 +474,16 @@ def _build_parser() -> argparse.ArgumentParser:
 
     graph = commands.add_parser(
         "graph", help="draw the state machine",
-        description="Draw the state machine; with --trace, weight each edge by how often it fired in a run.",
+        description="Draw the state machine; with --trace, weight each edge by how often it fired in a run; "
+        "with --settings, note each declared hook beside the state it acts in, with its schedule.",
     )
     graph.add_argument("--format", default="mermaid", choices=["mermaid", "dot", "svg", "png"],
                        help="mermaid or dot source text, or svg/png rendered by Graphviz's dot (default: mermaid)")
     graph.add_argument("--trace", metavar="WORKSPACE_OR_TRACE_FILE", help="a run's workspace or its trace.jsonl")
+    graph.add_argument("--settings", metavar="SETTINGS_FILE",
+                       help="show the hooks this settings file declares beside the states they act in, with their schedules")
+    graph.add_argument("--trainer", metavar="MODULE:CLASS",
+                       help="with --settings: the trainer whose settings_class validates them (default: the settings' trainer key)")
     graph.add_argument("--output", metavar="PATH", help="write it here instead of stdout")
     graph.set_defaults(handler=_cmd_graph)
 

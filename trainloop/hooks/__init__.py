@@ -12,6 +12,7 @@ from trainloop.hooks.cuda_memory import CudaMaxMemoryHook
 from trainloop.hooks.dispatch import HOOK_EVENTS
 from trainloop.hooks.early_stopping import EarlyStoppingHook, MonitorNotFoundWarning
 from trainloop.hooks.ema import EmaHook
+from trainloop.hooks.every import Schedule
 from trainloop.hooks.image_files import ImageFileLoggerHook
 from trainloop.hooks.logging_hook import LoggingHook
 from trainloop.hooks.progress import ProgressHook
@@ -34,6 +35,7 @@ __all__ = [
     "LoggingHook",
     "MonitorNotFoundWarning",
     "ProgressHook",
+    "Schedule",
     "StatsHook",
     "TensorBoardHook",
     "TrainingStats",

@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import re
+from collections.abc import Sequence
 from typing import Any
 
 from trainloop._moved import moved_names
+from trainloop.hooks.every import Schedule
 
 __all__ = ["BaseHook"]
 
@@ -30,9 +32,22 @@ class BaseHook:
     The ``trainer`` the methods receive is typed ``Any`` here, so that a subclass may annotate
     it with its own trainer class, with ``BaseTrainer``, or with the read-only view
     ``trainloop.run_state.TrainerView`` (what the built-in hooks use).
+
+    A hook that acts periodically declares when, as data: ``self.schedule = Schedule(every=100)``
+    (``trainloop.hooks.every``), and defines ``on_schedule``; the trainer applies the one
+    every(n) rule and calls ``on_schedule`` only when it is due, so the steps in between cost
+    the hook nothing, and ``trainloop graph``, the docs and the run report show the schedule.
+
+    A hook class registered for settings files checks its own declared settings before anything
+    is built (``check_settings``, and ``check_together`` across the run's hooks of the class):
+    ``trainloop validate``, ``trainloop run`` and ``train()`` all ask it.
+
+    Attributes:
+        schedule: When ``on_schedule`` is called, or ``None`` (the hook has no schedule).
     """
 
     _name: str | None = None
+    schedule: Schedule | None = None
 
     @property
     def name(self) -> str:
@@ -59,6 +74,39 @@ class BaseHook:
         """Whether the class adds state to checkpoints (overrides ``on_state_dict``)."""
         return cls.on_state_dict is not BaseHook.on_state_dict
 
+    @classmethod
+    def check_settings(cls, declared: Any, settings: Any, trainer: Any) -> list[tuple[str | None, str]]:
+        """What stops one declared hook of this class from running, found without building anything.
+
+        Called by the preflight (``trainloop validate``, ``trainloop run``, ``train()``) for each
+        hook of this class that ``settings.hooks`` declares. By default nothing.
+
+        Args:
+            declared: The hook's validated settings (``"type"`` and its parameters).
+            settings: The run's validated ``TrainerSettings``.
+            trainer: The trainer class (or instance) that will run them, or ``None`` when the
+                settings are checked alone.
+
+        Returns:
+            One ``(parameter, message)`` per problem: the parameter at fault (``None``: the hook
+            as a whole) and what is wrong; the preflight names the field (``hooks[2].path: ...``).
+        """
+        return []
+
+    @classmethod
+    def check_together(cls, declared: Sequence[tuple[int, Any]], settings: Any) -> list[str]:
+        """What stops the run's hooks of this class from running together (two writing one
+        directory, say); called once per class that ``settings.hooks`` declares. By default nothing.
+
+        Args:
+            declared: ``(index in settings.hooks, validated settings)`` of each hook of this class.
+            settings: The run's validated ``TrainerSettings``.
+
+        Returns:
+            One message per problem, naming the hooks as ``hooks[i]``.
+        """
+        return []
+
     def on_before_train(self, trainer: Any) -> None:
         """Called once in ``restoring``, after any checkpoint was loaded."""
 
@@ -72,6 +120,12 @@ class BaseHook:
     def on_after_step(self, trainer: Any) -> None:
         """Called in ``stepping`` after the optimizer and scheduler stepped (never for an update
         that found non-finite gradients); ``trainer.step_info`` is complete."""
+
+    def on_schedule(self, trainer: Any) -> None:
+        """Called when ``self.schedule`` is due: in ``stepping`` right after this hook's
+        ``on_after_step``; at the end of a run ended by an exit request, in ``exiting`` right
+        before its ``on_after_train``; with ``at_start``, in ``restoring`` right after its
+        ``on_before_train`` (see ``trainloop.hooks.every``)."""
 
     def on_exception(self, trainer: Any, error: BaseException) -> None:
         """Called in ``exiting`` when the run ends by an error (or an interrupt), before

@@ -10,7 +10,7 @@ import dataclasses
 import signal
 import time
 import warnings
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from contextlib import contextmanager, nullcontext
 from logging import Logger
 from pathlib import Path
@@ -34,8 +34,9 @@ from trainloop.checkpoint.manifest import make_metadata
 from trainloop.distributed.ranks import is_rank_zero
 from trainloop.exit_signals import DEFAULT_EXIT_SIGNALS, ExitSignals, as_signal
 from trainloop.hooks.base import BaseHook
+from trainloop.hooks.checks import HookProblem, listed, needs_workspace, one_process
 from trainloop.hooks.early_stopping import MonitorNotFoundWarning
-from trainloop.hooks.every import Every
+from trainloop.hooks.every import Schedule
 from trainloop.hooks.registry import register_hook
 from trainloop.nested import flatten_nested_dict
 from trainloop.settings.types import NonNegativeFloat, NonNegativeInt, PositiveInt, StrictBool
@@ -70,9 +71,10 @@ ExitCode = Annotated[int, Field(ge=0, le=255, strict=True)]
 class CheckpointingHook(BaseHook):
     """Save checkpoints on a schedule and on exit signals; prune old ones; resume from one.
 
-    Saves happen in the ``checkpointing`` state by the ``every(n)`` rule (``trainloop.hooks.every``):
-    at the end of every ``interval``-th step (or epoch, see ``unit``) and of the last step of a
-    run that ends cleanly; also of every step kept by ``keep_interval`` or ``keep_steps``, and
+    Saves happen in the ``checkpointing`` state on the hook's ``schedule``, the ``every(n)`` rule
+    (``trainloop.hooks.every``): at the end of every ``interval``-th step (or epoch, see ``unit``)
+    and of the last step of a run that ends cleanly (a standing at-exit request covers a run ended
+    by an exit request); also of every step kept by ``keep_interval`` or ``keep_steps``, and
     of the step during which an exit signal arrived. A checkpoint is a directory
     ``<path>/<step>/`` (see :mod:`trainloop.checkpoint.files`) with a ``metadata.json`` (step,
     epoch, time, the last metrics logged, versions, format) and, written last, a
@@ -140,6 +142,34 @@ class CheckpointingHook(BaseHook):
         pydantic.ValidationError: A parameter is invalid; the error names it.
     """
 
+    @classmethod
+    def check_settings(cls, declared: Any, settings: Any, trainer: Any) -> list[HookProblem]:
+        """A relative ``path`` needs a workspace; a ``load`` directory must exist (checked in a
+        single process only: under a launcher, rank 0 checks it for every rank when loading)."""
+        problems = needs_workspace(settings, declared.path, "path", f"checkpoints go to {str(declared.path)!r}, a relative path")
+        if isinstance(declared.load, Path) and one_process() and not declared.load.expanduser().is_dir():
+            problems.append(("load", f"no checkpoint directory at {str(declared.load)!r}"))
+        return problems
+
+    @classmethod
+    def check_together(cls, declared: Sequence[tuple[int, Any]], settings: Any) -> list[str]:
+        """At most one hook loads a checkpoint, and no two write into one directory."""
+        problems = []
+        loading = [i for i, spec in declared if spec.load is not None]
+        if len(loading) > 1:
+            problems.append(f"{listed(loading)}: each would load a checkpoint into the trainer; set load to null on all but one")
+        by_directory: dict[Path, list[int]] = {}
+        for i, spec in declared:
+            path = Path(spec.path).expanduser()
+            if not path.is_absolute() and settings.workspace is not None:
+                path = settings.workspace / path
+            by_directory.setdefault(path, []).append(i)
+        problems += [
+            f"{listed(indices)}: both write checkpoints to {str(path)!r}; give each its own path"
+            for path, indices in by_directory.items() if len(indices) > 1
+        ]
+        return problems
+
     @validate_call
     def __init__(
         self,
@@ -163,7 +193,7 @@ class CheckpointingHook(BaseHook):
         check_best(keep_best, monitor)
         self.interval = interval
         self.unit = unit
-        self._every = Every(interval, unit)
+        self.schedule = Schedule(interval, unit)
         self.keep_previous = keep_previous
         self.keep_best = keep_best
         self.monitor = monitor
@@ -249,7 +279,6 @@ class CheckpointingHook(BaseHook):
     def on_before_train(self, trainer: TrainerView) -> None:
         """Ask for a save at the end of the run, and install the exit-signal handlers."""
         trainer.request_checkpoint(at_exit=True)
-        self._every.start(trainer)
         self._last_saved_step = None
         self._exit_asked = False
         self._metrics = {}
@@ -258,7 +287,7 @@ class CheckpointingHook(BaseHook):
     # -- stepping ------------------------------------------------------------------------------
 
     def on_after_step(self, trainer: TrainerView) -> None:
-        """Request a save when one is due; after an exit signal, request the exit."""
+        """Request a save of a kept step; after an exit signal, request the exit."""
         step = trainer.step
         caught = self._signals.caught
         if caught is not None and not self._exit_asked:
@@ -272,8 +301,16 @@ class CheckpointingHook(BaseHook):
                 if signal.SIGINT in self.exit_signals else "",
             )
             trainer.request_exit(code)
-        if self._every.due(trainer) or self._is_kept(step):
+        if self._is_kept(step):
             trainer.request_checkpoint()
+
+    def on_schedule(self, trainer: TrainerView) -> None:
+        """Request a save: the schedule is due.
+
+        At the end of a run ended by an exit request this comes in ``exiting``, after the save
+        the standing at-exit request made of the same step, and changes nothing.
+        """
+        trainer.request_checkpoint()
 
     def _is_kept(self, step: int) -> bool:
         return (self.keep_interval > 0 and step % self.keep_interval == 0) or step in self.keep_steps

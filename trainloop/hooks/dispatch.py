@@ -1,16 +1,26 @@
 """Which hook methods exist, which state each runs in, and the dispatch table that calls only the
-hooks that override a method."""
+hooks that override a method, and a hook's ``on_schedule`` only when its ``Schedule`` is due."""
 
 from __future__ import annotations
 
 import difflib
+import sys
 from collections.abc import Callable, Sequence
 from typing import Any
 
 from trainloop.hooks.base import BaseHook
+from trainloop.hooks.every import Every
 from trainloop.machine.table import State
 
-__all__ = ["HOOK_EVENTS", "HOOK_METHODS", "check_hook_methods", "check_hooks", "hook_dispatch", "state_entry_methods"]
+__all__ = [
+    "HOOK_EVENTS",
+    "HOOK_METHODS",
+    "ScheduledCalls",
+    "check_hook_methods",
+    "check_hooks",
+    "hook_dispatch",
+    "state_entry_methods",
+]
 
 
 #: The methods a trainer dispatches to hooks, and the one state each runs in (``None``: whenever
@@ -40,17 +50,113 @@ def state_entry_methods(hook: BaseHook) -> list[tuple[State, Callable[[Any], Any
     return found
 
 
+def _overrides(hook: BaseHook, method: str) -> bool:
+    return getattr(type(hook), method) is not getattr(BaseHook, method)
+
+
 def hook_dispatch(hooks: Sequence[BaseHook]) -> dict[str, tuple[Callable[..., None], ...]]:
     """Per event, the bound methods of the hooks that override it, in hook order.
 
-    Built once, so a step pays only for the hooks that act on it.
+    Built once, so a step pays only for the hooks that act on it. When a hook declares a
+    ``schedule``, ``on_before_train``, ``on_after_step`` and ``on_after_train`` are each one call
+    of a ``ScheduledCalls``, which also calls ``on_schedule`` when due, in hook order.
     """
-    return {
-        event: tuple(
-            getattr(h, event) for h in hooks if getattr(type(h), event) is not getattr(BaseHook, event)
+    dispatch = {event: tuple(getattr(h, event) for h in hooks if _overrides(h, event)) for event in HOOK_EVENTS}
+    if any(h.schedule is not None for h in hooks):
+        calls = ScheduledCalls(hooks)
+        dispatch.update(
+            on_before_train=(calls.before_train,), on_after_step=(calls.after_step,), on_after_train=(calls.after_train,)
         )
-        for event in HOOK_EVENTS
-    }
+    return dispatch
+
+
+class ScheduledCalls:
+    """The calls around the hooks' schedules in one run: the one every(n) rule, applied once.
+
+    Each hook's ``on_schedule`` follows its own ``on_before_train`` (``at_start``),
+    ``on_after_step`` (when due) or precedes its ``on_after_train`` (``at_end``, after an exit
+    request), so the hooks keep their order. A step on which no schedule is due costs a
+    comparison (and, when epochs matter, reading the epochs completed) besides the hooks'
+    own ``on_after_step``: the next step anything can be due at is worked out when something was.
+
+    Args:
+        hooks: The run's hooks, in order.
+    """
+
+    def __init__(self, hooks: Sequence[BaseHook]) -> None:
+        rows = []
+        for hook in hooks:
+            schedule = hook.schedule
+            every = Every(schedule.every, schedule.unit, schedule.at_end) if schedule is not None else None
+            rows.append((hook, every))
+        self._everies = [every for _, every in rows if every is not None]
+        self._by_steps = [every for every in self._everies if every.unit == "steps"]
+        self._start = tuple(
+            (h.on_before_train if _overrides(h, "on_before_train") else None,
+             h.on_schedule if h.schedule is not None and h.schedule.at_start else None)
+            for h, _ in rows
+        )
+        self._plain = tuple(h.on_after_step for h, _ in rows if _overrides(h, "on_after_step"))
+        self._step = tuple(
+            (h.on_after_step if _overrides(h, "on_after_step") else None, every, h.on_schedule)
+            for h, every in rows if every is not None or _overrides(h, "on_after_step")
+        )
+        self._end = tuple(
+            (every, h.on_schedule, h.on_after_train if _overrides(h, "on_after_train") else None)
+            for h, every in rows if every is not None or _overrides(h, "on_after_train")
+        )
+        self._next = 0  # the first step at which something may be due
+        self._epochs: int | None = None  # epochs completed when something was last worked out
+        self._watch_epochs = False
+        self._stepped = False
+
+    def before_train(self, trainer: Any) -> None:
+        """Begin the run: reset the rule; each hook's ``on_before_train``, then ``on_schedule`` if ``at_start``."""
+        for every in self._everies:
+            every.start()
+        self._next, self._epochs, self._stepped = 0, None, False
+        run_length = trainer.run_length
+        # Epochs matter when a schedule counts them, or when max_epochs may end the run.
+        self._watch_epochs = any(e.unit == "epochs" or (e.at_end and run_length.max_epochs is not None) for e in self._everies)
+        for before, at_start in self._start:
+            if before is not None:
+                before(trainer)
+            if at_start is not None:
+                at_start(trainer)
+
+    def after_step(self, trainer: Any) -> None:
+        """Each hook's ``on_after_step``, then its ``on_schedule`` if due after this step."""
+        step = trainer.step
+        if step < self._next and (not self._watch_epochs or trainer.run_length.epochs_completed == self._epochs):
+            for fn in self._plain:  # nothing due: the hooks' own methods only
+                fn(trainer)
+            return
+        run_length = trainer.run_length
+        epochs, at_start, last = run_length.epochs_completed, run_length.epochs_at_start, run_length.reached(step)
+        self._epochs, self._stepped = epochs, True
+        for after, every, act in self._step:
+            if after is not None:
+                after(trainer)
+            if every is not None and every.due(step, epochs, at_start, last):
+                act(trainer)
+        upcoming = [every.next_step(step) for every in self._by_steps]
+        if run_length.max_steps is not None and any(e.at_end for e in self._everies):
+            upcoming.append(run_length.max_steps)
+        self._next = min(upcoming, default=sys.maxsize)
+
+    def after_train(self, trainer: Any) -> None:
+        """Each hook's ``on_schedule`` if the clean end of the run was not acted on, then its
+        ``on_after_train`` (also when ``on_schedule`` raised)."""
+        # Not after an error: other ranks may not reach this point, and a collective would hang.
+        clean = self._stepped and trainer.error is None
+        step = trainer.step
+        for every, act, after in self._end:
+            try:
+                if clean and every is not None and every.due_at_end(step):
+                    act(trainer)
+            finally:
+                if after is not None:
+                    after(trainer)
 
 
 def check_hooks(hooks: list[BaseHook]) -> None:
@@ -68,6 +174,7 @@ def check_hooks(hooks: list[BaseHook]) -> None:
         if not isinstance(hook, BaseHook):
             raise TypeError(f"build_hooks() item {i} is a {type(hook).__name__}, not a BaseHook")
         check_hook_methods(type(hook))
+        check_schedule(hook)
         if hook.saves_state():  # only saved state needs a unique key
             classes.setdefault(hook.name, []).append(type(hook).__name__)
     for name, kinds in classes.items():
@@ -80,7 +187,17 @@ def check_hooks(hooks: list[BaseHook]) -> None:
 
 
 #: Every ``on_*`` method name a hook may define.
-HOOK_METHODS = frozenset(HOOK_EVENTS) | {f"on_enter_{state.value}" for state in State}
+HOOK_METHODS = frozenset(HOOK_EVENTS) | {"on_schedule"} | {f"on_enter_{state.value}" for state in State}
+
+
+def check_schedule(hook: BaseHook) -> None:
+    """Raise ``TypeError`` if ``hook`` declares a schedule without ``on_schedule``, or the reverse
+    (either half alone would silently never act)."""
+    scheduled, acts = hook.schedule is not None, _overrides(hook, "on_schedule")
+    if scheduled and not acts:
+        raise TypeError(f"{type(hook).__name__} declares a schedule but no on_schedule() method to call when it is due")
+    if acts and not scheduled:
+        raise TypeError(f"{type(hook).__name__}.on_schedule would never be called: the hook declares no schedule")
 
 
 def check_hook_methods(cls: type[BaseHook]) -> None:

@@ -1,81 +1,118 @@
-"""The one "every N" rule of hooks that act periodically.
+"""The one "every N" rule of hooks that act periodically, and the ``Schedule`` that declares it.
 
-A periodic hook (stats, logging, progress, validation, checkpointing) acts after a step when
-that step is a multiple of ``n`` steps (or completes a multiple of ``n`` epochs), and after the
-last step of a run that ends cleanly, so the end of a run is never left out:
+A hook declares when it acts as data, ``hook.schedule = Schedule(every=n, unit="steps")``, and
+defines ``on_schedule(trainer)``; the dispatcher (``trainloop.hooks.dispatch``) applies this
+rule and calls ``on_schedule`` only when it is due:
 
-- a run that reaches ``max_steps`` or ``max_epochs``: ``due`` is true at its last step;
-- a run that ends on an exit request (a signal, early stopping): the request is settled after
-  the step's hooks ran, so ``due_at_end`` tells the hook in ``on_after_train`` that the last
-  step was not acted on;
-- a run that ends by an error: not acted on (other ranks may not get there).
+- after a step that is a multiple of ``every`` steps (or completes a multiple of ``every``
+  epochs), right after the hook's own ``on_after_step``;
+- with ``at_end``, after the last step of a run that ends cleanly, so the end of a run is never
+  left out: a run that reaches ``max_steps`` or ``max_epochs`` is due at its last step; a run
+  that ends on an exit request (a signal, early stopping) learns it after the step's hooks ran,
+  so its last step, if not acted on, is acted on in ``exiting``, before the hook's
+  ``on_after_train``; a run that ends by an error is not acted on (other ranks may not get there);
+- with ``at_start``, once in ``restoring``, right after the hook's own ``on_before_train``.
+
+``Every`` is the rule's bookkeeping for one schedule over one run: pure arithmetic on the numbers
+the dispatcher gives it, so it can be tested, and skipped on steps where nothing is due.
 """
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Literal
+from dataclasses import dataclass
+from typing import Literal
 
-if TYPE_CHECKING:
-    from trainloop.run_state import TrainerView
-
-__all__ = ["Every", "Unit"]
+__all__ = ["Every", "Schedule", "Unit"]
 
 Unit = Literal["steps", "epochs"]
 
 
+@dataclass(frozen=True)
+class Schedule:
+    """When a hook acts: what a hook declares, what the dispatcher applies and the docs show.
+
+    Args:
+        every: Act after every multiple of this many steps (or epochs), ``>= 1``.
+        unit: ``"steps"``, or ``"epochs"``: act after the step in which every ``every``-th
+            epoch's last batch is drawn.
+        at_end: Also act after the last step of a run that ends cleanly, when not just acted on.
+        at_start: Also act once before the first step (in ``restoring``).
+
+    Raises:
+        ValueError: ``every`` is less than 1, or ``unit`` is neither ``"steps"`` nor ``"epochs"``.
+    """
+
+    every: int
+    unit: Unit = "steps"
+    at_end: bool = True
+    at_start: bool = False
+
+    def __post_init__(self) -> None:
+        if self.every < 1:
+            raise ValueError(f"every(n) needs n >= 1, got {self.every}")
+        if self.unit not in ("steps", "epochs"):
+            raise ValueError(f"a schedule's unit is 'steps' or 'epochs', got {self.unit!r}")
+
+    def describe(self) -> str:
+        """The schedule in words: ``every 1000 steps and at the end``, ``at the start and every epoch``."""
+        one = self.unit.removesuffix("s")
+        periodic = f"every {one}" if self.every == 1 else f"every {self.every} {self.unit}"
+        parts = (["at the start"] if self.at_start else []) + [periodic] + (["at the end"] if self.at_end else [])
+        return ", ".join(parts[:-1]) + " and " + parts[-1] if len(parts) > 1 else parts[0]
+
+
 class Every:
-    """Decides when a periodic hook acts; one instance per hook.
+    """The every(n) rule over one run, for one schedule.
 
     Args:
         n: Act at every multiple of this many steps (or epochs).
-        unit: ``"steps"``, or ``"epochs"``: act after the step in which every ``n``-th epoch's
-            last batch is drawn.
+        unit: ``"steps"`` or ``"epochs"``.
+        at_end: Whether the last step of a run counts (the rule); ``False``: only multiples of ``n``.
 
     Attributes:
         last_step: The step at which ``due`` or ``due_at_end`` last said yes, or ``None``.
     """
 
-    def __init__(self, n: int, unit: Unit = "steps") -> None:
-        if n < 1:
-            raise ValueError(f"every(n) needs n >= 1, got {n}")
+    def __init__(self, n: int, unit: Unit = "steps", at_end: bool = True) -> None:
+        self.schedule = Schedule(n, unit, at_end)  # checks n and unit
         self.n = n
         self.unit = unit
+        self.at_end = at_end
         self.last_step: int | None = None
         self._epochs: int | None = None  # epochs completed after the last step seen
-        self._stepped = False  # a step finished in this run
 
-    def start(self, trainer: TrainerView) -> None:
-        """Begin a run (call it in ``on_before_train``): epochs are counted from its start."""
+    def start(self) -> None:
+        """Begin a run: epochs are counted from the first step's ``epochs_at_start``."""
         self.last_step = None
-        self._stepped = False
-        self._epochs = None  # the data iterator does not exist yet; read at the first step
+        self._epochs = None
 
-    def due(self, trainer: TrainerView, at_last_step: bool = True) -> bool:
-        """Whether to act after the step that just finished (call it in ``on_after_step``).
+    def due(self, step: int, epochs: int, epochs_at_start: int, last: bool) -> bool:
+        """Whether to act after ``step``.
 
         Args:
-            trainer: The trainer.
-            at_last_step: Whether the last step of the run counts (the rule); ``False``: only
-                multiples of ``n``.
+            step: The step that just finished.
+            epochs: Full passes over the data completed now.
+            epochs_at_start: Full passes completed when the run began drawing.
+            last: Whether the run ends after this step (``max_steps``/``max_epochs`` reached).
         """
-        step = trainer.step
-        self._stepped = True
         if self.unit == "steps":
             hit = step % self.n == 0
         else:
-            epochs = trainer.run_length.epochs_completed
-            before = trainer.run_length.epochs_at_start if self._epochs is None else self._epochs
+            before = epochs_at_start if self._epochs is None else self._epochs
             hit = epochs > before and epochs % self.n == 0
             self._epochs = epochs
-        if hit or (at_last_step and trainer.run_length.reached(step)):
+        if hit or (self.at_end and last):
             self.last_step = step
             return True
         return False
 
-    def due_at_end(self, trainer: TrainerView) -> bool:
-        """Whether the run ended cleanly after a step not acted on (call it in ``on_after_train``)."""
-        step = trainer.step
-        if trainer.error is not None or not self._stepped or step == self.last_step:
+    def next_step(self, step: int) -> int:
+        """The first step after ``step`` that a ``"steps"`` schedule is due at by its multiples."""
+        return (step // self.n + 1) * self.n
+
+    def due_at_end(self, step: int) -> bool:
+        """Whether a run that ended cleanly after ``step`` left it not acted on (``at_end`` only)."""
+        if not self.at_end or step == self.last_step:
             return False
         self.last_step = step
         return True

@@ -10,6 +10,7 @@ from pydantic import AfterValidator, validate_call
 
 from trainloop.distributed.ranks import is_rank_zero
 from trainloop.hooks.base import BaseHook
+from trainloop.hooks.checks import HookProblem, workspace_only
 from trainloop.hooks.registry import register_hook
 from trainloop.nested import flatten_nested_dict
 
@@ -70,6 +71,11 @@ class ImageFileLoggerHook(BaseHook):
     Raises:
         ValueError: At the start of training, if the trainer has no workspace.
     """
+
+    @classmethod
+    def check_settings(cls, declared: Any, settings: Any, trainer: Any) -> list[HookProblem]:
+        """The images go under the workspace: it needs one (see ``BaseHook.check_settings``)."""
+        return workspace_only(declared, settings, "images to <workspace>/visualizations")
 
     @validate_call
     def __init__(self, image_format: ImageFormat = "png") -> None:

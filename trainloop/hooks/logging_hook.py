@@ -25,7 +25,7 @@ class LoggingHook(StatsHook):
          "data_time": 0.01, "non_finite_grad_retries": 0, "records": {...forward's...}}
 
     Every rank calls ``trainer.log``; the hooks that write records decide which rank writes.
-    Put this hook before those hooks: a run that ends early is flushed in ``on_after_train``,
+    Put this hook before those hooks: a run that ends early is flushed in ``exiting``,
     which must reach them before they close.
 
     Args:

@@ -21,7 +21,7 @@ from pydantic import validate_call
 
 from trainloop.distributed.ranks import gather_from_ranks, world_size
 from trainloop.hooks.base import BaseHook
-from trainloop.hooks.every import Every
+from trainloop.hooks.every import Schedule
 from trainloop.hooks.registry import register_hook
 from trainloop.nested import Records, key_average
 from trainloop.settings.types import PositiveInt, StrictBool
@@ -97,10 +97,10 @@ class StatsHook(BaseHook):
     Every step it collects the loss of each microstep, the gradient norm (when the trainer
     clips), step and data time, the retry count, ``step_info.max_memory`` when another hook
     records it (that hook must come before this one), ``forward``'s records, and each param
-    group's learning rate before the scheduler steps. By the ``every(n)`` rule
+    group's learning rate before the scheduler steps. On its ``schedule``, the ``every(n)`` rule
     (``trainloop.hooks.every``: every multiple of ``interval`` and the last step of a run that ends
-    cleanly, also early on an exit request) it reduces them into a ``TrainingStats`` and calls
-    ``emit``.
+    cleanly, also early on an exit request), ``on_schedule`` reduces them into a
+    ``TrainingStats`` and calls ``emit``.
 
     Used on its own, the hook keeps the newest statistics in ``latest`` and publishes
     them as ``trainer.step_info.stats`` on the steps where it emits, for later hooks to read.
@@ -130,7 +130,7 @@ class StatsHook(BaseHook):
         self.interval = interval
         self.sync = sync
         self.latest: TrainingStats | None = None
-        self._every = Every(interval)
+        self.schedule = Schedule(interval)
         self._max_steps = 0
         self._lr_names: list[str] = []
         self._lrs: list[Any] = []
@@ -151,7 +151,6 @@ class StatsHook(BaseHook):
     def on_before_train(self, trainer: TrainerView) -> None:
         """Start an empty window."""
         self._max_steps = trainer.max_steps
-        self._every.start(trainer)
         self.latest = None
         self._reset_window()
 
@@ -178,7 +177,7 @@ class StatsHook(BaseHook):
         self._lrs = [None] * len(groups)
 
     def on_after_step(self, trainer: TrainerView) -> None:
-        """Add the step to the window; emit at a multiple of ``interval`` or the last step."""
+        """Add the step to the window (``on_schedule`` emits it when due)."""
         info = trainer.step_info
         self._steps += 1
         # References only: reading a tensor here would be a host sync on every step.
@@ -194,14 +193,12 @@ class StatsHook(BaseHook):
         memory = info.max_memory
         if memory is not None and (self._max_memory is None or memory > self._max_memory):
             self._max_memory = memory
-        if self._every.due(trainer):
-            self._emit_window(trainer)
 
-    def on_after_train(self, trainer: TrainerView) -> None:
-        """Emit the steps of a run that ended cleanly between two emissions (an exit request)."""
-        # Not after an error (due_at_end says no): other ranks may not reach this point, and a
-        # collective would hang.
-        if self._every.due_at_end(trainer) and self._steps:
+    def on_schedule(self, trainer: TrainerView) -> None:
+        """Emit the steps since the last emission: at a multiple of ``interval``, or the last step
+        of a run that ended cleanly (never after an error: with ``sync`` the other ranks may not
+        get here, and the collective would hang)."""
+        if self._steps:
             self._emit_window(trainer)
 
     # -- reducing --------------------------------------------------------------------------

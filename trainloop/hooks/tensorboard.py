@@ -9,6 +9,7 @@ from pydantic import validate_call
 
 from trainloop.distributed.ranks import is_rank_zero
 from trainloop.hooks.base import BaseHook
+from trainloop.hooks.checks import HookProblem, needs_workspace
 from trainloop.hooks.registry import register_hook
 from trainloop.nested import flatten_nested_dict, to_float
 
@@ -40,6 +41,12 @@ class TensorBoardHook(BaseHook):
         ValueError: At the start of training, if the folder lies in the workspace and the
             trainer has none.
     """
+
+    @classmethod
+    def check_settings(cls, declared: Any, settings: Any, trainer: Any) -> list[HookProblem]:
+        """Event files under a workspace need one (see ``BaseHook.check_settings``)."""
+        where = f"{str(declared.log_dir)!r}, a relative path" if declared.log_dir is not None else "<workspace>/tensorboard"
+        return needs_workspace(settings, declared.log_dir, "log_dir", f"event files go to {where}")
 
     @validate_call
     def __init__(self, log_dir: Path | None = None) -> None:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import difflib
 import logging
 from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING, Annotated, Any, Literal, cast
@@ -11,7 +12,8 @@ from pydantic import Field, validate_call
 from pydantic.json_schema import SkipJsonSchema
 
 from trainloop.hooks.base import BaseHook
-from trainloop.hooks.every import Every
+from trainloop.hooks.checks import HookProblem
+from trainloop.hooks.every import Schedule
 from trainloop.hooks.registry import register_hook
 from trainloop.nested import Records, flatten_nested_dict
 from trainloop.settings.types import PositiveInt, StrictBool
@@ -32,12 +34,14 @@ _MISSING = object()
 class ValidationHook(BaseHook):
     """Run an evaluation every ``interval`` steps (or epochs) and log what it returns under ``prefix``.
 
-    Evaluations follow the ``every(n)`` rule (``trainloop.hooks.every``): after every ``interval``-th
-    step (or epoch), and after the last step of a run that ends cleanly (``at_last_step``). The
+    Evaluations follow the hook's ``schedule``, the ``every(n)`` rule (``trainloop.hooks.every``):
+    after every ``interval``-th step (or epoch), and after the last step of a run that ends
+    cleanly (``at_last_step``). The
     evaluation runs after the step's optimizer update, with the model in eval mode, under
     ``torch.no_grad()`` and the trainer's autocast (``settings.mixed_precision`` on
-    ``trainer.device``); on a run ended early by an exit request it runs in ``on_after_train``
-    (put this hook before the hooks that write logged records, which close there). Afterwards
+    ``trainer.device``); on a run ended early by an exit request it runs in ``exiting``, before
+    this hook's ``on_after_train`` (put this hook before the hooks that write logged records,
+    which close there). Afterwards
     every submodule gets back the train/eval mode it had, also when the evaluation raises. The
     returned records are logged with ``trainer.log({prefix: records})``, so an
     ``EarlyStoppingHook`` can monitor e.g. ``"val/loss"``, kept in ``last_records``, and shown
@@ -67,6 +71,23 @@ class ValidationHook(BaseHook):
         last_step: The step of the last evaluation, or ``None`` before the first.
     """
 
+    @classmethod
+    def check_settings(cls, declared: Any, settings: Any, trainer: Any) -> list[HookProblem]:
+        """The method ``evaluate`` names exists on the trainer (see ``BaseHook.check_settings``)."""
+        name = declared.evaluate
+        if trainer is None or not isinstance(name, str):
+            return []
+        found = getattr(trainer, name, _MISSING)
+        cls_name = (trainer if isinstance(trainer, type) else type(trainer)).__name__
+        if found is _MISSING:
+            methods = [m for m in dir(trainer) if not m.startswith("_") and callable(getattr(trainer, m, None))]
+            close = difflib.get_close_matches(name, methods, n=1)
+            hint = f" (did you mean {close[0]!r}?)" if close else ""
+            return [("evaluate", f"{cls_name} has no method {name!r}{hint}")]
+        if not callable(found):
+            return [("evaluate", f"{cls_name}.{name} is a {type(found).__name__}, not a method")]
+        return []
+
     @validate_call
     def __init__(
         self,
@@ -81,7 +102,7 @@ class ValidationHook(BaseHook):
         self.evaluate = evaluate
         self.interval = interval
         self.unit = unit
-        self._every = Every(interval, unit)
+        self.schedule = Schedule(interval, unit, at_end=at_last_step)
         self.at_last_step = at_last_step
         self.prefix = prefix
         self.last_records: Records | None = None
@@ -94,7 +115,6 @@ class ValidationHook(BaseHook):
             AttributeError: The trainer has no attribute of that name.
             TypeError: The attribute is not callable.
         """
-        self._every.start(trainer)
         if not isinstance(self.evaluate, str):
             return
         method = getattr(trainer, self.evaluate, _MISSING)
@@ -110,15 +130,9 @@ class ValidationHook(BaseHook):
                 "not a method"
             )
 
-    def on_after_step(self, trainer: TrainerView) -> None:
-        """Evaluate if this step is due; on the other steps this costs one modulo or so."""
-        if self._every.due(trainer, self.at_last_step):
-            self.run(trainer)
-
-    def on_after_train(self, trainer: TrainerView) -> None:
-        """Evaluate the last step of a run ended early by an exit request, if not done yet."""
-        if self.at_last_step and self._every.due_at_end(trainer):
-            self.run(trainer)
+    def on_schedule(self, trainer: TrainerView) -> None:
+        """Evaluate: the schedule is due (a step that is not due never calls the hook)."""
+        self.run(trainer)
 
     def run(self, trainer: TrainerView) -> Records:
         """Evaluate now (eval mode, no grad, autocast), log the records and return them.

@@ -9,6 +9,7 @@ from pydantic import Field, validate_call
 
 from trainloop.distributed.ranks import is_rank_zero
 from trainloop.hooks.base import BaseHook
+from trainloop.hooks.checks import HookProblem, workspace_only
 from trainloop.hooks.registry import register_hook
 from trainloop.nested import flatten_nested_dict, to_float
 
@@ -51,6 +52,11 @@ class WandbHook(BaseHook):
     Raises:
         ValueError: At the start of training, if the trainer has no workspace.
     """
+
+    @classmethod
+    def check_settings(cls, declared: Any, settings: Any, trainer: Any) -> list[HookProblem]:
+        """The run id goes into the workspace: it needs one (see ``BaseHook.check_settings``)."""
+        return workspace_only(declared, settings, "its run id to <workspace>/wandb_run_id")
 
     @validate_call
     def __init__(

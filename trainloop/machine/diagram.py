@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Sequence
 
 from trainloop.machine.table import FAIL, TRANSITIONS, State, Transition
 
@@ -24,6 +24,7 @@ def draw(
     table: Iterable[Transition] = TRANSITIONS,
     format: str = "mermaid",
     counts: Mapping[tuple[State, State, str], int] | None = None,
+    notes: Mapping[State, Sequence[str]] | None = None,
 ) -> str:
     """Render a transition table as Mermaid ``stateDiagram-v2`` or Graphviz DOT source.
 
@@ -34,6 +35,8 @@ def draw(
             ``summarize_trace(...).counts``). Each edge's label then ends with ``(n=<count>)``;
             in DOT the line's width grows with the count, an edge that never fired is grey and
             dashed, and fired edges into ``retrying``, ``checkpointing`` (and ``fail``) are coloured.
+        notes: Lines to write beside a state, such as the hooks that act in it with their
+            schedules (``trainloop.hooks.listing``).
 
     Raises:
         ValueError: ``format`` is neither.
@@ -47,6 +50,8 @@ def draw(
         lines = ["stateDiagram-v2", f"    [*] --> {State.IDLE.value}"]
         lines += [f"    {t.source.value} --> {t.dest.value}: {label(t)}" for t in table]
         lines.append(f"    {State.EXITING.value} --> [*]")
+        for state, text in (notes or {}).items():
+            lines += [f"    note right of {state.value}", *(f"        {line}" for line in text), "    end note"]
         return "\n".join(lines) + "\n"
     if format == "dot":
         lines = ["digraph trainloop {", "    rankdir=LR;", "    node [shape=box, style=rounded];"]
@@ -66,6 +71,10 @@ def draw(
                 else:
                     attributes.append("color=gray70, fontcolor=gray55" + ("" if t.trigger == FAIL else ", style=dashed"))
             lines.append(f'    "{t.source.value}" -> "{t.dest.value}" [{", ".join(attributes)}];')
+        for state, text in (notes or {}).items():
+            note = "".join(line.replace("\\", "\\\\").replace('"', '\\"') + "\\l" for line in text)
+            lines.append(f'    "{state.value} hooks" [shape=note, fontsize=10, label="{note}"];')
+            lines.append(f'    "{state.value}" -> "{state.value} hooks" [style=dotted, arrowhead=none];')
         lines.append("}")
         return "\n".join(lines) + "\n"
     raise ValueError(f"unknown diagram format {format!r}; use 'mermaid' or 'dot'")

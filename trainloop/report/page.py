@@ -2,7 +2,8 @@
 
 ``trainloop report WORKSPACE`` (or ``write_report``) reads ``settings.json``, ``metrics.jsonl``,
 ``trace.jsonl``, ``runs.jsonl`` and the checkpoints, and writes a page with the metric curves,
-the machine weighted by the run's trace, the time spent per state, the retries, the runs (and
+the machine weighted by the run's trace, the declared hooks beside the states they act in with
+their schedules, the time spent per state, the retries, the runs (and
 the signals or errors that ended them) and the checkpoints, the best one marked. Everything is
 inline (SVG, CSS): the page opens anywhere, without network access.
 """
@@ -92,6 +93,7 @@ def build_report(workspace: Path) -> str:
         _overview(metrics, summary, runs, checkpoints),
         "<h2>The machine</h2>",
         _machine(summary),
+        _hooks(settings),
         _time_per_state(summary),
         "<h2>Metrics</h2>",
         _charts(metrics, best_step),
@@ -182,6 +184,24 @@ def _machine(summary: TraceSummary | None) -> str:
         f'<p class="muted">{note} Graphviz\'s <code>dot</code> is not installed, so the machine is shown as its table '
         "(install Graphviz and run <code>trainloop report</code> again for the drawing).</p>"
         f"<table><tr><th>from</th><th>to</th><th>trigger</th><th>condition</th><th>fired</th></tr>{rows}</table>"
+    )
+
+
+def _hooks(settings: Mapping[str, Any]) -> str:
+    """The hooks ``settings.json`` declares, each beside the state it acts in, with its schedule."""
+    declared = [hook for hook in settings.get("hooks") or [] if isinstance(hook, Mapping)]
+    if not declared:
+        return '<p class="muted">No hooks declared in settings.json (hooks built in code by <code>build_hooks()</code> are not recorded there).</p>'
+    from trainloop.hooks.listing import declared_hook_lines
+
+    rows = "".join(
+        f"<tr><td>{_e(state.value if state is not None else 'any')}</td><td>{_e(line)}</td></tr>"
+        for state, line in declared_hook_lines(declared)
+    )
+    return (
+        '<p class="muted">The hooks settings.json declares, beside the state each acts in, with its schedule '
+        "(hooks built in code by <code>build_hooks()</code> are not recorded there).</p>"
+        f"<table><tr><th>state</th><th>hook</th></tr>{rows}</table>"
     )
 
 

@@ -6,30 +6,36 @@ so that a run that validates does not fail later on something that was known all
 
 - the trainer implements what the run needs (``build_model``, ``forward``...; an optimizer is
   declared or ``build_optimizer`` is overridden);
-- a method a hook names (``{"type": "validation", "evaluate": "evaluate"}``) exists;
-- a hook whose files go under the workspace has one (relative checkpoint or TensorBoard paths,
-  image files, wandb), and a checkpoint to load from a given directory is there (in a single
-  process: under a launcher the checkpointing hook checks it on rank 0 for every rank);
-- declared hooks work together (two checkpointing hooks loading into one trainer or writing one
-  directory, two hooks catching one exit signal);
+- each declared hook's class defines hook methods only, and checks its own settings
+  (``BaseHook.check_settings``: a method a hook names exists, a hook whose files go under the
+  workspace has one, a checkpoint to load from a given directory is there...) and those of the
+  run's hooks of its class together (``BaseHook.check_together``: two checkpointing hooks
+  loading into one trainer or writing one directory), so a hook a user registers is checked
+  alike;
+- declared hooks work together: no two save their state under one name, no two catch one exit
+  signal (a hook whose settings have ``exit_signals`` claims them);
 - the device exists on this machine.
+
+On the command line the preflight runs once: ``trainloop run`` checks the settings (naming the
+file or variable of each value) and then trains under ``checked(...)``, which tells ``train()``
+that these settings have passed with this trainer class.
 
 Problems are reported all at once, one line each, naming the field as a settings file writes it.
 """
 
 from __future__ import annotations
 
-import difflib
-import os
 import signal
 from collections.abc import Callable, Iterator
-from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from contextlib import contextmanager
+from contextvars import ContextVar
+from typing import TYPE_CHECKING
 
 import torch
 
-from trainloop.distributed.ranks import in_process_group, world_size
 from trainloop.exit_signals import as_signal
+from trainloop.hooks.base import BaseHook
+from trainloop.hooks.checks import listed
 from trainloop.hooks.dispatch import check_hook_methods
 from trainloop.hooks.registry import HOOK_TYPES, HookSettings
 from trainloop.settings.errors import field_path
@@ -39,9 +45,10 @@ if TYPE_CHECKING:
     from trainloop.run_state import TrainerContract
     from trainloop.settings.model import TrainerSettings
 
-__all__ = ["PreflightError", "check", "preflight"]
+__all__ = ["PreflightError", "check", "checked", "preflight"]
 
-_MISSING = object()
+#: The settings that passed the preflight in this context, with the trainer class they passed with.
+_PASSED: ContextVar[tuple[TrainerSettings, type[TrainerContract]] | None] = ContextVar("trainloop_preflight_passed", default=None)
 
 
 class PreflightError(ValueError):
@@ -77,16 +84,7 @@ def preflight(
     problems: list[tuple[tuple[Key, ...], str]] = []
     if trainer is not None:
         problems += _contract(settings, trainer)
-    for i, spec in enumerate(settings.hooks):
-        try:  # a misspelt on_* method of the hook's class would never run
-            check_hook_methods(HOOK_TYPES[spec.type])
-        except TypeError as error:
-            problems.append((("hooks", i), f"{field_path(('hooks', i))}: {error}"))
-        check_hook = _HOOK_CHECKS.get(spec.type)
-        if check_hook is not None:
-            for name, message in check_hook(spec, settings, trainer):
-                path: tuple[Key, ...] = ("hooks", i, name) if name else ("hooks", i)
-                problems.append((path, f"{field_path(path)}: {message}"))
+    problems += _declared_hooks(settings, trainer)
     problems += _combinations(settings)
     problems += _device(settings)
     if source_of is None:
@@ -95,14 +93,30 @@ def preflight(
 
 
 def check(trainer: TrainerContract) -> None:
-    """``preflight`` of a trainer about to train.
+    """``preflight`` of a trainer about to train, unless its settings passed it with its class
+    in this context already (see ``checked``).
 
     Raises:
         PreflightError: A problem was found; nothing was built or written.
     """
+    passed = _PASSED.get()
+    if passed is not None and passed[0] is trainer.settings and passed[1] is type(trainer):
+        return
     problems = preflight(trainer.settings, trainer)
     if problems:
         raise PreflightError(problems)
+
+
+@contextmanager
+def checked(settings: TrainerSettings, trainer_class: type[TrainerContract]) -> Iterator[None]:
+    """Within the block, ``check`` passes a ``trainer_class`` trainer of exactly ``settings``
+    without running the preflight again: the caller ran it (with the class; an instance's
+    attributes add to what the class has, never take away) and found nothing."""
+    token = _PASSED.set((settings, trainer_class))
+    try:
+        yield
+    finally:
+        _PASSED.reset(token)
 
 
 # -- the trainer ---------------------------------------------------------------------------------
@@ -123,100 +137,36 @@ def _contract(settings: TrainerSettings, trainer: type[TrainerContract] | Traine
     return problems
 
 
-# -- one hook at a time: each returns (its parameter at fault or None, what is wrong) ------------
-
-HookProblem = tuple[str | None, str]
-HookCheck = Callable[[Any, "TrainerSettings", Any], list[HookProblem]]
+# -- the declared hooks: each class checks its own ---------------------------------------------
 
 
-def _validation(spec: Any, settings: TrainerSettings, trainer: type[TrainerContract] | TrainerContract | None) -> list[HookProblem]:
-    name = spec.evaluate
-    if trainer is None or not isinstance(name, str):
-        return []
-    found = getattr(trainer, name, _MISSING)
-    cls_name = _class_of(trainer).__name__
-    if found is _MISSING:
-        methods = [m for m in dir(trainer) if not m.startswith("_") and callable(getattr(trainer, m, None))]
-        close = difflib.get_close_matches(name, methods, n=1)
-        hint = f" (did you mean {close[0]!r}?)" if close else ""
-        return [("evaluate", f"{cls_name} has no method {name!r}{hint}")]
-    if not callable(found):
-        return [("evaluate", f"{cls_name}.{name} is a {type(found).__name__}, not a method")]
-    return []
-
-
-def _needs_workspace(settings: TrainerSettings, path: Path | None, name: str, what: str) -> list[HookProblem]:
-    if settings.workspace is None and (path is None or not Path(path).expanduser().is_absolute()):
-        return [(name, f"{what}, but no workspace is set: set workspace or give an absolute path")]
-    return []
-
-
-def _checkpointing(spec: Any, settings: TrainerSettings, trainer: Any) -> list[HookProblem]:
-    problems = _needs_workspace(settings, spec.path, "path", f"checkpoints go to {str(spec.path)!r}, a relative path")
-    if isinstance(spec.load, Path) and _one_process() and not spec.load.expanduser().is_dir():
-        problems.append(("load", f"no checkpoint directory at {str(spec.load)!r}"))
+def _declared_hooks(
+    settings: TrainerSettings, trainer: type[TrainerContract] | TrainerContract | None
+) -> list[tuple[tuple[Key, ...], str]]:
+    """Each declared hook's class: its methods, its ``check_settings`` of each hook it is
+    declared as, and its ``check_together`` of them all (once per class)."""
+    problems: list[tuple[tuple[Key, ...], str]] = []
+    by_class: dict[type[BaseHook], list[tuple[int, HookSettings]]] = {}
+    for i, spec in enumerate(settings.hooks):
+        cls = HOOK_TYPES[spec.type]
+        by_class.setdefault(cls, []).append((i, spec))
+        try:  # a misspelt on_* method of the hook's class would never run
+            check_hook_methods(cls)
+        except TypeError as error:
+            problems.append((("hooks", i), f"{field_path(('hooks', i))}: {error}"))
+        for name, message in cls.check_settings(spec, settings, trainer):
+            path: tuple[Key, ...] = ("hooks", i, name) if name else ("hooks", i)
+            problems.append((path, f"{field_path(path)}: {message}"))
+    for cls, declared in by_class.items():
+        problems += [(("hooks",), message) for message in cls.check_together(declared, settings)]
     return problems
-
-
-def _one_process() -> bool:
-    """Whether this process runs alone: only then may a check read the filesystem.
-
-    Under a launcher each rank runs the preflight by itself; a file check could pass on one rank
-    and fail on another (no shared filesystem), leaving the others waiting in a collective. The
-    checkpointing hook's own check, made on rank 0 and shared with every rank, covers that case.
-    """
-    if in_process_group():
-        return world_size() == 1
-    return os.environ.get("WORLD_SIZE", "1") == "1"
-
-
-def _tensorboard(spec: Any, settings: TrainerSettings, trainer: Any) -> list[HookProblem]:
-    where = f"{str(spec.log_dir)!r}, a relative path" if spec.log_dir is not None else "<workspace>/tensorboard"
-    return _needs_workspace(settings, spec.log_dir, "log_dir", f"event files go to {where}")
-
-
-def _workspace_only(what: str) -> HookCheck:
-    def check_workspace(spec: Any, settings: TrainerSettings, trainer: Any) -> list[HookProblem]:
-        return [(None, f"{spec.type} writes {what}, but no workspace is set")] if settings.workspace is None else []
-
-    return check_workspace
-
-
-#: Checks of one declared hook, by hook type.
-_HOOK_CHECKS: dict[str, HookCheck] = {
-    "validation": _validation,
-    "checkpointing": _checkpointing,
-    "tensorboard": _tensorboard,
-    "image_files": _workspace_only("images to <workspace>/visualizations"),
-    "wandb": _workspace_only("its run id to <workspace>/wandb_run_id"),
-}
 
 
 # -- hooks together, and the machine -----------------------------------------------------------
 
 
-def _of_type(settings: TrainerSettings, type_name: str) -> Iterator[tuple[int, HookSettings]]:
-    return ((i, spec) for i, spec in enumerate(settings.hooks) if spec.type == type_name)
-
-
 def _combinations(settings: TrainerSettings) -> list[tuple[tuple[Key, ...], str]]:
     problems: list[tuple[tuple[Key, ...], str]] = []
-    checkpointing = list(_of_type(settings, "checkpointing"))
-    loading = [i for i, spec in checkpointing if getattr(spec, "load", None) is not None]
-    if len(loading) > 1:
-        listed = " and ".join(f"hooks[{i}]" for i in loading)
-        problems.append((("hooks",), f"{listed}: each would load a checkpoint into the trainer; set load to null on all but one"))
-    by_directory: dict[Path, list[int]] = {}
-    for i, spec in checkpointing:
-        # A hook's settings model is made at run time from its __init__: mypy cannot see the field.
-        path = Path(spec.path).expanduser()  # type: ignore[attr-defined]
-        if not path.is_absolute() and settings.workspace is not None:
-            path = settings.workspace / path
-        by_directory.setdefault(path, []).append(i)
-    for path, indices in by_directory.items():
-        if len(indices) > 1:
-            listed = " and ".join(f"hooks[{i}]" for i in indices)
-            problems.append((("hooks",), f"{listed}: both write checkpoints to {str(path)!r}; give each its own path"))
     by_state_key: dict[str, list[int]] = {}
     for i, spec in enumerate(settings.hooks):
         cls = HOOK_TYPES[spec.type]
@@ -224,8 +174,7 @@ def _combinations(settings: TrainerSettings) -> list[tuple[tuple[Key, ...], str]
             by_state_key.setdefault(spec.name or cls.default_name(), []).append(i)
     for key, indices in by_state_key.items():
         if len(indices) > 1:
-            listed = " and ".join(f"hooks[{i}]" for i in indices)
-            problems.append((("hooks",), f"{listed}: both save their state under the name {key!r}; give each a \"name\""))
+            problems.append((("hooks",), f"{listed(indices)}: both save their state under the name {key!r}; give each a \"name\""))
     by_signal: dict[signal.Signals, list[int]] = {}
     for i, spec in enumerate(settings.hooks):
         if "exit_signals" not in spec.model_fields_set:
@@ -234,8 +183,7 @@ def _combinations(settings: TrainerSettings) -> list[tuple[tuple[Key, ...], str]
             by_signal.setdefault(as_signal(sig), []).append(i)
     for sig, indices in by_signal.items():
         if len(indices) > 1:
-            listed = " and ".join(f"hooks[{i}]" for i in indices)
-            problems.append((("hooks",), f"{listed}: each catches {sig.name}, and a process has one handler per signal"))
+            problems.append((("hooks",), f"{listed(indices)}: each catches {sig.name}, and a process has one handler per signal"))
     return problems
 
 
