@@ -3,10 +3,10 @@ state machine."""
 
 from __future__ import annotations
 
-import importlib
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from trainloop import _moved
+from trainloop._lazy import lazy_exports
 from trainloop.version import __version__ as __version__
 
 if TYPE_CHECKING:  # what type checkers and editors see; at run time each name is imported on first use
@@ -84,19 +84,7 @@ _EXPORTS: dict[str, str] = {
 }
 
 
-def __getattr__(name: str) -> Any:
-    """Import an exported name from its module on first use (then it is a plain attribute)."""
-    module = _EXPORTS.get(name)
-    if module is None:
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    value = getattr(importlib.import_module(module), name)
-    globals()[name] = value
-    return value
-
-
-def __dir__() -> list[str]:
-    return sorted({*globals(), *__all__})
-
+__getattr__, __dir__ = lazy_exports(__name__, _EXPORTS)
 
 __all__ = [
     "TRANSITIONS",

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import ast
+import difflib
 import os
 from pathlib import Path
 
@@ -72,7 +73,12 @@ def _trainer_hint(found: SettingsInput) -> str | None:
     the working directory's modules are read (parsed, not imported) for a trainer whose
     ``settings_class`` declares them, and the line names it.
     """
-    unknown = [key for key in found.data if isinstance(key, str) and key not in TrainerSettings.model_fields and key != "$schema"]
+    fields = list(TrainerSettings.model_fields)
+    unknown = [
+        key for key in found.data
+        if isinstance(key, str) and key not in fields and key != "$schema"
+        and not difflib.get_close_matches(key, fields, n=1, cutoff=0.6)  # a typo: its line says "did you mean"
+    ]
     if not unknown:
         return None
     where = found.source_of((unknown[0],))
@@ -80,10 +86,12 @@ def _trainer_hint(found: SettingsInput) -> str | None:
     declaring = _trainers_declaring(set(unknown), Path.cwd())
     if declaring:
         specs = " or ".join(f"--trainer {spec}" for spec in declaring)
-        return f"{where}: {names} are settings of {' and '.join(declaring)}: name the trainer with {specs} or a \"trainer\" key"
+        what = "are settings" if len(unknown) > 1 else "is a setting"
+        return f"{where}: {names} {what} of {' and '.join(declaring)}: name the trainer with {specs} or a \"trainer\" key"
+    what = "are not TrainerSettings fields" if len(unknown) > 1 else "is not a TrainerSettings field"
     return (
-        f"{where}: {names} are not TrainerSettings fields: if they are your trainer's, name it with "
-        "--trainer MODULE:CLASS or a \"trainer\" key (its settings_class validates them)"
+        f"{where}: {names} {what}: if your trainer's settings_class declares "
+        f"{'them' if len(unknown) > 1 else 'it'}, name the trainer with --trainer MODULE:CLASS or a \"trainer\" key"
     )
 
 

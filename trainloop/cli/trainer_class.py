@@ -66,7 +66,7 @@ def _held_output() -> Iterator[tuple[_HeldStream, _HeldStream]]:
     """Hold stdout and stderr while the block runs; release them unless it exits."""
     out, err = _HeldStream(sys.stdout), _HeldStream(sys.stderr)
     real_out, real_err = sys.stdout, sys.stderr
-    sys.stdout, sys.stderr = out, err  # type: ignore[assignment]  # a stream in all that print and logging use
+    sys.stdout, sys.stderr = out, err  # all that print and logging use of a stream
     try:
         yield out, err
     except SystemExit:
