@@ -65,7 +65,7 @@ def test_unknown_key_is_an_error_in_the_command_lines_words():
         TinyTrainer(max_step=5)
     assert [e["loc"] for e in info.value.errors()] == [("max_step",)]
     with pytest.raises(ValidationError, match=r"hooks\.0\.intervall\n  unknown setting 'intervall'; did you mean 'interval'\?"):
-        TinyTrainer(max_steps=5, hooks=[{"type": "logging", "interval": 1, "intervall": 2}])
+        TrainerSettings(max_steps=5, hooks=[{"type": "checkpointing", "interval": 1, "intervall": 2}])
 
 
 def test_a_run_without_an_end_is_an_error():
