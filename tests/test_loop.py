@@ -3,7 +3,8 @@ state it owns (``RunState``), driven through a real trainer and its machine."""
 
 import pytest
 import torch
-from tiny_trainer import CaptureHook, FlakyTrainer, TinyTrainer, make_data
+from helper_hooks import CaptureHook
+from tiny_trainer import FlakyTrainer, TinyTrainer, make_data
 from torch.utils.data import DataLoader
 
 from trainloop import BaseHook, State

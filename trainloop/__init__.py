@@ -8,41 +8,82 @@ catches. Everything else lives in documented namespaces: ``trainloop.settings``,
 ``trainloop.lr_find``, ``trainloop.report`` and ``trainloop.utils`` (docs/architecture.md).
 """
 
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
 from trainloop import _moved
-from trainloop.checkpoint.errors import CheckpointError, CheckpointSaveError
-from trainloop.data import DataExhaustedError
-from trainloop.hooks import (
-    BaseHook,
-    CheckpointingHook,
-    CudaMaxMemoryHook,
-    EarlyStoppingHook,
-    EmaHook,
-    ImageFileLoggerHook,
-    LoggingHook,
-    ProgressHook,
-    StatsHook,
-    TensorBoardHook,
-    ValidationHook,
-    WandbHook,
-    register_hook,
-)
-from trainloop.loss import Loss
-from trainloop.lr_find.search import lr_find
-from trainloop.machine.table import State
-from trainloop.nested import map_nested_tensor
-from trainloop.result import RunResult
-from trainloop.rng import seed_all
-from trainloop.settings.model import SettingsFileError, TrainerSettings
-from trainloop.settings.preflight import PreflightError
-from trainloop.step import StepInfo
-from trainloop.trainer import BaseTrainer, LossNoneWarning
+from trainloop._lazy import lazy_exports
 from trainloop.version import __version__ as __version__
+
+if TYPE_CHECKING:  # what type checkers and editors see; at run time each name is imported on first use
+    from trainloop.checkpoint.errors import CheckpointError, CheckpointSaveError
+    from trainloop.data import DataExhaustedError
+    from trainloop.hooks import (
+        BaseHook,
+        CheckpointingHook,
+        CudaMaxMemoryHook,
+        EarlyStoppingHook,
+        EmaHook,
+        ImageFileLoggerHook,
+        LoggingHook,
+        ProgressHook,
+        StatsHook,
+        TensorBoardHook,
+        ValidationHook,
+        WandbHook,
+        register_hook,
+    )
+    from trainloop.loss import Loss
+    from trainloop.lr_find.search import lr_find
+    from trainloop.machine.table import State
+    from trainloop.nested import map_nested_tensor
+    from trainloop.result import RunResult
+    from trainloop.rng import seed_all
+    from trainloop.settings.model import SettingsFileError, TrainerSettings
+    from trainloop.settings.preflight import PreflightError
+    from trainloop.step import StepInfo
+    from trainloop.trainer import BaseTrainer, LossNoneWarning
 
 _moved.install()
 
+# Each exported name and the module that defines it. Importing them all here would import torch
+# (and torch.distributed, pydantic's models...) for `trainloop --help`, which needs none of them:
+# a name's module is imported when the name is first used (PEP 562).
+_EXPORTS: dict[str, str] = {
+    "CheckpointError": "trainloop.checkpoint.errors",
+    "CheckpointSaveError": "trainloop.checkpoint.errors",
+    "DataExhaustedError": "trainloop.data",
+    "BaseHook": "trainloop.hooks",
+    "CheckpointingHook": "trainloop.hooks",
+    "CudaMaxMemoryHook": "trainloop.hooks",
+    "EarlyStoppingHook": "trainloop.hooks",
+    "EmaHook": "trainloop.hooks",
+    "ImageFileLoggerHook": "trainloop.hooks",
+    "LoggingHook": "trainloop.hooks",
+    "ProgressHook": "trainloop.hooks",
+    "StatsHook": "trainloop.hooks",
+    "TensorBoardHook": "trainloop.hooks",
+    "ValidationHook": "trainloop.hooks",
+    "WandbHook": "trainloop.hooks",
+    "register_hook": "trainloop.hooks",
+    "Loss": "trainloop.loss",
+    "lr_find": "trainloop.lr_find.search",
+    "State": "trainloop.machine.table",
+    "map_nested_tensor": "trainloop.nested",
+    "RunResult": "trainloop.result",
+    "seed_all": "trainloop.rng",
+    "SettingsFileError": "trainloop.settings.model",
+    "TrainerSettings": "trainloop.settings.model",
+    "PreflightError": "trainloop.settings.preflight",
+    "StepInfo": "trainloop.step",
+    "BaseTrainer": "trainloop.trainer",
+    "LossNoneWarning": "trainloop.trainer",
+}
+
 # Names the top level exported before (TRANSITIONS, read_trace, key_average, ...) still import
 # from here, with a DeprecationWarning naming their namespace (see trainloop._moved).
-__getattr__ = _moved.moved_names(__name__)
+__getattr__, __dir__ = lazy_exports(__name__, _EXPORTS, fallback=_moved.moved_names(__name__))
 
 __all__ = [
     # the trainer and the hooks: what a user subclasses and declares

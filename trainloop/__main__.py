@@ -2,7 +2,7 @@
 
 import sys
 
-from trainloop.cli.main import main
+from trainloop.cli import main
 
 if __name__ == "__main__":
     sys.exit(main())

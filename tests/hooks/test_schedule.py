@@ -11,7 +11,8 @@ from pathlib import Path
 
 import pytest
 from cli_process import Cli, assert_one_clean_error, cli_env
-from tiny_trainer import ExitAt, TinyTrainer
+from helper_hooks import ExitAt
+from tiny_trainer import TinyTrainer
 
 from trainloop import BaseHook, CheckpointingHook, LoggingHook, ProgressHook, TrainerSettings, ValidationHook
 from trainloop.hooks import Schedule

@@ -1,5 +1,134 @@
-"""The ``trainloop`` command line (``trainloop --help``)."""
+"""The ``trainloop`` command line: run, validate, schema, graph, inspect, report.
 
-from trainloop.cli.main import main
+::
 
-__all__ = ["main"]
+    trainloop run run.yaml [--trainer train:MyTrainer] [--set max_steps=100 ...]
+    trainloop validate run.yaml [--trainer train:MyTrainer] [--set ...]
+    trainloop schema [--trainer train:MyTrainer] [--output schema.json]
+    trainloop graph [--format mermaid|dot|svg|png] [--trace runs/exp1] [--settings run.yaml [--trainer train:MyTrainer]] [--output machine.svg]
+    trainloop inspect runs/exp1/checkpoints
+    trainloop report runs/exp1 [--output report.html]
+
+``run`` and ``validate`` take the trainer from ``--trainer`` or else the settings' ``trainer`` key.
+
+Exit codes: 0 success; 1 a file cannot be used (a missing or corrupt checkpoint or trace, no
+Graphviz); 2 a usage error (invalid settings, a preflight problem, a trainer that cannot be
+used, bad arguments), one line per problem, before anything is written; a run that ends on an
+exit signal exits with the code its hook chose (128+signal).
+
+This module is the front door: it declares every command's arguments and imports nothing
+heavy, so ``--help`` answers at once. Each command is a module of this package
+(``trainloop.cli.run``...), imported (with torch) only when that command runs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+from collections.abc import Callable, Sequence
+
+from trainloop.cli.errors import PROG, CliError
+
+__all__ = ["COMMANDS", "CliError", "main"]
+
+COMMANDS = ("run", "validate", "schema", "graph", "inspect", "report")
+"""The subcommands; each is the module ``trainloop.cli.<name>``, whose ``command(args)`` runs it."""
+
+
+def _settings_args(sub: argparse.ArgumentParser) -> None:
+    """The arguments ``run`` and ``validate`` share: the file, the trainer, the overrides."""
+    sub.add_argument("settings_file", metavar="SETTINGS_FILE", help="a .json, .yaml/.yml or .toml settings file")
+    sub.add_argument(
+        "--trainer", metavar="MODULE:CLASS",
+        help="the BaseTrainer subclass (its settings_class validates the settings); default: the settings' trainer key",
+    )
+    sub.add_argument(
+        "--set", action="append", default=[], metavar="KEY=VALUE",
+        help="override a setting (repeatable; nested: optimizer.lr=0.1, hooks.0.interval=5 or "
+        "hooks.checkpointing.interval=5); values are JSON or plain text",
+    )
+
+
+def _build_parser() -> argparse.ArgumentParser:
+    """The ``trainloop`` argument parser and its subcommands."""
+    parser = argparse.ArgumentParser(
+        prog=PROG,
+        description="Run, check and look into trainloop training runs.",
+        epilog="Exit codes: 0 ok, 1 a file cannot be used, 2 usage or settings error, 128+N a signal exit.",
+    )
+    commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+    run = commands.add_parser(
+        "run", help="validate the settings and train",
+        description="Validate the settings (file < TRAINLOOP_* environment < --set), check them with the "
+        "trainer (the preflight), then train. A problem exits 2 before anything is written.",
+    )
+    _settings_args(run)
+    run.add_argument(
+        "--log-level", default="info", choices=["debug", "info", "warning", "error"],
+        help="log level on stderr, unless the trainer's module configured logging (default: info)",
+    )
+
+    validate = commands.add_parser(
+        "validate", help="print the resolved settings, or what is wrong with them",
+        description="Resolve and validate the settings, run the preflight that `run` runs (with the trainer, "
+        "if one is named), and print the settings as JSON; builds and writes nothing.",
+    )
+    _settings_args(validate)
+
+    schema = commands.add_parser("schema", help="print the settings' JSON Schema", description="Print or write the settings' JSON Schema.")
+    schema.add_argument("--output", metavar="PATH", help="write it here instead of stdout")
+    schema.add_argument("--trainer", metavar="MODULE:CLASS", help="the schema of this trainer's settings_class")
+
+    graph = commands.add_parser(
+        "graph", help="draw the state machine",
+        description="Draw the state machine; with --trace, weight each edge by how often it fired in a run; "
+        "with --settings, note each declared hook beside the state it acts in, with its schedule.",
+    )
+    graph.add_argument("--format", default="mermaid", choices=["mermaid", "dot", "svg", "png"],
+                       help="mermaid or dot source text, or svg/png rendered by Graphviz's dot (default: mermaid)")
+    graph.add_argument("--trace", metavar="WORKSPACE_OR_TRACE_FILE", help="a run's workspace or its trace.jsonl")
+    graph.add_argument("--settings", metavar="SETTINGS_FILE",
+                       help="show the hooks this settings file declares beside the states they act in, with their schedules")
+    graph.add_argument("--trainer", metavar="MODULE:CLASS",
+                       help="with --settings: the trainer whose settings_class validates them (default: the settings' trainer key)")
+    graph.add_argument("--output", metavar="PATH", help="write it here instead of stdout")
+
+    inspect = commands.add_parser(
+        "inspect", help="show what a checkpoint holds",
+        description="Show what a checkpoint holds. Give a checkpoint directory, a checkpoints root "
+        "(its latest is shown) or a workspace with a checkpoints/ directory.",
+    )
+    inspect.add_argument("checkpoint", metavar="CHECKPOINT_DIR")
+    inspect.add_argument("--json", action="store_true", help="print the report as JSON")
+
+    report = commands.add_parser(
+        "report", help="write a run's report page (HTML)",
+        description="Write one self-contained HTML page about a run: settings, metric curves, the machine "
+        "weighted by its trace, time per state, runs, checkpoints (best marked).",
+    )
+    report.add_argument("workspace", metavar="WORKSPACE", help="the run's workspace directory")
+    report.add_argument("--output", metavar="PATH", help="where to write it (default: WORKSPACE/report.html)")
+    assert tuple(commands.choices) == COMMANDS
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Run the ``trainloop`` command line.
+
+    Args:
+        argv: The arguments (without the program name); ``sys.argv[1:]`` when ``None``.
+
+    Returns:
+        The exit code. A run ended by an exit signal raises ``SystemExit`` with its code instead.
+    """
+    args = _build_parser().parse_args(argv)
+    try:
+        # The command's module, and torch with it, is imported only now.
+        command: Callable[[argparse.Namespace], int] = importlib.import_module(f"trainloop.cli.{args.command}").command
+        return command(args)
+    except CliError as error:
+        for line in str(error).splitlines():  # one line per problem, each saying which command
+            print(f"{PROG} {args.command}: error: {line}", file=sys.stderr)
+        return error.exit_code

@@ -14,17 +14,44 @@ synchronisation during accumulation (``sync``) and the ranks' agreement on exit 
 (``agreement``) each have a module.
 """
 
-from trainloop.distributed.process_group import (
-    DistributedContext,
-    destroy,
-    get_device,
-    init_distributed,
-    is_main,
-    local_rank,
-)
-from trainloop.distributed.ranks import rank, world_size
-from trainloop.distributed.sync import gradient_sync
-from trainloop.distributed.wrap import DDPOptions, FSDPOptions, Strategy, wrap_model
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from trainloop._lazy import lazy_exports
+
+if TYPE_CHECKING:  # at run time each name is imported on first use
+    from trainloop.distributed.process_group import (
+        DistributedContext,
+        destroy,
+        get_device,
+        init_distributed,
+        is_main,
+        local_rank,
+    )
+    from trainloop.distributed.ranks import rank, world_size
+    from trainloop.distributed.sync import gradient_sync
+    from trainloop.distributed.wrap import DDPOptions, FSDPOptions, Strategy, wrap_model
+
+# Imported on first use: a user of `ranks` or `sync` (the checkpoint hook is one) does not pay for
+# wrap's import of torch.distributed.fsdp (about 0.3 s, a sympy import inside).
+_EXPORTS: dict[str, str] = {
+    "DistributedContext": "trainloop.distributed.process_group",
+    "destroy": "trainloop.distributed.process_group",
+    "get_device": "trainloop.distributed.process_group",
+    "init_distributed": "trainloop.distributed.process_group",
+    "is_main": "trainloop.distributed.process_group",
+    "local_rank": "trainloop.distributed.process_group",
+    "rank": "trainloop.distributed.ranks",
+    "world_size": "trainloop.distributed.ranks",
+    "gradient_sync": "trainloop.distributed.sync",
+    "DDPOptions": "trainloop.distributed.wrap",
+    "FSDPOptions": "trainloop.distributed.wrap",
+    "Strategy": "trainloop.distributed.wrap",
+    "wrap_model": "trainloop.distributed.wrap",
+}
+
+__getattr__, __dir__ = lazy_exports(__name__, _EXPORTS)
 
 __all__ = [
     "DDPOptions",

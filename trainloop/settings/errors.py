@@ -15,14 +15,17 @@ import typing
 from typing import Any
 
 from pydantic import BaseModel, ValidationError
-from pydantic_core import ErrorDetails
+from pydantic_core import ErrorDetails, InitErrorDetails, PydanticCustomError
 
 from trainloop.hooks.registry import HOOK_TYPES, HookSpec, hook_settings_model
 from trainloop.settings.sources import Key, SettingsInput
 
-__all__ = ["describe_validation_error", "field_path"]
+__all__ = ["describe_validation_error", "field_path", "in_our_words"]
 
 _MAX_SHOWN = 60
+# Our error type for a key no field has: pydantic's "extra_forbidden", in the CLI's words.
+_UNKNOWN = "unknown_setting"
+_UNKNOWN_TYPES = {"extra_forbidden", _UNKNOWN}
 # The error types where the last location part is a field the input lacks (not a tag).
 _ABSENT_FIELD = {"missing", "missing_keyword_argument"}
 _NUMBER_ERRORS = {"int_type", "int_parsing", "float_type", "float_parsing", "int_from_float"}
@@ -144,7 +147,7 @@ def describe_validation_error(error: ValidationError, found: SettingsInput, cls:
     for path, items in grouped.items():
         where = f"{found.source_of(path)}: {field_path(path)}"
         first = items[0]
-        if first["type"] == "extra_forbidden":
+        if first["type"] in _UNKNOWN_TYPES:
             lines.append(f"{where}: {_unknown_field(cls, found.data, path)}")
             continue
         messages: list[str] = []
@@ -175,3 +178,27 @@ def _unknown_field(cls: type[BaseModel], data: Any, path: tuple[Key, ...]) -> st
     if valid:
         return f"{text}; valid here: {', '.join(valid)}"
     return text
+
+
+def in_our_words(error: ValidationError, data: Any, cls: type[BaseModel]) -> ValidationError:
+    """``error`` with pydantic's "Extra inputs are not permitted" said as the command line says it.
+
+    ``MyTrainer(max_stpes=5)`` then reads ``unknown setting 'max_stpes'; did you mean
+    'max_steps'?``, as ``trainloop validate`` does for the same key in a file: one voice. The
+    exception stays a ``pydantic.ValidationError`` with the same locations; other errors are kept.
+
+    Args:
+        error: What validating ``data`` with ``cls`` raised.
+        data: The input.
+        cls: The settings class.
+    """
+    items = error.errors(include_url=False)
+    if not any(item["type"] == "extra_forbidden" for item in items):
+        return error
+    details: list[InitErrorDetails] = []
+    for item in items:
+        if item["type"] == "extra_forbidden":
+            text = _unknown_field(cls, data, _user_path(tuple(item["loc"]), data, item["type"]))
+            item = {**item, "type": PydanticCustomError(_UNKNOWN, "{message}", {"message": text})}  # type: ignore[typeddict-item]
+        details.append(item)  # type: ignore[arg-type]
+    return ValidationError.from_exception_data(error.title, details)

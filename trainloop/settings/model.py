@@ -17,6 +17,7 @@ from pydantic import (
     BaseModel,
     ConfigDict,
     Field,
+    ModelWrapValidatorHandler,
     ValidationError,
     ValidationInfo,
     field_validator,
@@ -24,7 +25,7 @@ from pydantic import (
 )
 
 from trainloop.hooks.registry import HookSpec
-from trainloop.settings.errors import describe_validation_error
+from trainloop.settings.errors import describe_validation_error, in_our_words
 from trainloop.settings.optimizer import OptimizerSettings
 from trainloop.settings.schedule import LrScheduleSettings
 from trainloop.settings.sources import ENV_PREFIX, SettingsFileError, SettingsInput, read_settings_input
@@ -130,6 +131,16 @@ class TrainerSettings(BaseModel):
             except RuntimeError as error:
                 raise ValueError(f"not a torch device: {value!r}") from error
         return value
+
+    @model_validator(mode="wrap")
+    @classmethod
+    def _unknown_keys_in_our_words(cls, data: Any, handler: ModelWrapValidatorHandler[Self]) -> Self:
+        # pydantic's "Extra inputs are not permitted" says neither what is permitted nor what was
+        # meant: a keyword typo reads as the command line reads the same key in a file.
+        try:
+            return handler(data)
+        except ValidationError as error:
+            raise in_our_words(error, data, cls) from None
 
     @model_validator(mode="after")
     def _run_is_bounded(self) -> Self:

@@ -1,0 +1,38 @@
+"""``trainloop run``: validate and preflight the settings with the trainer's class, then train."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import signal
+import sys
+
+from trainloop.cli.errors import PROG
+from trainloop.cli.settings import checked_settings
+from trainloop.settings.preflight import checked
+
+__all__ = ["command"]
+
+
+def command(args: argparse.Namespace) -> int:
+    """Train with the settings ``args`` name; a problem is a ``CliError`` before anything is written."""
+    settings, trainer_class = checked_settings(args, trainer_required=True)
+    assert trainer_class is not None  # required above
+    _configure_logging(args.log_level)
+    try:
+        # A signal exit raises SystemExit(code) from train(): it propagates as the exit code.
+        with checked(settings, trainer_class):  # the preflight above ran: train() does not repeat it
+            trainer_class(settings).train()
+    except KeyboardInterrupt:
+        print(f"{PROG}: interrupted", file=sys.stderr)
+        return 128 + signal.SIGINT
+    return 0
+
+
+def _configure_logging(level: str) -> None:
+    """Send log records to stderr at ``level`` unless the user's code configured logging."""
+    if logging.getLogger().handlers or logging.getLogger("trainloop").handlers:
+        return
+    logging.basicConfig(
+        level=level.upper(), stream=sys.stderr, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
+    )
