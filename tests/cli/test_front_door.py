@@ -17,7 +17,7 @@ from cli_process import Cli, cli_env
 
 from trainloop.cli import COMMANDS
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 HEAVY = ("torch", "pydantic", "numpy", "transitions", "yaml")
 
 
