@@ -16,6 +16,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from trainloop.json_files import append_line, strict_json
+
 if TYPE_CHECKING:
     from trainloop.trainer import BaseTrainer
 
@@ -85,7 +87,7 @@ def finish_run(trainer: BaseTrainer) -> RunResult:
     result = run_result(trainer)
     workspace = trainer.settings.workspace
     if workspace is not None and is_rank_zero() and workspace.is_dir():
-        line = {
+        record = {
             "time": time.time(),
             "step": result.step,
             "epoch": result.epoch,
@@ -93,8 +95,11 @@ def finish_run(trainer: BaseTrainer) -> RunResult:
             "error": result.error,
             "best_checkpoint": None if result.best_checkpoint is None else str(result.best_checkpoint),
         }
-        with (workspace / RUNS_FILE).open("a", encoding="utf-8") as file:
-            file.write(json.dumps(line) + "\n")
+        try:
+            append_line(workspace / RUNS_FILE, strict_json(record) + "\n")
+        except OSError as error:
+            # Never in place of the error that ended the run, which is what the user needs.
+            trainer.logger.error("Could not record the run in %s: %s", workspace / RUNS_FILE, error)
     return result
 
 

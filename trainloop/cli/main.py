@@ -41,6 +41,7 @@ from trainloop.settings.model import SettingsFileError, TrainerSettings
 from trainloop.settings.preflight import preflight
 from trainloop.settings.sources import read_settings_input
 from trainloop.trainer import BaseTrainer
+from trainloop.workspace import WorkspaceBusyError
 
 __all__ = ["CliError", "describe_checkpoint", "load_trainer_class", "main"]
 
@@ -194,6 +195,8 @@ def _cmd_run(args: argparse.Namespace) -> int:
     try:
         # A signal exit raises SystemExit(code) from train(): it propagates as the exit code.
         trainer_class(settings).train()
+    except WorkspaceBusyError as error:
+        raise CliError(str(error)) from None
     except KeyboardInterrupt:
         print(f"{PROG}: interrupted", file=sys.stderr)
         return 128 + signal.SIGINT

@@ -38,7 +38,7 @@ from trainloop.hooks.early_stopping import MonitorNotFoundWarning
 from trainloop.hooks.every import Every
 from trainloop.hooks.registry import register_hook
 from trainloop.nested import flatten_nested_dict
-from trainloop.settings.types import NonNegativeFloat, NonNegativeInt, PositiveInt, StrictBool
+from trainloop.settings.types import NonEmptyPath, NonNegativeFloat, NonNegativeInt, PositiveInt, StrictBool
 
 if TYPE_CHECKING:
     from trainloop.checkpoint.saver import CheckpointSaver
@@ -150,8 +150,8 @@ class CheckpointingHook(BaseHook):
         mode: Literal["min", "max"] = "min",
         keep_interval: NonNegativeInt = 0,
         keep_steps: list[PositiveInt] | None = None,
-        path: Path = Path("checkpoints"),
-        load: Literal["latest"] | Path | None = "latest",
+        path: NonEmptyPath = Path("checkpoints"),
+        load: Literal["latest"] | NonEmptyPath | None = "latest",
         exit_signals: list[ExitSignal] | None = list(DEFAULT_EXIT_SIGNALS),  # noqa: B006 - never mutated
         exit_code: Literal["128+signal"] | ExitCode = "128+signal",
         exit_wait: NonNegativeFloat = 0.0,

@@ -11,6 +11,7 @@ from trainloop.distributed.ranks import is_rank_zero
 from trainloop.hooks.base import BaseHook
 from trainloop.hooks.registry import register_hook
 from trainloop.nested import flatten_nested_dict, to_float
+from trainloop.settings.types import NonEmptyPath
 
 if TYPE_CHECKING:
     from PIL.Image import Image
@@ -42,7 +43,7 @@ class TensorBoardHook(BaseHook):
     """
 
     @validate_call
-    def __init__(self, log_dir: Path | None = None) -> None:
+    def __init__(self, log_dir: NonEmptyPath | None = None) -> None:
         self.log_dir = log_dir
         self.writer: SummaryWriter | None = None
 

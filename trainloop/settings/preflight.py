@@ -12,6 +12,8 @@ so that a run that validates does not fail later on something that was known all
   process: under a launcher the checkpointing hook checks it on rank 0 for every rank);
 - declared hooks work together (two checkpointing hooks loading into one trainer or writing one
   directory, two hooks catching one exit signal);
+- the directories the run will write (the workspace, checkpoint and TensorBoard directories)
+  can be made and written: no file in the way, no NUL byte, write permission;
 - the device exists on this machine.
 
 Problems are reported all at once, one line each, naming the field as a settings file writes it.
@@ -34,6 +36,7 @@ from trainloop.hooks.dispatch import check_hook_methods
 from trainloop.hooks.registry import HOOK_TYPES, HookSettings
 from trainloop.settings.errors import field_path
 from trainloop.settings.sources import Key
+from trainloop.workspace import path_problem
 
 if TYPE_CHECKING:
     from trainloop.settings.model import TrainerSettings
@@ -88,6 +91,7 @@ def preflight(
                 path: tuple[Key, ...] = ("hooks", i, name) if name else ("hooks", i)
                 problems.append((path, f"{field_path(path)}: {message}"))
     problems += _combinations(settings)
+    problems += _workspace_paths(settings)
     problems += _device(settings)
     if source_of is None:
         return [line for _, line in problems]
@@ -239,6 +243,31 @@ def _combinations(settings: TrainerSettings) -> list[tuple[tuple[Key, ...], str]
         if len(indices) > 1:
             listed = " and ".join(f"hooks[{i}]" for i in indices)
             problems.append((("hooks",), f"{listed}: each catches {sig.name}, and a process has one handler per signal"))
+    return problems
+
+
+def _workspace_paths(settings: TrainerSettings) -> list[tuple[tuple[Key, ...], str]]:
+    """The directories the run writes, each checked by ``trainloop.workspace.path_problem``."""
+    directories: list[tuple[tuple[Key, ...], Path]] = []
+    if settings.workspace is not None:
+        directories.append((("workspace",), settings.workspace))
+    for i, spec in enumerate(settings.hooks):
+        for name in ("path", "log_dir"):  # where the checkpointing and TensorBoard hooks write
+            if spec.type in ("checkpointing", "tensorboard") and isinstance(getattr(spec, name, None), Path):
+                path = Path(getattr(spec, name))
+                if not path.expanduser().is_absolute():
+                    if settings.workspace is None:
+                        continue  # said by the hook's own check
+                    path = settings.workspace / path
+                directories.append((("hooks", i, name), path))
+    problems: list[tuple[tuple[Key, ...], str]] = []
+    for where, path in directories:
+        # Under a launcher only the NUL byte is checked: see _one_process.
+        problem = path_problem(path) if _one_process() or "\0" in str(path) else None
+        if problem is not None:
+            problems.append((where, f"{field_path(where)}: {problem}"))
+            if where == ("workspace",):
+                break  # the directories under it would only say it again
     return problems
 
 
