@@ -18,6 +18,7 @@ import torch
 from trainloop.data import EpochIterator
 from trainloop.distributed.ranks import is_rank_zero
 from trainloop.hooks.dispatch import check_hooks, hook_dispatch, state_entry_methods
+from trainloop.hooks.logging_hook import with_default_logging
 from trainloop.hooks.registry import build_declared_hooks
 from trainloop.loss import Loss
 from trainloop.machine.runner import StateMachine
@@ -97,7 +98,7 @@ class Loop:
         t._build_components()
         t.lr_scheduler = t.build_lr_scheduler()
         t.grad_scaler = t.build_grad_scaler()
-        t.hooks = build_declared_hooks(t.settings.hooks, t.build_hooks())
+        t.hooks = with_default_logging(build_declared_hooks(t.settings.hooks, t.build_hooks()), t.settings)
         check_hooks(t.hooks)
         t._dispatch = hook_dispatch(t.hooks)
         for hook in t.hooks:

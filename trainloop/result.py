@@ -80,13 +80,20 @@ def run_result(trainer: BaseTrainer) -> RunResult:
     )
 
 
+def _reran_complete(trainer: BaseTrainer, result: RunResult) -> bool:
+    """Whether the run resumed a run that had completed and ended cleanly, having trained
+    nothing: it is not a run of its own (the workspace's record of that run stands)."""
+    resumed_complete = any(getattr(hook, "resumed_complete", False) for hook in trainer.hooks)
+    return resumed_complete and result.exit_code == 0 and result.error is None
+
+
 def finish_run(trainer: BaseTrainer) -> RunResult:
     """The result of ``trainer``'s run; appended to ``<workspace>/runs.jsonl`` on rank 0."""
     from trainloop.distributed.ranks import is_rank_zero
 
     result = run_result(trainer)
     workspace = trainer.settings.workspace
-    if workspace is not None and is_rank_zero() and workspace.is_dir():
+    if workspace is not None and is_rank_zero() and workspace.is_dir() and not _reran_complete(trainer, result):
         record = {
             "time": time.time(),
             "step": result.step,

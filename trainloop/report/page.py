@@ -128,10 +128,20 @@ def _overview(metrics: list[dict[str, Any]], summary: TraceSummary | None, runs:
     for key in ("loss", "val/loss", "val/accuracy"):
         value = next((r[key] for r in reversed(metrics) if key in r), None)
         if value is not None:
-            cards.append((f"last {key}", f"{value:.4g}"))
+            cards.append((f"last {key}{_window(metrics) if key == 'loss' else ''}", f"{value:.4g}"))
     cards.append(("retries", "not traced" if retries is None else str(retries)))
     cards.append(("checkpoints", str(len(checkpoints))))
     return '<div class="stats">' + "".join(f'<div class="card"><span class="muted">{_e(k)}</span><b>{_e(v)}</b></div>' for k, v in cards) + "</div>"
+
+
+def _window(metrics: list[dict[str, Any]]) -> str:
+    """The steps the last logged training loss averages (a ``LoggingHook`` logs the mean over
+    the steps since its previous record), as a label: `` (mean of steps 391-400)``."""
+    steps = [int(r["step"]) for r in metrics if "loss" in r]
+    if not steps:
+        return ""
+    first = steps[-2] + 1 if len(steps) > 1 and steps[-2] < steps[-1] else 1
+    return f" (mean of step {steps[-1]})" if first == steps[-1] else f" (mean of steps {first}-{steps[-1]})"
 
 
 def _charts(metrics: list[dict[str, Any]] | None, best_step: int | None) -> str:
