@@ -247,9 +247,11 @@ def _checked_runs(runs: list[dict[str, Any]], path: Path, notes: list[str]) -> l
     """The runs whose fields are what trainloop writes; a note per run left out."""
     kept = []
     for number, run in enumerate(runs, 1):
-        wrong = [k for k in ("step", "epoch", "exit_code") if k in run and not (isinstance(run[k], int) and not isinstance(run[k], bool))]
-        wrong += [k for k in ("time",) if k in run and not _is_number(run[k])]
-        wrong += [k for k in ("error",) if run.get(k) is not None and not isinstance(run[k], str)]
+        wrong: list[str] = [k for k in ("step", "epoch", "exit_code") if k in run and not (isinstance(run[k], int) and not isinstance(run[k], bool))]
+        if "time" in run and not _is_number(run["time"]):
+            wrong.append("time")
+        if run.get("error") is not None and not isinstance(run["error"], str):
+            wrong.append("error")
         if wrong:
             notes.append(f"{path.name}: run {number}: {wrong[0]} is {_short(run[wrong[0]])}, not what trainloop writes; run left out")
             continue
@@ -301,10 +303,11 @@ def _checkpoints(workspace: Path, settings: Mapping[str, Any], notes: list[str])
     found = []
     for root in dict.fromkeys(roots):
         best = read_best(root) or {}
-        scores = best.get("scores") if isinstance(best.get("scores"), dict) else {}
-        for step, score in scores.items():
+        found_scores = best.get("scores")
+        scores: dict[str, Any] = found_scores if isinstance(found_scores, dict) else {}
+        for name, score in scores.items():
             if score is not None and not _is_number(score):
-                notes.append(f"{root / BEST_FILE}: the score of checkpoint {step} is {_short(score)}, not a number; left out")
+                notes.append(f"{root / BEST_FILE}: the score of checkpoint {name} is {_short(score)}, not a number; left out")
         latest = (root / LATEST).resolve().name if (root / LATEST).exists() else None
         for step in checkpoint_steps(root):
             metadata = _read_json(root / str(step) / "metadata.json")
