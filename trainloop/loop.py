@@ -20,6 +20,7 @@ import torch
 from trainloop.data import EpochIterator
 from trainloop.distributed.ranks import is_rank_zero
 from trainloop.hooks.dispatch import check_hooks, hook_dispatch, state_entry_methods
+from trainloop.hooks.logging_hook import with_default_logging
 from trainloop.hooks.registry import build_declared_hooks
 from trainloop.loss import Loss
 from trainloop.machine.runner import StateMachine
@@ -97,7 +98,7 @@ class Loop:
     def build(self) -> None:
         t, run = self.trainer, self.run_state
         self.build_components()
-        hooks = build_declared_hooks(t.settings.hooks, t.build_hooks())
+        hooks = with_default_logging(build_declared_hooks(t.settings.hooks, t.build_hooks()), t.settings)
         check_hooks(hooks)
         run.hooks = tuple(hooks)
         run.dispatch = hook_dispatch(hooks)

@@ -16,6 +16,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import IO, Any
 
+from trainloop.json_files import strict_json
 from trainloop.nested import flatten_nested_dict, to_float
 
 __all__ = ["METRICS_FILE", "MetricsLog", "read_metrics"]
@@ -87,8 +88,7 @@ class MetricsLog:
 
 
 def _line(row: Mapping[str, Any]) -> str:
-    clean = {k: (v if not isinstance(v, float) or math.isfinite(v) else None) for k, v in row.items()}
-    return json.dumps(clean, allow_nan=False) + "\n"
+    return strict_json(row) + "\n"
 
 
 def read_metrics(path: Path | str) -> list[dict[str, Any]]:

@@ -16,6 +16,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from trainloop.json_files import append_line, strict_json
+
 if TYPE_CHECKING:
     from trainloop.run_state import TrainerView
 
@@ -78,14 +80,21 @@ def run_result(trainer: TrainerView) -> RunResult:
     )
 
 
+def _reran_complete(trainer: TrainerView, result: RunResult) -> bool:
+    """Whether the run resumed a run that had completed and ended cleanly, having trained
+    nothing: it is not a run of its own (the workspace's record of that run stands)."""
+    resumed_complete = any(getattr(hook, "resumed_complete", False) for hook in trainer.hooks)
+    return resumed_complete and result.exit_code == 0 and result.error is None
+
+
 def finish_run(trainer: TrainerView) -> RunResult:
     """The result of ``trainer``'s run; appended to ``<workspace>/runs.jsonl`` on rank 0."""
     from trainloop.distributed.ranks import is_rank_zero
 
     result = run_result(trainer)
     workspace = trainer.settings.workspace
-    if workspace is not None and is_rank_zero() and workspace.is_dir():
-        line = {
+    if workspace is not None and is_rank_zero() and workspace.is_dir() and not _reran_complete(trainer, result):
+        record = {
             "time": time.time(),
             "step": result.step,
             "epoch": result.epoch,
@@ -93,8 +102,11 @@ def finish_run(trainer: TrainerView) -> RunResult:
             "error": result.error,
             "best_checkpoint": None if result.best_checkpoint is None else str(result.best_checkpoint),
         }
-        with (workspace / RUNS_FILE).open("a", encoding="utf-8") as file:
-            file.write(json.dumps(line) + "\n")
+        try:
+            append_line(workspace / RUNS_FILE, strict_json(record) + "\n")
+        except OSError as error:
+            # Never in place of the error that ended the run, which is what the user needs.
+            trainer.logger.error("Could not record the run in %s: %s", workspace / RUNS_FILE, error)
     return result
 
 

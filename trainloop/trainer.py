@@ -28,6 +28,7 @@ from trainloop.settings import preflight
 from trainloop.settings.model import TrainerSettings
 from trainloop.step import NO_CONTEXT, LossNoneWarning, StepInfo
 from trainloop.training_state import ChangedSettingsWarning, load_training_state, training_state
+from trainloop.workspace import hold_run_workspace
 from trainloop.wrappers import unwrap_model
 
 if TYPE_CHECKING:
@@ -309,14 +310,17 @@ class BaseTrainer:
             RuntimeError: Gradients stayed non-finite beyond ``max_non_finite_grad_retries``.
             trainloop.data.DataExhaustedError: A one-shot iterator ran out before ``max_steps``.
             SystemExit: A hook requested exit with an exit code.
+            trainloop.workspace.WorkspaceBusyError: Another run holds the workspace; nothing
+                was written.
         """
         preflight.check(self)  # before anything is built or written: see trainloop.settings.preflight
         if self.state is not State.IDLE:
             raise RuntimeError(f"train() runs once per trainer; this one is in state {self.state.value!r}")
-        try:
-            self._loop.run()
-        finally:
-            self.result = finish_run(self)  # also appended to <workspace>/runs.jsonl
+        with hold_run_workspace(self.settings.workspace, self.logger):  # one run per workspace
+            try:
+                self._loop.run()
+            finally:
+                self.result = finish_run(self)  # also appended to <workspace>/runs.jsonl
         if self.exit_code is not None:
             raise SystemExit(self.exit_code)
         return self.result

@@ -31,8 +31,6 @@ from trainloop import BaseTrainer, TrainerSettings
 class DigitsSettings(TrainerSettings):
     """The trainer's settings plus this example's own knobs."""
 
-    lr: float = Field(1e-3, gt=0)
-    weight_decay: float = Field(1e-4, ge=0)
     hidden_dim: int = Field(128, gt=0)
     batch_size: int = Field(64, gt=0)
     seed: int = 0
@@ -63,9 +61,6 @@ class DigitsTrainer(BaseTrainer):
     def build_model(self):
         hidden = self.settings.hidden_dim
         return nn.Sequential(nn.Linear(64, hidden), nn.ReLU(), nn.Linear(hidden, 10)).to(self.device)
-
-    def build_optimizer(self):
-        return torch.optim.AdamW(self.model.parameters(), lr=self.settings.lr, weight_decay=self.settings.weight_decay)
 
     def build_lr_scheduler(self):
         return torch.optim.lr_scheduler.CosineAnnealingLR(self.optimizer, T_max=self.max_steps)  # planned: max_epochs works too

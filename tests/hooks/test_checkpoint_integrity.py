@@ -136,7 +136,8 @@ def test_manifest_lists_every_file_with_its_size_and_sha256(tmp_path, format):
 
 def test_metadata_json_holds_step_epoch_time_metrics_and_versions(tmp_path):
     before = datetime.now(UTC) - timedelta(seconds=1)
-    run(tmp_path, 3, LogEveryStep(), CheckpointingHook(interval=3, keep_previous=1))
+    # metrics_file off: no default LoggingHook, so the metrics are LogEveryStep's alone.
+    run(tmp_path, 3, LogEveryStep(), CheckpointingHook(interval=3, keep_previous=1), metrics_file=False)
     text = (tmp_path / "checkpoints" / "3" / "metadata.json").read_text()
     metadata = json.loads(text)  # strict JSON: no NaN
     assert "NaN" not in text
@@ -151,7 +152,7 @@ def test_metadata_json_holds_step_epoch_time_metrics_and_versions(tmp_path):
         "trainloop_version": trainloop.__version__,
         "torch_version": torch.__version__,
     }
-    run(tmp_path / "quiet", 1, CheckpointingHook(interval=1, format="sharded"))
+    run(tmp_path / "quiet", 1, CheckpointingHook(interval=1, format="sharded"), metrics_file=False)
     metadata = read_metadata(tmp_path / "quiet" / "checkpoints" / "1")
     assert "metrics" not in metadata and metadata["format"] == "sharded" and metadata["step"] == 1
 

@@ -10,7 +10,7 @@ from pydantic import ValidationError
 from tiny_trainer import TinyTrainer, make_data
 from torch.utils.data import DataLoader
 
-from trainloop import BaseHook, CheckpointingHook, ProgressHook, TrainerSettings
+from trainloop import BaseHook, CheckpointingHook, LoggingHook, ProgressHook, TrainerSettings
 from trainloop.hooks import HOOK_TYPES, hook_settings_model
 from trainloop.hooks.registry import register_hook
 
@@ -43,8 +43,9 @@ def test_declared_hooks_are_built_in_order_and_run(tmp_path):
     )
     trainer = DeclaredTrainer(settings, data=DataLoader(make_data(), batch_size=8))
     trainer.train()
-    assert [type(h) for h in trainer.hooks] == [ProgressHook, CheckpointingHook]
-    assert trainer.hooks[1].interval == 2
+    # Led by the default LoggingHook: the run has a workspace and declares no logging hook.
+    assert [type(h) for h in trainer.hooks] == [LoggingHook, ProgressHook, CheckpointingHook]
+    assert trainer.hooks[2].interval == 2
     assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir()) == ["4", "latest"]
 
 
@@ -120,7 +121,7 @@ def test_declared_hooks_run_after_the_built_ones_and_are_never_dropped(tmp_path)
     capture = CaptureHook()
     trainer = TinyTrainer(settings, hooks=[capture])  # overrides build_hooks() with its own hooks
     trainer.train()
-    assert [type(h) for h in trainer.hooks] == [CaptureHook, CheckpointingHook]
+    assert [type(h) for h in trainer.hooks] == [LoggingHook, CaptureHook, CheckpointingHook]  # LoggingHook: the default
     assert (tmp_path / "checkpoints" / "2").is_dir()  # the declared hook ran
     assert capture.calls  # and so did the built one
 

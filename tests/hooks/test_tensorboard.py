@@ -36,7 +36,7 @@ def picture() -> Image.Image:
 
 def test_scalars_and_images_are_written_under_the_workspace(tmp_path):
     log = LogHook({"run": 1.0}, images={2: {"samples": {"pic": picture(), "grey": picture().convert("L")}}})
-    TinyTrainer(max_steps=3, workspace=tmp_path, hooks=[TensorBoardHook(), log]).train()
+    TinyTrainer(max_steps=3, workspace=tmp_path, hooks=[TensorBoardHook(), log], metrics_file=False).train()
 
     events = read_events(tmp_path / "tensorboard")
     assert set(events.Tags()["scalars"]) == {"loss/mse", "run"}

@@ -18,6 +18,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import AfterValidator, Field, StrictStr, ValidationInfo
 
+from trainloop.json_files import strict_json
 from trainloop.nested import hint_for_missing_key, to_float
 
 __all__ = ["BEST_FILE", "BestCheckpoints", "Monitor", "check_best", "read_best"]
@@ -124,8 +125,11 @@ class BestCheckpoints:
         found = read_best(root)
         if found is None or (found.get("monitor"), found.get("mode")) != (self.monitor, self.mode):
             return
-        for step, value in found.get("scores", {}).items():
-            if (root / str(step)).is_dir():
+        scores = found.get("scores")
+        for step, value in (scores.items() if isinstance(scores, dict) else ()):
+            if isinstance(value, bool) or not isinstance(value, (int, float, type(None))):
+                continue  # not a score (an edited file): the checkpoint is scored again when saved
+            if str(step).isdigit() and (root / str(step)).is_dir():
                 self.scores[int(step)] = math.nan if value is None else float(value)
 
     def write(self, root: Path) -> None:
@@ -134,11 +138,11 @@ class BestCheckpoints:
         data = {
             "monitor": self.monitor,
             "mode": self.mode,
-            "scores": {str(s): (None if math.isnan(v) else v) for s, v in sorted(self.scores.items())},
+            "scores": {str(s): v for s, v in sorted(self.scores.items())},
             "best": self.best,
         }
         tmp = root / f".{BEST_FILE}.tmp"
-        tmp.write_text(json.dumps(data, indent=2) + "\n", encoding="utf-8")
+        tmp.write_text(strict_json(data, indent=2) + "\n", encoding="utf-8")  # inf and NaN as null
         tmp.replace(root / BEST_FILE)
 
 

@@ -7,9 +7,10 @@ import logging
 import signal
 import sys
 
-from trainloop.cli.errors import PROG
+from trainloop.cli.errors import PROG, CliError
 from trainloop.cli.settings import checked_settings
 from trainloop.settings.preflight import checked
+from trainloop.workspace import WorkspaceBusyError
 
 __all__ = ["command"]
 
@@ -23,6 +24,8 @@ def command(args: argparse.Namespace) -> int:
         # A signal exit raises SystemExit(code) from train(): it propagates as the exit code.
         with checked(settings, trainer_class):  # the preflight above ran: train() does not repeat it
             trainer_class(settings).train()
+    except WorkspaceBusyError as error:
+        raise CliError(str(error)) from None
     except KeyboardInterrupt:
         print(f"{PROG}: interrupted", file=sys.stderr)
         return 128 + signal.SIGINT

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import signal
+import sys
 import time
 import warnings
 from collections.abc import Iterator, Sequence
@@ -39,7 +40,7 @@ from trainloop.hooks.early_stopping import MonitorNotFoundWarning
 from trainloop.hooks.every import Schedule
 from trainloop.hooks.registry import register_hook
 from trainloop.nested import flatten_nested_dict
-from trainloop.settings.types import NonNegativeFloat, NonNegativeInt, PositiveInt, StrictBool
+from trainloop.settings.types import NonEmptyPath, NonNegativeFloat, NonNegativeInt, PositiveInt, StrictBool
 
 if TYPE_CHECKING:
     from trainloop.checkpoint.saver import CheckpointSaver
@@ -180,8 +181,8 @@ class CheckpointingHook(BaseHook):
         mode: Literal["min", "max"] = "min",
         keep_interval: NonNegativeInt = 0,
         keep_steps: list[PositiveInt] | None = None,
-        path: Path = Path("checkpoints"),
-        load: Literal["latest"] | Path | None = "latest",
+        path: NonEmptyPath = Path("checkpoints"),
+        load: Literal["latest"] | NonEmptyPath | None = "latest",
         exit_signals: list[ExitSignal] | None = list(DEFAULT_EXIT_SIGNALS),  # noqa: B006 - never mutated
         exit_code: Literal["128+signal"] | ExitCode = "128+signal",
         exit_wait: NonNegativeFloat = 0.0,
@@ -218,6 +219,9 @@ class CheckpointingHook(BaseHook):
         self._signals = ExitSignals(self.exit_signals, required=explicit, name="CheckpointingHook exit_signals")
         self._exit_asked = False
         self._metrics: dict[str, Any] = {}
+        self._first_step = 0  # the step this run started from
+        self.resumed_complete = False
+        """Whether the last run resumed a run that had already completed (and so trained nothing)."""
         self._saver: CheckpointSaver | None = None
 
     # -- restoring -----------------------------------------------------------------------------
@@ -234,20 +238,28 @@ class CheckpointingHook(BaseHook):
         self._root = root
         if self._best is not None:
             self._best.start(root)
+        self.resumed_complete = False
         if self.load is None:
             return
         directory = self._choose(trainer, root)
         if directory is None:
-            trainer.logger.info("No checkpoint in %s; starting from scratch", root)
+            _say(trainer.logger, "No checkpoint in %s: starting from scratch", root)
             return
         trainer.logger.info("Loading checkpoint %s", directory)
         if checkpoint_format(directory) == "full":
             trainer.load_state_dict(read_checkpoint(directory, verify=False))  # verified by _choose
-            return
-        from trainloop.checkpoint.sharded import load_sharded
+        else:
+            from trainloop.checkpoint.sharded import load_sharded
 
-        with _sharded_state_dict(trainer):
-            trainer.load_state_dict(load_sharded(directory, trainer.state_dict()))
+            with _sharded_state_dict(trainer):
+                trainer.load_state_dict(load_sharded(directory, trainer.state_dict()))
+        planned = trainer.run_length.planned_steps
+        self.resumed_complete = planned is not None and trainer.step >= planned
+        if self.resumed_complete:
+            _say(trainer.logger, "Resumed from %s at step %d: the run is already complete (%d steps); nothing to train",
+                 directory, trainer.step, planned)
+        else:
+            _say(trainer.logger, "Resumed from %s at step %d", directory, trainer.step)
 
     def _choose(self, trainer: TrainerView, root: Path) -> Path | None:
         """The checkpoint to load: rank 0 lists the candidates, every rank hashes its share of
@@ -279,6 +291,7 @@ class CheckpointingHook(BaseHook):
     def on_before_train(self, trainer: TrainerView) -> None:
         """Ask for a save at the end of the run, and install the exit-signal handlers."""
         trainer.request_checkpoint(at_exit=True)
+        self._first_step = trainer.step
         self._last_saved_step = None
         self._exit_asked = False
         self._metrics = {}
@@ -394,7 +407,9 @@ class CheckpointingHook(BaseHook):
         In that order: a second SIGTERM while the exit save completes must not find the
         default handler, which would kill the process and lose the save.
         """
-        missing = self._best.missing_message() if self._best is not None and trainer.error is None else None
+        # A run that trained no step (resumed complete) logged nothing: nothing to warn about.
+        ran = trainer.step > self._first_step
+        missing = self._best.missing_message() if self._best is not None and trainer.error is None and ran else None
         if missing is not None:
             warnings.warn(f"{type(self).__name__}: {missing}", MonitorNotFoundWarning, stacklevel=2)
         try:
@@ -441,6 +456,17 @@ class CheckpointingHook(BaseHook):
                 "workspace; set the trainer's workspace or give an absolute path"
             )
         return trainer.workspace / self.path
+
+
+def _say(logger: Logger, message: str, *args: Any) -> None:
+    """Tell the user (rank 0) what the run starts from: logged at INFO when logging is
+    configured, else one line on stderr (Python shows no INFO record by default)."""
+    if not is_rank_zero():
+        return
+    if logger.hasHandlers():
+        logger.info(message, *args)
+    else:
+        print(f"trainloop: {message % args}", file=sys.stderr, flush=True)
 
 
 @contextmanager

@@ -8,9 +8,14 @@ from trainloop.hooks.registry import register_hook
 from trainloop.hooks.stats import StatsHook, TrainingStats
 
 if TYPE_CHECKING:
+    from trainloop.hooks.base import BaseHook
     from trainloop.run_state import TrainerView
+    from trainloop.settings.model import TrainerSettings
 
-__all__ = ["LoggingHook"]
+__all__ = ["DEFAULT_LOG_INTERVAL", "LoggingHook", "with_default_logging"]
+
+#: Steps per record of the loss and LR in ``metrics.jsonl`` when no ``LoggingHook`` is declared.
+DEFAULT_LOG_INTERVAL = 10
 
 
 @register_hook("logging")
@@ -40,3 +45,13 @@ class LoggingHook(StatsHook):
     def emit(self, trainer: TrainerView, stats: TrainingStats) -> None:
         """Pass the statistics to ``trainer.log``."""
         trainer.log(stats.to_records())
+
+
+def with_default_logging(hooks: list[BaseHook], settings: TrainerSettings) -> list[BaseHook]:
+    """``hooks``, led by a ``LoggingHook(interval=DEFAULT_LOG_INTERVAL)`` when the run keeps a
+    ``metrics.jsonl`` (a workspace, ``metrics_file`` on) and no hook already logs the training
+    statistics: a run with a workspace records its loss and learning rate without asking."""
+    if settings.workspace is None or not settings.metrics_file or any(isinstance(h, LoggingHook) for h in hooks):
+        return hooks
+    # First: hooks that write records (TensorBoard, wandb) must receive its last flush.
+    return [LoggingHook(interval=DEFAULT_LOG_INTERVAL), *hooks]

@@ -12,6 +12,7 @@ from trainloop.hooks.base import BaseHook
 from trainloop.hooks.checks import HookProblem, needs_workspace
 from trainloop.hooks.registry import register_hook
 from trainloop.nested import flatten_nested_dict, to_float
+from trainloop.settings.types import NonEmptyPath
 
 if TYPE_CHECKING:
     from PIL.Image import Image
@@ -49,7 +50,7 @@ class TensorBoardHook(BaseHook):
         return needs_workspace(settings, declared.log_dir, "log_dir", f"event files go to {where}")
 
     @validate_call
-    def __init__(self, log_dir: Path | None = None) -> None:
+    def __init__(self, log_dir: NonEmptyPath | None = None) -> None:
         self.log_dir = log_dir
         self.writer: SummaryWriter | None = None
 

@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import IO, TYPE_CHECKING, NamedTuple
 
 from trainloop.distributed.ranks import is_rank_zero
+from trainloop.json_files import open_jsonl
 from trainloop.machine.table import State, Transition
 
 if TYPE_CHECKING:
@@ -48,7 +49,7 @@ class Trace(deque[TraceEntry]):
         self._file: IO[str] | None = None
         if path is not None:
             path.parent.mkdir(parents=True, exist_ok=True)
-            self._file = path.open("a", encoding="utf-8")
+            self._file = open_jsonl(path)  # after a cut-off line of a killed run: a fresh one
 
     def record(self, transition: Transition, step: int) -> None:
         """Record that ``transition`` fired now, at ``step``."""

@@ -70,7 +70,7 @@ def metric_chart(title: str, curves: Mapping[str, list[tuple[int, float]]], best
             points = _thin(points)
             steps = [s for s, _ in points]
             values = [v for _, v in points]
-            axes.plot(steps, values, label=label, linewidth=1.3, marker="o" if len(points) <= 30 else None, markersize=3)
+            axes.plot(steps, values, label=_literal(label), linewidth=1.3, marker="o" if len(points) <= 30 else None, markersize=3)
             finite = [v for v in values if math.isfinite(v)]
             log_scale = log_scale and bool(finite) and min(finite) > 0 and max(finite) / min(finite) > 100
         if log_scale:  # a loss falling by orders of magnitude reads better on a log axis
@@ -78,7 +78,7 @@ def metric_chart(title: str, curves: Mapping[str, list[tuple[int, float]]], best
         if best_step is not None:
             axes.axvline(best_step, color="#d62728", linestyle=":", linewidth=1, label=f"best checkpoint ({best_step})")
         axes.set_xlabel("step")
-        axes.set_title(title, loc="left", fontsize=10)
+        axes.set_title(_literal(title), loc="left", fontsize=10)
         axes.grid(True, alpha=0.3)
         if len(curves) > 1 or best_step is not None:
             axes.legend(fontsize=8, frameon=False)
@@ -86,6 +86,11 @@ def metric_chart(title: str, curves: Mapping[str, list[tuple[int, float]]], best
         figure.savefig(buffer, format="svg")
     svg = buffer.getvalue()
     return Chart(title, svg[svg.index("<svg"):])  # without the XML prolog: inlined in HTML
+
+
+def _literal(text: str) -> str:
+    """``text`` as matplotlib draws it literally: two ``$`` would start its math mode."""
+    return text.replace("$", r"\$")
 
 
 def _thin(points: list[tuple[int, float]]) -> list[tuple[int, float]]:

@@ -18,13 +18,13 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
-from trainloop.checkpoint.best import read_best
+from trainloop.checkpoint.best import BEST_FILE, read_best
 from trainloop.checkpoint.files import LATEST, checkpoint_steps
 from trainloop.machine.diagram import draw
 from trainloop.machine.table import TRANSITIONS, State, Transition
 from trainloop.machine.trace import TraceSummary, read_trace, summarize_trace
 from trainloop.metrics import METRICS_FILE, read_metrics
-from trainloop.result import read_runs
+from trainloop.result import RUNS_FILE, read_runs
 
 __all__ = ["ReportError", "build_report", "machine_svg", "write_report"]
 
@@ -79,18 +79,25 @@ def build_report(workspace: Path) -> str:
         raise ReportError(f"{workspace}: no settings.json, so no run was recorded there (a run writes it in its workspace)")
     try:
         settings = json.loads(settings_file.read_text(encoding="utf-8"))
-        metrics = read_metrics(workspace / METRICS_FILE) if (workspace / METRICS_FILE).is_file() else []
+        metrics = read_metrics(workspace / METRICS_FILE) if (workspace / METRICS_FILE).is_file() else None
         trace = read_trace(workspace / "trace.jsonl") if (workspace / "trace.jsonl").is_file() else None
     except ValueError as error:
         raise ReportError(str(error)) from None
+    if not isinstance(settings, dict):
+        raise ReportError(f"{settings_file}: not the settings of a run (a JSON object)")
+    # Files edited or written by something else: what is not what trainloop writes is left out,
+    # and said on the page, rather than ending the report.
+    notes: list[str] = []
+    metrics = _numbers_only(metrics, notes)
     summary = summarize_trace(trace) if trace is not None else None
-    checkpoints = _checkpoints(workspace, settings)
+    checkpoints = _checkpoints(workspace, settings, notes)
     best_step = next((c["step"] for c in checkpoints if c["best"]), None)
-    runs = read_runs(workspace)
+    runs = _checked_runs(read_runs(workspace), workspace / RUNS_FILE, notes)
     parts = [
         f"<h1>Run report: {_e(workspace.resolve().name)}</h1>",
         f'<p class="muted">{_e(str(workspace))} · generated {datetime.now(UTC).strftime("%Y-%m-%d %H:%M UTC")} by trainloop</p>',
-        _overview(metrics, summary, runs, checkpoints),
+        *(f'<p class="bad">{_e(note)}</p>' for note in notes),
+        _overview(metrics or [], summary, runs, checkpoints),
         "<h2>The machine</h2>",
         _machine(summary),
         _hooks(settings),
@@ -123,15 +130,27 @@ def _overview(metrics: list[dict[str, Any]], summary: TraceSummary | None, runs:
     for key in ("loss", "val/loss", "val/accuracy"):
         value = next((r[key] for r in reversed(metrics) if key in r), None)
         if value is not None:
-            cards.append((f"last {key}", f"{value:.4g}"))
+            cards.append((f"last {key}{_window(metrics) if key == 'loss' else ''}", f"{value:.4g}"))
     cards.append(("retries", "not traced" if retries is None else str(retries)))
     cards.append(("checkpoints", str(len(checkpoints))))
     return '<div class="stats">' + "".join(f'<div class="card"><span class="muted">{_e(k)}</span><b>{_e(v)}</b></div>' for k, v in cards) + "</div>"
 
 
-def _charts(metrics: list[dict[str, Any]], best_step: int | None) -> str:
+def _window(metrics: list[dict[str, Any]]) -> str:
+    """The steps the last logged training loss averages (a ``LoggingHook`` logs the mean over
+    the steps since its previous record), as a label: `` (mean of steps 391-400)``."""
+    steps = [int(r["step"]) for r in metrics if "loss" in r]
+    if not steps:
+        return ""
+    first = steps[-2] + 1 if len(steps) > 1 and steps[-2] < steps[-1] else 1
+    return f" (mean of step {steps[-1]})" if first == steps[-1] else f" (mean of steps {first}-{steps[-1]})"
+
+
+def _charts(metrics: list[dict[str, Any]] | None, best_step: int | None) -> str:
+    if metrics is None:
+        return f'<p class="muted">No {METRICS_FILE} in this workspace (settings.metrics_file off).</p>'
     if not metrics:
-        return f'<p class="muted">No {METRICS_FILE} in this workspace (settings.metrics_file off, or nothing logged).</p>'
+        return f'<p class="muted">{METRICS_FILE} holds no records: nothing was logged.</p>'
     from trainloop.report.charts import group_metrics, group_title, metric_chart  # matplotlib: only for a report
 
     out = ['<div class="grid">']
@@ -231,6 +250,44 @@ def _fired(summary: TraceSummary, which: Any) -> int:
     return sum(n for (source, dest, trigger), n in summary.counts.items() if which(Transition(trigger, source, dest)))
 
 
+def _numbers_only(metrics: list[dict[str, Any]] | None, notes: list[str]) -> list[dict[str, Any]] | None:
+    """The metrics records with only their numeric values; a note per value left out."""
+    if metrics is None:
+        return None
+    kept = []
+    for number, row in enumerate(metrics, 1):  # read_metrics keeps every line: row n is line n
+        bad = [k for k, v in row.items() if k not in ("step", "time") and not _is_number(v)]
+        for key in bad[:3]:
+            notes.append(f"{METRICS_FILE}:{number}: {key!r} is not a number ({_short(row[key])}); left out")
+        kept.append({k: v for k, v in row.items() if k not in bad})
+    return kept
+
+
+def _checked_runs(runs: list[dict[str, Any]], path: Path, notes: list[str]) -> list[dict[str, Any]]:
+    """The runs whose fields are what trainloop writes; a note per run left out."""
+    kept = []
+    for number, run in enumerate(runs, 1):
+        wrong: list[str] = [k for k in ("step", "epoch", "exit_code") if k in run and not (isinstance(run[k], int) and not isinstance(run[k], bool))]
+        if "time" in run and not _is_number(run["time"]):
+            wrong.append("time")
+        if run.get("error") is not None and not isinstance(run["error"], str):
+            wrong.append("error")
+        if wrong:
+            notes.append(f"{path.name}: run {number}: {wrong[0]} is {_short(run[wrong[0]])}, not what trainloop writes; run left out")
+            continue
+        kept.append(run)
+    return kept
+
+
+def _is_number(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+def _short(value: Any) -> str:
+    text = json.dumps(value)
+    return text if len(text) <= 40 else text[:37] + "..."
+
+
 def _runs(runs: list[dict[str, Any]]) -> str:
     if not runs:
         return '<p class="muted">No runs.jsonl here (written by trainloop as each run ends).</p>'
@@ -253,24 +310,31 @@ def _runs(runs: list[dict[str, Any]]) -> str:
     return "<table><tr><th>run</th><th>ended (UTC)</th><th>step</th><th>epochs</th><th>how it ended</th></tr>" + "".join(rows) + "</table>"
 
 
-def _checkpoints(workspace: Path, settings: Mapping[str, Any]) -> list[dict[str, Any]]:
+def _checkpoints(workspace: Path, settings: Mapping[str, Any], notes: list[str]) -> list[dict[str, Any]]:
     """The checkpoints of every ``checkpointing`` hook declared in the settings (or ``checkpoints/``)."""
     roots = []
-    for hook in settings.get("hooks") or []:
+    hooks = settings.get("hooks")
+    for hook in hooks if isinstance(hooks, list) else []:
         if isinstance(hook, Mapping) and hook.get("type") == "checkpointing":
-            path = Path(hook.get("path") or "checkpoints")
+            path = Path(hook["path"] if isinstance(hook.get("path"), str) and hook["path"] else "checkpoints")
             roots.append(path if path.is_absolute() else workspace / path)
     if not roots and (workspace / "checkpoints").is_dir():
         roots.append(workspace / "checkpoints")
     found = []
     for root in dict.fromkeys(roots):
         best = read_best(root) or {}
+        found_scores = best.get("scores")
+        scores: dict[str, Any] = found_scores if isinstance(found_scores, dict) else {}
+        for name, score in scores.items():
+            if score is not None and not _is_number(score):
+                notes.append(f"{root / BEST_FILE}: the score of checkpoint {name} is {_short(score)}, not a number; left out")
         latest = (root / LATEST).resolve().name if (root / LATEST).exists() else None
         for step in checkpoint_steps(root):
             metadata = _read_json(root / str(step) / "metadata.json")
             found.append({
-                "root": root, "step": step, "time": metadata.get("time", ""), "best": best.get("best") == step,
-                "score": (best.get("scores") or {}).get(str(step)), "monitor": best.get("monitor"),
+                "root": root, "step": step, "time": str(metadata.get("time", "")), "best": best.get("best") == step,
+                "score": scores.get(str(step)) if _is_number(scores.get(str(step))) else None,
+                "monitor": best.get("monitor") if isinstance(best.get("monitor"), str) else None,
                 "latest": latest == str(step),
             })
     return found

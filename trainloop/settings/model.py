@@ -29,7 +29,7 @@ from trainloop.settings.errors import describe_validation_error, in_our_words
 from trainloop.settings.optimizer import OptimizerSettings
 from trainloop.settings.schedule import LrScheduleSettings
 from trainloop.settings.sources import ENV_PREFIX, SettingsFileError, SettingsInput, read_settings_input
-from trainloop.settings.types import NonNegativeInt, PositiveFloat, PositiveInt, StrictBool
+from trainloop.settings.types import NonEmptyPath, NonNegativeInt, PositiveFloat, PositiveInt, StrictBool
 
 __all__ = ["ENV_PREFIX", "TRAINER_PATTERN", "SettingsFileError", "TrainerSettings"]
 
@@ -72,7 +72,7 @@ class TrainerSettings(BaseModel):
     """Autocast dtype for ``forward`` on the trainer's device; fp16 also enables GradScaler."""
     gradient_accumulation_steps: PositiveInt = 1
     """Microsteps (forward + backward) per optimizer step; the loss is divided by this."""
-    workspace: Path | None = None
+    workspace: NonEmptyPath | None = None
     """Directory for run artefacts (checkpoints, logs); hooks resolve paths under it."""
     device: str | None = None
     """Device to run on (``"cpu"``, ``"cuda:1"``...); ``None``: torch's default device."""

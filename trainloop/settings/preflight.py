@@ -14,6 +14,8 @@ so that a run that validates does not fail later on something that was known all
   alike;
 - declared hooks work together: no two save their state under one name, no two catch one exit
   signal (a hook whose settings have ``exit_signals`` claims them);
+- the directories the run will write (the workspace, checkpoint and TensorBoard directories)
+  can be made and written: no file in the way, no NUL byte, write permission;
 - the device exists on this machine.
 
 On the command line the preflight runs once: ``trainloop run`` checks the settings (naming the
@@ -29,17 +31,19 @@ import signal
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from contextvars import ContextVar
+from pathlib import Path
 from typing import TYPE_CHECKING
 
 import torch
 
 from trainloop.exit_signals import as_signal
 from trainloop.hooks.base import BaseHook
-from trainloop.hooks.checks import listed
+from trainloop.hooks.checks import listed, one_process
 from trainloop.hooks.dispatch import check_hook_methods
 from trainloop.hooks.registry import HOOK_TYPES, HookSettings
 from trainloop.settings.errors import field_path
 from trainloop.settings.sources import Key
+from trainloop.workspace import path_problem
 
 if TYPE_CHECKING:
     from trainloop.run_state import TrainerContract
@@ -86,6 +90,7 @@ def preflight(
         problems += _contract(settings, trainer)
     problems += _declared_hooks(settings, trainer)
     problems += _combinations(settings)
+    problems += _workspace_paths(settings)
     problems += _device(settings)
     if source_of is None:
         return [line for _, line in problems]
@@ -184,6 +189,31 @@ def _combinations(settings: TrainerSettings) -> list[tuple[tuple[Key, ...], str]
     for sig, indices in by_signal.items():
         if len(indices) > 1:
             problems.append((("hooks",), f"{listed(indices)}: each catches {sig.name}, and a process has one handler per signal"))
+    return problems
+
+
+def _workspace_paths(settings: TrainerSettings) -> list[tuple[tuple[Key, ...], str]]:
+    """The directories the run writes, each checked by ``trainloop.workspace.path_problem``."""
+    directories: list[tuple[tuple[Key, ...], Path]] = []
+    if settings.workspace is not None:
+        directories.append((("workspace",), settings.workspace))
+    for i, spec in enumerate(settings.hooks):
+        for name in ("path", "log_dir"):  # where the checkpointing and TensorBoard hooks write
+            if spec.type in ("checkpointing", "tensorboard") and isinstance(getattr(spec, name, None), Path):
+                path = Path(getattr(spec, name))
+                if not path.expanduser().is_absolute():
+                    if settings.workspace is None:
+                        continue  # said by the hook's own check
+                    path = settings.workspace / path
+                directories.append((("hooks", i, name), path))
+    problems: list[tuple[tuple[Key, ...], str]] = []
+    for where, path in directories:
+        # Under a launcher only the NUL byte is checked: see trainloop.hooks.checks.one_process.
+        problem = path_problem(path) if one_process() or "\0" in str(path) else None
+        if problem is not None:
+            problems.append((where, f"{field_path(where)}: {problem}"))
+            if where == ("workspace",):
+                break  # the directories under it would only say it again
     return problems
 
 

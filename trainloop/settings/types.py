@@ -5,14 +5,26 @@ Strict: a string is never silently taken for a number or a boolean (``"10"`` is 
 
 from __future__ import annotations
 
-from typing import Annotated
+from pathlib import Path
+from typing import Annotated, Any
 
-from pydantic import Field
+from pydantic import BeforeValidator, Field
 
-__all__ = ["NonNegativeFloat", "NonNegativeInt", "PositiveFloat", "PositiveInt", "StrictBool"]
+__all__ = ["NonEmptyPath", "NonNegativeFloat", "NonNegativeInt", "PositiveFloat", "PositiveInt", "StrictBool"]
+
+
+def _not_empty(value: Any) -> Any:
+    # Path("") is Path("."): an empty value (``--set workspace=``, an unset variable in a file)
+    # would silently mean the current directory.
+    if isinstance(value, (str, bytes)) and not value.strip():
+        raise ValueError("an empty path; give a directory (\".\" for the current one)")
+    return value
+
 
 PositiveInt = Annotated[int, Field(gt=0, strict=True)]
 NonNegativeInt = Annotated[int, Field(ge=0, strict=True)]
 PositiveFloat = Annotated[float, Field(gt=0, strict=True, allow_inf_nan=False)]
 NonNegativeFloat = Annotated[float, Field(ge=0, strict=True, allow_inf_nan=False)]
 StrictBool = Annotated[bool, Field(strict=True)]
+NonEmptyPath = Annotated[Path, BeforeValidator(_not_empty)]
+"""A path that is not written empty (``"."`` says the current directory)."""

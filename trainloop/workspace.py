@@ -1,0 +1,140 @@
+"""The workspace: a directory a run can write, held by one run at a time.
+
+- :func:`path_problem` says why a directory cannot be used (a file in the way, a NUL byte, no
+  write permission), without creating anything: the preflight asks it of every directory a run
+  will write, so that ``validate`` says it too and ``run`` says it before any step.
+- :func:`hold_workspace` holds ``<workspace>/run.lock`` for a run's life (an OS lock, released
+  by the kernel when the process ends, however it ends). A second run in the same workspace is
+  refused with :class:`WorkspaceBusyError` naming the holder's host and PID; a lock file left by
+  a process that is gone is taken over with a message.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import json
+import os
+import socket
+import time
+from collections.abc import Iterator
+from contextlib import ExitStack, contextmanager
+from logging import Logger
+from pathlib import Path
+
+import torch.distributed as dist
+
+from trainloop.distributed.ranks import in_process_group, rank
+
+__all__ = ["LOCK_FILE", "WorkspaceBusyError", "hold_run_workspace", "hold_workspace", "path_problem"]
+
+LOCK_FILE = "run.lock"
+
+
+class WorkspaceBusyError(RuntimeError):
+    """Another run holds the workspace; nothing was written."""
+
+
+def path_problem(path: Path) -> str | None:
+    """Why a run could not make and write the directory ``path``, else ``None``.
+
+    Reads the filesystem only: nothing is created.
+    """
+    text = str(path)
+    if "\0" in text:
+        return f"{text!r}: a path cannot hold a NUL byte"
+    path = path.expanduser()
+    existing = path
+    while not existing.exists():
+        if existing.parent == existing:
+            return None
+        existing = existing.parent
+    if not existing.is_dir():
+        if existing == path:
+            return f"{text}: is a file, not a directory"
+        return f"{text}: {existing} is a file, not a directory"
+    if not os.access(existing, os.W_OK | os.X_OK):
+        where = "" if existing == path else f" ({existing})"
+        return f"{text}: the directory{where} is not writable"
+    return None
+
+
+@contextmanager
+def hold_workspace(workspace: Path | None, logger: Logger) -> Iterator[None]:
+    """Hold ``workspace`` for the duration of the block (nothing to hold without one).
+
+    Raises:
+        WorkspaceBusyError: Another live process holds it; this one wrote nothing.
+    """
+    if workspace is None:
+        yield
+        return
+    workspace.mkdir(parents=True, exist_ok=True)
+    path = workspace / LOCK_FILE
+    with path.open("a+", encoding="utf-8") as file:
+        try:
+            fcntl.flock(file, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            raise WorkspaceBusyError(f"{workspace}: in use by {_holder(path)}; wait for it to end or give another workspace") from None
+        file.seek(0)
+        left = file.read().strip()
+        if left:  # its holder ended without releasing it: killed, or its machine went down
+            logger.warning("Taking over %s from %s, which is gone", path, _describe(left))
+        file.seek(0)
+        file.truncate()
+        file.write(json.dumps({"host": socket.gethostname(), "pid": os.getpid(), "since": time.time()}) + "\n")
+        file.flush()
+        try:
+            yield
+        finally:
+            file.seek(0)
+            file.truncate()  # released: an empty lock file is a free workspace
+            file.flush()
+            fcntl.flock(file, fcntl.LOCK_UN)
+
+
+@contextmanager
+def hold_run_workspace(workspace: Path | None, logger: Logger) -> Iterator[None]:
+    """:func:`hold_workspace` for a run of one or more ranks: rank 0 holds it for all.
+
+    Under a process group every rank learns rank 0's answer, so a refused run ends on every
+    rank at once; under a launcher before the group exists, only the process whose ``RANK`` is
+    0 takes the lock (the other ranks of a refused run end with it, as a launcher ends them).
+
+    Raises:
+        WorkspaceBusyError: Another run holds the workspace; nothing was written.
+    """
+    if workspace is None:
+        yield
+        return
+    grouped = in_process_group()
+    lead = rank() == 0 if grouped else os.environ.get("RANK", "0") == "0"
+    with ExitStack() as stack:
+        refused: str | None = None
+        if lead:
+            try:
+                stack.enter_context(hold_workspace(workspace, logger))
+            except WorkspaceBusyError as error:
+                refused = str(error)
+        if grouped:
+            box = [refused]
+            dist.broadcast_object_list(box, src=0)
+            refused = box[0]
+        if refused is not None:
+            raise WorkspaceBusyError(refused)
+        yield
+
+
+def _holder(path: Path) -> str:
+    try:
+        return _describe(path.read_text(encoding="utf-8").strip())
+    except OSError:
+        return "another run"
+
+
+def _describe(text: str) -> str:
+    try:
+        holder = json.loads(text)
+        since = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(float(holder["since"])))
+        return f"the run of PID {int(holder['pid'])} on host {holder['host']} (since {since})"
+    except (ValueError, KeyError, TypeError):
+        return "another run"
