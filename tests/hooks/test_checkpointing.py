@@ -254,6 +254,20 @@ def test_a_latest_link_into_another_runs_checkpoints_is_skipped_with_a_warning(t
     assert checkpoint_steps(tmp_path / "other" / "checkpoints") == [6]  # the other run untouched
 
 
+def test_resuming_with_another_optimizer_class_names_both(tmp_path):
+    # SGD with momentum saved, AdamW built: torch loads the state and fails in AdamW's first
+    # step with a bare KeyError: 'step'. The resume itself must say what does not match.
+    class AdamWTrainer(TinyTrainer):
+        def build_optimizer(self):
+            return torch.optim.AdamW(self.model.parameters(), lr=1e-3)
+
+    run(tmp_path, 2, CheckpointingHook(interval=2), trainer_class=MomentumTrainer)
+    capture = CaptureHook()
+    with pytest.raises(ValueError, match=r"saved by torch\.optim\.sgd\.SGD, and this run's optimizer is torch\.optim\.adamw\.AdamW"):
+        run(tmp_path, 4, capture, CheckpointingHook(interval=2), trainer_class=AdamWTrainer)
+    assert capture.events("on_before_step") == []  # refused while restoring, before any step
+
+
 @pytest.mark.parametrize("file", ["training_state.pt", "extra_hook.pt"])
 def test_code_in_a_checkpoint_file_is_refused(tmp_path, file):
     run(tmp_path, 2, CheckpointingHook(interval=2))
