@@ -82,13 +82,16 @@ class Loop:
         except BaseException as error:
             trainer.error = error
             machine.fail()
-            try:
-                for fn in trainer._dispatch["on_exception"]:
-                    fn(trainer, error)
-            finally:
-                self.exit()
+            # The error that ended the run is the one train() raises: a hook failing on the
+            # way out is logged and noted on it, never raised in its place.
+            self._absorb(call_each(trainer._dispatch["on_exception"], trainer, error))
+            self._absorb(self.exit())
             raise
-        self.exit()
+        errors = self.exit()
+        if errors:  # the first is raised; any later ones are logged
+            trainer.error = errors[0]
+            self._absorb(errors[1:])
+            raise errors[0]
 
     # -- the work of each state ----------------------------------------------------------------
 
@@ -193,19 +196,36 @@ class Loop:
         # The save itself is done by on_enter_checkpointing callbacks (CheckpointingHook).
         self.requests.checkpointed(self.trainer.step)
 
-    def exit(self) -> None:
+    def exit(self) -> list[BaseException]:
+        """Every hook's ``on_after_train`` (one that fails does not stop the others: each may
+        have something to give back, such as signal handlers), then close what the run opened.
+
+        Returns:
+            What the hooks raised, in hook order (the first is what a clean run raises).
+        """
         t = self.trainer
         if self.machine.trace is not None:
             self.machine.trace.close()
         try:
-            for fn in t._dispatch["on_after_train"]:
-                fn(t)
+            return call_each(t._dispatch["on_after_train"], t)
         finally:
             t.metrics.close()
             self.requests.close()
             if self.data is not None:
                 self.data.close()
                 t.epoch = self.data.epoch
+
+    def _absorb(self, errors: list[BaseException]) -> None:
+        """Log hooks' errors raised while the run ends by another error, and note them on it."""
+        ended_by = self.trainer.error
+        for error in errors:
+            if error is ended_by:  # a hook re-raising the run's own error adds nothing
+                continue
+            self.trainer.logger.error(
+                "A hook raised %r while the run was ending by %r", error, ended_by, exc_info=error
+            )
+            if ended_by is not None:
+                ended_by.add_note(f"While the run was ending, a hook raised {type(error).__name__}: {error}")
 
     # -- the edges' actions --------------------------------------------------------------------
 
@@ -237,6 +257,17 @@ class Loop:
 
     def checkpoint_due(self) -> bool:
         return self.requests.checkpoint_due(self.trainer.step, ending=self.should_exit)
+
+
+def call_each(fns: tuple[Callable[..., Any], ...], *args: Any) -> list[BaseException]:
+    """Call every one of ``fns`` with ``args``, even after one raises; return what they raised."""
+    errors = []
+    for fn in fns:
+        try:
+            fn(*args)
+        except BaseException as error:  # noqa: BLE001 - collected; the caller raises or logs them
+            errors.append(error)
+    return errors
 
 
 def trainer_step_plan(
