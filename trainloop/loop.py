@@ -114,14 +114,16 @@ class Loop:
             t.metrics.open(t.settings.workspace / METRICS_FILE, resumed_step=t.step)
         for fn in t._dispatch["on_before_train"]:
             fn(t)
-        self.data = EpochIterator(t.data_loader, t.epoch, resumed=t.step > 0)
+        epochs = t.settings.max_epochs
+        self.data = EpochIterator(t.data_loader, t.epoch, resumed=t.step > 0, limit=epochs)
         t.run_length.follow(self.data)
         if self.restored_rng is not None:
             # Only now: creating the data iterator draws from torch's generator (its base seed),
             # which the uninterrupted run did long before this step.
             set_rng_state(self.restored_rng)
             self.restored_rng = None
-        self.runner = StepRunner(self.step_plan(), self.data)
+        # With max_epochs, steps end with epochs: each declared batch is drawn once.
+        self.runner = StepRunner(self.step_plan(), self.data, epochs=self.data if epochs else None)
         self.requests.open()
         t.model.train()
         t.optimizer.zero_grad()
@@ -144,6 +146,8 @@ class Loop:
         loss, records, data_time = self.runner.microstep()  # type: ignore[union-attr]
         info = self.trainer.step_info
         info.data_time.append(data_time)
+        if loss is None:  # the epoch ran out while forward skipped batches: the step ends
+            return
         info.records.append(records)
         info.loss.append(loss.sum.detach() / loss.count if isinstance(loss, Loss) else loss.detach())
 
@@ -250,7 +254,8 @@ class Loop:
         return self.requests.exit_agreed or self.trainer.run_length.reached(self.trainer.step)
 
     def microsteps_remain(self) -> bool:
-        return self.runner.microsteps < self.trainer.settings.gradient_accumulation_steps  # type: ignore[union-attr]
+        runner = self.runner
+        return runner.microsteps < runner.target  # type: ignore[union-attr]
 
     def grads_non_finite(self) -> bool:
         return not self.applied
