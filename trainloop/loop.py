@@ -167,18 +167,26 @@ class Loop:
     def _raise_if_no_retries_left(self) -> None:
         t = self.trainer
         declared = t.settings.max_non_finite_grad_retries
-        if self.retries < (declared or 0):
+        if t.grad_scaler.is_enabled():
+            # fp16: GradScaler refuses updates while it finds its scale; a floor on the scale,
+            # not a count, tells that from gradients non-finite at any scale (fairseq, DeepSpeed).
+            scale, floor = t.grad_scaler.get_scale(), t.settings.min_loss_scale
+            if scale < floor:
+                raise RuntimeError(
+                    f"non-finite gradients at step {t.step} after {self.retries} retries: under fp16 "
+                    f"the loss scale fell to {scale:g}, below min_loss_scale={floor:g}, so the "
+                    "gradients are non-finite at any scale (a NaN or inf in the loss or the model?)"
+                )
+            if declared is None or self.retries < declared:
+                return
+        elif self.retries < (declared or 0):
             return
-        scale = (
-            f"; the grad scaler's scale is now {t.grad_scaler.get_scale():g} (raise "
-            "max_non_finite_grad_retries to let it settle lower)"
-            if t.grad_scaler.is_enabled() else ""
-        )
         if not declared:
             raise RuntimeError(
                 f"non-finite gradients at step {t.step}; max_non_finite_grad_retries is "
-                f"{declared}, so the step is not retried{scale}"
+                f"{declared}, so the step is not retried"
             )
+        scale = f"; the loss scale is now {t.grad_scaler.get_scale():g}" if t.grad_scaler.is_enabled() else ""
         raise RuntimeError(
             f"non-finite gradients at step {t.step} after {self.retries} retries "
             f"(max_non_finite_grad_retries={declared}){scale}"
@@ -187,10 +195,16 @@ class Loop:
     def retry(self) -> None:
         t = self.trainer
         self.retries += 1
-        t.logger.warning(
-            "Non-finite gradients at step %d; retrying (%d/%d)",
-            t.step, self.retries, t.settings.max_non_finite_grad_retries,
-        )
+        if t.grad_scaler.is_enabled():  # expected at the start of fp16 runs: not a warning
+            t.logger.info(
+                "fp16 update refused at step %d (non-finite gradients); loss scale now %g; retrying (%d)",
+                t.step, t.grad_scaler.get_scale(), self.retries,
+            )
+        else:
+            t.logger.warning(
+                "Non-finite gradients at step %d; retrying (%d/%d)",
+                t.step, self.retries, t.settings.max_non_finite_grad_retries,
+            )
         t.optimizer.zero_grad()
         info = t.step_info
         info.loss, info.records = [], []
