@@ -144,8 +144,8 @@ class SyncCounter:
         ({"detect_non_finite_grads": False}, 0),
         ({"grad_clip": 1.0}, 1),  # the clipped norm answers the check
         ({"gradient_accumulation_steps": 3}, 1),
-        ({"mixed_precision": "fp16", "max_non_finite_grad_retries": 5}, 1),  # GradScaler's own
-        ({"mixed_precision": "fp16", "max_non_finite_grad_retries": 5, "detect_non_finite_grads": False}, 1),
+        ({"mixed_precision": "fp16"}, 1),  # GradScaler's own
+        ({"mixed_precision": "fp16", "detect_non_finite_grads": False}, 1),
     ],
 )
 def test_host_syncs_per_update(monkeypatch, settings, syncs):
@@ -165,5 +165,7 @@ def test_host_syncs_per_update(monkeypatch, settings, syncs):
     trainer = TinyTrainer(max_steps=10, hooks=[Mark()], data=itertools.cycle(batches), trace=True, **settings)
     trainer.train()
     updates = sum(1 for e in trainer.trace if e.trigger == "update" and e.step >= 2)  # retries included
+    refused = sum(1 for e in trainer.trace if e.trigger == "retry" and e.step >= 2)
     assert updates >= 9
-    assert (marks["end"] - marks["start"]) / updates == syncs
+    # A refused fp16 update also reads the loss scale, for its floor (min_loss_scale).
+    assert marks["end"] - marks["start"] == syncs * updates + refused

@@ -46,6 +46,7 @@ class Loop:
         self.requests = RunRequests()
         self.retries = 0  # retries of the step in progress
         self.applied = True  # whether the last optimizer update was applied
+        self.loss_scale = 0.0  # fp16: GradScaler's scale after the last refused update
         self.data: EpochIterator | None = None
         self.runner: StepRunner | None = None
         self.restored_rng: dict[str, Any] | None = None  # set by a checkpoint load in restoring
@@ -170,7 +171,9 @@ class Loop:
         if t.grad_scaler.is_enabled():
             # fp16: GradScaler refuses updates while it finds its scale; a floor on the scale,
             # not a count, tells that from gradients non-finite at any scale (fairseq, DeepSpeed).
-            scale, floor = t.grad_scaler.get_scale(), t.settings.min_loss_scale
+            # Reading the scale is one more host sync, on refused updates only.
+            self.loss_scale = scale = t.grad_scaler.get_scale()
+            floor = t.settings.min_loss_scale
             if scale < floor:
                 raise RuntimeError(
                     f"non-finite gradients at step {t.step} after {self.retries} retries: under fp16 "
@@ -186,7 +189,7 @@ class Loop:
                 f"non-finite gradients at step {t.step}; max_non_finite_grad_retries is "
                 f"{declared}, so the step is not retried"
             )
-        scale = f"; the loss scale is now {t.grad_scaler.get_scale():g}" if t.grad_scaler.is_enabled() else ""
+        scale = f"; the loss scale is now {self.loss_scale:g}" if t.grad_scaler.is_enabled() else ""
         raise RuntimeError(
             f"non-finite gradients at step {t.step} after {self.retries} retries "
             f"(max_non_finite_grad_retries={declared}){scale}"
@@ -198,7 +201,7 @@ class Loop:
         if t.grad_scaler.is_enabled():  # expected at the start of fp16 runs: not a warning
             t.logger.info(
                 "fp16 update refused at step %d (non-finite gradients); loss scale now %g; retrying (%d)",
-                t.step, t.grad_scaler.get_scale(), self.retries,
+                t.step, self.loss_scale, self.retries,
             )
         else:
             t.logger.warning(
