@@ -189,10 +189,10 @@ class Loop:
                 f"non-finite gradients at step {t.step}; max_non_finite_grad_retries is "
                 f"{declared}, so the step is not retried"
             )
-        scale = f"; the loss scale is now {self.loss_scale:g}" if t.grad_scaler.is_enabled() else ""
+        note = f"; the loss scale is now {self.loss_scale:g}" if t.grad_scaler.is_enabled() else ""
         raise RuntimeError(
             f"non-finite gradients at step {t.step} after {self.retries} retries "
-            f"(max_non_finite_grad_retries={declared}){scale}"
+            f"(max_non_finite_grad_retries={declared}){note}"
         )
 
     def retry(self) -> None:
