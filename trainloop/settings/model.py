@@ -54,9 +54,10 @@ class TrainerSettings(BaseModel):
     max_steps: PositiveInt | None = None
     """Number of optimizer steps to run (with ``max_epochs``: whichever limit comes first)."""
     max_epochs: PositiveInt | None = None
-    """Number of passes over the data to run: the run ends with the step in which the last
-    epoch's last batch is drawn (needs a data loader with ``len()``). At least one of
-    ``max_steps`` and ``max_epochs`` is required."""
+    """Number of passes over the data to run: each batch of each epoch is drawn once, an
+    epoch's last step taking the batches that remain (its loss divided by their number), and
+    the run ends with the last epoch's last step (needs a data loader with ``len()``). At least
+    one of ``max_steps`` and ``max_epochs`` is required."""
     grad_clip: PositiveFloat | None = None
     """Max gradient norm (L2); gradients are clipped before the optimizer step."""
     max_non_finite_grad_retries: NonNegativeInt | None = None
