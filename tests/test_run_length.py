@@ -5,10 +5,12 @@ from __future__ import annotations
 import json
 
 import pytest
+import torch
+from helper_hooks import CaptureHook
 from tiny_trainer import TinyTrainer, make_data
 from torch.utils.data import DataLoader
 
-from trainloop import CheckpointingHook, TrainerSettings
+from trainloop import CheckpointingHook, DataExhaustedError, TrainerSettings
 
 
 class Counter:
@@ -61,3 +63,79 @@ def test_max_epochs_needs_a_loader_with_a_length():
     endless = iter([])
     with pytest.raises(ValueError, match=r"max_epochs=2 needs a data loader with a length.*list_iterator.*set max_steps"):
         TinyTrainer(max_epochs=2, data=endless).train()
+
+
+# -- max_epochs trains exactly the declared epochs, whatever the accumulation ------------------
+
+
+def epoch_of(batches: int) -> Counter:
+    return Counter(DataLoader(make_data(8 * batches), batch_size=8))
+
+
+@pytest.mark.parametrize(
+    ("batches", "accumulation", "max_epochs", "steps"),
+    [(4, 8, 1, 1), (5, 2, 1, 3), (4, 10**6, 1, 1), (5, 2, 3, 9), (8, 3, 2, 6)],
+)
+def test_each_batch_of_each_declared_epoch_is_drawn_once(batches, accumulation, max_epochs, steps):
+    data = epoch_of(batches)
+    trainer = TinyTrainer(max_epochs=max_epochs, gradient_accumulation_steps=accumulation, data=data, trace=True)
+    result = trainer.train()
+    assert data.epochs == [batches] * max_epochs
+    assert (result.step, result.epoch, trainer.max_steps) == (steps, max_epochs, steps)
+    updates = sum(1 for e in trainer.trace if e.trigger == "update")
+    assert updates == steps
+
+
+def test_an_epochs_last_step_is_normalised_by_what_it_accumulated():
+    # 5 batches with accumulation 2: updates on (b0, b1), (b2, b3) and b4 alone, each on the mean
+    # loss of what it accumulated: the same as 3 updates on those batches joined.
+    batches = list(DataLoader(make_data(40), batch_size=8))
+    joined = [
+        tuple(torch.cat(parts) for parts in zip(*group, strict=True))
+        for group in (batches[0:2], batches[2:4], batches[4:5])
+    ]
+    accumulated = TinyTrainer(max_epochs=1, gradient_accumulation_steps=2, data=batches)
+    reference = TinyTrainer(max_epochs=1, data=joined)
+    accumulated.train(), reference.train()
+    for a, b in zip(accumulated.model.parameters(), reference.model.parameters(), strict=True):
+        torch.testing.assert_close(a, b)
+
+
+class SkipsLast(TinyTrainer):
+    """Returns loss=None for the last batch of every epoch (8 items a batch, 4 a epoch)."""
+
+    def forward(self, batch):
+        self.drawn = getattr(self, "drawn", 0) + 1
+        return (None, None) if self.drawn % 4 == 0 else super().forward(batch)
+
+
+def test_a_step_whose_epoch_runs_out_while_skipping_ends_on_what_it_has():
+    # Accumulation 4 over 4 batches whose last returns None: each epoch's step has 3 microsteps,
+    # normalised by 3, and the next epoch is never touched by it.
+    data = epoch_of(4)
+    trainer = SkipsLast(max_epochs=2, gradient_accumulation_steps=4, data=data)
+    result = trainer.train()
+    assert data.epochs == [4, 4] and result.step == 2
+    first_three = torch.utils.data.Subset(make_data(32), range(24))
+    reference = TinyTrainer(max_epochs=2, data=DataLoader(first_three, batch_size=24))
+    reference.train()
+    for a, b in zip(trainer.model.parameters(), reference.model.parameters(), strict=True):
+        torch.testing.assert_close(a, b)
+
+
+def test_an_empty_loader_under_max_epochs_is_a_clear_error():
+    hook = CaptureHook()
+    with pytest.raises(DataExhaustedError, match=r"max_epochs=1, but the data loader .* has no batch"):
+        TinyTrainer(max_epochs=1, data=[], hooks=[hook]).train()
+    assert hook.calls == []  # refused while building
+
+
+def test_max_epochs_with_every_loss_none_ends_with_a_clear_error():
+    class AllNone(TinyTrainer):
+        def forward(self, batch):
+            return None, None
+
+    data = epoch_of(4)
+    with pytest.raises(DataExhaustedError, match=r"AllNone.forward\(\) returned loss=None .*max_epochs=1"):
+        AllNone(max_epochs=1, data=data).train()
+    assert data.epochs == [4]  # nothing beyond the declared epoch was drawn

@@ -5,7 +5,7 @@ import itertools
 
 import pytest
 import torch
-from cli_process import call
+from cli_process import Cli, assert_one_clean_error
 from helper_hooks import CaptureHook
 from tiny_trainer import FlakyTrainer, TinyTrainer, make_data
 
@@ -78,7 +78,7 @@ def test_an_fp16_nan_storm_raises_when_retries_run_out_and_keeps_the_last_good_c
         max_steps=10, mixed_precision="fp16", max_non_finite_grad_retries=3, workspace=tmp_path,
         nan_at=set(range(8, 1000)), hooks=[CheckpointingHook(interval=1, keep_previous=1)],
     )
-    with pytest.raises(RuntimeError, match=r"non-finite gradients at step \d after 3 retries.*grad scaler's scale is now"):
+    with pytest.raises(RuntimeError, match=r"non-finite gradients at step \d after 3 retries.*loss scale is now"):
         trainer.train()
     last_applied = trainer.step - 1
     assert last_applied >= 2
@@ -87,19 +87,38 @@ def test_an_fp16_nan_storm_raises_when_retries_run_out_and_keeps_the_last_good_c
     assert stored == [last_applied - 1, last_applied]  # the storm wrote nothing, pruned nothing good
 
 
-def test_fp16_without_declared_retries_is_a_validation_error():
-    with pytest.raises(ValueError, match=r"mixed_precision\n  Value error, 'fp16' needs max_non_finite_grad_retries"):
-        TinyTrainer(max_steps=1, mixed_precision="fp16")
-    TinyTrainer(max_steps=1, mixed_precision="fp16", max_non_finite_grad_retries=0)  # declared: fine
+def test_fp16_as_the_seeds_declare_it_trains_with_refused_updates_as_retries():
+    # No max_non_finite_grad_retries: GradScaler's first scale (2**16) overflows on this model,
+    # and each refused update shows as stepping -> retrying while the scale comes down.
+    trainer = TinyTrainer(max_steps=3, mixed_precision="fp16", trace=True)
+    trainer.train()
+    assert trainer.step == 3 and trainer.grad_scaler.get_scale() < 2.0**16
+    assert trainer.trace.counts()[(State.STEPPING, State.RETRYING, "retry")] > 0
 
 
-def test_a_settings_file_with_fp16_and_no_retries_is_refused_naming_the_field(tmp_path, capsys, monkeypatch):
-    monkeypatch.chdir(tmp_path)
+def test_an_fp16_nan_storm_stops_at_the_loss_scale_floor(tmp_path):
+    # Every forward from the 8th on is NaN: the scale halves per refused update until it would
+    # fall below min_loss_scale; then a clear error, the last good checkpoint intact.
+    trainer = FlakyTrainer(
+        max_steps=10, mixed_precision="fp16", min_loss_scale=1.0, workspace=tmp_path,
+        nan_at=set(range(8, 1000)), hooks=[CheckpointingHook(interval=1)],
+    )
+    with pytest.raises(RuntimeError, match=r"loss scale fell to 0\.5, below min_loss_scale=1, so the gradients are non-finite at any scale"):
+        trainer.train()
+    assert trainer.grad_scaler.get_scale() == 0.5
+    assert latest_checkpoint(tmp_path / "checkpoints").name == str(trainer.step - 1)
+
+
+def test_fp16_from_a_settings_file_validates_and_a_bad_floor_is_refused_naming_it(tmp_path):
     (tmp_path / "run.yaml").write_text("max_steps: 5\nworkspace: ws\nmixed_precision: fp16\n")
-    code, out, err = call(capsys, "run", "run.yaml", "--trainer", "tiny_trainer:TinyTrainer")
-    assert code == 2 and out == ""
-    assert err.startswith("trainloop run: error: run.yaml: mixed_precision: 'fp16' needs max_non_finite_grad_retries")
-    assert len(err.splitlines()) == 1 and not (tmp_path / "ws").exists()
+    trainer = ["--trainer", "tiny_trainer:TinyTrainer"]
+    good = Cli("validate", "run.yaml", *trainer, cwd=tmp_path)
+    bad = Cli("run", "run.yaml", *trainer, "--set", "min_loss_scale=0", cwd=tmp_path)
+    assert good.result().returncode == 0, good.result().stderr
+    result = bad.result()
+    assert result.returncode == 2 and result.stdout == ""
+    assert_one_clean_error(result.stderr, "min_loss_scale", "greater than 0")
+    assert len(result.stderr.splitlines()) == 1 and not (tmp_path / "ws").exists()
 
 
 class SyncCounter:
@@ -126,8 +145,8 @@ class SyncCounter:
         ({"detect_non_finite_grads": False}, 0),
         ({"grad_clip": 1.0}, 1),  # the clipped norm answers the check
         ({"gradient_accumulation_steps": 3}, 1),
-        ({"mixed_precision": "fp16", "max_non_finite_grad_retries": 5}, 1),  # GradScaler's own
-        ({"mixed_precision": "fp16", "max_non_finite_grad_retries": 5, "detect_non_finite_grads": False}, 1),
+        ({"mixed_precision": "fp16"}, 1),  # GradScaler's own
+        ({"mixed_precision": "fp16", "detect_non_finite_grads": False}, 1),
     ],
 )
 def test_host_syncs_per_update(monkeypatch, settings, syncs):
@@ -147,5 +166,7 @@ def test_host_syncs_per_update(monkeypatch, settings, syncs):
     trainer = TinyTrainer(max_steps=10, hooks=[Mark()], data=itertools.cycle(batches), trace=True, **settings)
     trainer.train()
     updates = sum(1 for e in trainer.trace if e.trigger == "update" and e.step >= 2)  # retries included
+    refused = sum(1 for e in trainer.trace if e.trigger == "retry" and e.step >= 2)
     assert updates >= 9
-    assert (marks["end"] - marks["start"]) / updates == syncs
+    # A refused fp16 update also reads the loss scale, for its floor (min_loss_scale).
+    assert marks["end"] - marks["start"] == syncs * updates + refused

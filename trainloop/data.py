@@ -35,11 +35,13 @@ class EpochIterator:
         epoch: The epoch to start in (restored from a checkpoint).
         resumed: The loader was restored mid-run: its first epoch may be empty (it was saved
             right at the end of that epoch), and the next one then begins.
+        limit: The epochs the run declares (``max_epochs``): none beyond them is begun.
     """
 
-    def __init__(self, loader: Iterable[Any], epoch: int = 0, resumed: bool = False) -> None:
+    def __init__(self, loader: Iterable[Any], epoch: int = 0, resumed: bool = False, limit: int | None = None) -> None:
         self.loader = loader
         self.epoch = epoch
+        self.limit = limit
         self._one_shot = isinstance(loader, Iterator)
         self.batches_per_epoch = batches_per_epoch(loader)
         self._iterator = self._start_epoch()
@@ -65,6 +67,18 @@ class EpochIterator:
         drawn (known only for a loader with ``len()``; otherwise when the next epoch begins)."""
         length = self.batches_per_epoch
         return self.epoch + (length is not None and self._drawn_this_epoch >= length)
+
+    @property
+    def remaining(self) -> int | None:
+        """Batches left to draw in the current epoch (0: the next draw begins another), for a
+        loader with ``len()``; else ``None``."""
+        length = self.batches_per_epoch
+        return None if length is None else max(0, length - self._drawn_this_epoch)
+
+    @property
+    def in_last_epoch(self) -> bool:
+        """Whether the current epoch is the last that ``limit`` allows."""
+        return self.limit is not None and self.epoch + 1 >= self.limit
 
     @property
     def resume_epoch(self) -> int:
@@ -98,6 +112,11 @@ class EpochIterator:
             raise DataExhaustedError(
                 f"the data loader from build_data_loader() yielded no batch in epoch {self.epoch}"
             ) from None
+        if self.in_last_epoch:
+            raise DataExhaustedError(
+                f"the {self.limit} epoch(s) of max_epochs={self.limit} are all drawn; no batch "
+                "beyond them is drawn"
+            )
         self.epoch += 1
         self._may_be_empty = False
         self._iterator = self._start_epoch()

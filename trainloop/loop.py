@@ -13,7 +13,7 @@ from __future__ import annotations
 import contextlib
 from collections.abc import Callable, Iterator
 from time import perf_counter
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -51,6 +51,7 @@ class Loop:
         self.requests = RunRequests()
         self.retries = 0  # retries of the step in progress
         self.applied = True  # whether the last optimizer update was applied
+        self.loss_scale = 0.0  # fp16: GradScaler's scale after the last refused update
         self.runner: StepRunner | None = None
         self.step_start = 0.0
         self.machine = StateMachine(
@@ -85,13 +86,16 @@ class Loop:
         except BaseException as error:
             self.run_state.error = error
             machine.fail()
-            try:
-                for fn in self.run_state.dispatch["on_exception"]:
-                    fn(trainer, error)
-            finally:
-                self.exit()
+            # The error that ended the run is the one train() raises: a hook failing on the
+            # way out is logged and noted on it, never raised in its place.
+            self._absorb(call_each(self.run_state.dispatch["on_exception"], trainer, error))
+            self._absorb(self.exit())
             raise
-        self.exit()
+        errors = self.exit()
+        if errors:  # the first is raised; any later ones are logged
+            self.run_state.error = errors[0]
+            self._absorb(errors[1:])
+            raise errors[0]
 
     # -- the work of each state ----------------------------------------------------------------
 
@@ -139,14 +143,16 @@ class Loop:
             t.metrics.open(t.settings.workspace / METRICS_FILE, resumed_step=run.step)
         for fn in run.dispatch["on_before_train"]:
             fn(t)
-        run.data = EpochIterator(run.built["data_loader"], run.epoch, resumed=run.step > 0)
+        epochs = t.settings.max_epochs
+        run.data = EpochIterator(run.built["data_loader"], run.epoch, resumed=run.step > 0, limit=epochs)
         t.run_length.follow(run.data)
         if run.restored_rng is not None:
             # Only now: creating the data iterator draws from torch's generator (its base seed),
             # which the uninterrupted run did long before this step.
             set_rng_state(run.restored_rng)
             run.restored_rng = None
-        self.runner = StepRunner(self.step_plan(), run.data)
+        # With max_epochs, steps end with epochs: each declared batch is drawn once.
+        self.runner = StepRunner(self.step_plan(), run.data, epochs=run.data if epochs else None)
         self.requests.open()
         t.model.train()
         t.optimizer.zero_grad()
@@ -169,6 +175,8 @@ class Loop:
         loss, records, data_time = self.runner.microstep()  # type: ignore[union-attr]
         info = self.run_state.step_info
         info.data_time.append(data_time)
+        if loss is None:  # the epoch ran out while forward skipped batches: the step ends
+            return
         info.records.append(records)
         info.loss.append(loss.sum.detach() / loss.count if isinstance(loss, Loss) else loss.detach())
 
@@ -188,30 +196,46 @@ class Loop:
     def _raise_if_no_retries_left(self) -> None:
         t = self.trainer
         declared = t.settings.max_non_finite_grad_retries
-        if self.retries < (declared or 0):
+        if t.grad_scaler.is_enabled():
+            # fp16: GradScaler refuses updates while it finds its scale; a floor on the scale,
+            # not a count, tells that from gradients non-finite at any scale (fairseq, DeepSpeed).
+            # Reading the scale is one more host sync, on refused updates only.
+            self.loss_scale = scale = t.grad_scaler.get_scale()
+            floor = t.settings.min_loss_scale
+            if scale < floor:
+                raise RuntimeError(
+                    f"non-finite gradients at step {t.step} after {self.retries} retries: under fp16 "
+                    f"the loss scale fell to {scale:g}, below min_loss_scale={floor:g}, so the "
+                    "gradients are non-finite at any scale (a NaN or inf in the loss or the model?)"
+                )
+            if declared is None or self.retries < declared:
+                return
+        elif self.retries < (declared or 0):
             return
-        scale = (
-            f"; the grad scaler's scale is now {t.grad_scaler.get_scale():g} (raise "
-            "max_non_finite_grad_retries to let it settle lower)"
-            if t.grad_scaler.is_enabled() else ""
-        )
         if not declared:
             raise RuntimeError(
                 f"non-finite gradients at step {t.step}; max_non_finite_grad_retries is "
-                f"{declared}, so the step is not retried{scale}"
+                f"{declared}, so the step is not retried"
             )
+        note = f"; the loss scale is now {self.loss_scale:g}" if t.grad_scaler.is_enabled() else ""
         raise RuntimeError(
             f"non-finite gradients at step {t.step} after {self.retries} retries "
-            f"(max_non_finite_grad_retries={declared}){scale}"
+            f"(max_non_finite_grad_retries={declared}){note}"
         )
 
     def retry(self) -> None:
         t = self.trainer
         self.retries += 1
-        t.logger.warning(
-            "Non-finite gradients at step %d; retrying (%d/%d)",
-            t.step, self.retries, t.settings.max_non_finite_grad_retries,
-        )
+        if t.grad_scaler.is_enabled():  # expected at the start of fp16 runs: not a warning
+            t.logger.info(
+                "fp16 update refused at step %d (non-finite gradients); loss scale now %g; retrying (%d)",
+                t.step, self.loss_scale, self.retries,
+            )
+        else:
+            t.logger.warning(
+                "Non-finite gradients at step %d; retrying (%d/%d)",
+                t.step, self.retries, t.settings.max_non_finite_grad_retries,
+            )
         t.optimizer.zero_grad()
         info = self.run_state.step_info
         info.loss, info.records = [], []
@@ -221,19 +245,36 @@ class Loop:
         # The save itself is done by on_enter_checkpointing callbacks (CheckpointingHook).
         self.requests.checkpointed(self.run_state.step)
 
-    def exit(self) -> None:
+    def exit(self) -> list[BaseException]:
+        """Every hook's ``on_after_train`` (one that fails does not stop the others: each may
+        have something to give back, such as signal handlers), then close what the run opened.
+
+        Returns:
+            What the hooks raised, in hook order (the first is what a clean run raises).
+        """
         t, run = self.trainer, self.run_state
         if self.machine.trace is not None:
             self.machine.trace.close()
         try:
-            for fn in run.dispatch["on_after_train"]:
-                fn(t)
+            return call_each(run.dispatch["on_after_train"], t)
         finally:
             t.metrics.close()
             self.requests.close()
             if run.data is not None:
                 run.data.close()
                 run.epoch = run.data.epoch
+
+    def _absorb(self, errors: list[BaseException]) -> None:
+        """Log hooks' errors raised while the run ends by another error, and note them on it."""
+        ended_by = self.trainer.error
+        for error in errors:
+            if error is ended_by:  # a hook re-raising the run's own error adds nothing
+                continue
+            self.trainer.logger.error(
+                "A hook raised %r while the run was ending by %r", error, ended_by, exc_info=error
+            )
+            if ended_by is not None:
+                ended_by.add_note(f"While the run was ending, a hook raised {type(error).__name__}: {error}")
 
     # -- the edges' actions --------------------------------------------------------------------
 
@@ -265,6 +306,17 @@ class Loop:
 
     def checkpoint_due(self) -> bool:
         return self.requests.checkpoint_due(self.run_state.step, ending=self.should_exit)
+
+
+def call_each(fns: tuple[Callable[..., Any], ...], *args: Any) -> list[BaseException]:
+    """Call every one of ``fns`` with ``args``, even after one raises; return what they raised."""
+    errors = []
+    for fn in fns:
+        try:
+            fn(*args)
+        except BaseException as error:  # noqa: BLE001 - collected; the caller raises or logs them
+            errors.append(error)
+    return errors
 
 
 def trainer_step_plan(

@@ -9,7 +9,7 @@ from __future__ import annotations
 import math
 from typing import TYPE_CHECKING, Any
 
-from trainloop.data import batches_per_epoch
+from trainloop.data import DataExhaustedError, batches_per_epoch
 
 if TYPE_CHECKING:
     from trainloop.data import EpochIterator
@@ -28,8 +28,9 @@ class RunLength:
     Attributes:
         epochs_at_start: Full passes completed when this run began drawing (resumed ones).
         planned_steps: The steps the run is expected to take: ``max_steps``, or with
-            ``max_epochs`` ``ceil(max_epochs * len(loader) / gradient_accumulation_steps)`` when
-            that is less (an estimate when ``forward`` skips batches by returning ``loss=None``).
+            ``max_epochs`` ``max_epochs * ceil(len(loader) / gradient_accumulation_steps)`` when
+            that is less (an epoch's last step takes the batches that remain; an estimate when
+            ``forward`` skips batches by returning ``loss=None``).
             ``None`` until ``plan`` has seen the data loader, unless ``max_steps`` alone is set.
     """
 
@@ -47,6 +48,7 @@ class RunLength:
         Raises:
             ValueError: ``max_epochs`` is set and the loader has no ``len()`` (a one-shot
                 iterator, an ``IterableDataset`` without a length).
+            DataExhaustedError: ``max_epochs`` is set and the loader's length is 0.
         """
         if self.max_epochs is None:
             return
@@ -57,7 +59,12 @@ class RunLength:
                 f"build_data_loader() returned a {type(loader).__name__} without len(); "
                 "set max_steps instead"
             )
-        by_epochs = max(1, math.ceil(self.max_epochs * length / self._settings.gradient_accumulation_steps))
+        if length == 0:
+            raise DataExhaustedError(
+                f"max_epochs={self.max_epochs}, but the data loader from build_data_loader() has "
+                "no batch (len 0): there is nothing to train on"
+            )
+        by_epochs = self.max_epochs * math.ceil(length / self._settings.gradient_accumulation_steps)
         self.planned_steps = by_epochs if self.max_steps is None else min(self.max_steps, by_epochs)
 
     def follow(self, data: EpochIterator) -> None:

@@ -19,6 +19,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from trainloop.data import DataExhaustedError, EpochIterator
 from trainloop.distributed.sync import gradient_sync
 from trainloop.grads import NonFiniteGradCheck
 from trainloop.loss import Loss
@@ -139,11 +140,12 @@ class Microstep(NamedTuple):
     Attributes:
         loss: What ``forward`` returned as the loss (a scalar tensor or a ``Loss``), before any
             division or scaling; it still holds the graph's output, so detach it to keep it.
+            ``None`` when the step's epoch ran out while ``forward`` skipped batches.
         records: ``forward``'s records (``{}`` for ``None``).
         data_time: Seconds spent drawing batches (skipped ones included).
     """
 
-    loss: torch.Tensor | Loss
+    loss: torch.Tensor | Loss | None
     records: Mapping[str, Any]
     data_time: float
 
@@ -154,11 +156,14 @@ class StepRunner:
     Args:
         plan: What the step needs.
         data: The batches (an endless iterator, e.g. an ``EpochIterator``).
+        epochs: ``data`` itself, when steps end with epochs (``max_epochs``): an epoch's last
+            step takes the microsteps that remain in it, and no step crosses into another epoch.
     """
 
-    def __init__(self, plan: StepPlan, data: Iterator[Any]) -> None:
+    def __init__(self, plan: StepPlan, data: Iterator[Any], epochs: EpochIterator | None = None) -> None:
         self.plan = plan
         self.data = data
+        self.epochs = epochs
         self.distributed = is_distributed_model(plan.model)  # it also averages gradients over ranks
         self._device = next((p.device for p in plan.model.parameters()), torch.device("cpu"))
         # Built once, entered on every microstep but a step's last: DDP's no_sync(), FSDP2's
@@ -178,17 +183,27 @@ class StepRunner:
         self._step_through_scaler = getattr(plan.optimizer, "_step_supports_amp_scaling", False)
         self.items: torch.Tensor | int | None = None  # the step's Loss item count so far
         self.microsteps = 0  # microsteps done in the step in progress
+        self.target = plan.accumulation  # the microsteps the step in progress takes
+        self._divisor = plan.accumulation  # what its plain losses are divided by
         self.grad_norm: torch.Tensor | None = None  # the last update's (clipping only)
 
     def begin(self) -> None:
-        """Start a step (or its retry): no microstep done, no items counted."""
+        """Start a step (or its retry): no microstep done, no items counted; with ``epochs``,
+        as many microsteps as the epoch still has batches, up to the accumulation."""
         self.microsteps = 0
         self.items = None
+        if self.epochs is not None:
+            self.target = self._divisor = min(self.plan.accumulation, self._left_in_epoch())
+
+    def _left_in_epoch(self) -> int:
+        left = self.epochs.remaining  # type: ignore[union-attr]
+        return left or self.epochs.batches_per_epoch or 1  # type: ignore[union-attr]  # 0: a new epoch begins
 
     def microsteps_remain(self) -> bool:
         """Whether the step in progress needs another microstep (``plan.accumulation``, the one
-        place a run reads its accumulation from: the machine's edge and ``lr_find`` ask this)."""
-        return self.microsteps < self.plan.accumulation
+        place a run reads its accumulation from, or fewer for an epoch's last step under
+        ``max_epochs``: the machine's edge and ``lr_find`` ask this)."""
+        return self.microsteps < self.target
 
     def microstep(self) -> Microstep:
         """Draw batches until ``forward`` returns a loss, and backpropagate it.
@@ -197,8 +212,16 @@ class StepRunner:
         number of microsteps; a ``Loss`` is backpropagated as its sum and its count added up, for
         ``update`` to divide the gradients by. Gradients are synchronised across ranks only on
         the step's last microstep.
+
+        With ``epochs``, a step whose epoch runs out while ``forward`` skips batches ends with
+        the microsteps it has (this one then returns a ``None`` loss), or, having none, goes on
+        in the next epoch.
+
+        Raises:
+            DataExhaustedError: With ``epochs``, the last epoch ran out while the step had no
+                microstep (``forward`` returned ``loss=None`` for all its batches).
         """
-        if self._sync_off is not None and self.microsteps + 1 < self.plan.accumulation:
+        if self._sync_off is not None and self.microsteps + 1 < self.target:
             with self._sync_off:
                 return self._microstep()
         return self._microstep()
@@ -225,6 +248,16 @@ class StepRunner:
                     LossNoneWarning,
                     stacklevel=4,
                 )
+            if self.epochs is not None and self.epochs.remaining == 0:
+                if self.microsteps:  # the step ends with its epoch, on what it accumulated
+                    self.target = self.microsteps
+                    return Microstep(None, {}, data_time)
+                if self.epochs.in_last_epoch:
+                    raise DataExhaustedError(
+                        f"{plan.owner} returned loss=None for every batch of the last epoch's step "
+                        f"(max_epochs={self.epochs.limit}), so it has nothing to update with"
+                    )
+                self.target = self._divisor = min(plan.accumulation, self.epochs.batches_per_epoch or 1)
         backward = self._to_backpropagate(loss)
         if self._scaler is not None:
             backward = self._scaler.scale(backward)
@@ -243,7 +276,7 @@ class StepRunner:
         _check_scalar(loss, "loss", plan.owner)
         if self.items is not None:
             raise TypeError(f"{plan.owner} mixed plain losses and Loss(sum, count) in one step")
-        return loss / plan.accumulation if plan.accumulation > 1 else loss
+        return loss / self._divisor if self._divisor > 1 else loss
 
     def update(self) -> bool:
         """The optimizer update of the step whose microsteps are done.
@@ -263,6 +296,8 @@ class StepRunner:
             scaler.unscale_(optimizer)
         if self.items is not None:
             self._normalise_by_items()
+        elif self._divisor != self.target:  # an epoch ran out while forward skipped batches
+            self._rescale(self._divisor / self.target)
         if plan.before_optimizer_step is not None:
             plan.before_optimizer_step()
         if plan.grad_clip is not None:
@@ -294,6 +329,11 @@ class StepRunner:
         if plan.lr_scheduler is not None:
             plan.lr_scheduler.step()
         return True
+
+    def _rescale(self, factor: float) -> None:
+        grads = [p.grad for p in self.plan.model.parameters() if p.grad is not None]
+        torch._foreach_mul_(grads, factor)
+        self._divisor = self.target
 
     def _normalise_by_items(self) -> None:
         """Divide the step's summed gradients by its item count, over all ranks of a DDP/FSDP model."""

@@ -46,6 +46,9 @@ def training_state(trainer: TrainerView, run: RunState) -> dict[str, Any]:
             "step": run.step,
             "epoch": data.resume_epoch if data is not None else run.epoch,
             "optimizer": optimizer_state,
+            # Its class, for a resume to name a mismatch: torch would load another class's
+            # state silently and fail at the first step with a bare KeyError.
+            "optimizer_class": _class_name(trainer.optimizer),
             "lr_scheduler": trainer.lr_scheduler.state_dict() if trainer.lr_scheduler else None,
             "grad_scaler": trainer.grad_scaler.state_dict(),
             # What resumes the run exactly, per rank (each rank has its own).
@@ -65,6 +68,7 @@ def load_training_state(trainer: TrainerView, run: RunState, state_dict: dict[st
     from torch.distributed.checkpoint.state_dict import set_state_dict
 
     saved = state_dict["training_state"]
+    _check_optimizer_class(trainer, saved.get("optimizer_class"))
     run.step = saved["step"]
     run.epoch = saved.get("epoch", 0)
     trainer.logger.info("Resuming from step %d", run.step)
@@ -84,6 +88,25 @@ def load_training_state(trainer: TrainerView, run: RunState, state_dict: dict[st
     )
     for fn in run.dispatch["on_load_state_dict"]:
         fn(trainer, state_dict)
+
+
+def _class_name(obj: Any) -> str:
+    return f"{type(obj).__module__}.{type(obj).__qualname__}"
+
+
+def _check_optimizer_class(trainer: TrainerView, saved: str | None) -> None:
+    """Refuse optimizer state saved by another optimizer class (checkpoints that record it).
+
+    Raises:
+        ValueError: The classes differ; the message names both.
+    """
+    now = _class_name(trainer.optimizer)
+    if saved is not None and saved != now:
+        raise ValueError(
+            f"the checkpoint's optimizer state was saved by {saved}, and this run's optimizer is "
+            f"{now}: one cannot load the other's state; build the same optimizer to resume, or "
+            "start fresh (another workspace, or CheckpointingHook(load=None))"
+        )
 
 
 def _restore_per_rank(trainer: TrainerView, run: RunState, saved: dict[str, Any]) -> None:

@@ -110,3 +110,14 @@ def test_a_typo_in_mode_is_a_validation_error_naming_it(tmp_path):
     assert result.returncode == 2 and result.stdout == ""
     assert result.stderr == "trainloop validate: error: run.json: hooks[0].mode: Input should be 'min' or 'max' (got 'mn')\n"
     assert sorted(p.name for p in tmp_path.iterdir()) == ["run.json"]
+
+
+@pytest.mark.parametrize(("mode", "diverged"), [("min", float("-inf")), ("max", float("inf"))])
+def test_a_diverged_score_is_never_the_best(tmp_path, mode, diverged):
+    # Step 4 is the real best either way; step 6 logs what a diverged run logs, which the mode
+    # would otherwise rank first: it must neither be best nor push the real best out.
+    values = {2: 0.5, 4: 0.1 if mode == "min" else 0.9, 6: diverged, 8: 0.3 if mode == "min" else 0.7}
+    hook = CheckpointingHook(interval=2, keep_best=1, monitor="val/loss", mode=mode, keep_previous=0)
+    result = TinyTrainer(max_steps=8, hooks=[validation(values), hook], workspace=tmp_path).train()
+    assert result.best_checkpoint == hook.best_checkpoint == tmp_path / "checkpoints" / "4"
+    assert checkpoint_steps(tmp_path / "checkpoints") == [4, 8]

@@ -224,6 +224,40 @@ def test_load_none_ignores_existing_checkpoints_and_latest_with_none_starts_fres
     assert capture.events("on_before_train")[0][2] == 0
 
 
+def test_a_latest_link_into_another_runs_checkpoints_is_skipped_with_a_warning(tmp_path, caplog):
+    # Run "other" reached step 6; this run saved steps 1 and 2, then its latest was pointed at
+    # the other run's step 6 (a copied workspace, a hand-made link). Followed, it would resume
+    # the other run's weights at step 6 and, with keep_previous=0, prune its own 1 and 2.
+    run(tmp_path / "other", 6, CheckpointingHook(interval=3))
+    run(tmp_path / "mine", 2, CheckpointingHook(interval=1, keep_previous=1))
+    root = tmp_path / "mine" / "checkpoints"
+    (root / "latest").unlink()
+    (root / "latest").symlink_to(Path("..", "..", "other", "checkpoints", "6"))
+
+    capture = CaptureHook()
+    with caplog.at_level(logging.WARNING, logger="trainloop"):
+        run(tmp_path / "mine", 3, capture, CheckpointingHook(interval=1, keep_previous=0))
+    assert capture.events("on_before_train") == [("on_before_train", "restoring", 2)]  # its own newest
+    assert f"Ignoring {root / 'latest'}: it points to {tmp_path / 'other' / 'checkpoints' / '6'}" in caplog.text
+    assert checkpoint_steps(root) == [3]
+    assert (root / "latest").resolve() == root / "3"
+    assert checkpoint_steps(tmp_path / "other" / "checkpoints") == [6]  # the other run untouched
+
+
+def test_resuming_with_another_optimizer_class_names_both(tmp_path):
+    # SGD with momentum saved, AdamW built: torch loads the state and fails in AdamW's first
+    # step with a bare KeyError: 'step'. The resume itself must say what does not match.
+    class AdamWTrainer(TinyTrainer):
+        def build_optimizer(self):
+            return torch.optim.AdamW(self.model.parameters(), lr=1e-3)
+
+    run(tmp_path, 2, CheckpointingHook(interval=2), trainer_class=MomentumTrainer)
+    capture = CaptureHook()
+    with pytest.raises(ValueError, match=r"saved by torch\.optim\.sgd\.SGD, and this run's optimizer is torch\.optim\.adamw\.AdamW"):
+        run(tmp_path, 4, capture, CheckpointingHook(interval=2), trainer_class=AdamWTrainer)
+    assert capture.events("on_before_step") == []  # refused while restoring, before any step
+
+
 @pytest.mark.parametrize("file", ["training_state.pt", "extra_hook.pt"])
 def test_code_in_a_checkpoint_file_is_refused(tmp_path, file):
     run(tmp_path, 2, CheckpointingHook(interval=2))

@@ -80,12 +80,13 @@ def test_epochs_as_the_unit(tmp_path):
 
 
 def test_epochs_as_the_unit_with_accumulation(tmp_path):
-    # 8 batches an epoch, 3 microsteps a step: epochs end inside steps 3, 6 (batch 16 of 18), 8.
+    # 8 batches an epoch, 3 microsteps a step: each epoch's last step takes the 2 batches that
+    # remain, so epochs end with steps 3, 6 and 9.
     hooks = [CheckpointingHook(interval=1, unit="epochs", keep_previous=100)]
     trainer = TinyTrainer(max_epochs=3, gradient_accumulation_steps=3, hooks=hooks, workspace=tmp_path)
     result = trainer.train()
-    assert checkpoint_steps(tmp_path / "checkpoints") == [3, 6, 8]
-    assert (result.step, result.epoch) == (8, 3)
+    assert checkpoint_steps(tmp_path / "checkpoints") == [3, 6, 9]
+    assert (result.step, result.epoch) == (9, 3)
 
 
 def test_bad_n_is_an_error():

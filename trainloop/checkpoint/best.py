@@ -60,7 +60,7 @@ class BestCheckpoints:
         keep: How many of the best checkpoints are kept from pruning.
 
     Attributes:
-        scores: Score by checkpoint step (NaN scores are never best).
+        scores: Score by checkpoint step (non-finite scores, a diverged run's, are never best).
         observed: ``(step, value)`` of the metric's last logged value in this run, or ``None``.
     """
 
@@ -102,8 +102,12 @@ class BestCheckpoints:
         self.scores[step] = value
 
     def ranked(self) -> list[int]:
-        """Scored steps, best first (ties: the earlier step first); NaN scores left out."""
-        finite = [(v, s) for s, v in self.scores.items() if not math.isnan(v)]
+        """Scored steps, best first (ties: the earlier step first); non-finite scores left out.
+
+        A diverged run logs ``-inf`` or ``inf`` as readily as NaN: whichever way the mode
+        ranks it, it is no best checkpoint.
+        """
+        finite = [(v, s) for s, v in self.scores.items() if math.isfinite(v)]
         sign = 1.0 if self.mode == "min" else -1.0
         return [s for _, s in sorted(finite, key=lambda vs: (sign * vs[0], vs[1]))]
 

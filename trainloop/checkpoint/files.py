@@ -84,7 +84,7 @@ def latest_checkpoint(root: Path, verify: bool = True, logger: Logger | None = N
             candidate is returned unchecked.
         logger: Where the warnings go; ``logging.getLogger("trainloop")`` if omitted.
     """
-    candidates = checkpoint_candidates(root)
+    candidates = checkpoint_candidates(root, logger)
     if not verify:
         return candidates[0] if candidates else None
     for candidate in candidates:
@@ -99,13 +99,25 @@ def latest_checkpoint(root: Path, verify: bool = True, logger: Logger | None = N
     return None
 
 
-def checkpoint_candidates(root: Path) -> list[Path]:
+def checkpoint_candidates(root: Path, logger: Logger | None = None) -> list[Path]:
     """The checkpoints under ``root`` to try resuming from, best first, unverified: the one
-    ``root/latest`` points to, then the others from the highest step down."""
+    ``root/latest`` points to, then the others from the highest step down.
+
+    A ``latest`` that resolves outside ``root`` (a link into another run's checkpoints) is
+    skipped with a warning: following it would resume another run's weights and step, and
+    pruning would then measure this run's checkpoints against that step.
+    """
     candidates: list[Path] = []
     link = root / LATEST
     if link.is_dir():
-        candidates.append(link.resolve())
+        target = link.resolve()
+        if target.parent == root.resolve():
+            candidates.append(target)
+        else:
+            (logger or logging.getLogger("trainloop")).warning(
+                "Ignoring %s: it points to %s, outside this run's checkpoints %s; resuming from "
+                "this run's own newest checkpoint instead", link, target, root,
+            )
     for step in reversed(checkpoint_steps(root)):
         path = root / str(step)
         if not candidates or path.resolve() != candidates[0]:

@@ -280,7 +280,7 @@ class CheckpointingHook(BaseHook):
                     candidates = [found]
                 else:  # "latest"
                     clean_leftovers(root, trainer.logger)
-                    candidates = checkpoint_candidates(root)
+                    candidates = checkpoint_candidates(root, trainer.logger)
             except OSError as failure:
                 error = failure
         error = broadcast_from_rank_zero(error)

@@ -279,6 +279,7 @@ class _Sweep:
         total: torch.Tensor | None = None
         while runner.microsteps_remain():  # the machine's accumulating edge asks the same
             loss = runner.microstep().loss
+            assert loss is not None  # None only when steps end with epochs, which lr_find's do not
             value = loss.sum.detach() if isinstance(loss, Loss) else loss.detach() / self.plan.accumulation
             total = value if total is None else total + value
         assert total is not None

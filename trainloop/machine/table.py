@@ -30,8 +30,9 @@ class State(str, Enum):
     """The optimizer update of a step: unscale, ``Loss`` normalisation, clipping, the
     non-finite check, optimizer and scheduler step, ``on_after_step``."""
     RETRYING = "retrying"
-    """The update found non-finite gradients (fp16's skipped updates included): zero them,
-    reset the step's records, count the retry."""
+    """The update found non-finite gradients (fp16's skipped updates included) and another try
+    is allowed (retries left; under fp16, a loss scale not below ``min_loss_scale``): zero
+    them, reset the step's records, count the retry."""
     CHECKPOINTING = "checkpointing"
     """A save is due; hooks write it."""
     EXITING = "exiting"

@@ -19,7 +19,6 @@ from pydantic import (
     Field,
     ModelWrapValidatorHandler,
     ValidationError,
-    ValidationInfo,
     field_validator,
     model_validator,
 )
@@ -56,15 +55,22 @@ class TrainerSettings(BaseModel):
     max_steps: PositiveInt | None = None
     """Number of optimizer steps to run (with ``max_epochs``: whichever limit comes first)."""
     max_epochs: PositiveInt | None = None
-    """Number of passes over the data to run: the run ends with the step in which the last
-    epoch's last batch is drawn (needs a data loader with ``len()``). At least one of
-    ``max_steps`` and ``max_epochs`` is required."""
+    """Number of passes over the data to run: each batch of each epoch is drawn once, an
+    epoch's last step taking the batches that remain (its loss divided by their number), and
+    the run ends with the last epoch's last step (needs a data loader with ``len()``). At least
+    one of ``max_steps`` and ``max_epochs`` is required."""
     grad_clip: PositiveFloat | None = None
     """Max gradient norm (L2); gradients are clipped before the optimizer step."""
     max_non_finite_grad_retries: NonNegativeInt | None = None
     """How often a step whose gradients are non-finite is redone (on fresh batches, the step
     not counted) before giving up with ``RuntimeError``; ``None`` or ``0``: raise at once.
-    Under fp16 every update GradScaler would skip is such a retry, so fp16 requires it set."""
+    Under fp16 GradScaler's refused updates are bounded by ``min_loss_scale`` instead (and
+    by this too, when it is declared)."""
+    min_loss_scale: PositiveFloat = 1e-4
+    """fp16: the lowest loss scale GradScaler may reach. Each update it refuses (inf/NaN
+    gradients; its first ones, by design, while it finds its scale) halves the scale and
+    redoes the step; once the scale would fall below this, the run stops with
+    ``RuntimeError``: the gradients are non-finite at any scale (fairseq's default)."""
     detect_non_finite_grads: StrictBool = True
     """Check gradients for inf/NaN before each optimizer step (one host sync per step). Off: a
     sync-free hot loop, and the optimizer steps on whatever the gradients hold."""
@@ -105,18 +111,6 @@ class TrainerSettings(BaseModel):
     def _none_means_one(cls, value: Any) -> Any:
         # The familiar API accepted ``gradient_accumulation_steps=None`` for "no accumulation".
         return 1 if value is None else value
-
-    @field_validator("mixed_precision")
-    @classmethod
-    def _fp16_declares_retries(cls, value: str | None, info: ValidationInfo) -> str | None:
-        # On this field, so the error names it; max_non_finite_grad_retries is validated before it.
-        if value == "fp16" and "max_non_finite_grad_retries" in info.data and info.data["max_non_finite_grad_retries"] is None:
-            raise ValueError(
-                "'fp16' needs max_non_finite_grad_retries: GradScaler lowers its scale by refusing "
-                "updates with inf gradients, and each refused update is a retry of the step; declare "
-                "how many a step may take (e.g. 10), or 0 to fail at the first"
-            )
-        return value
 
     @field_validator("device", mode="before")
     @classmethod
