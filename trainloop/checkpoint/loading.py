@@ -1,6 +1,7 @@
 """Loading one checkpoint file safely: ``torch.load(weights_only=True)``, and the error that says
 whether a file was corrupt or refused (objects whose unpickling could run code). Both formats
-(``trainloop.checkpoint.files``, ``trainloop.checkpoint.sharded``) read through it."""
+(``trainloop.checkpoint.files``, ``trainloop.checkpoint.sharded``) read through it; a full
+checkpoint's files are verified in the same read (:func:`load_verified`)."""
 
 from __future__ import annotations
 
@@ -10,8 +11,9 @@ from typing import Any
 import torch
 
 from trainloop.checkpoint.errors import CheckpointError
+from trainloop.checkpoint.hashing import BufferReader, FileDigest, read_verified
 
-__all__ = ["SHARDED_DIR", "load_file", "refused_or_corrupt"]
+__all__ = ["SHARDED_DIR", "load_file", "load_verified", "refused_or_corrupt"]
 
 SHARDED_DIR = "sharded"
 """The ``torch.distributed.checkpoint`` directory inside a sharded checkpoint."""
@@ -28,6 +30,21 @@ def load_file(path: Path) -> Any:
         return torch.load(path, map_location="cpu", weights_only=True)
     except Exception as error:
         raise refused_or_corrupt(str(path), error) from error
+
+
+def load_verified(path: Path, expected: FileDigest) -> Any:
+    """:func:`load_file`, but the file is read once, checked against its manifest entry while it
+    is read, and only then unpickled (see :func:`~trainloop.checkpoint.hashing.read_verified`).
+
+    Raises:
+        CheckpointError: As :func:`load_file`, or the file's size or SHA-256 is not its manifest's.
+    """
+    buffer = read_verified(path, expected)
+    with BufferReader(buffer) as reader:
+        try:
+            return torch.load(reader, map_location="cpu", weights_only=True)
+        except Exception as error:
+            raise refused_or_corrupt(str(path), error) from error
 
 
 def refused_or_corrupt(what: str, error: BaseException) -> CheckpointError:

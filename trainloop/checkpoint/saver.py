@@ -30,7 +30,7 @@ from trainloop.checkpoint.sharded import (
     REST_FILE,
     SHARDED_DIR,
     CheckpointException,
-    hash_own_shards,
+    own_shards,
     quiet_single_process,
     shard_writer,
     split_state,
@@ -207,7 +207,7 @@ class CheckpointSaver:
                 with quiet_single_process():
                     dcp.save(shards, storage_writer=writer, no_dist=not in_process_group())
 
-            return agree_on_error(self._finish_sharded(tmp, target, seen, write_shards, rest, metadata, published, None))
+            return agree_on_error(self._finish_sharded(tmp, target, seen, write_shards, writer, rest, metadata, published, None))
         if self._group is None and in_process_group():
             # The background's collectives get their own group: on the default one they could
             # interleave with the training loop's and deadlock.
@@ -222,7 +222,7 @@ class CheckpointSaver:
         group = self._group
 
         def finish() -> None:
-            error = self._finish_sharded(tmp, target, seen, future.result, staged_rest, metadata, published, group)
+            error = self._finish_sharded(tmp, target, seen, future.result, writer, staged_rest, metadata, published, group)
             if error is not None:
                 raise error
 
@@ -230,7 +230,7 @@ class CheckpointSaver:
         return None
 
     def _finish_sharded(self, tmp: Path, target: Path, seen: bool, write_shards: Callable[[], Any],
-                        rest: dict[str, Any], metadata: dict[str, Any], published: Callable[[Path], None],
+                        writer: Any, rest: dict[str, Any], metadata: dict[str, Any], published: Callable[[Path], None],
                         group: Any) -> BaseException | None:
         """After every rank wrote its shards: gather their digests, and rank 0 checks that it
         sees every rank's files, completes the checkpoint (the rest, metadata, manifest) and
@@ -238,7 +238,7 @@ class CheckpointSaver:
         local: tuple[dict[str, FileDigest], BaseException | None, bool]
         try:
             write_shards()
-            local = (hash_own_shards(tmp, rank()), None, seen)
+            local = (own_shards(writer), None, seen)
         except _WRITE_ERRORS as failure:
             local = ({}, as_save_failure(target, failure), seen)
         if not seen:

@@ -18,13 +18,12 @@ from typing import TYPE_CHECKING, Annotated, Any, Literal
 
 from pydantic import AfterValidator, Field, StrictInt, StrictStr, validate_call
 
-from trainloop.checkpoint.atomic import clean_leftovers, remove_directory
+from trainloop.checkpoint.atomic import clean_leftovers, remove_directory, wait_for_removals
 from trainloop.checkpoint.best import BestCheckpoints, Monitor, check_best
 from trainloop.checkpoint.errors import CheckpointError, CheckpointSaveError
 from trainloop.checkpoint.files import (
     LATEST,
     checkpoint_candidates,
-    checkpoint_format,
     checkpoint_steps,
     latest_checkpoint,
     read_checkpoint,
@@ -206,24 +205,26 @@ class CheckpointingHook(BaseHook):
             self._best.start(root)
         if self.load is None:
             return
-        directory = self._choose(trainer, root)
-        if directory is None:
+        chosen = self._choose(trainer, root)
+        if chosen is None:
             trainer.logger.info("No checkpoint in %s; starting from scratch", root)
             return
+        directory, state_dict = chosen
         trainer.logger.info("Loading checkpoint %s", directory)
-        if checkpoint_format(directory) == "full":
-            trainer.load_state_dict(read_checkpoint(directory, verify=False))  # verified by _choose
+        if state_dict is not None:  # a full checkpoint, read and verified by _choose
+            trainer.load_state_dict(state_dict)
             return
         from trainloop.checkpoint.sharded import load_sharded
 
         with _sharded_state_dict(trainer):
             trainer.load_state_dict(load_sharded(directory, trainer.state_dict()))
 
-    def _choose(self, trainer: BaseTrainer, root: Path) -> Path | None:
-        """The checkpoint to load: rank 0 lists the candidates, every rank hashes its share of
-        their files (see :mod:`trainloop.checkpoint.verify`); the same answer on every rank."""
+    def _choose(self, trainer: BaseTrainer, root: Path) -> tuple[Path, dict[str, Any] | None] | None:
+        """The checkpoint to load, and its state dict if full: rank 0 lists the candidates,
+        every rank verifies their files as it reads them (a sharded one: its share; see
+        :mod:`trainloop.checkpoint.verify`); the same answer on every rank."""
         from trainloop.checkpoint.saver import broadcast_from_rank_zero
-        from trainloop.checkpoint.verify import choose_checkpoint
+        from trainloop.checkpoint.verify import open_checkpoint
 
         candidates: list[Path] | None = None
         error: BaseException | None = None
@@ -244,7 +245,7 @@ class CheckpointingHook(BaseHook):
         error = broadcast_from_rank_zero(error)
         if error is not None:
             raise error
-        return choose_checkpoint(candidates, explicit=isinstance(self.load, Path), log=trainer.logger)
+        return open_checkpoint(candidates, explicit=isinstance(self.load, Path), log=trainer.logger)
 
     def on_before_train(self, trainer: BaseTrainer) -> None:
         """Ask for a save at the end of the run, and install the exit-signal handlers."""
@@ -342,7 +343,7 @@ class CheckpointingHook(BaseHook):
             if step in recent or step in best or self._is_kept(step):
                 continue
             try:
-                remove_directory(root / str(step))
+                remove_directory(root / str(step), background=True)  # off the training thread
             except OSError as error:
                 logger.warning("Could not remove old checkpoint %s: %s", root / str(step), error)
         if self._best is not None:
@@ -362,6 +363,7 @@ class CheckpointingHook(BaseHook):
             warnings.warn(f"{type(self).__name__}: {missing}", MonitorNotFoundWarning, stacklevel=2)
         try:
             self._settle_at_exit(trainer)
+            wait_for_removals()  # pruned checkpoints are gone when train() returns
         finally:
             self._signals.restore()
 
