@@ -171,14 +171,15 @@ def replace_symlink(link: Path, target: str) -> None:
     _fsync(link.parent)
 
 
-def remove_directory(path: Path, background: bool = False) -> None:
+def remove_directory(path: Path, background: Callable[[OSError], None] | None = None) -> None:
     """Delete a directory so that it disappears from its name at once, even if a crash interrupts.
 
     Args:
         path: The directory.
         background: Only move it aside here, and delete its contents on a helper thread
-            (pruning an old checkpoint need not hold up training); :func:`wait_for_removals`
-            waits for that, and :func:`clean_leftovers` does before it looks.
+            (pruning an old checkpoint need not hold up training), which calls this with the
+            error if that fails. :func:`wait_for_removals` waits for those deletions, and
+            :func:`clean_leftovers` does before it looks.
 
     Raises:
         OSError: It could not be moved aside, or (in the foreground) deleted; what remains
@@ -186,13 +187,20 @@ def remove_directory(path: Path, background: bool = False) -> None:
     """
     hidden = _hidden_name(path, "del")
     os.rename(path, hidden)
-    if not background:
+    if background is None:
         _remove(hidden)
         return
     global _remover
     if _remover is None:
-        _remover = ThreadPoolExecutor(max_workers=1, thread_name_prefix="checkpoint-prune")
-    _removals.append(_remover.submit(shutil.rmtree, hidden, ignore_errors=True))
+        _remover = ThreadPoolExecutor(max_workers=1, thread_name_prefix="trainloop-prune")
+    _removals.append(_remover.submit(_remove_reporting, hidden, background))
+
+
+def _remove_reporting(path: Path, report: Callable[[OSError], None]) -> None:
+    try:
+        _remove(path)
+    except OSError as error:
+        report(error)
 
 
 _remover: ThreadPoolExecutor | None = None
@@ -200,9 +208,14 @@ _removals: list[Future[None]] = []
 
 
 def wait_for_removals() -> None:
-    """Wait until the directories :func:`remove_directory` deletes in the background are gone."""
+    """Wait until the directories :func:`remove_directory` deletes in the background are gone
+    (and let its helper thread end)."""
+    global _remover
     while _removals:
-        _removals.pop(0).result()  # rmtree(ignore_errors=True): what stays, clean_leftovers retries
+        _removals.pop(0).result()
+    if _remover is not None:
+        _remover.shutdown()
+        _remover = None
 
 
 def clean_leftovers(parent: Path, logger: Logger) -> None:

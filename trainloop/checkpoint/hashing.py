@@ -32,15 +32,7 @@ _PARALLEL_MIN = 1 << 20
 #: Reads go in chunks of this size, so hashing one overlaps reading the next.
 _READ_CHUNK = 16 << 20
 
-_pools: dict[str, ThreadPoolExecutor] = {}
-
-
-def _pool(name: str) -> ThreadPoolExecutor:
-    """A one-thread executor, made on first use (a run that never saves starts no thread)."""
-    pool = _pools.get(name)
-    if pool is None:
-        pool = _pools[name] = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"checkpoint-{name}")
-    return pool
+_HELPERS = "trainloop-hash"  # the helper threads' name (a save's own thread is "checkpoint-<step>")
 
 
 @dataclass(frozen=True)
@@ -66,6 +58,7 @@ class HashingWriter(io.RawIOBase):
         self._hash = hashlib.sha256()
         self._size = 0
         self._syncing: Future[None] | None = None
+        self._helpers: ThreadPoolExecutor | None = None  # made at the first large write
         self.error: OSError | None = None
 
     def writable(self) -> bool:
@@ -77,7 +70,9 @@ class HashingWriter(io.RawIOBase):
             self._hash.update(view)
             self._write(view)
         else:
-            hashing = _pool("hash").submit(self._hash.update, view)
+            if self._helpers is None:
+                self._helpers = ThreadPoolExecutor(max_workers=2, thread_name_prefix=_HELPERS)
+            hashing = self._helpers.submit(self._hash.update, view)
             try:
                 self._write(view)
             finally:
@@ -98,7 +93,8 @@ class HashingWriter(io.RawIOBase):
         if self._syncing is None or self._syncing.done():
             self._check_sync()
             self._file.flush()
-            self._syncing = _pool("sync").submit(os.fdatasync, self._file.fileno())
+            assert self._helpers is not None
+            self._syncing = self._helpers.submit(os.fdatasync, self._file.fileno())
 
     def _check_sync(self) -> None:
         syncing, self._syncing = self._syncing, None
@@ -119,10 +115,13 @@ class HashingWriter(io.RawIOBase):
         self._file.flush()
 
     def close(self) -> None:
-        """Wait for the background push (its error, e.g. disk full, raises here)."""
+        """Wait for the background push (its error, e.g. disk full, raises here); end the helpers."""
         try:
             self._check_sync()
         finally:
+            if self._helpers is not None:
+                self._helpers.shutdown()
+                self._helpers = None
             super().close()
 
     def digest(self) -> FileDigest:
@@ -141,7 +140,7 @@ def read_verified(path: Path, expected: FileDigest) -> bytearray:
     buffer = bytearray(expected.size)
     view = memoryview(buffer)
     try:
-        with open(path, "rb", buffering=0) as file:
+        with open(path, "rb", buffering=0) as file, ThreadPoolExecutor(1, thread_name_prefix=_HELPERS) as helper:
             hashing: Future[None] | None = None
             done = 0
             while done < expected.size:
@@ -152,7 +151,7 @@ def read_verified(path: Path, expected: FileDigest) -> bytearray:
                     hashing.result()  # in order: a chunk is hashed after the one before it
                 chunk = view[done : done + got]
                 if got >= _PARALLEL_MIN:
-                    hashing = _pool("hash").submit(digest.update, chunk)
+                    hashing = helper.submit(digest.update, chunk)
                 else:
                     hashing = None
                     digest.update(chunk)

@@ -13,10 +13,16 @@ import torch
 from trainloop.checkpoint.errors import CheckpointError
 from trainloop.checkpoint.hashing import BufferReader, FileDigest, read_verified
 
-__all__ = ["SHARDED_DIR", "load_file", "load_verified", "refused_or_corrupt"]
+__all__ = ["SHARDED_DIR", "UnloadableError", "load_file", "load_verified", "refused_or_corrupt"]
 
 SHARDED_DIR = "sharded"
 """The ``torch.distributed.checkpoint`` directory inside a sharded checkpoint."""
+
+
+class UnloadableError(CheckpointError):
+    """A file that matches its manifest but cannot be loaded (refused as unsafe, or unreadable
+    by torch): the manifest vouches that it is what was saved, so it is an error to report,
+    not a damaged checkpoint to skip."""
 
 
 def load_file(path: Path) -> Any:
@@ -37,14 +43,15 @@ def load_verified(path: Path, expected: FileDigest) -> Any:
     is read, and only then unpickled (see :func:`~trainloop.checkpoint.hashing.read_verified`).
 
     Raises:
-        CheckpointError: As :func:`load_file`, or the file's size or SHA-256 is not its manifest's.
+        CheckpointError: The file's size or SHA-256 is not its manifest's.
+        UnloadableError: It is, but torch cannot load it or refused what it holds.
     """
     buffer = read_verified(path, expected)
     with BufferReader(buffer) as reader:
         try:
             return torch.load(reader, map_location="cpu", weights_only=True)
         except Exception as error:
-            raise refused_or_corrupt(str(path), error) from error
+            raise UnloadableError(str(refused_or_corrupt(str(path), error))) from error
 
 
 def refused_or_corrupt(what: str, error: BaseException) -> CheckpointError:

@@ -27,7 +27,7 @@ from typing import Any
 
 from trainloop.checkpoint.errors import CheckpointError
 from trainloop.checkpoint.files import read_full
-from trainloop.checkpoint.loading import SHARDED_DIR
+from trainloop.checkpoint.loading import SHARDED_DIR, UnloadableError
 from trainloop.checkpoint.manifest import FileDigest, check_hashes, check_listing
 from trainloop.checkpoint.saver import agree_on_error, broadcast_from_rank_zero
 from trainloop.distributed.ranks import rank, world_size
@@ -98,7 +98,9 @@ def open_checkpoint(
         if no candidate is intact.
 
     Raises:
-        CheckpointError: As :func:`choose_checkpoint`.
+        CheckpointError: As :func:`choose_checkpoint`; or a file matches the manifest but
+            cannot be loaded or is refused (an :class:`~trainloop.checkpoint.loading.UnloadableError`,
+            raised, not skipped: the manifest vouches that it is what was saved).
     """
     return _choose(candidates, explicit, log, read=True)
 
@@ -134,8 +136,8 @@ def _choose(
         if error is None:
             return candidate, state
         del state  # a rank that read it fine lets it go: another rank found it bad
-        if explicit:
-            raise error
+        if explicit or isinstance(error, UnloadableError):
+            raise error  # a file the manifest vouches for but torch refuses: not to be skipped
         if this_rank == 0:
             log.warning("Skipping checkpoint %s, which is incomplete or corrupt: %s", candidate, error)
     return None

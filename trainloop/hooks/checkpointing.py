@@ -342,10 +342,15 @@ class CheckpointingHook(BaseHook):
         for step in earlier:
             if step in recent or step in best or self._is_kept(step):
                 continue
+            path = root / str(step)
+
+            def report(error: OSError, path: Path = path) -> None:
+                logger.warning("Could not remove old checkpoint %s: %s", path, error)
+
             try:
-                remove_directory(root / str(step), background=True)  # off the training thread
+                remove_directory(path, background=report)  # gone from its name now, deleted off the training thread
             except OSError as error:
-                logger.warning("Could not remove old checkpoint %s: %s", root / str(step), error)
+                report(error)
         if self._best is not None:
             self._best.write(root)  # after pruning: it lists the checkpoints still there
 
@@ -363,7 +368,8 @@ class CheckpointingHook(BaseHook):
             warnings.warn(f"{type(self).__name__}: {missing}", MonitorNotFoundWarning, stacklevel=2)
         try:
             self._settle_at_exit(trainer)
-            wait_for_removals()  # pruned checkpoints are gone when train() returns
+            if not self._signals.abandoned:
+                wait_for_removals()  # pruned checkpoints are gone when train() returns
         finally:
             self._signals.restore()
 
