@@ -322,7 +322,9 @@ class CheckpointingHook(BaseHook):
 
         saver = self._saver or CheckpointSaver(self.format, self.async_save, trainer.logger)
         self._saver = saver
-        error = saver.save(root, step, state_dict, metadata, lambda _: self._prune(root, step, trainer.logger))
+        error = saver.save(
+            root, step, state_dict, metadata, lambda _: self._prune(root, step, trainer.logger), trainer.optimizer
+        )
         self._report(trainer, error)
 
     def _report(self, trainer: BaseTrainer, error: BaseException | None) -> None:
