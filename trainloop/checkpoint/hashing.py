@@ -8,14 +8,16 @@ GIL on large buffers):
 - :class:`HashingWriter`: each large write is hashed on a helper thread while it is copied to
   the page cache, and the file's data is pushed to disk (``fdatasync``) on another, so the
   hash overlaps the disk's own time and the final fsync finds little left to do.
-- :func:`read_verified`: reads a file once into memory, hashing each chunk while the next is
-  read, and compares size and digest with the manifest's before anything is unpickled.
+- :func:`read_verified`: maps a file into memory and hashes it (which reads it, once, the
+  kernel reading ahead meanwhile), and compares size and digest with the manifest's before
+  anything is unpickled; ``torch.load`` then copies the tensors straight out of the mapping.
 """
 
 from __future__ import annotations
 
 import hashlib
 import io
+import mmap
 import os
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
@@ -29,8 +31,6 @@ __all__ = ["BufferReader", "FileDigest", "HashingWriter", "read_verified"]
 #: Writes and reads at least this large are hashed on the helper thread; smaller ones inline
 #: (handing them over would cost more than hashing them).
 _PARALLEL_MIN = 1 << 20
-#: Reads go in chunks of this size, so hashing one overlaps reading the next.
-_READ_CHUNK = 16 << 20
 
 _HELPERS = "trainloop-hash"  # the helper threads' name (a save's own thread is "checkpoint-<step>")
 
@@ -129,55 +129,43 @@ class HashingWriter(io.RawIOBase):
         return FileDigest(self._size, self._hash.hexdigest())
 
 
-def read_verified(path: Path, expected: FileDigest) -> bytearray:
-    """The contents of ``path``, read once and checked against its manifest entry.
+def read_verified(path: Path, expected: FileDigest) -> mmap.mmap | bytes:
+    """The contents of ``path``, mapped into memory, read once and checked against its manifest
+    entry (hashing the mapping reads the file; the kernel reads ahead while it hashes). Load
+    from it with :class:`BufferReader`, then close it.
 
     Raises:
         CheckpointError: The file is missing, or its size or SHA-256 differs (the message
             names it).
     """
-    digest = hashlib.sha256()
-    buffer = bytearray(expected.size)
-    view = memoryview(buffer)
     try:
-        with open(path, "rb", buffering=0) as file, ThreadPoolExecutor(1, thread_name_prefix=_HELPERS) as helper:
-            hashing: Future[None] | None = None
-            done = 0
-            while done < expected.size:
-                got = file.readinto(view[done : done + _READ_CHUNK])
-                if not got:
-                    break
-                if hashing is not None:
-                    hashing.result()  # in order: a chunk is hashed after the one before it
-                chunk = view[done : done + got]
-                if got >= _PARALLEL_MIN:
-                    hashing = helper.submit(digest.update, chunk)
-                else:
-                    hashing = None
-                    digest.update(chunk)
-                done += got
-            if hashing is not None:
-                hashing.result()
-            longer = file.read(1)
+        with open(path, "rb", buffering=0) as file:
+            size = os.fstat(file.fileno()).st_size
+            if size != expected.size:
+                raise CheckpointError(
+                    f"{path}: cannot load: truncated or altered ({size} bytes; its manifest says {expected.size})"
+                )
+            if size == 0:
+                contents: mmap.mmap | bytes = b""
+            else:
+                contents = mmap.mmap(file.fileno(), 0, access=mmap.ACCESS_READ)
+                contents.madvise(mmap.MADV_WILLNEED)  # read the whole file ahead, asynchronously
     except FileNotFoundError:
         raise CheckpointError(
             f"{path.parent} is not a complete checkpoint: missing {path.name} (listed in its manifest)"
         ) from None
-    if done != expected.size or longer:
-        size = path.stat().st_size
-        raise CheckpointError(
-            f"{path}: cannot load: truncated or altered ({size} bytes; its manifest says {expected.size})"
-        )
-    if digest.hexdigest() != expected.sha256:
+    if hashlib.sha256(contents).hexdigest() != expected.sha256:
+        if isinstance(contents, mmap.mmap):
+            contents.close()
         raise CheckpointError(f"{path}: cannot load: corrupt (its SHA-256 differs from its manifest's)")
-    return buffer
+    return contents
 
 
 class BufferReader(io.RawIOBase):
-    """A read-only, seekable file over a buffer, without copying it (``io.BytesIO`` copies a
-    ``bytearray``), for ``torch.load``."""
+    """A read-only, seekable file over a buffer (a mapped file), without copying it, for
+    ``torch.load``."""
 
-    def __init__(self, buffer: bytearray) -> None:
+    def __init__(self, buffer: mmap.mmap | bytes | bytearray) -> None:
         super().__init__()
         self._view = memoryview(buffer)
         self._pos = 0

@@ -5,6 +5,7 @@ checkpoint's files are verified in the same read (:func:`load_verified`)."""
 
 from __future__ import annotations
 
+import mmap
 from pathlib import Path
 from typing import Any
 
@@ -46,12 +47,15 @@ def load_verified(path: Path, expected: FileDigest) -> Any:
         CheckpointError: The file's size or SHA-256 is not its manifest's.
         UnloadableError: It is, but torch cannot load it or refused what it holds.
     """
-    buffer = read_verified(path, expected)
-    with BufferReader(buffer) as reader:
-        try:
-            return torch.load(reader, map_location="cpu", weights_only=True)
-        except Exception as error:
-            raise UnloadableError(str(refused_or_corrupt(str(path), error))) from error
+    contents = read_verified(path, expected)
+    try:
+        with BufferReader(contents) as reader:
+            return torch.load(reader, map_location="cpu", weights_only=True)  # copies out of the mapping
+    except Exception as error:
+        raise UnloadableError(str(refused_or_corrupt(str(path), error))) from error
+    finally:
+        if isinstance(contents, mmap.mmap):
+            contents.close()
 
 
 def refused_or_corrupt(what: str, error: BaseException) -> CheckpointError:
