@@ -123,12 +123,12 @@ def _optimizer_state_by_index(trainer: BaseTrainer, saved: dict[str, Any]) -> di
     if len(saved_groups) != len(trainer.optimizer.param_groups):
         return None
     for group, saved_group in zip(trainer.optimizer.param_groups, saved_groups, strict=True):
-        fqns = [names.get(param) for param in group["params"]]
-        if None in fqns or fqns != list(saved_group["params"]):
+        named = [names.get(param) for param in group["params"]]
+        if None in named or named != list(saved_group["params"]):
             return None
-        groups.append({**saved_group, "params": list(range(index, index + len(fqns)))})
-        state.update({index + i: saved_state[fqn] for i, fqn in enumerate(fqns) if fqn in saved_state})
-        index += len(fqns)
+        groups.append({**saved_group, "params": list(range(index, index + len(named)))})
+        state.update({index + i: saved_state[fqn] for i, fqn in enumerate(named) if fqn in saved_state})
+        index += len(named)
     return {"state": state, "param_groups": groups}
 
 

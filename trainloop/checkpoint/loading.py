@@ -50,7 +50,7 @@ def load_verified(path: Path, expected: FileDigest) -> Any:
     contents = read_verified(path, expected)
     try:
         with BufferReader(contents) as reader:
-            return torch.load(reader, map_location="cpu", weights_only=True)  # copies out of the mapping
+            return torch.load(reader, map_location="cpu", weights_only=True)  # type: ignore[arg-type]  # copies out of the mapping
     except Exception as error:
         raise UnloadableError(str(refused_or_corrupt(str(path), error))) from error
     finally:

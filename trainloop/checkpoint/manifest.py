@@ -58,7 +58,7 @@ def save_torch(obj: Any, path: Path) -> FileDigest:
     with open(path, "wb") as file:
         hashing = HashingWriter(file)
         try:
-            torch.save(obj, hashing)
+            torch.save(obj, hashing)  # type: ignore[arg-type]  # a file object in all but name
             hashing.close()
         except RuntimeError:
             # torch's writer turns a failed write (disk full...) into a RuntimeError about
