@@ -124,10 +124,11 @@ class CheckpointingHook(BaseHook):
         format: ``"full"``: rank 0 writes whole tensors, one ``torch.save`` file per state
             entry. ``"sharded"``: every rank writes its shard of the model, optimizer and hook
             states with ``torch.distributed.checkpoint``.
-        async_save: Write in the background: the loop is blocked only while the state is copied
-            to CPU memory; ``latest`` and pruning follow once the write is complete. One save
-            is in flight at most: the next save, a load and the end of the run wait for it.
-            Costs a copy of the state in CPU memory (kept and reused between full saves).
+        async_save: Write in the background, from a copy of the state in CPU memory (in the
+            full format, parameters and optimizer state are copied in the background too, and
+            the next optimizer step waits for that copy); ``latest`` and pruning follow once
+            the write is complete. One save is in flight at most: the next save, a load and
+            the end of the run wait for it. The copy is held only while a save is in flight.
         on_save_error: When the system refuses a write (disk full, permission denied...),
             nothing partial is left and earlier checkpoints are intact; then ``"raise"`` a
             :class:`CheckpointSaveError` naming the checkpoint and the error, or ``"warn"``
