@@ -186,10 +186,10 @@ class CheckpointSaver:
 
                 def work() -> None:
                     try:
-                        self._stage.finish_copy()
-                    finally:
-                        copied.set()
-                    try:
+                        try:
+                            self._stage.finish_copy()
+                        finally:
+                            copied.set()
                         write(staged)
                     finally:
                         self._stage.release()  # no copy of the state is kept between saves
