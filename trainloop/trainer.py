@@ -232,7 +232,7 @@ class BaseTrainer:
         """Ask the run to end cleanly at the end of the current step.
 
         Under a process group the ranks agree first (see ``ExitAgreement``):
-        all of them stop after the same step, within about 0.5 s plus one step of the first request.
+        all of them stop after the same step, one step after the first request.
 
         Args:
             exit_code: If given, ``train()`` raises ``SystemExit(exit_code)`` once ``exiting``

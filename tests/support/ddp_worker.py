@@ -95,16 +95,12 @@ def ddp_loss_none(rank: int, world_size: int, port: int, out: str) -> None:
 class ExitOnRankOne(TinyTrainer):
     """Rank 1 alone asks to exit with code 143 after step 3 (as a signal on one node would)."""
 
-    request_step = 3
-
     def build_hooks(self):
         from trainloop import BaseHook
 
-        request_step = self.request_step
-
         class Request(BaseHook):
             def on_after_step(self, trainer):
-                if dist.get_rank() == 1 and trainer.step == request_step:
+                if dist.get_rank() == 1 and trainer.step == 3:
                     trainer.request_exit(143)
 
         return [Request()]
@@ -141,35 +137,3 @@ def ddp_token_loss(rank: int, world_size: int, port: int, out: str) -> None:
         torch.save([p.detach() for p in trainer.unwrapped_model.parameters()], os.path.join(out, f"rank{rank}.pt"))
     finally:
         destroy(barrier=sys.exc_info()[0] is None)  # wait for every rank: a clean gloo exit
-
-
-def collectives_per_step(rank: int, world_size: int, port: int, out: str) -> None:
-    """Count the collectives a plain model's run makes, and when each rank stopped."""
-    init(rank, world_size, port)
-    calls: list[str] = []
-    names = ("all_reduce", "broadcast", "all_gather", "all_gather_object", "broadcast_object_list", "barrier", "reduce")
-    originals = {name: getattr(dist, name) for name in names}
-
-    def counting(name):
-        def call(*args, **kwargs):
-            calls.append(name)
-            return originals[name](*args, **kwargs)
-
-        return call
-
-    try:
-        trainer = ExitOnRankOne(max_steps=400)
-        trainer.request_step = 300
-        for name in names:
-            setattr(dist, name, counting(name))
-        try:
-            trainer.train()
-            code = None
-        except SystemExit as exit_:
-            code = exit_.code
-        finally:
-            for name, original in originals.items():
-                setattr(dist, name, original)
-        torch.save({"step": trainer.step, "code": code, "calls": calls}, os.path.join(out, f"rank{rank}.pt"))
-    finally:
-        destroy(barrier=sys.exc_info()[0] is None)
