@@ -65,8 +65,6 @@ def training_state(trainer: TrainerView, run: RunState) -> dict[str, Any]:
 
 def load_training_state(trainer: TrainerView, run: RunState, state_dict: dict[str, Any]) -> None:
     """Restore into ``trainer`` and its run state what ``training_state`` returned."""
-    from torch.distributed.checkpoint.state_dict import set_state_dict
-
     saved = state_dict["training_state"]
     _check_optimizer_class(trainer, saved.get("optimizer_class"))
     run.step = saved["step"]
@@ -79,15 +77,66 @@ def load_training_state(trainer: TrainerView, run: RunState, state_dict: dict[st
     trainer.grad_scaler.load_state_dict(saved["grad_scaler"])
     _restore_per_rank(trainer, run, saved)
     _warn_on_changed_settings(trainer, saved.get("settings"))
-    set_state_dict(
-        trainer.model,
-        trainer.optimizer,
-        model_state_dict=state_dict["model"],
-        optim_state_dict=saved["optimizer"],
-        options=trainer.state_dict_options,
-    )
+    _load_model_and_optimizer(trainer, state_dict["model"], saved["optimizer"])
     for fn in run.dispatch["on_load_state_dict"]:
         fn(trainer, state_dict)
+
+
+def _load_model_and_optimizer(trainer: TrainerView, model_state: dict[str, Any], optimizer_state: dict[str, Any]) -> None:
+    """Load the model's and the optimizer's states (saved by ``get_state_dict``: keyed by names).
+
+    A plain or DDP model's optimizer state is renumbered by parameter and loaded directly:
+    torch's ``set_state_dict`` would first run a dummy optimizer step to create the state it
+    then overwrites (0.7 s at 42M parameters with AdamW). Sharded models keep torch's path.
+    """
+    from torch.distributed.checkpoint.state_dict import set_model_state_dict, set_state_dict
+
+    by_index = _optimizer_state_by_index(trainer, optimizer_state)
+    if by_index is None:
+        set_state_dict(
+            trainer.model,
+            trainer.optimizer,
+            model_state_dict=model_state,
+            optim_state_dict=optimizer_state,
+            options=trainer.state_dict_options,
+        )
+        return
+    set_model_state_dict(trainer.model, model_state, options=trainer.state_dict_options)
+    trainer.optimizer.load_state_dict(by_index)
+
+
+def _optimizer_state_by_index(trainer: TrainerView, saved: dict[str, Any]) -> dict[str, Any] | None:
+    """``saved`` (parameters named as ``get_state_dict`` names them) in ``Optimizer.state_dict``'s
+    own numbering, or ``None`` where torch's ``set_state_dict`` must do it: a sharded model
+    (FSDP, DTensor parameters), flattened options, or a layout that does not match."""
+    from torch.distributed.checkpoint.state_dict import _get_fqns
+    from torch.distributed.tensor import DTensor
+
+    options = trainer.state_dict_options
+    if options is not None and (options.flatten_optimizer_state_dict or not options.strict):
+        return None
+    if any(isinstance(p, DTensor) for p in trainer.model.parameters()) or any(
+        type(m).__name__ == "FullyShardedDataParallel" for m in trainer.model.modules()
+    ):
+        return None
+    names: dict[Any, str] = {}
+    for key, param in trainer.model.named_parameters():
+        fqns = _get_fqns(trainer.model, key)
+        if len(fqns) != 1:
+            return None
+        names[param] = next(iter(fqns))
+    groups, state, index = [], {}, 0
+    saved_groups, saved_state = saved.get("param_groups", []), saved.get("state", {})
+    if len(saved_groups) != len(trainer.optimizer.param_groups):
+        return None
+    for group, saved_group in zip(trainer.optimizer.param_groups, saved_groups, strict=True):
+        named = [names.get(param) for param in group["params"]]
+        if None in named or named != list(saved_group["params"]):
+            return None
+        groups.append({**saved_group, "params": list(range(index, index + len(named)))})
+        state.update({index + i: saved_state[fqn] for i, fqn in enumerate(named) if fqn in saved_state})
+        index += len(named)
+    return {"state": state, "param_groups": groups}
 
 
 def _class_name(obj: Any) -> str:

@@ -18,6 +18,7 @@ import re
 import secrets
 import shutil
 from collections.abc import Callable, Iterator
+from concurrent.futures import Future, ThreadPoolExecutor
 from contextlib import contextmanager
 from logging import Logger
 from pathlib import Path
@@ -30,6 +31,7 @@ __all__ = [
     "publish",
     "remove_directory",
     "replace_symlink",
+    "wait_for_removals",
 ]
 
 _HIDDEN = re.compile(r"\.(?P<name>.+)\.(?P<kind>tmp|old|del)-[0-9a-f]+")
@@ -169,16 +171,51 @@ def replace_symlink(link: Path, target: str) -> None:
     _fsync(link.parent)
 
 
-def remove_directory(path: Path) -> None:
+def remove_directory(path: Path, background: Callable[[OSError], None] | None = None) -> None:
     """Delete a directory so that it disappears from its name at once, even if a crash interrupts.
 
+    Args:
+        path: The directory.
+        background: Only move it aside here, and delete its contents on a helper thread
+            (pruning an old checkpoint need not hold up training), which calls this with the
+            error if that fails. :func:`wait_for_removals` waits for those deletions, and
+            :func:`clean_leftovers` does before it looks.
+
     Raises:
-        OSError: It could not be moved aside or deleted (what remains hidden is retried by
-            :func:`clean_leftovers`).
+        OSError: It could not be moved aside, or (in the foreground) deleted; what remains
+            hidden is retried by :func:`clean_leftovers`.
     """
     hidden = _hidden_name(path, "del")
     os.rename(path, hidden)
-    _remove(hidden)
+    if background is None:
+        _remove(hidden)
+        return
+    global _remover
+    if _remover is None:
+        _remover = ThreadPoolExecutor(max_workers=1, thread_name_prefix="trainloop-prune")
+    _removals.append(_remover.submit(_remove_reporting, hidden, background))
+
+
+def _remove_reporting(path: Path, report: Callable[[OSError], None]) -> None:
+    try:
+        _remove(path)
+    except OSError as error:
+        report(error)
+
+
+_remover: ThreadPoolExecutor | None = None
+_removals: list[Future[None]] = []
+
+
+def wait_for_removals() -> None:
+    """Wait until the directories :func:`remove_directory` deletes in the background are gone
+    (and let its helper thread end)."""
+    global _remover
+    while _removals:
+        _removals.pop(0).result()
+    if _remover is not None:
+        _remover.shutdown()
+        _remover = None
 
 
 def clean_leftovers(parent: Path, logger: Logger) -> None:
@@ -190,6 +227,7 @@ def clean_leftovers(parent: Path, logger: Logger) -> None:
         parent: The directory holding the atomically written entries.
         logger: Where failures and restorations are reported.
     """
+    wait_for_removals()  # a deletion still under way is not a leftover
     if not parent.is_dir():
         return
     for entry in parent.iterdir():

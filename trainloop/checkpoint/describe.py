@@ -15,7 +15,7 @@ import torch
 
 from trainloop.checkpoint.errors import CheckpointError
 from trainloop.checkpoint.files import checkpoint_format, read_checkpoint
-from trainloop.checkpoint.manifest import read_metadata, verify_checkpoint
+from trainloop.checkpoint.manifest import read_manifest, read_metadata
 from trainloop.settings.optimizer import OPTIMIZERS
 
 __all__ = ["describe_checkpoint", "format_checkpoint", "jsonable"]
@@ -83,8 +83,8 @@ def describe_checkpoint(directory: Path) -> dict[str, Any]:
             message names the file.
         CheckpointError: The files do not load, or load but are not a trainloop checkpoint.
     """
-    manifest = verify_checkpoint(directory)
-    state = read_checkpoint(directory, verify=False)
+    manifest = read_manifest(directory)
+    state = read_checkpoint(directory)  # verified as it is read: each file read once
     try:
         metadata: dict[str, Any] | None = read_metadata(directory)
     except CheckpointError:  # optional: the state itself says the step

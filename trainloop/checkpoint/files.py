@@ -24,8 +24,18 @@ from typing import Any
 from trainloop._moved import moved_names
 from trainloop.checkpoint.atomic import atomic_directory, replace_symlink
 from trainloop.checkpoint.errors import CheckpointError, CheckpointSaveError
-from trainloop.checkpoint.loading import SHARDED_DIR, load_file
-from trainloop.checkpoint.manifest import METADATA, FileDigest, make_metadata, save_torch, verify_checkpoint, write_json, write_manifest
+from trainloop.checkpoint.loading import SHARDED_DIR, load_file, load_verified
+from trainloop.checkpoint.manifest import (
+    METADATA,
+    FileDigest,
+    check_hashes,
+    check_listing,
+    make_metadata,
+    save_torch,
+    verify_checkpoint,
+    write_json,
+    write_manifest,
+)
 
 __all__ = [
     "LATEST",
@@ -36,6 +46,7 @@ __all__ = [
     "latest_checkpoint",
     "point_latest",
     "read_checkpoint",
+    "read_full",
     "save_error",
     "write_checkpoint",
 ]
@@ -209,24 +220,37 @@ def read_checkpoint(directory: Path, verify: bool = True) -> dict[str, Any]:
 
     Args:
         directory: The checkpoint directory.
-        verify: First check the files against the manifest (see
-            :func:`~trainloop.checkpoint.verify_checkpoint`).
+        verify: Check the files against the manifest (see
+            :func:`~trainloop.checkpoint.verify_checkpoint`). A full checkpoint's files are
+            checked as they are read, each read once, and unpickled only once they passed.
 
     Raises:
         CheckpointError: The checkpoint is incomplete (no valid manifest, a missing file), a
             file is truncated, corrupt or holds other objects; the message names the file.
     """
     directory = Path(directory)
-    if verify:
-        verify_checkpoint(directory)
     if checkpoint_format(directory) == "sharded":
+        if verify:
+            verify_checkpoint(directory)
         from trainloop.checkpoint.sharded import read_sharded
 
         return read_sharded(directory)
+    listing = check_listing(directory) if verify else None
+    return read_full(directory, listing)
+
+
+def read_full(directory: Path, listing: dict[str, FileDigest] | None) -> dict[str, Any]:
+    """Read a full checkpoint whose listing (names and sizes) was checked, verifying each file
+    against ``listing`` as it is read (unverified when ``None``).
+
+    Raises:
+        CheckpointError: As :func:`read_checkpoint`.
+    """
     files = {path.stem: path for path in sorted(directory.glob("*.pt"))}
     missing = [f"{key}.pt" for key in _REQUIRED if key not in files]
     if missing:
         raise CheckpointError(f"{directory} is not a complete checkpoint: missing {', '.join(missing)}")
-    return {key: load_file(path) for key, path in files.items()}
-
-
+    if listing is None:
+        return {key: load_file(path) for key, path in files.items()}
+    check_hashes(directory, listing, [rel for rel in listing if not rel.endswith(".pt")])  # metadata: small
+    return {key: load_verified(path, listing[path.name]) for key, path in files.items()}

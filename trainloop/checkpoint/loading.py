@@ -1,20 +1,29 @@
 """Loading one checkpoint file safely: ``torch.load(weights_only=True)``, and the error that says
 whether a file was corrupt or refused (objects whose unpickling could run code). Both formats
-(``trainloop.checkpoint.files``, ``trainloop.checkpoint.sharded``) read through it."""
+(``trainloop.checkpoint.files``, ``trainloop.checkpoint.sharded``) read through it; a full
+checkpoint's files are verified in the same read (:func:`load_verified`)."""
 
 from __future__ import annotations
 
+import mmap
 from pathlib import Path
 from typing import Any
 
 import torch
 
 from trainloop.checkpoint.errors import CheckpointError
+from trainloop.checkpoint.hashing import BufferReader, FileDigest, read_verified
 
-__all__ = ["SHARDED_DIR", "load_file", "refused_or_corrupt"]
+__all__ = ["SHARDED_DIR", "UnloadableError", "load_file", "load_verified", "refused_or_corrupt"]
 
 SHARDED_DIR = "sharded"
 """The ``torch.distributed.checkpoint`` directory inside a sharded checkpoint."""
+
+
+class UnloadableError(CheckpointError):
+    """A file that matches its manifest but cannot be loaded (refused as unsafe, or unreadable
+    by torch): the manifest vouches that it is what was saved, so it is an error to report,
+    not a damaged checkpoint to skip."""
 
 
 def load_file(path: Path) -> Any:
@@ -28,6 +37,25 @@ def load_file(path: Path) -> Any:
         return torch.load(path, map_location="cpu", weights_only=True)
     except Exception as error:
         raise refused_or_corrupt(str(path), error) from error
+
+
+def load_verified(path: Path, expected: FileDigest) -> Any:
+    """:func:`load_file`, but the file is read once, checked against its manifest entry while it
+    is read, and only then unpickled (see :func:`~trainloop.checkpoint.hashing.read_verified`).
+
+    Raises:
+        CheckpointError: The file's size or SHA-256 is not its manifest's.
+        UnloadableError: It is, but torch cannot load it or refused what it holds.
+    """
+    contents = read_verified(path, expected)
+    try:
+        with BufferReader(contents) as reader:
+            return torch.load(reader, map_location="cpu", weights_only=True)  # type: ignore[arg-type]  # copies out of the mapping
+    except Exception as error:
+        raise UnloadableError(str(refused_or_corrupt(str(path), error))) from error
+    finally:
+        if isinstance(contents, mmap.mmap):
+            contents.close()
 
 
 def refused_or_corrupt(what: str, error: BaseException) -> CheckpointError:

@@ -20,14 +20,14 @@ import hashlib
 import json
 import math
 from collections.abc import Iterable, Mapping
-from dataclasses import dataclass
 from datetime import UTC, datetime
 from pathlib import Path, PurePosixPath
-from typing import Any, BinaryIO
+from typing import Any
 
 import torch
 
 from trainloop.checkpoint.errors import CheckpointError
+from trainloop.checkpoint.hashing import FileDigest, HashingWriter
 from trainloop.nested import flatten_nested_dict, to_float
 from trainloop.version import __version__
 
@@ -52,53 +52,22 @@ METADATA = "metadata.json"
 MANIFEST_VERSION = 1
 
 
-@dataclass(frozen=True)
-class FileDigest:
-    """A file's size in bytes and its SHA-256 (hex)."""
-
-    size: int
-    sha256: str
-
-
-class _HashingFile:
-    """A binary file that hashes what is written through it, so a file is not read back."""
-
-    def __init__(self, file: BinaryIO) -> None:
-        self._file = file
-        self._hash = hashlib.sha256()
-        self._size = 0
-        self.error: OSError | None = None
-
-    def write(self, data: Any) -> int:
-        view = memoryview(data)
-        self._hash.update(view)
-        try:
-            self._file.write(view)
-        except OSError as error:
-            self.error = error
-            raise
-        self._size += view.nbytes
-        return view.nbytes
-
-    def flush(self) -> None:
-        self._file.flush()
-
-    def digest(self) -> FileDigest:
-        return FileDigest(self._size, self._hash.hexdigest())
-
-
 def save_torch(obj: Any, path: Path) -> FileDigest:
-    """``torch.save(obj, path)``, hashing the bytes on their way to the file."""
+    """``torch.save(obj, path)``, hashing the bytes on their way to the file (see
+    :class:`~trainloop.checkpoint.hashing.HashingWriter`)."""
     with open(path, "wb") as file:
-        hashing = _HashingFile(file)
+        hashing = HashingWriter(file)
         try:
-            torch.save(obj, hashing)  # type: ignore[arg-type]
+            torch.save(obj, hashing)  # type: ignore[arg-type]  # a file object in all but name
+            hashing.close()
         except RuntimeError:
             # torch's writer turns a failed write (disk full...) into a RuntimeError about
             # positions; the OS error is what tells the user what happened.
             if hashing.error is not None:
                 raise hashing.error from None
             raise
+        finally:
+            hashing.close()
     return hashing.digest()
 
 

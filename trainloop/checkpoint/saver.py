@@ -13,12 +13,14 @@ was renamed into place.
 from __future__ import annotations
 
 import threading
+import time
 from collections.abc import Callable
 from concurrent.futures import Future
 from logging import Logger
 from pathlib import Path
 from typing import Any, cast
 
+import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 
@@ -30,7 +32,7 @@ from trainloop.checkpoint.sharded import (
     REST_FILE,
     SHARDED_DIR,
     CheckpointException,
-    hash_own_shards,
+    own_shards,
     quiet_single_process,
     shard_writer,
     split_state,
@@ -106,6 +108,9 @@ class CheckpointSaver:
         self._pending: _Background | None = None
         self._group: Any = None  # the background's own process group (sharded, async)
         self._stage = CpuStage()
+        self._before_step: Any = None  # the optimizer's pre-step hook waiting for a deferred copy
+        self.waited = 0.0
+        """Seconds optimizer steps spent waiting for background copies (see :meth:`save`)."""
 
     def settle(self, agree: bool) -> BaseException | None:
         """Wait for the save in flight, if any, and return its error.
@@ -115,6 +120,7 @@ class CheckpointSaver:
         """
         pending, self._pending = self._pending, None
         error = pending.wait() if pending is not None else None
+        self._remove_wait()  # the copy is done: nothing left to wait for
         return agree_on_error(error) if agree else error
 
     def close(self) -> None:
@@ -130,6 +136,7 @@ class CheckpointSaver:
         state_dict: dict[str, Any],
         metadata: dict[str, Any],
         published: Callable[[Path], None],
+        optimizer: torch.optim.Optimizer | None = None,
     ) -> BaseException | None:
         """Save ``state_dict`` as ``root/<step>`` (every rank calls, nothing in flight: see :meth:`settle`).
 
@@ -140,6 +147,9 @@ class CheckpointSaver:
             metadata: The contents of ``metadata.json``.
             published: Called on rank 0 with the checkpoint once it is in place and ``latest``
                 points at it (in the background when saving asynchronously).
+            optimizer: The run's optimizer. A background full save then copies its parameters
+                and state (which only its step changes) on the background thread, and its next
+                step waits for that copy, instead of the loop waiting for the whole copy now.
 
         Returns:
             The error of a foreground save, agreed by all ranks (``None``: saved); a background
@@ -154,13 +164,13 @@ class CheckpointSaver:
         check_keys(state_dict)
         if self.format == "full":
             _refuse_sharded_tensors(state_dict)
-            return self._save_full(root, step, state_dict, metadata, published)
+            return self._save_full(root, step, state_dict, metadata, published, optimizer)
         return self._save_sharded(root, step, state_dict, metadata, published)
 
     # -- full: rank 0 writes torch.save files ------------------------------------------------
 
     def _save_full(self, root: Path, step: int, state_dict: dict[str, Any], metadata: dict[str, Any],
-                   published: Callable[[Path], None]) -> BaseException | None:
+                   published: Callable[[Path], None], optimizer: torch.optim.Optimizer | None) -> BaseException | None:
         def write(state: dict[str, Any]) -> None:
             target = write_checkpoint(root, step, state, metadata)
             self.logger.info("Saved checkpoint %s", target)
@@ -169,8 +179,22 @@ class CheckpointSaver:
         if self.async_save:
             if rank() == 0:
                 clean_leftovers(root, self.logger)
-                staged = self._stage.copy(state_dict)
-                self._pending = _Background(lambda: write(staged), root / str(step))
+                staged = self._stage.copy(state_dict, defer=_stepped_by(optimizer))
+                copied = threading.Event()
+                if optimizer is not None:
+                    self._wait_before_step(optimizer, copied)
+
+                def work() -> None:
+                    try:
+                        try:
+                            self._stage.finish_copy()
+                        finally:
+                            copied.set()
+                        write(staged)
+                    finally:
+                        self._stage.release()  # no copy of the state is kept between saves
+
+                self._pending = _Background(work, root / str(step))
             return None
         error = None
         if rank() == 0:
@@ -180,6 +204,22 @@ class CheckpointSaver:
             except _WRITE_ERRORS as failure:
                 error = as_save_failure(root / str(step), failure)
         return agree_on_error(error)
+
+    def _wait_before_step(self, optimizer: torch.optim.Optimizer, copied: threading.Event) -> None:
+        """Make ``optimizer``'s next step wait until ``copied`` (then the hook removes itself)."""
+        def wait(*_: Any) -> None:
+            started = time.perf_counter()
+            copied.wait()
+            self.waited += time.perf_counter() - started
+            self._remove_wait()
+
+        self._remove_wait()
+        self._before_step = optimizer.register_step_pre_hook(wait)
+
+    def _remove_wait(self) -> None:
+        if self._before_step is not None:
+            self._before_step.remove()
+            self._before_step = None
 
     # -- sharded: every rank writes its shard, rank 0 the rest -------------------------------
 
@@ -207,7 +247,7 @@ class CheckpointSaver:
                 with quiet_single_process():
                     dcp.save(shards, storage_writer=writer, no_dist=not in_process_group())
 
-            return agree_on_error(self._finish_sharded(tmp, target, seen, write_shards, rest, metadata, published, None))
+            return agree_on_error(self._finish_sharded(tmp, target, seen, write_shards, writer, rest, metadata, published, None))
         if self._group is None and in_process_group():
             # The background's collectives get their own group: on the default one they could
             # interleave with the training loop's and deadlock.
@@ -222,7 +262,10 @@ class CheckpointSaver:
         group = self._group
 
         def finish() -> None:
-            error = self._finish_sharded(tmp, target, seen, future.result, staged_rest, metadata, published, group)
+            try:
+                error = self._finish_sharded(tmp, target, seen, future.result, writer, staged_rest, metadata, published, group)
+            finally:
+                self._stage.release()  # no copy of the state is kept between saves
             if error is not None:
                 raise error
 
@@ -230,7 +273,7 @@ class CheckpointSaver:
         return None
 
     def _finish_sharded(self, tmp: Path, target: Path, seen: bool, write_shards: Callable[[], Any],
-                        rest: dict[str, Any], metadata: dict[str, Any], published: Callable[[Path], None],
+                        writer: Any, rest: dict[str, Any], metadata: dict[str, Any], published: Callable[[Path], None],
                         group: Any) -> BaseException | None:
         """After every rank wrote its shards: gather their digests, and rank 0 checks that it
         sees every rank's files, completes the checkpoint (the rest, metadata, manifest) and
@@ -238,7 +281,7 @@ class CheckpointSaver:
         local: tuple[dict[str, FileDigest], BaseException | None, bool]
         try:
             write_shards()
-            local = (hash_own_shards(tmp, rank()), None, seen)
+            local = (own_shards(writer), None, seen)
         except _WRITE_ERRORS as failure:
             local = ({}, as_save_failure(target, failure), seen)
         if not seen:
@@ -265,6 +308,17 @@ class CheckpointSaver:
         self.logger.info("Saved checkpoint %s", target)
         published(target)
         return None
+
+
+def _stepped_by(optimizer: torch.optim.Optimizer | None) -> Callable[[torch.Tensor], bool] | None:
+    """Whether a tensor shares memory with ``optimizer``'s parameters or state: what only its
+    step changes, so its copy can wait until that step."""
+    if optimizer is None:
+        return None
+    tensors = [p for group in optimizer.param_groups for p in group["params"]]
+    tensors += [t for state in optimizer.state.values() for t in state.values() if isinstance(t, torch.Tensor)]
+    storages = {t.untyped_storage().data_ptr() for t in tensors}
+    return lambda tensor: tensor.untyped_storage().data_ptr() in storages
 
 
 def as_save_failure(target: Path, error: BaseException) -> CheckpointError:

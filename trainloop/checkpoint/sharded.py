@@ -18,6 +18,7 @@ DCP's pickled index (``.metadata``) with an unpickler that accepts only DCP's ow
 from __future__ import annotations
 
 import io
+import os
 import pickle
 import time
 import warnings
@@ -31,6 +32,7 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
+from torch.distributed.checkpoint.filesystem import FileSystem
 from torch.distributed.checkpoint.metadata import (
     Metadata,
     StorageMeta,
@@ -38,17 +40,17 @@ from torch.distributed.checkpoint.metadata import (
 )
 
 from trainloop.checkpoint.errors import CheckpointError
+from trainloop.checkpoint.hashing import FileDigest, HashingWriter
 from trainloop.checkpoint.loading import SHARDED_DIR, load_file, refused_or_corrupt
-from trainloop.checkpoint.manifest import FileDigest, hash_file
 from trainloop.distributed.ranks import in_process_group
 
 __all__ = [
     "REST_FILE",
     "SHARDED_DIR",
     "CheckpointException",
-    "hash_own_shards",
     "join_state",
     "load_sharded",
+    "own_shards",
     "read_sharded",
     "shard_writer",
     "split_state",
@@ -76,21 +78,41 @@ def join_state(sharded: Mapping[str, Any], rest: Mapping[str, Any]) -> dict[str,
     return state_dict
 
 
+class _HashingFileSystem(FileSystem):
+    """DCP's local file system, hashing every shard file as it is written (never read back)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.digests: dict[str, FileDigest] = {}
+
+    @contextmanager
+    def create_stream(self, path: str | os.PathLike[str], mode: str) -> Iterator[io.IOBase]:
+        if mode != "wb" or not str(path).endswith(".distcp"):
+            with super().create_stream(path, mode) as stream:
+                yield stream
+            return
+        with open(path, "wb") as file:
+            hashing = HashingWriter(file)
+            try:
+                yield hashing
+            finally:
+                hashing.close()
+        self.digests[f"{SHARDED_DIR}/{Path(path).name}"] = hashing.digest()
+
+
 def shard_writer(directory: Path) -> FileSystemWriter:
-    """A DCP writer of ``directory`` that fsyncs every file it writes, one file per rank."""
-    return FileSystemWriter(directory, single_file_per_rank=True, sync_files=True)
+    """A DCP writer of ``directory`` that fsyncs every file it writes, one file per rank, and
+    hashes each as it writes it (see :func:`own_shards`)."""
+    writer = FileSystemWriter(directory, single_file_per_rank=True, sync_files=True)
+    writer.fs = _HashingFileSystem()
+    return writer
 
 
-def hash_own_shards(checkpoint: Path, rank: int) -> dict[str, FileDigest]:
-    """Digests of the shard files rank ``rank`` wrote, by path relative to ``checkpoint``.
-
-    Each rank hashes its own files right after writing them (from the page cache), so no rank
-    reads the whole checkpoint back.
-    """
-    return {
-        f"{SHARDED_DIR}/{path.name}": hash_file(path)
-        for path in sorted((checkpoint / SHARDED_DIR).glob(f"__{rank}_*.distcp"))
-    }
+def own_shards(writer: FileSystemWriter) -> dict[str, FileDigest]:
+    """Digests of the shard files ``writer`` wrote (this rank's), by path relative to the
+    checkpoint, hashed while they were written: no rank reads its shards back."""
+    fs = writer.fs
+    return dict(fs.digests) if isinstance(fs, _HashingFileSystem) else {}
 
 
 #: How long a rank waits for a file or directory another rank made to appear (network file

@@ -3,13 +3,16 @@
 A background save must write the state as it was when the save began, while training goes on
 changing the live tensors: so the state is first copied ("staged") to CPU memory, and only
 that copy is written. Reusing the previous save's buffers makes the copy cheap (see
-:class:`CpuStage`).
+:class:`CpuStage`). The parameters and the optimizer's state, most of a state, change only in
+the optimizer's step: their copy can be deferred to the background, the next step waiting for
+it (see :meth:`CpuStage.copy`).
 """
 
 from __future__ import annotations
 
 import copy
 from collections import OrderedDict
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -37,15 +40,51 @@ class CpuStage:
 
     def __init__(self) -> None:
         self._buffers: dict[tuple[Any, ...], torch.Tensor] = {}
+        self._defer: Callable[[torch.Tensor], bool] | None = None
+        self._deferred: list[tuple[torch.Tensor, torch.Tensor, int]] = []
 
-    def copy(self, obj: Any) -> Any:
-        """The copy of ``obj`` (tensors into this stage's buffers)."""
+    def copy(self, obj: Any, defer: Callable[[torch.Tensor], bool] | None = None) -> Any:
+        """The copy of ``obj`` (tensors into this stage's buffers).
+
+        Args:
+            obj: The state to copy.
+            defer: Tensors for which it is true get their buffer but are copied only by
+                :meth:`finish_copy` (on another thread, say): tensors that the caller knows
+                stay unchanged until then, such as parameters until the next optimizer step.
+        """
         used: dict[tuple[Any, ...], torch.Tensor] = {}
-        copied = self._copy(obj, (), used)
+        self._defer, self._deferred = defer, []
+        try:
+            copied = self._copy(obj, (), used)
+        finally:
+            self._defer = None
         if any(t.is_pinned() for t in used.values()):
             torch.cuda.synchronize()  # the device-to-host copies were asynchronous
         self._buffers = used  # buffers of tensors gone from the state are let go
         return copied
+
+    def finish_copy(self) -> None:
+        """Copy the tensors :meth:`copy` deferred.
+
+        Raises:
+            RuntimeError: One was changed in place since :meth:`copy` (its version counter
+                moved): the copy would not be the state that was saved.
+        """
+        deferred, self._deferred = self._deferred, []
+        for source, buffer, version in deferred:
+            buffer.copy_(source)
+            if source._version != version:
+                raise RuntimeError(
+                    "a tensor of the state was changed in place after the save began and before it "
+                    "was copied (only the optimizer's step may change parameters and optimizer "
+                    "state while a background save copies them)"
+                )
+
+    def release(self) -> None:
+        """Let the buffers go (the copy they hold is no longer needed): between saves, no copy
+        of the state is kept; the next :meth:`copy` allocates anew."""
+        self._buffers = {}
+        self._deferred = []
 
     def _copy(self, obj: Any, path: tuple[Any, ...], used: dict[tuple[Any, ...], torch.Tensor]) -> Any:
         if isinstance(obj, DTensor):
@@ -60,7 +99,10 @@ class CpuStage:
             buffer = self._buffers.get(key)
             if buffer is None:
                 buffer = torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=tensor.is_cuda)
-            buffer.copy_(tensor, non_blocking=tensor.is_cuda)
+            if self._defer is not None and self._defer(tensor):
+                self._deferred.append((tensor, buffer, tensor._version))
+            else:
+                buffer.copy_(tensor, non_blocking=tensor.is_cuda)
             used[key] = buffer
             return buffer
         if isinstance(obj, dict):

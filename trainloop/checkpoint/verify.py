@@ -1,5 +1,9 @@
 """Choosing the checkpoint to resume from, verified by every rank at once.
 
+A full checkpoint is verified while it is loaded: every rank loads all of it anyway, so each
+checks every file as it reads it (:func:`open_checkpoint`), and nothing is read twice. For a
+sharded one, the files are hashed by shares, as follows.
+
 Rank 0 lists the candidates (the one ``latest`` points at, then the others from the highest
 step down) and checks each one's listing against its manifest: names and sizes, no reading.
 Then every rank hashes its share of the files and rank 0's verdict on the union is the same on
@@ -19,13 +23,16 @@ import logging
 import re
 from collections.abc import Mapping
 from pathlib import Path
+from typing import Any
 
 from trainloop.checkpoint.errors import CheckpointError
+from trainloop.checkpoint.files import read_full
+from trainloop.checkpoint.loading import SHARDED_DIR, UnloadableError
 from trainloop.checkpoint.manifest import FileDigest, check_hashes, check_listing
 from trainloop.checkpoint.saver import agree_on_error, broadcast_from_rank_zero
 from trainloop.distributed.ranks import rank, world_size
 
-__all__ = ["choose_checkpoint", "hash_shares"]
+__all__ = ["choose_checkpoint", "hash_shares", "open_checkpoint"]
 
 logger = logging.getLogger("trainloop")
 
@@ -72,6 +79,35 @@ def choose_checkpoint(candidates: list[Path] | None, explicit: bool, log: loggin
         CheckpointError: ``explicit``, and the checkpoint is incomplete or corrupt (every rank
             raises; the message names the file).
     """
+    chosen = _choose(candidates, explicit, log, read=False)
+    return chosen[0] if chosen is not None else None
+
+
+def open_checkpoint(
+    candidates: list[Path] | None, explicit: bool, log: logging.Logger | None = None
+) -> tuple[Path, dict[str, Any] | None] | None:
+    """:func:`choose_checkpoint`, reading a full checkpoint in the same pass that verifies it.
+
+    Every rank loads the whole of a full checkpoint, so every rank reads each file once,
+    checks it against the manifest as it reads it, and keeps what it loaded: no file is read
+    twice. A sharded checkpoint's files are hashed by shares as in :func:`choose_checkpoint`
+    (DCP then reads each rank's pieces).
+
+    Returns:
+        The checkpoint and, for a full one, its state dict (``None`` for a sharded one); ``None``
+        if no candidate is intact.
+
+    Raises:
+        CheckpointError: As :func:`choose_checkpoint`; or a file matches the manifest but
+            cannot be loaded or is refused (an :class:`~trainloop.checkpoint.loading.UnloadableError`,
+            raised, not skipped: the manifest vouches that it is what was saved).
+    """
+    return _choose(candidates, explicit, log, read=True)
+
+
+def _choose(
+    candidates: list[Path] | None, explicit: bool, log: logging.Logger | None, read: bool
+) -> tuple[Path, dict[str, Any] | None] | None:
     log = log or logger
     candidates = broadcast_from_rank_zero(candidates)
     this_rank, world = rank(), world_size()
@@ -84,19 +120,24 @@ def choose_checkpoint(candidates: list[Path] | None, explicit: bool, log: loggin
                 listing = refused
         listing = broadcast_from_rank_zero(listing)
         error: BaseException | None = listing if isinstance(listing, CheckpointError) else None
+        state: dict[str, Any] | None = None
         if error is None:
             assert isinstance(listing, dict)
-            share = hash_shares(listing, world)[this_rank]
             try:
-                check_hashes(candidate, listing, share)
+                if read and not any(rel.startswith(f"{SHARDED_DIR}/") for rel in listing):
+                    state = read_full(candidate, listing)
+                else:
+                    share = hash_shares(listing, world)[this_rank]
+                    logger.debug("Rank %d hashed %d of the %d files of %s: %s", this_rank, len(share), len(listing), candidate, share)
+                    check_hashes(candidate, listing, share)
             except (CheckpointError, OSError) as failure:
                 error = failure if isinstance(failure, CheckpointError) else CheckpointError(f"{candidate}: {failure}")
-            logger.debug("Rank %d hashed %d of the %d files of %s: %s", this_rank, len(share), len(listing), candidate, share)
             error = agree_on_error(error)
         if error is None:
-            return candidate
-        if explicit:
-            raise error
+            return candidate, state
+        del state  # a rank that read it fine lets it go: another rank found it bad
+        if explicit or isinstance(error, UnloadableError):
+            raise error  # a file the manifest vouches for but torch refuses: not to be skipped
         if this_rank == 0:
             log.warning("Skipping checkpoint %s, which is incomplete or corrupt: %s", candidate, error)
     return None

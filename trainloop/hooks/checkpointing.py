@@ -19,13 +19,12 @@ from typing import TYPE_CHECKING, Annotated, Any, Literal
 
 from pydantic import AfterValidator, Field, StrictInt, StrictStr, validate_call
 
-from trainloop.checkpoint.atomic import clean_leftovers, remove_directory
+from trainloop.checkpoint.atomic import clean_leftovers, remove_directory, wait_for_removals
 from trainloop.checkpoint.best import BestCheckpoints, Monitor, check_best
 from trainloop.checkpoint.errors import CheckpointError, CheckpointSaveError
 from trainloop.checkpoint.files import (
     LATEST,
     checkpoint_candidates,
-    checkpoint_format,
     checkpoint_steps,
     latest_checkpoint,
     read_checkpoint,
@@ -127,10 +126,11 @@ class CheckpointingHook(BaseHook):
         format: ``"full"``: rank 0 writes whole tensors, one ``torch.save`` file per state
             entry. ``"sharded"``: every rank writes its shard of the model, optimizer and hook
             states with ``torch.distributed.checkpoint``.
-        async_save: Write in the background: the loop is blocked only while the state is copied
-            to CPU memory; ``latest`` and pruning follow once the write is complete. One save
-            is in flight at most: the next save, a load and the end of the run wait for it.
-            Costs a copy of the state in CPU memory (kept and reused between full saves).
+        async_save: Write in the background, from a copy of the state in CPU memory (in the
+            full format, parameters and optimizer state are copied in the background too, and
+            the next optimizer step waits for that copy); ``latest`` and pruning follow once
+            the write is complete. One save is in flight at most: the next save, a load and
+            the end of the run wait for it. The copy is held only while a save is in flight.
         on_save_error: When the system refuses a write (disk full, permission denied...),
             nothing partial is left and earlier checkpoints are intact; then ``"raise"`` a
             :class:`CheckpointSaveError` naming the checkpoint and the error, or ``"warn"``
@@ -241,13 +241,14 @@ class CheckpointingHook(BaseHook):
         self.resumed_complete = False
         if self.load is None:
             return
-        directory = self._choose(trainer, root)
-        if directory is None:
+        chosen = self._choose(trainer, root)
+        if chosen is None:
             _say(trainer.logger, "No checkpoint in %s: starting from scratch", root)
             return
+        directory, state_dict = chosen
         trainer.logger.info("Loading checkpoint %s", directory)
-        if checkpoint_format(directory) == "full":
-            trainer.load_state_dict(read_checkpoint(directory, verify=False))  # verified by _choose
+        if state_dict is not None:  # a full checkpoint, read and verified by _choose
+            trainer.load_state_dict(state_dict)
         else:
             from trainloop.checkpoint.sharded import load_sharded
 
@@ -261,11 +262,12 @@ class CheckpointingHook(BaseHook):
         else:
             _say(trainer.logger, "Resumed from %s at step %d", directory, trainer.step)
 
-    def _choose(self, trainer: TrainerView, root: Path) -> Path | None:
-        """The checkpoint to load: rank 0 lists the candidates, every rank hashes its share of
-        their files (see :mod:`trainloop.checkpoint.verify`); the same answer on every rank."""
+    def _choose(self, trainer: TrainerView, root: Path) -> tuple[Path, dict[str, Any] | None] | None:
+        """The checkpoint to load, and its state dict if full: rank 0 lists the candidates,
+        every rank verifies their files as it reads them (a sharded one: its share; see
+        :mod:`trainloop.checkpoint.verify`); the same answer on every rank."""
         from trainloop.checkpoint.saver import broadcast_from_rank_zero
-        from trainloop.checkpoint.verify import choose_checkpoint
+        from trainloop.checkpoint.verify import open_checkpoint
 
         candidates: list[Path] | None = None
         error: BaseException | None = None
@@ -286,7 +288,7 @@ class CheckpointingHook(BaseHook):
         error = broadcast_from_rank_zero(error)
         if error is not None:
             raise error
-        return choose_checkpoint(candidates, explicit=isinstance(self.load, Path), log=trainer.logger)
+        return open_checkpoint(candidates, explicit=isinstance(self.load, Path), log=trainer.logger)
 
     def on_before_train(self, trainer: TrainerView) -> None:
         """Ask for a save at the end of the run, and install the exit-signal handlers."""
@@ -370,7 +372,9 @@ class CheckpointingHook(BaseHook):
 
         saver = self._saver or CheckpointSaver(self.format, self.async_save, trainer.logger)
         self._saver = saver
-        error = saver.save(root, step, state_dict, metadata, lambda _: self._prune(root, step, trainer.logger))
+        error = saver.save(
+            root, step, state_dict, metadata, lambda _: self._prune(root, step, trainer.logger), trainer.optimizer
+        )
         self._report(trainer, error)
 
     def _report(self, trainer: TrainerView, error: BaseException | None) -> None:
@@ -391,10 +395,15 @@ class CheckpointingHook(BaseHook):
         for step in earlier:
             if step in recent or step in best or self._is_kept(step):
                 continue
+            path = root / str(step)
+
+            def report(error: OSError, path: Path = path) -> None:
+                logger.warning("Could not remove old checkpoint %s: %s", path, error)
+
             try:
-                remove_directory(root / str(step))
+                remove_directory(path, background=report)  # gone from its name now, deleted off the training thread
             except OSError as error:
-                logger.warning("Could not remove old checkpoint %s: %s", root / str(step), error)
+                report(error)
         if self._best is not None:
             self._best.write(root)  # after pruning: it lists the checkpoints still there
 
@@ -414,6 +423,8 @@ class CheckpointingHook(BaseHook):
             warnings.warn(f"{type(self).__name__}: {missing}", MonitorNotFoundWarning, stacklevel=2)
         try:
             self._settle_at_exit(trainer)
+            if not self._signals.abandoned:
+                wait_for_removals()  # pruned checkpoints are gone when train() returns
         finally:
             self._signals.restore()
 

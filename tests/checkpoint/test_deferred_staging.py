@@ -1,0 +1,58 @@
+"""A background save copies parameters and optimizer state off the training thread; the next
+optimizer step waits for that copy; nothing is held once the save is published."""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+import torch
+from torch import nn
+
+from trainloop.checkpoint.files import read_checkpoint
+from trainloop.checkpoint.saver import CheckpointSaver
+from trainloop.checkpoint.staging import CpuStage
+
+
+def test_a_deferred_tensor_is_copied_by_finish_copy():
+    kept, deferred = torch.ones(3), torch.full((3,), 2.0)
+    stage = CpuStage()
+    copied = stage.copy({"kept": kept, "deferred": deferred}, defer=lambda t: t is deferred)
+    kept.add_(10)  # after the copy: not seen
+    stage.finish_copy()
+    assert torch.equal(copied["kept"], torch.ones(3)) and torch.equal(copied["deferred"], torch.full((3,), 2.0))
+    stage.release()
+    assert stage._buffers == {}
+
+
+def test_a_deferred_tensor_changed_in_place_before_its_copy_fails_loudly():
+    deferred = torch.zeros(3)
+    stage = CpuStage()
+    stage.copy({"deferred": deferred}, defer=lambda t: True)
+    deferred.add_(1)
+    with pytest.raises(RuntimeError, match="changed in place after the save began"):
+        stage.finish_copy()
+
+
+def test_the_next_optimizer_step_waits_for_the_background_copy(tmp_path):
+    torch.manual_seed(0)
+    model = nn.Linear(64, 64)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=0.1)
+    for _ in range(2):
+        model(torch.randn(4, 64)).sum().backward()
+        optimizer.step()
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+
+    model_state, optimizer_state = get_state_dict(model, optimizer)
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    saver = CheckpointSaver("full", async_save=True, logger=logging.getLogger("test"))
+    state = {"model": model_state, "training_state": {"step": 2, "epoch": 0, "optimizer": optimizer_state}}
+    assert saver.save(tmp_path, 2, state, {"step": 2}, lambda _: None, optimizer) is None
+    model(torch.randn(4, 64)).sum().backward()
+    optimizer.step()  # changes every parameter: only once the background copy is done
+    assert saver.settle(agree=False) is None
+    saved = read_checkpoint(tmp_path / "2")["model"]
+    assert all(torch.equal(saved[k], before[k]) for k in before)  # the state when the save began
+    assert not all(torch.equal(model.state_dict()[k], before[k]) for k in before)
+    assert saver._stage._buffers == {}  # nothing held once published
+    saver.close()
