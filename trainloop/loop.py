@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from trainloop.checkpoint.weights import init_from
 from trainloop.data import EpochIterator
 from trainloop.distributed.ranks import is_rank_zero
 from trainloop.hooks.dispatch import check_hooks, hook_dispatch, state_entry_methods
@@ -109,6 +110,7 @@ class Loop:
         t = self.trainer
         if t.settings.metrics_file and t.settings.workspace is not None and is_rank_zero():
             t.metrics.open(t.settings.workspace / METRICS_FILE, resumed_step=t.step)
+        init_from(t)  # a fine-tune's weights, unless a checkpoint of the run was resumed
         for fn in t._dispatch["on_before_train"]:
             fn(t)
         self.data = EpochIterator(t.data_loader, t.epoch, resumed=t.step > 0)

@@ -25,6 +25,7 @@ from pydantic import (
 
 from trainloop.hooks.registry import HookSpec
 from trainloop.settings.errors import describe_validation_error
+from trainloop.settings.init_from import InitFromSettings
 from trainloop.settings.optimizer import OptimizerSettings
 from trainloop.settings.schedule import LrScheduleSettings
 from trainloop.settings.sources import ENV_PREFIX, SettingsFileError, SettingsInput, read_settings_input
@@ -91,6 +92,11 @@ class TrainerSettings(BaseModel):
     lr_schedule: LrScheduleSettings | None = None
     """A learning-rate schedule (``constant``, ``linear``, ``cosine``, with warmup); the default
     ``build_lr_scheduler()`` builds it."""
+    init_from: InitFromSettings | None = None
+    """Start from these weights (the model's only, loaded in ``restoring``) unless a checkpoint
+    of this run is resumed: a path to a checkpoint or a ``.safetensors`` / ``.pt`` file, or
+    ``{"path": ..., "weights": "ema", "strict": false, "strip_prefixes": [...], "ignore":
+    [...]}`` (see docs/checkpointing.md)."""
     hooks: tuple[HookSpec, ...] = ()
     """Hooks declared as data, each ``{"type": ..., <its parameters>}`` (e.g. ``{"type":
     "checkpointing", "interval": 1000}``); a run uses the hooks ``build_hooks()`` returns, then

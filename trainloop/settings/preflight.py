@@ -12,7 +12,8 @@ so that a run that validates does not fail later on something that was known all
   process: under a launcher the checkpointing hook checks it on rank 0 for every rank);
 - declared hooks work together (two checkpointing hooks loading into one trainer or writing one
   directory, two hooks catching one exit signal);
-- the device exists on this machine.
+- the device exists on this machine;
+- the weights ``init_from`` names are there.
 
 Problems are reported all at once, one line each, naming the field as a settings file writes it.
 """
@@ -89,6 +90,7 @@ def preflight(
                 problems.append((path, f"{field_path(path)}: {message}"))
     problems += _combinations(settings)
     problems += _device(settings)
+    problems += _init_from(settings)
     if source_of is None:
         return [line for _, line in problems]
     return [f"{source_of(path)}: {line}" for path, line in problems]
@@ -240,6 +242,14 @@ def _combinations(settings: TrainerSettings) -> list[tuple[tuple[Key, ...], str]
             listed = " and ".join(f"hooks[{i}]" for i in indices)
             problems.append((("hooks",), f"{listed}: each catches {sig.name}, and a process has one handler per signal"))
     return problems
+
+
+def _init_from(settings: TrainerSettings) -> list[tuple[tuple[Key, ...], str]]:
+    spec = settings.init_from
+    # Every rank reads the weights itself, so every rank may check that they are there.
+    if spec is None or spec.path.expanduser().exists():
+        return []
+    return [(("init_from", "path"), f"init_from.path: no checkpoint or weights file at {str(spec.path)!r}")]
 
 
 def _device(settings: TrainerSettings) -> list[tuple[tuple[Key, ...], str]]:
