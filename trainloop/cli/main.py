@@ -8,6 +8,7 @@
     trainloop graph [--format mermaid|dot|svg|png] [--trace runs/exp1] [--output machine.svg]
     trainloop inspect runs/exp1/checkpoints
     trainloop report runs/exp1 [--output report.html]
+    trainloop export runs/exp1/checkpoints --output model.safetensors [--weights ema]
 
 ``run`` and ``validate`` take the trainer from ``--trainer`` or else the settings' ``trainer`` key.
 
@@ -33,6 +34,7 @@ from typing import Any
 from trainloop.checkpoint import MANIFEST, METADATA, CheckpointError, latest_checkpoint
 from trainloop.checkpoint.describe import describe_checkpoint, format_checkpoint, jsonable
 from trainloop.checkpoint.loading import SHARDED_DIR
+from trainloop.cli import export as export_command
 from trainloop.machine.diagram import draw
 from trainloop.machine.table import TRANSITIONS, State
 from trainloop.machine.trace import TraceSummary, read_trace, summarize_trace
@@ -469,6 +471,7 @@ def _build_parser() -> argparse.ArgumentParser:
     report.add_argument("workspace", metavar="WORKSPACE", help="the run's workspace directory")
     report.add_argument("--output", metavar="PATH", help="where to write it (default: WORKSPACE/report.html)")
     report.set_defaults(handler=_cmd_report)
+    export_command.add_parser(commands)
     return parser
 
 

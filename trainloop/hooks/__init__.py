@@ -12,6 +12,7 @@ from trainloop.hooks.cuda_memory import CudaMaxMemoryHook
 from trainloop.hooks.dispatch import HOOK_EVENTS, hook_dispatch
 from trainloop.hooks.early_stopping import EarlyStoppingHook
 from trainloop.hooks.ema import EmaHook
+from trainloop.hooks.export import ExportHook
 from trainloop.hooks.image_files import ImageFileLoggerHook
 from trainloop.hooks.logging_hook import LoggingHook
 from trainloop.hooks.progress import ProgressHook
@@ -29,6 +30,7 @@ __all__ = [
     "CudaMaxMemoryHook",
     "EarlyStoppingHook",
     "EmaHook",
+    "ExportHook",
     "HookSettings",
     "HookSpec",
     "ImageFileLoggerHook",

@@ -192,6 +192,7 @@ _HOOK_CHECKS: dict[str, HookCheck] = {
     "validation": _validation,
     "checkpointing": _checkpointing,
     "tensorboard": _tensorboard,
+    "export": lambda spec, settings, trainer: _needs_workspace(settings, spec.path, "path", f"the weights go to {str(spec.path)!r}, a relative path"),
     "image_files": _workspace_only("images to <workspace>/visualizations"),
     "wandb": _workspace_only("its run id to <workspace>/wandb_run_id"),
 }
