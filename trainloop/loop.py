@@ -50,6 +50,7 @@ class Loop:
         self.data: EpochIterator | None = None
         self.runner: StepRunner | None = None
         self.restored_rng: dict[str, Any] | None = None  # set by a checkpoint load in restoring
+        self.restored_position: dict[str, Any] | None = None  # a plain DataLoader's, likewise
         self.step_start = 0.0
         self.machine = StateMachine(
             conditions={
@@ -113,7 +114,7 @@ class Loop:
         init_from(t)  # a fine-tune's weights, unless a checkpoint of the run was resumed
         for fn in t._dispatch["on_before_train"]:
             fn(t)
-        self.data = EpochIterator(t.data_loader, t.epoch, resumed=t.step > 0)
+        self.data = EpochIterator(t.data_loader, t.epoch, resumed=t.step > 0, position=self.restored_position)
         t.run_length.follow(self.data)
         if self.restored_rng is not None:
             # Only now: creating the data iterator draws from torch's generator (its base seed),
