@@ -143,17 +143,6 @@ class TrainerSettings(BaseModel):
             raise ValueError("give max_steps, max_epochs or both: the run needs an end")
         return self
 
-    @model_validator(mode="after")
-    def _warmup_fits(self) -> Self:
-        # With max_epochs alone the step count is known once the data loader is built, and the
-        # schedule is checked then.
-        if self.max_steps is not None and self.lr_schedule is not None and self.lr_schedule.warmup_steps_for(self.max_steps) >= self.max_steps:
-            raise ValueError(
-                f"lr_schedule warmup ({self.lr_schedule.warmup_steps_for(self.max_steps)} steps) must be "
-                f"shorter than max_steps ({self.max_steps})"
-            )
-        return self
-
     @classmethod
     def from_file(cls, path: str | Path) -> Self:
         """Read settings from a JSON, YAML or TOML file (chosen by its extension).
