@@ -75,6 +75,10 @@ class EpochIterator:
         self._drawn_this_epoch = position["drawn"]
         return replayed_epoch(loader, position["epoch_start"], position["drawn"])
 
+    def tap_first_batch(self, fn: Any) -> None:
+        """Call ``fn(batch)`` with the next batch drawn, once, then draw untapped (no cost after)."""
+        self._iterator = _FirstBatchTap(self, self._iterator, fn)
+
     def position(self) -> dict[str, Any] | None:
         """Where a ``DataLoader`` with a sampler is inside its epoch (the generators' states as
         the epoch began, and the batches drawn since), for a checkpoint; ``None`` for other
@@ -145,3 +149,19 @@ class EpochIterator:
         if callable(close):
             close()
         self._iterator = iter(())
+
+
+class _FirstBatchTap:
+    """An epoch's iterator that shows its next batch to ``fn``, then puts the iterator back."""
+
+    def __init__(self, owner: EpochIterator, iterator: Iterator[Any], fn: Any) -> None:
+        self.owner, self.iterator, self.fn = owner, iterator, fn
+
+    def __iter__(self) -> _FirstBatchTap:
+        return self
+
+    def __next__(self) -> Any:
+        batch = next(self.iterator)
+        self.owner._iterator = self.iterator
+        self.fn(batch)
+        return batch

@@ -17,7 +17,8 @@ import torch
 
 from trainloop.checkpoint.weights import init_from
 from trainloop.data import EpochIterator
-from trainloop.distributed.ranks import is_rank_zero
+from trainloop.distributed.rank_seeds import warn_if_ranks_drew_the_same
+from trainloop.distributed.ranks import is_rank_zero, world_size
 from trainloop.hooks.dispatch import check_hooks, hook_dispatch, state_entry_methods
 from trainloop.hooks.registry import build_declared_hooks
 from trainloop.loss import Loss
@@ -116,6 +117,8 @@ class Loop:
             fn(t)
         self.data = EpochIterator(t.data_loader, t.epoch, resumed=t.step > 0, position=self.restored_position)
         t.run_length.follow(self.data)
+        if world_size() > 1:  # one small all-gather, at the first batch only
+            self.data.tap_first_batch(warn_if_ranks_drew_the_same)
         if self.restored_rng is not None:
             # Only now: creating the data iterator draws from torch's generator (its base seed),
             # which the uninterrupted run did long before this step.

@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING, Any, ClassVar
 import torch
 from torch import nn
 
+from trainloop.distributed.rank_seeds import seed_ranks_apart
 from trainloop.hooks.base import BaseHook
 from trainloop.hooks.dispatch import hook_dispatch
 from trainloop.loop import Loop
@@ -304,6 +305,8 @@ class BaseTrainer:
         self.data_loader = self.build_data_loader()
         self.run_length.plan(self.data_loader)
         self.model = self.build_model()
+        if self.settings.seed_per_rank:  # validated: seed is set
+            seed_ranks_apart(self.settings.seed)  # type: ignore[arg-type]
         self.optimizer = self.build_optimizer()
 
     # -- state -----------------------------------------------------------------------------

@@ -78,3 +78,39 @@ def sharded_tied_run(rank_: int, world: int, port: int, out: str) -> None:
         if rank() == 0:
             state = {k: v.detach().clone() for k, v in trainer.unwrapped_model.state_dict().items()}
             torch.save(state, os.path.join(out, "reference.pt"))
+
+
+def get_batch_loader():
+    """nanoGPT's get_batch as an infinite iterator: random offsets from torch's global generator."""
+    data = torch.arange(100)
+    while True:
+        ix = torch.randint(len(data) - 6, (4,))
+        x = torch.stack([data[i : i + 5] for i in ix]) % 11
+        yield x, (x + 1) % 11
+
+
+class GetBatchTrainer(TiedTrainer):
+    def build_data_loader(self):
+        return get_batch_loader()
+
+
+def identical_batches(rank_: int, world: int, port: int, out: str) -> None:
+    """Three 1-step DDP runs seeded alike: a global-generator loader, the same with
+    seed_per_rank, and a DistributedSampler; each rank records the warnings it saw."""
+    import warnings
+
+    from trainloop.distributed.rank_seeds import IdenticalBatchesWarning
+
+    set_torchrun_env(rank_, world, port)
+    seen = {}
+    with init_distributed():
+        for name, cls, extra in [
+            ("get_batch", GetBatchTrainer, {}),
+            ("get_batch_seed_per_rank", GetBatchTrainer, {"seed_per_rank": True}),
+            ("distributed_sampler", TiedTrainer, {}),
+        ]:
+            with warnings.catch_warnings(record=True) as caught:
+                warnings.simplefilter("always")
+                cls(max_steps=2, seed=0, **extra).train()
+            seen[name] = [str(w.message) for w in caught if issubclass(w.category, IdenticalBatchesWarning)]
+    torch.save(seen, os.path.join(out, f"rank{rank_}.pt"))

@@ -85,6 +85,10 @@ class TrainerSettings(BaseModel):
     seed: NonNegativeInt | None = None
     """Seed Python's, NumPy's and torch's generators with this when ``train()`` starts, on
     every rank, before anything is built."""
+    seed_per_rank: StrictBool = False
+    """Once the model is built (its initialisation the same on every rank), reseed the
+    generators with ``seed + rank``, so dropout and a loader sampling with torch's global
+    generator differ per rank (see docs/distributed.md); needs ``seed``."""
     optimizer: OptimizerSettings | None = None
     """An optimizer declared by name (any ``torch.optim`` optimizer) with its arguments, e.g.
     ``{"name": "AdamW", "lr": 1e-3, "no_weight_decay": ["bias", "norm"]}``; the default
@@ -141,6 +145,12 @@ class TrainerSettings(BaseModel):
     def _run_is_bounded(self) -> Self:
         if self.max_steps is None and self.max_epochs is None:
             raise ValueError("give max_steps, max_epochs or both: the run needs an end")
+        return self
+
+    @model_validator(mode="after")
+    def _seed_per_rank_needs_a_seed(self) -> Self:
+        if self.seed_per_rank and self.seed is None:
+            raise ValueError("seed_per_rank offsets the seed by rank: set seed too")
         return self
 
     @classmethod
