@@ -21,7 +21,7 @@ from collections.abc import Iterator
 from typing import Any
 
 import torch
-from torch.utils.data import DataLoader
+from torch.utils.data import DataLoader, DistributedSampler, SequentialSampler
 
 __all__ = ["InexactResumeWarning", "capture_epoch_start", "has_sampler", "replayed_epoch", "warn_inexact_resume"]
 
@@ -47,9 +47,20 @@ def _generators(loader: DataLoader) -> list[torch.Generator]:
     return found
 
 
+def _draws_from_torch(loader: DataLoader) -> bool:
+    """Whether the loader's order may come from torch's global generator: any sampler but one
+    whose order is fixed (``SequentialSampler``) or seeded by itself (``DistributedSampler``)."""
+    sampler = getattr(loader.batch_sampler, "sampler", loader.sampler)
+    return not isinstance(sampler, (SequentialSampler, DistributedSampler))
+
+
 def capture_epoch_start(loader: DataLoader) -> dict[str, Any]:
-    """The generator states an epoch's shuffle is drawn from, taken just before ``iter(loader)``."""
-    return {"torch": torch.get_rng_state(), "generators": [g.get_state() for g in _generators(loader)]}
+    """The generator states an epoch's shuffle is drawn from, taken just before ``iter(loader)``
+    (torch's global one, 5 KB, only when the order may come from it)."""
+    return {
+        "torch": torch.get_rng_state() if _draws_from_torch(loader) else None,
+        "generators": [g.get_state() for g in _generators(loader)],
+    }
 
 
 class _SkipFirst:
@@ -108,7 +119,8 @@ def replayed_epoch(loader: DataLoader, epoch_start: dict[str, Any], drawn: int) 
     generators = _generators(loader)
     if len(generators) != len(epoch_start["generators"]):
         raise ValueError("the data loader's samplers use other generators than the checkpoint's")
-    torch.set_rng_state(epoch_start["torch"])
+    if epoch_start["torch"] is not None:
+        torch.set_rng_state(epoch_start["torch"])
     for generator, state in zip(generators, epoch_start["generators"]):
         generator.set_state(state)
     # DataLoader forbids setting its samplers after construction; its iterator reads them once,
