@@ -56,10 +56,15 @@ def test_checkpoint_holds_per_rank_rng_and_loader_state_and_settings_json():
     assert '"max_steps":2' in state["settings"]
 
 
-def test_a_plain_loader_resumes_with_a_note_in_the_docs_but_no_position():
-    trainer = TinyTrainer(max_steps=2)
+def test_a_plain_dataloader_saves_where_its_sampler_is_mid_epoch_and_nothing_at_an_epoch_end():
+    trainer = TinyTrainer(max_steps=2)  # 8 batches per epoch
     trainer.train()
-    assert trainer.state_dict()["training_state"]["data_loader"] == [None]
+    (position,) = trainer.state_dict()["training_state"]["data_loader"]
+    assert position["trainloop_sampler_position"]["drawn"] == 2
+    trainer = TinyTrainer(max_steps=8)
+    trainer.train()
+    state = trainer.state_dict()["training_state"]
+    assert state["data_loader"] == [None] and state["epoch"] == 1  # the next epoch begins afresh
 
 
 def test_resuming_with_other_settings_warns_naming_them():

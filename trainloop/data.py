@@ -5,6 +5,8 @@ from __future__ import annotations
 from collections.abc import Iterable, Iterator
 from typing import Any
 
+from trainloop.data_position import capture_epoch_start, has_sampler, replayed_epoch, warn_inexact_resume
+
 __all__ = ["DataExhaustedError", "EpochIterator", "batches_per_epoch"]
 
 
@@ -36,22 +38,35 @@ class EpochIterator:
         resumed: The loader was restored mid-run: its first epoch may be empty (it was saved
             right at the end of that epoch), and the next one then begins.
         limit: The epochs the run declares (``max_epochs``): none beyond them is begun.
+        position: What :meth:`position` returned when the checkpoint was made: a
+            ``DataLoader`` with a sampler resumes its epoch exactly there.
     """
 
-    def __init__(self, loader: Iterable[Any], epoch: int = 0, resumed: bool = False, limit: int | None = None) -> None:
+    def __init__(
+        self,
+        loader: Iterable[Any],
+        epoch: int = 0,
+        resumed: bool = False,
+        limit: int | None = None,
+        position: dict[str, Any] | None = None,
+    ) -> None:
         self.loader = loader
         self.epoch = epoch
         self.limit = limit
         self._one_shot = isinstance(loader, Iterator)
+        self._stateful = callable(getattr(loader, "state_dict", None))
+        self._sampled = has_sampler(loader)  # a DataLoader whose epoch start can be recorded
+        self._epoch_start: dict[str, Any] | None = None
         self.batches_per_epoch = batches_per_epoch(loader)
-        self._iterator = self._start_epoch()
+        self._iterator = self._start_epoch(position if self._sampled else None)
         self._may_be_empty = resumed
-        if resumed:
-            # A restored StatefulDataLoader resumes mid-epoch; its iterator knows how far (a
-            # private counter of torch's DataLoader iterators: there is no public one).
+        if resumed and not (self._stateful or self._sampled):
+            warn_inexact_resume(loader, epoch)
+        if resumed and self._stateful:
+            # A restored StatefulDataLoader resumes mid-epoch; its iterator knows how far.
             self._drawn_this_epoch = int(getattr(self._iterator, "_num_yielded", 0))
 
-    def _start_epoch(self) -> Iterator[Any]:
+    def _start_epoch(self, position: dict[str, Any] | None = None) -> Iterator[Any]:
         if not self._one_shot:
             for owner in (self.loader, getattr(self.loader, "sampler", None)):
                 set_epoch = getattr(owner, "set_epoch", None)
@@ -59,7 +74,30 @@ class EpochIterator:
                     set_epoch(self.epoch)
                     break
         self._drawn_this_epoch = 0
-        return iter(self.loader)
+        if not self._sampled:
+            return iter(self.loader)
+        loader: Any = self.loader
+        if position is None:
+            self._epoch_start = capture_epoch_start(loader)
+            return iter(loader)
+        self._epoch_start = position["epoch_start"]
+        self._drawn_this_epoch = position["drawn"]
+        return replayed_epoch(loader, position["epoch_start"], position["drawn"])
+
+    def tap_first_batch(self, fn: Any) -> None:
+        """Call ``fn(batch)`` with the next batch drawn, once, then draw untapped (no cost after)."""
+        self._iterator = _FirstBatchTap(self, self._iterator, fn)
+
+    def position(self) -> dict[str, Any] | None:
+        """Where a ``DataLoader`` with a sampler is inside its epoch (the generators' states as
+        the epoch began, and the batches drawn since), for a checkpoint; ``None`` for other
+        loaders, and at an epoch's end (the next epoch begins from the restored generators)."""
+        length = self.batches_per_epoch
+        if not self._sampled or self._epoch_start is None or self._drawn_this_epoch == 0:
+            return None
+        if length is not None and self._drawn_this_epoch >= length:
+            return None
+        return {"epoch_start": self._epoch_start, "drawn": self._drawn_this_epoch}
 
     @property
     def epochs_completed(self) -> int:
@@ -84,11 +122,12 @@ class EpochIterator:
     def resume_epoch(self) -> int:
         """The epoch a checkpoint made now should resume in.
 
-        A loader that saves its position (``StatefulDataLoader``) resumes mid-epoch, so the
-        current epoch; any other loader restarts its epoch on resume, so an epoch whose last
+        A loader that saves its position (``StatefulDataLoader``, or a ``DataLoader`` with a
+        sampler mid-epoch, see :meth:`position`) resumes mid-epoch, so the current epoch; any
+        other loader restarts its epoch on resume, so an epoch whose last
         batch was drawn counts as done (resuming must not draw it a second time).
         """
-        return self.epoch if callable(getattr(self.loader, "state_dict", None)) else self.epochs_completed
+        return self.epoch if self._stateful or self.position() is not None else self.epochs_completed
 
     def __iter__(self) -> EpochIterator:
         return self
@@ -136,3 +175,19 @@ class EpochIterator:
         if callable(close):
             close()
         self._iterator = iter(())
+
+
+class _FirstBatchTap:
+    """An epoch's iterator that shows its next batch to ``fn``, then puts the iterator back."""
+
+    def __init__(self, owner: EpochIterator, iterator: Iterator[Any], fn: Any) -> None:
+        self.owner, self.iterator, self.fn = owner, iterator, fn
+
+    def __iter__(self) -> _FirstBatchTap:
+        return self
+
+    def __next__(self) -> Any:
+        batch = next(self.iterator)
+        self.owner._iterator = self.iterator
+        self.fn(batch)
+        return batch

@@ -17,8 +17,10 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from trainloop.checkpoint.weights import init_from
 from trainloop.data import EpochIterator
-from trainloop.distributed.ranks import is_rank_zero
+from trainloop.distributed.rank_seeds import seed_ranks_apart, warn_if_ranks_drew_the_same
+from trainloop.distributed.ranks import is_rank_zero, world_size
 from trainloop.hooks.dispatch import check_hooks, hook_dispatch, state_entry_methods
 from trainloop.hooks.logging_hook import with_default_logging
 from trainloop.hooks.registry import build_declared_hooks
@@ -120,6 +122,8 @@ class Loop:
         built["data_loader"] = t.build_data_loader()
         t.run_length.plan(built["data_loader"])
         built["model"] = t.build_model()
+        if t.settings.seed_per_rank:  # validated: seed is set
+            seed_ranks_apart(t.settings.seed)  # type: ignore[arg-type]
         built["optimizer"] = t.build_optimizer()
         if lr_scheduler:
             built["lr_scheduler"] = t.build_lr_scheduler()
@@ -141,11 +145,16 @@ class Loop:
         t, run = self.trainer, self.run_state
         if t.settings.metrics_file and t.settings.workspace is not None and is_rank_zero():
             t.metrics.open(t.settings.workspace / METRICS_FILE, resumed_step=run.step)
+        init_from(t)  # a fine-tune's weights, unless a checkpoint of the run was resumed
         for fn in run.dispatch["on_before_train"]:
             fn(t)
         epochs = t.settings.max_epochs
-        run.data = EpochIterator(run.built["data_loader"], run.epoch, resumed=run.step > 0, limit=epochs)
+        run.data = EpochIterator(
+            run.built["data_loader"], run.epoch, resumed=run.step > 0, limit=epochs, position=run.restored_position
+        )
         t.run_length.follow(run.data)
+        if world_size() > 1:  # one small all-gather, at the first batch only
+            run.data.tap_first_batch(warn_if_ranks_drew_the_same)
         if run.restored_rng is not None:
             # Only now: creating the data iterator draws from torch's generator (its base seed),
             # which the uninterrupted run did long before this step.

@@ -60,6 +60,8 @@ class RunState:
         data: The iterator the run draws batches from (``None`` before ``restoring``).
         restored_rng: Random states a checkpoint load restored before ``data`` existed; applied
             once it does (creating it draws from torch's generator).
+        restored_position: A plain ``DataLoader``'s position a checkpoint load restored, for
+            ``data`` to resume its epoch exactly there (see ``trainloop.data_position``).
         error: What ended the run, if an error did.
     """
 
@@ -71,6 +73,7 @@ class RunState:
     built: dict[str, Any] = field(default_factory=dict)
     data: EpochIterator | None = None
     restored_rng: dict[str, Any] | None = None
+    restored_position: dict[str, Any] | None = None
     error: BaseException | None = None
 
 

@@ -15,7 +15,11 @@ from trainloop.rng import get_rng_state, set_rng_state
 from trainloop.settings import optimizer as components
 
 if TYPE_CHECKING:
+    from trainloop.data import EpochIterator
     from trainloop.run_state import RunState, TrainerView
+
+#: The key of a plain DataLoader's saved position (the rest are StatefulDataLoader's own).
+SAMPLER_POSITION = "trainloop_sampler_position"
 
 __all__ = ["ChangedSettingsWarning", "load_training_state", "training_state"]
 
@@ -53,7 +57,7 @@ def training_state(trainer: TrainerView, run: RunState) -> dict[str, Any]:
             "grad_scaler": trainer.grad_scaler.state_dict(),
             # What resumes the run exactly, per rank (each rank has its own).
             "rng": gather_from_ranks(get_rng_state()),
-            "data_loader": gather_from_ranks(_loader_state(trainer.data_loader)),
+            "data_loader": gather_from_ranks(_loader_state(trainer.data_loader, data)),
             # JSON, never pickled: readable anywhere, and compared on resume.
             "settings": trainer.settings.model_dump_json(),
         },
@@ -174,6 +178,9 @@ def _restore_per_rank(trainer: TrainerView, run: RunState, saved: dict[str, Any]
     else:
         set_rng_state(rngs[this_rank])
     if loaders is not None and loaders[this_rank] is not None:
+        if SAMPLER_POSITION in loaders[this_rank]:  # a plain DataLoader's (see trainloop.data_position)
+            run.restored_position = loaders[this_rank][SAMPLER_POSITION]
+            return
         # A saved position comes from a stateful loader (StatefulDataLoader), which the
         # trainer's declared type, an Iterable, does not promise.
         loader: Any = trainer.data_loader
@@ -207,7 +214,11 @@ def _warn_on_changed_settings(trainer: TrainerView, saved: str | None) -> None:
         )
 
 
-def _loader_state(loader: Any) -> Any:
-    """The loader's position when it can report one (``StatefulDataLoader``), else ``None``."""
+def _loader_state(loader: Any, data: EpochIterator | None) -> Any:
+    """The loader's position when it can report one (``StatefulDataLoader``), or where a plain
+    ``DataLoader`` with a sampler is in its epoch; else ``None``."""
     state_dict = getattr(loader, "state_dict", None)
-    return state_dict() if callable(state_dict) else None
+    if callable(state_dict):
+        return state_dict()
+    position = data.position() if data is not None else None
+    return None if position is None else {SAMPLER_POSITION: position}

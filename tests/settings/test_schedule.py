@@ -209,9 +209,56 @@ def test_bad_schedule_values_are_errors_at_the_field(arguments, field):
         ({"warmup_ratio": 0.95}, 10, 10),  # rounded up to every step
     ],
 )
-def test_warmup_must_leave_a_step_for_the_schedule(settings, max_steps, warmup):
-    with pytest.raises(ValueError, match=rf"warmup of {warmup} steps must be shorter than max_steps \({max_steps}\)"):
-        build_lr_scheduler(LrScheduleSettings(name="cosine", **settings), sgd(1.0), max_steps)
+def test_a_run_shorter_than_its_warmup_only_warms_up_with_a_warning(settings, max_steps, warmup):
+    with pytest.warns(UserWarning, match=rf"the warmup of {warmup} steps is not shorter than the run \({max_steps} steps\)"):
+        lrs = schedule(max_steps, name="cosine", **settings)
+    assert firsts(lrs)[:max_steps] == pytest.approx([k / (warmup + 1) for k in range(1, max_steps + 1)])
+
+
+def nanogpt_get_lr(it, learning_rate, warmup_iters, lr_decay_iters, min_lr):
+    """nanoGPT's train.py ``get_lr``, verbatim."""
+    # 1) linear warmup for warmup_iters steps
+    if it < warmup_iters:
+        return learning_rate * (it + 1) / (warmup_iters + 1)
+    # 2) if it > lr_decay_iters, return min learning rate
+    if it > lr_decay_iters:
+        return min_lr
+    # 3) in between, use cosine decay down to min learning rate
+    decay_ratio = (it - warmup_iters) / (lr_decay_iters - warmup_iters)
+    assert 0 <= decay_ratio <= 1
+    coeff = 0.5 * (1.0 + math.cos(math.pi * decay_ratio))  # coeff ranges 0..1
+    return min_lr + coeff * (learning_rate - min_lr)
+
+
+@pytest.mark.parametrize(("max_iters", "lr_decay_iters"), [(60, 40), (40, 40), (30, 50)])
+def test_nanogpts_get_lr_one_to_one(max_iters, lr_decay_iters):
+    """Step k + 1 runs at get_lr(k), k = iter_num; a decay shorter than the run holds min_lr after it,
+    a longer one is cut off by the run's end."""
+    settings = TrainerSettings.model_validate(
+        {"max_steps": max_iters, "lr_schedule": {"name": "cosine", "warmup_steps": 5, "decay_steps": lr_decay_iters, "final_lr": 6e-5}}
+    )
+    used = firsts(schedule(max_iters, sgd(6e-4), **settings.lr_schedule.model_dump(exclude_none=True)))[:max_iters]
+    expected = [nanogpt_get_lr(it, 6e-4, 5, lr_decay_iters, 6e-5) for it in range(max_iters)]
+    assert used == pytest.approx(expected, rel=1e-12, abs=0)
+
+
+def test_an_absolute_final_lr_is_the_floor_of_every_group():
+    rows = schedule(20, sgd(1.0, 0.1), name="linear", decay_steps=10, final_lr=0.05)
+    assert rows[10] == pytest.approx([0.05, 0.05]) and rows[19] == pytest.approx([0.05, 0.05])
+    assert rows[0] == pytest.approx([1.0, 0.1])
+
+
+@pytest.mark.parametrize(
+    ("arguments", "message"),
+    [
+        ({"name": "cosine", "final_lr": 0.1, "final_lr_ratio": 0.1}, "give final_lr or final_lr_ratio, not both"),
+        ({"name": "constant", "decay_steps": 5}, "final_lr and decay_steps apply to the linear and cosine schedules"),
+        ({"name": "cosine", "warmup_steps": 5, "decay_steps": 5}, r"decay_steps \(5\) must be greater than warmup_steps \(5\)"),
+    ],
+)
+def test_contradictory_schedules_are_refused(arguments, message):
+    with pytest.raises(ValidationError, match=message):
+        LrScheduleSettings(**arguments)
 
 
 @pytest.mark.parametrize("max_steps", [0, -3, True, 2.0])

@@ -190,9 +190,9 @@ def test_settings_round_trip_through_json():
     assert TrainerSettings.model_validate_json(settings.model_dump_json()) == settings
 
 
-def test_a_warmup_as_long_as_the_run_is_rejected():
-    with pytest.raises(ValidationError, match=r"warmup \(4 steps\) must be shorter than max_steps \(4\)"):
-        TrainerSettings(max_steps=4, lr_schedule={"name": "linear", "warmup_steps": 4})
+def test_a_warmup_as_long_as_the_run_is_allowed_a_smoke_run_of_long_settings():
+    settings = TrainerSettings(max_steps=4, lr_schedule={"name": "linear", "warmup_steps": 4})
+    assert settings.lr_schedule.warmup_steps == 4  # the schedule warns when it is built
 
 
 def test_schema_file_is_current():

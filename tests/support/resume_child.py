@@ -17,6 +17,8 @@ torch import). Each run is a JSON object:
     pause_after_save   block on a stdin line once the checkpoint of this step is written
     pause_rank         the only rank that pauses before a step (default: every rank)
     out                ``torch.save`` the final parameters and the start step here
+    loader             ``"plain"``: a plain shuffling ``torch.utils.data.DataLoader`` instead of
+                       the ``StatefulDataLoader`` (one process only)
 
 Under a torchrun-style environment (``WORLD_SIZE`` > 1, ``RANK``, ``MASTER_ADDR``,
 ``MASTER_PORT``) the process joins a gloo group and the model is wrapped in DDP, each rank
@@ -42,7 +44,7 @@ import torch
 import torch.distributed as dist
 from tiny_trainer import TinyTrainer, make_data
 from torch import nn
-from torch.utils.data import DistributedSampler
+from torch.utils.data import DataLoader, DistributedSampler
 from torchdata.stateful_dataloader import StatefulDataLoader
 
 from trainloop import BaseHook
@@ -64,8 +66,12 @@ class DropoutTrainer(TinyTrainer):
     """Dropout (torch's generator, every step) over a shuffling StatefulDataLoader of 5 batches
     per epoch, so stops fall mid-epoch; DDP with a shuffling DistributedSampler under a group."""
 
+    plain_loader = False
+
     def build_data_loader(self):
         data = make_data(40)
+        if self.plain_loader:  # no state of its own: trainloop saves where its sampler is
+            return DataLoader(data, batch_size=8, shuffle=True)
         if dist.is_initialized():
             sampler = DistributedSampler(data, shuffle=True, seed=SEED)
             return StatefulDataLoader(data, batch_size=4, sampler=sampler)
@@ -79,9 +85,14 @@ class DropoutTrainer(TinyTrainer):
         return nn.parallel.DistributedDataParallel(model) if dist.is_initialized() else model
 
 
+class PlainLoaderTrainer(DropoutTrainer):
+    plain_loader = True
+
+
 def trainer_for(run: dict[str, Any], hooks: list[BaseHook]) -> DropoutTrainer:
     """The trainer a run spec describes (the test builds its references with it too)."""
-    return DropoutTrainer(
+    cls = PlainLoaderTrainer if run.get("loader") == "plain" else DropoutTrainer
+    return cls(
         max_steps=run["max_steps"],
         gradient_accumulation_steps=run.get("accumulation", 1),
         seed=SEED,

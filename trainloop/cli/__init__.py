@@ -1,4 +1,4 @@
-"""The ``trainloop`` command line: run, validate, schema, graph, inspect, report.
+"""The ``trainloop`` command line: run, validate, schema, graph, inspect, report, export.
 
 ::
 
@@ -8,6 +8,7 @@
     trainloop graph [--format mermaid|dot|svg|png] [--trace runs/exp1] [--settings run.yaml [--trainer train:MyTrainer]] [--output machine.svg]
     trainloop inspect runs/exp1/checkpoints
     trainloop report runs/exp1 [--output report.html]
+    trainloop export runs/exp1/checkpoints --output model.safetensors [--weights ema]
 
 ``run`` and ``validate`` take the trainer from ``--trainer`` or else the settings' ``trainer`` key.
 
@@ -32,7 +33,7 @@ from trainloop.cli.errors import PROG, CliError
 
 __all__ = ["COMMANDS", "CliError", "main"]
 
-COMMANDS = ("run", "validate", "schema", "graph", "inspect", "report")
+COMMANDS = ("run", "validate", "schema", "graph", "inspect", "report", "export")
 """The subcommands; each is the module ``trainloop.cli.<name>``, whose ``command(args)`` runs it."""
 
 
@@ -110,6 +111,17 @@ def _build_parser() -> argparse.ArgumentParser:
     )
     report.add_argument("workspace", metavar="WORKSPACE", help="the run's workspace directory")
     report.add_argument("--output", metavar="PATH", help="where to write it (default: WORKSPACE/report.html)")
+
+    export = commands.add_parser(
+        "export", help="write a checkpoint's weights to one .safetensors file",
+        description="Write the model's (or its EMA hook's) weights of a checkpoint, full or sharded, to one "
+        ".safetensors file: clean keys, tied weights included, metadata with the step, the settings' hash "
+        "and the trainloop version. Give a checkpoint directory, a checkpoints root or a workspace (its latest).",
+    )
+    export.add_argument("checkpoint", metavar="CHECKPOINT")
+    export.add_argument("--output", "-o", required=True, metavar="PATH", help="the .safetensors file to write")
+    export.add_argument("--weights", default="model", metavar="WHICH",
+                        help='"model" (default), "ema", or the name of the EMA hook whose weights to export')
     assert tuple(commands.choices) == COMMANDS
     return parser
 

@@ -13,6 +13,7 @@ from trainloop.hooks.dispatch import HOOK_EVENTS
 from trainloop.hooks.early_stopping import EarlyStoppingHook, MonitorNotFoundWarning
 from trainloop.hooks.ema import EmaHook
 from trainloop.hooks.every import Schedule
+from trainloop.hooks.export import ExportHook
 from trainloop.hooks.image_files import ImageFileLoggerHook
 from trainloop.hooks.logging_hook import LoggingHook
 from trainloop.hooks.progress import ProgressHook
@@ -30,6 +31,7 @@ __all__ = [
     "CudaMaxMemoryHook",
     "EarlyStoppingHook",
     "EmaHook",
+    "ExportHook",
     "HookSpec",
     "ImageFileLoggerHook",
     "LoggingHook",

@@ -25,6 +25,7 @@ from pydantic import (
 
 from trainloop.hooks.registry import HookSpec
 from trainloop.settings.errors import describe_validation_error, in_our_words
+from trainloop.settings.init_from import InitFromSettings
 from trainloop.settings.optimizer import OptimizerSettings
 from trainloop.settings.schedule import LrScheduleSettings
 from trainloop.settings.sources import ENV_PREFIX, SettingsFileError, SettingsInput, read_settings_input
@@ -91,6 +92,10 @@ class TrainerSettings(BaseModel):
     seed: NonNegativeInt | None = None
     """Seed Python's, NumPy's and torch's generators with this when ``train()`` starts, on
     every rank, before anything is built."""
+    seed_per_rank: StrictBool = False
+    """Once the model is built (its initialisation the same on every rank), reseed the
+    generators with ``seed + rank``, so dropout and a loader sampling with torch's global
+    generator differ per rank (see docs/distributed.md); needs ``seed``."""
     optimizer: OptimizerSettings | None = None
     """An optimizer declared by name (any ``torch.optim`` optimizer) with its arguments, e.g.
     ``{"name": "AdamW", "lr": 1e-3, "no_weight_decay": ["bias", "norm"]}``; the default
@@ -98,6 +103,11 @@ class TrainerSettings(BaseModel):
     lr_schedule: LrScheduleSettings | None = None
     """A learning-rate schedule (``constant``, ``linear``, ``cosine``, with warmup); the default
     ``build_lr_scheduler()`` builds it."""
+    init_from: InitFromSettings | None = None
+    """Start from these weights (the model's only, loaded in ``restoring``) unless a checkpoint
+    of this run is resumed: a path to a checkpoint or a ``.safetensors`` / ``.pt`` file, or
+    ``{"path": ..., "weights": "ema", "strict": false, "strip_prefixes": [...], "ignore":
+    [...]}`` (see docs/checkpointing.md)."""
     hooks: tuple[HookSpec, ...] = ()
     """Hooks declared as data, each ``{"type": ..., <its parameters>}`` (e.g. ``{"type":
     "checkpointing", "interval": 1000}``); a run uses the hooks ``build_hooks()`` returns, then
@@ -143,14 +153,9 @@ class TrainerSettings(BaseModel):
         return self
 
     @model_validator(mode="after")
-    def _warmup_fits(self) -> Self:
-        # With max_epochs alone the step count is known once the data loader is built, and the
-        # schedule is checked then.
-        if self.max_steps is not None and self.lr_schedule is not None and self.lr_schedule.warmup_steps_for(self.max_steps) >= self.max_steps:
-            raise ValueError(
-                f"lr_schedule warmup ({self.lr_schedule.warmup_steps_for(self.max_steps)} steps) must be "
-                f"shorter than max_steps ({self.max_steps})"
-            )
+    def _seed_per_rank_needs_a_seed(self) -> Self:
+        if self.seed_per_rank and self.seed is None:
+            raise ValueError("seed_per_rank offsets the seed by rank: set seed too")
         return self
 
     @classmethod

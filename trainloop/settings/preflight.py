@@ -16,7 +16,8 @@ so that a run that validates does not fail later on something that was known all
   signal (a hook whose settings have ``exit_signals`` claims them);
 - the directories the run will write (the workspace, checkpoint and TensorBoard directories)
   can be made and written: no file in the way, no NUL byte, write permission;
-- the device exists on this machine.
+- the device exists on this machine;
+- the weights ``init_from`` names are there.
 
 On the command line the preflight runs once: ``trainloop run`` checks the settings (naming the
 file or variable of each value) and then trains under ``checked(...)``, which tells ``train()``
@@ -92,6 +93,7 @@ def preflight(
     problems += _combinations(settings)
     problems += _workspace_paths(settings)
     problems += _device(settings)
+    problems += _init_from(settings)
     if source_of is None:
         return [line for _, line in problems]
     return [f"{source_of(path)}: {line}" for path, line in problems]
@@ -215,6 +217,14 @@ def _workspace_paths(settings: TrainerSettings) -> list[tuple[tuple[Key, ...], s
             if where == ("workspace",):
                 break  # the directories under it would only say it again
     return problems
+
+
+def _init_from(settings: TrainerSettings) -> list[tuple[tuple[Key, ...], str]]:
+    spec = settings.init_from
+    # Every rank reads the weights itself, so every rank may check that they are there.
+    if spec is None or spec.path.expanduser().exists():
+        return []
+    return [(("init_from", "path"), f"init_from.path: no checkpoint or weights file at {str(spec.path)!r}")]
 
 
 def _device(settings: TrainerSettings) -> list[tuple[tuple[Key, ...], str]]:

@@ -3,6 +3,7 @@
 ::
 
     {"name": "cosine", "warmup_steps": 500, "final_lr_ratio": 0.1}
+    {"name": "cosine", "warmup_steps": 2000, "decay_steps": 600000, "final_lr": 6e-5}  # nanoGPT's get_lr
 
 The schedule is a closed-form factor of each param group's own initial learning rate
 (``lr_factor``), run by a ``torch.optim.lr_scheduler.LambdaLR`` (``build_lr_scheduler``). It is a
@@ -13,6 +14,7 @@ and ``describe_schedule_change`` says what that does when they differ from the c
 from __future__ import annotations
 
 import math
+import warnings
 from collections.abc import Callable, Mapping
 from typing import Annotated, Any, Literal
 
@@ -20,7 +22,7 @@ import torch
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 from torch.optim.lr_scheduler import LambdaLR, LRScheduler
 
-from trainloop.settings.types import NonNegativeInt
+from trainloop.settings.types import NonNegativeFloat, NonNegativeInt, PositiveInt
 
 __all__ = ["LR_SCHEDULES", "LrScheduleSettings", "build_lr_scheduler", "describe_schedule_change", "lr_factor"]
 
@@ -35,11 +37,15 @@ class LrScheduleSettings(BaseModel):
     """A learning-rate schedule over ``max_steps`` optimizer steps, with optional linear warmup.
 
     Warmup: steps ``1..W`` use ``lr * k / (W + 1)`` (no step is wasted at lr 0), and the
-    schedule proper starts at ``lr`` on step ``W + 1``. It then runs for the remaining
-    ``D = max_steps - W`` steps, ``j = 0..D-1``: ``constant`` keeps ``lr``; ``linear`` uses
-    ``lr * (1 - (1 - r) * j / D)``; ``cosine`` uses ``lr * (r + (1 - r) * (1 + cos(pi * j / D)) / 2)``,
-    where ``r`` is ``final_lr_ratio``; both reach ``lr * r`` as the last step completes.
+    schedule proper starts at ``lr`` on step ``W + 1``. It then decays over ``D = E - W``
+    steps, ``j = 0..D-1``, where ``E`` is ``decay_steps`` (default ``max_steps``): ``constant``
+    keeps ``lr``; ``linear`` uses ``lr * (1 - (1 - r) * j / D)``; ``cosine`` uses
+    ``lr * (r + (1 - r) * (1 + cos(pi * j / D)) / 2)``, where ``r`` is ``final_lr_ratio`` (or
+    ``final_lr / lr``); both reach ``lr * r`` at step ``E + 1`` and stay there. With
+    ``decay_steps = max_steps`` (the default) the floor is reached as the last step completes.
     ``lr`` is each param group's initial learning rate. ``build_lr_scheduler`` builds it.
+    That is nanoGPT's ``get_lr`` with ``warmup_iters = W``, ``lr_decay_iters = E`` and
+    ``min_lr = final_lr``: step ``k + 1`` runs at ``get_lr(k)``.
     """
 
     model_config = ConfigDict(frozen=True, extra="forbid", validate_default=True, use_attribute_docstrings=True)
@@ -53,7 +59,14 @@ class LrScheduleSettings(BaseModel):
     steps; excludes ``warmup_steps``."""
     final_lr_ratio: _UnitRatio | None = None
     """For ``linear`` and ``cosine``: the learning rate reached at the end, as a fraction of the
-    initial one, in [0, 1]; ``None`` means 0."""
+    initial one, in [0, 1]; ``None`` means 0. Excludes ``final_lr``."""
+    final_lr: NonNegativeFloat | None = None
+    """For ``linear`` and ``cosine``: the learning rate reached at the end, absolute (nanoGPT's
+    ``min_lr``), the same for every param group; excludes ``final_lr_ratio``."""
+    decay_steps: PositiveInt | None = None
+    """For ``linear`` and ``cosine``: the step count, from the run's start and warmup included,
+    at which the decay reaches its floor, which then holds (nanoGPT's ``lr_decay_iters``);
+    ``None``: ``max_steps``. It may be shorter or longer than the run."""
 
     @model_validator(mode="after")
     def _consistent(self) -> LrScheduleSettings:
@@ -61,6 +74,12 @@ class LrScheduleSettings(BaseModel):
             raise ValueError("give warmup_steps or warmup_ratio, not both")
         if self.name == "constant" and self.final_lr_ratio is not None:
             raise ValueError("final_lr_ratio applies to the linear and cosine schedules, not to constant")
+        if self.name == "constant" and (self.final_lr is not None or self.decay_steps is not None):
+            raise ValueError("final_lr and decay_steps apply to the linear and cosine schedules, not to constant")
+        if self.final_lr is not None and self.final_lr_ratio is not None:
+            raise ValueError("give final_lr or final_lr_ratio, not both")
+        if self.decay_steps is not None and self.warmup_steps is not None and self.decay_steps <= self.warmup_steps:
+            raise ValueError(f"decay_steps ({self.decay_steps}) must be greater than warmup_steps ({self.warmup_steps})")
         return self
 
     def warmup_steps_for(self, max_steps: int) -> int:
@@ -70,25 +89,39 @@ class LrScheduleSettings(BaseModel):
         return self.warmup_steps or 0
 
 
-def lr_factor(settings: LrScheduleSettings, max_steps: int) -> Callable[[int], float]:
-    """The schedule as a function: completed steps -> multiplier of each group's initial lr.
+def lr_factor(settings: LrScheduleSettings, max_steps: int, initial_lr: float | None = None) -> Callable[[int], float]:
+    """The schedule as a function: completed steps -> multiplier of a group's initial lr.
 
     ``factor(k)`` is the learning rate of step ``k + 1`` over the initial one (see
-    ``LrScheduleSettings``); past ``max_steps`` it stays at the final value.
+    ``LrScheduleSettings``); past the decay it stays at the final value. A run shorter than its
+    warmup is allowed (a smoke test of a long run's settings): it warms up and ends, with a
+    warning.
+
+    Args:
+        settings: The schedule.
+        max_steps: Optimizer steps in the run.
+        initial_lr: The param group's initial lr; needed with ``final_lr``, an absolute floor.
 
     Raises:
-        ValueError: ``max_steps`` is not a positive integer, or the warmup leaves no step.
+        ValueError: ``max_steps`` is not a positive integer, or ``final_lr`` is declared and
+            ``initial_lr`` not given.
     """
     if isinstance(max_steps, bool) or not isinstance(max_steps, int) or max_steps < 1:
         raise ValueError(f"max_steps must be a positive integer, got {max_steps!r}")
     warmup = settings.warmup_steps_for(max_steps)
     if warmup >= max_steps:
-        raise ValueError(
-            f"warmup of {warmup} steps must be shorter than max_steps ({max_steps}): "
-            "the schedule needs at least one step after it"
+        warnings.warn(
+            f"lr_schedule: the warmup of {warmup} steps is not shorter than the run ({max_steps} steps): the "
+            f"learning rate only warms up, reaching {max_steps / (warmup + 1):.3g} x its peak at the last step",
+            UserWarning, stacklevel=3,
         )
-    decay_steps = max_steps - warmup
+    end = settings.decay_steps if settings.decay_steps is not None else max_steps
+    decay_steps = max(end - warmup, 1)
     final = settings.final_lr_ratio or 0.0
+    if settings.final_lr is not None:
+        if initial_lr is None:
+            raise ValueError("lr_schedule final_lr is absolute: the param group's initial lr is needed")
+        final = settings.final_lr / initial_lr if initial_lr else 0.0
     name = settings.name
 
     def factor(completed: int) -> float:
@@ -123,10 +156,13 @@ def build_lr_scheduler(settings: LrScheduleSettings, optimizer: torch.optim.Opti
         The scheduler.
 
     Raises:
-        ValueError: ``max_steps`` is not a positive integer, or the warmup does not leave at
-            least one step.
+        ValueError: ``max_steps`` is not a positive integer.
     """
-    return LambdaLR(optimizer, lr_factor(settings, max_steps))
+    if settings.final_lr is None:
+        return LambdaLR(optimizer, lr_factor(settings, max_steps))
+    # An absolute floor is a different ratio for each group's own lr: one factor per group.
+    initial = [group.get("initial_lr", group["lr"]) for group in optimizer.param_groups]
+    return LambdaLR(optimizer, [lr_factor(settings, max_steps, lr) for lr in initial])
 
 
 def describe_schedule_change(saved: Mapping[str, Any], settings: Any, step: int) -> str | None:
@@ -147,6 +183,12 @@ def describe_schedule_change(saved: Mapping[str, Any], settings: Any, step: int)
     then_steps, then_schedule = saved.get("max_steps"), saved.get("lr_schedule")
     if then_steps == settings.max_steps and then_schedule == schedule.model_dump(mode="json"):
         return None
+    if schedule.final_lr is not None:  # the factor depends on each group's lr, unknown here
+        return (
+            f"lr_schedule: resuming after step {step} with max_steps {settings.max_steps} and lr_schedule "
+            f"{schedule.model_dump(exclude_none=True)}, where the checkpoint's run had max_steps {then_steps} and "
+            f"lr_schedule {then_schedule}: the schedule follows this run's settings from step {step + 2}."
+        )
     now = lr_factor(schedule, settings.max_steps)
     shown_then = {k: v for k, v in then_schedule.items() if v is not None} if isinstance(then_schedule, dict) else then_schedule
     text = (
@@ -158,7 +200,7 @@ def describe_schedule_change(saved: Mapping[str, Any], settings: Any, step: int)
     )
     if isinstance(then_steps, int):  # else that run was bounded by max_epochs alone
         try:
-            then = lr_factor(LrScheduleSettings.model_validate(then_schedule), then_steps)
+            then = lr_factor(LrScheduleSettings.model_validate(then_schedule), then_steps, 1.0)
             text += f" (the checkpoint's schedule had {then(step + 1):.4g} there)"
         except (ValueError, TypeError):  # no schedule then, or an unreadable one
             pass

@@ -1,0 +1,99 @@
+"""Export: a checkpoint's weights to one ``.safetensors`` file that ``safetensors.torch.load_file``
+reads back exactly (tied weights included), from the CLI and at the end of a run."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+import torch.multiprocessing as mp
+from cli_process import Cli, cli_env
+from ddp_worker import free_port
+from safetensors import safe_open
+from safetensors.torch import load_file
+from tiny_trainer import TinyTrainer
+from weights_worker import TiedTrainer, sharded_tied_run
+
+from trainloop import TrainerSettings
+from trainloop.checkpoint.export import export_checkpoint, settings_hash
+from trainloop.hooks.checkpointing import CheckpointingHook
+from trainloop.hooks.ema import EmaHook
+from trainloop.version import __version__
+
+
+def metadata_of(path):
+    with safe_open(str(path), framework="pt") as opened:
+        return opened.metadata()
+
+
+def assert_exact(loaded, expected):
+    assert sorted(loaded) == sorted(expected)
+    for key, value in expected.items():
+        assert loaded[key].dtype == value.dtype and torch.equal(loaded[key], value), key
+
+
+@pytest.fixture(scope="module")
+def sharded_run(tmp_path_factory):
+    out = tmp_path_factory.mktemp("sharded_tied")
+    mp.spawn(sharded_tied_run, args=(2, free_port(), str(out)), nprocs=2, join=True)
+    return out
+
+
+def test_a_2_rank_sharded_checkpoint_exports_bit_exactly_tied_weights_included(sharded_run, tmp_path):
+    reference = torch.load(sharded_run / "reference.pt", weights_only=True)
+    assert "lm_head.weight" in reference and "wte.weight" in reference
+    metadata = export_checkpoint(sharded_run / "ws" / "checkpoints", tmp_path / "model.safetensors")
+    assert_exact(load_file(tmp_path / "model.safetensors"), reference)
+    assert metadata == metadata_of(tmp_path / "model.safetensors")
+    assert (metadata["step"], metadata["weights"], metadata["trainloop_version"]) == ("3", "model", __version__)
+    settings = TrainerSettings.model_validate_json(json.dumps({"max_steps": 3, "seed": 0, "workspace": str(sharded_run / "ws")}))
+    assert metadata["settings_sha256"] == settings_hash(settings.model_dump_json())
+
+
+def test_the_end_of_run_export_under_ddp_has_clean_keys_and_records_the_tie(sharded_run):
+    end = sharded_run / "ws" / "end.safetensors"
+    reference = torch.load(sharded_run / "reference.pt", weights_only=True)
+    assert_exact(load_file(end), reference)  # no "module." from DDP
+    metadata = metadata_of(end)
+    assert json.loads(metadata["tied"]) == {"lm_head.weight": "wte.weight"} and metadata["step"] == "3"
+
+
+def test_a_full_checkpoint_with_tied_weights_exports_through_the_cli(tmp_path):
+    trainer = TiedTrainer(max_steps=2, workspace=tmp_path / "ws", hooks=[CheckpointingHook(interval=2), EmaHook(decay=0.5)])
+    trainer.train()
+    model = Cli("export", "ws", "--output", "out/model.safetensors", cwd=tmp_path, env=cli_env())
+    ema = Cli("export", "ws/checkpoints/2", "-o", "ema.safetensors", "--weights", "ema", cwd=tmp_path, env=cli_env())
+    result = model.result()
+    assert result.returncode == 0, result.stderr
+    assert result.stderr == "trainloop export: wrote the model weights of step 2 to out/model.safetensors\n"
+    expected = {k: v.detach() for k, v in trainer.unwrapped_model.state_dict().items()}
+    assert_exact(load_file(tmp_path / "out" / "model.safetensors"), expected)
+    assert json.loads(metadata_of(tmp_path / "out" / "model.safetensors")["tied"]) == {"lm_head.weight": "wte.weight"}
+    assert ema.result().returncode == 0, ema.result().stderr
+    averaged = {k: v.detach() for k, v in trainer.hooks[1].ema_model.module.state_dict().items()}
+    assert_exact(load_file(tmp_path / "ema.safetensors"), averaged)
+    assert not torch.equal(averaged["block.weight"], expected["block.weight"])
+
+
+def test_export_of_nothing_exits_1_naming_the_path_and_writes_nothing(tmp_path):
+    result = Cli("export", "missing", "--output", "model.safetensors", cwd=tmp_path, env=cli_env()).result()
+    assert result.returncode == 1 and result.stdout == ""
+    assert result.stderr == "trainloop export: error: missing: no such file or directory\n"
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_the_end_of_run_export_is_declared_in_settings_and_skipped_on_an_early_exit(tmp_path):
+    settings = {"max_steps": 2, "workspace": str(tmp_path / "ws"), "hooks": [{"type": "export", "path": "final.safetensors"}]}
+    trainer = TinyTrainer(TrainerSettings.model_validate(settings))
+    trainer.train()
+    assert_exact(load_file(tmp_path / "ws" / "final.safetensors"), {k: v.detach() for k, v in trainer.model.state_dict().items()})
+
+    class StopAtOnce(TinyTrainer):
+        def forward(self, batch):
+            self.request_exit()
+            return super().forward(batch)
+
+    stopped = StopAtOnce(TrainerSettings.model_validate({**settings, "workspace": str(tmp_path / "stopped")}))
+    stopped.train()
+    assert not (tmp_path / "stopped" / "final.safetensors").exists()

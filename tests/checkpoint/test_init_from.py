@@ -1,0 +1,166 @@
+"""``init_from``: a run starts from another run's (or a file's) weights, and only when it resumes
+nothing of its own; declared as a user would (keyword, settings file, the CLI)."""
+
+from __future__ import annotations
+
+import json
+import logging
+
+import pytest
+import torch
+from cli_process import Cli, cli_env
+from safetensors.torch import save_file
+from tiny_trainer import TinyTrainer
+from torch import nn
+
+from trainloop import TrainerSettings
+from trainloop.checkpoint import CheckpointError
+from trainloop.checkpoint.weights import load_weights, read_weights
+from trainloop.hooks.checkpointing import CheckpointingHook
+from trainloop.hooks.ema import EmaHook
+
+
+def pretrain(tmp_path, format="full", steps=5, hooks=()):
+    """A finished run whose weights differ from TinyTrainer's fresh initialisation."""
+    trainer = TinyTrainer(
+        max_steps=steps, workspace=tmp_path / "pre", lr=0.2,
+        hooks=[CheckpointingHook(interval=steps, format=format), *hooks],
+    )
+    trainer.train()
+    return trainer
+
+
+def weights_of(model):
+    return {k: v.detach().clone() for k, v in TinyTrainer.unwrap(model).state_dict().items()}
+
+
+def assert_same(a, b):
+    assert a.keys() == b.keys()
+    for key in a:
+        assert torch.equal(a[key], b[key]), key
+
+
+class Probe(TinyTrainer):
+    """Records the model's weights when training starts (after restoring)."""
+
+    def build_hooks(self):
+        probe = self
+
+        class _Probe(CheckpointingHook.__mro__[1]):  # BaseHook
+            def on_before_train(self, trainer):
+                probe.initial = weights_of(trainer.model)
+
+        return [*self._hooks, _Probe()]
+
+
+@pytest.mark.parametrize("format", ["full", "sharded"])
+def test_a_fine_tune_starts_from_a_checkpoint_full_or_sharded(tmp_path, format):
+    pre = pretrain(tmp_path, format)
+    tune = Probe(max_steps=1, init_from=str(tmp_path / "pre" / "checkpoints"))  # a root: its latest
+    tune.train()
+    assert_same(tune.initial, weights_of(pre.model))
+    assert tune.step == 1  # the step is the fine-tune's own, not the source's
+
+
+def test_a_fine_tune_starts_from_a_safetensors_file_and_a_nanogpt_style_pt(tmp_path):
+    source = {k: v + 1.0 for k, v in weights_of(TinyTrainer(max_steps=1).build_model()).items()}
+    save_file(source, tmp_path / "w.safetensors")
+    torch.save({"model": {f"_orig_mod.{k}": v for k, v in source.items()}, "iter_num": 3}, tmp_path / "ckpt.pt")
+    (tmp_path / "run.json").write_text(json.dumps({"max_steps": 1, "init_from": {"path": str(tmp_path / "w.safetensors")}}))
+    from_file = Probe(TrainerSettings.from_file(tmp_path / "run.json"))
+    from_file.train()
+    assert_same(from_file.initial, source)
+    from_pt = Probe(max_steps=1, init_from=tmp_path / "ckpt.pt")  # compiled keys cleaned
+    from_pt.train()
+    assert_same(from_pt.initial, source)
+
+
+def test_ema_weights_can_be_the_source(tmp_path):
+    ema = EmaHook(decay=0.5)
+    pretrain(tmp_path, hooks=[ema])
+    tune = Probe(max_steps=1, init_from={"path": str(tmp_path / "pre"), "weights": "ema"})  # a workspace
+    tune.train()
+    assert_same(tune.initial, weights_of(ema.ema_model.module))
+    assert not torch.equal(tune.initial["0.weight"], weights_of(pretrain(tmp_path / "again").model)["0.weight"])
+
+
+def test_a_preempted_fine_tune_resumes_its_own_checkpoint_and_never_reinitialises(tmp_path):
+    pretrain(tmp_path)
+    settings = {"max_steps": 4, "init_from": str(tmp_path / "pre" / "checkpoints"), "workspace": str(tmp_path / "tune")}
+    first = TinyTrainer(**{**settings, "max_steps": 2}, hooks=[CheckpointingHook(interval=2)])
+    first.train()
+    at_two = weights_of(first.model)
+    resumed = Probe(**settings, hooks=[CheckpointingHook(interval=2)])
+    resumed.train()
+    assert_same(resumed.initial, at_two)  # its own step-2 weights, not the pretrained ones
+    assert resumed.step == 4
+
+
+def test_strictness_prefixes_and_ignored_keys(tmp_path, caplog):
+    model = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 1))
+    source = {f"backbone.{k}": torch.full_like(v, 7.0) for k, v in model.state_dict().items() if k.startswith("0.")}
+    source["backbone.extra"] = torch.zeros(3)
+    with pytest.raises(CheckpointError) as error:
+        load_weights(model, source, strip_prefixes=["backbone."])
+    assert str(error.value).splitlines() == [
+        "init_from: missing key 2.weight (the model's own initialisation is kept)",
+        "init_from: missing key 2.bias (the model's own initialisation is kept)",
+        "init_from: unexpected key extra (not in the model, not loaded)",
+        "init_from: set strict to false, or list keys in ignore or strip_prefixes",
+    ]
+    assert not torch.equal(model[0].weight, torch.full_like(model[0].weight, 7.0))  # nothing loaded
+    head = model[2].weight.detach().clone()
+    assert load_weights(model, source, strip_prefixes=["backbone."], ignore=["2.", "extra"]) == ["0.bias", "0.weight"]
+    assert torch.equal(model[0].weight, torch.full_like(model[0].weight, 7.0)) and torch.equal(model[2].weight, head)
+    with caplog.at_level(logging.WARNING, logger="trainloop"):
+        load_weights(model, source, strip_prefixes=["backbone."], strict=False)
+    assert [r.getMessage() for r in caplog.records] == [
+        "init_from: missing key 2.weight (the model's own initialisation is kept)",
+        "init_from: missing key 2.bias (the model's own initialisation is kept)",
+        "init_from: unexpected key extra (not in the model, not loaded)",
+    ]
+
+
+def test_a_shape_mismatch_names_the_key_and_both_shapes(tmp_path):
+    model = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 1))
+    source = dict(model.state_dict())
+    source["2.weight"] = torch.zeros(2, 8)
+    with pytest.raises(CheckpointError, match=r"^init_from: 2.weight: shape \(2, 8\) in the source, \(1, 8\) in the model$"):
+        load_weights(model, source)
+
+
+def test_tied_weights_count_as_loaded_when_their_twin_is(tmp_path):
+    class Tied(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.wte = nn.Embedding(5, 3)
+            self.head = nn.Linear(3, 5, bias=False)
+            self.head.weight = self.wte.weight
+
+    model = Tied()
+    loaded = load_weights(model, {"wte.weight": torch.ones(5, 3)})  # as transformers saves GPT-2
+    assert loaded == ["wte.weight"] and torch.equal(model.head.weight, torch.ones(5, 3))
+
+
+def test_a_missing_source_is_refused_by_the_preflight_exit_2_nothing_written(tmp_path):
+    (tmp_path / "run.json").write_text(json.dumps({"max_steps": 2, "workspace": "ws", "init_from": "nowhere/model.safetensors"}))
+    runs = [Cli(command, "run.json", "--trainer", "cli_trainers:CliTrainer", cwd=tmp_path, env=cli_env()) for command in ("run", "validate")]
+    for command, process in zip(("run", "validate"), runs):
+        result = process.result()
+        assert result.returncode == 2 and result.stdout == ""
+        assert result.stderr.splitlines() == [
+            f"trainloop {command}: error: run.json: init_from.path: no checkpoint or weights file at 'nowhere/model.safetensors'"
+        ]
+    assert [p.name for p in tmp_path.iterdir()] == ["run.json"]
+
+
+def test_reading_names_what_is_wrong(tmp_path):
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(CheckpointError, match="not a checkpoint directory"):
+        read_weights(tmp_path / "empty")
+    torch.save([1, 2], tmp_path / "list.pt")
+    with pytest.raises(CheckpointError, match=r"list.pt: not a state dict"):
+        read_weights(tmp_path / "list.pt")
+    pretrain(tmp_path)
+    with pytest.raises(CheckpointError, match=r"weights='ema': no EMA hook state \(found: none\)"):
+        read_weights(tmp_path / "pre", "ema")

@@ -1,0 +1,30 @@
+"""``trainloop export CHECKPOINT --output model.safetensors``: a checkpoint's weights, consolidated
+into one ``.safetensors`` file (see :mod:`trainloop.checkpoint.export`).
+
+Exit codes: 0 written; 1 the checkpoint cannot be used (missing, corrupt, no such weights) or
+the file cannot be written; 2 bad arguments.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from trainloop.checkpoint.errors import CheckpointError
+from trainloop.checkpoint.export import export_checkpoint
+from trainloop.cli.errors import FAILURE, PROG, CliError
+
+__all__ = ["command"]
+
+
+def command(args: argparse.Namespace) -> int:
+    """Write the file, or say in one line why not."""
+    try:
+        metadata = export_checkpoint(args.checkpoint, args.output, args.weights)
+    except CheckpointError as error:
+        raise CliError(str(error), FAILURE) from None
+    except OSError as error:
+        raise CliError(f"{error.filename or args.output}: cannot write: {error.strerror}", FAILURE) from None
+    step = f" of step {metadata['step']}" if "step" in metadata else ""
+    print(f"{PROG} export: wrote the {args.weights} weights{step} to {args.output}", file=sys.stderr)
+    return 0

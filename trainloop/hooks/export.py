@@ -1,0 +1,84 @@
+"""``ExportHook``: the model's weights written to one ``.safetensors`` file when a run ends."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import TYPE_CHECKING, Annotated, Any
+
+from pydantic import Field, validate_call
+
+from trainloop.distributed.ranks import is_rank_zero
+from trainloop.hooks.base import BaseHook
+from trainloop.hooks.checks import HookProblem, needs_workspace
+from trainloop.hooks.registry import register_hook
+
+if TYPE_CHECKING:
+    from trainloop.run_state import TrainerView
+
+__all__ = ["ExportHook"]
+
+
+@register_hook("export")
+class ExportHook(BaseHook):
+    """Export the trained weights to a ``.safetensors`` file at the end of a run.
+
+    Only a run that reached its end exports: not one that failed or stopped on an exit signal
+    (its checkpoint resumes it; ``trainloop export`` exports any checkpoint). The file is the
+    one ``trainloop export`` writes (see :mod:`trainloop.checkpoint.export`): clean keys, tied
+    weights included, metadata with the step and the settings' hash. Under a process group
+    every rank gathers the full weights (FSDP needs every rank) and rank 0 writes.
+
+    Args:
+        path: The file; a relative path is under the workspace.
+        weights: ``"model"``, or ``"ema"`` for the EMA hook's averaged weights.
+    """
+
+    @validate_call
+    def __init__(self, path: Path = Path("model.safetensors"), weights: Annotated[str, Field(pattern=r"^(model|ema)$")] = "model") -> None:
+        self.path = path
+        self.weights = weights
+        self.written: Path | None = None
+
+    @classmethod
+    def check_settings(cls, declared: Any, settings: Any, trainer: Any) -> list[HookProblem]:
+        """A relative ``path`` needs a workspace."""
+        return needs_workspace(settings, declared.path, "path", f"the weights go to {str(declared.path)!r}, a relative path")
+
+    def on_after_train(self, trainer: TrainerView) -> None:
+        """Write the file, if the run reached its end."""
+        if trainer.error is not None or trainer.exit_requested:
+            trainer.logger.info("ExportHook: the run did not reach its end; %s not written", self.path)
+            return
+        from trainloop.checkpoint.export import save_weights
+
+        if self.weights == "ema":
+            from trainloop.hooks.ema import EmaHook
+
+            averaged = [hook for hook in trainer.hooks if isinstance(hook, EmaHook) and hook.ema_model is not None]
+            if len(averaged) != 1:
+                raise ValueError(f"ExportHook weights='ema' needs exactly one EmaHook, found {len(averaged)}")
+            state = averaged[0].ema_model.module.state_dict()  # type: ignore[union-attr]
+        else:
+            from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+            state = get_model_state_dict(trainer.model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+            if not state:  # cpu_offload leaves ranks other than 0 empty
+                return
+            state = _tied_as_in(trainer, state)
+        if not is_rank_zero():
+            return
+        target = self.path if self.path.is_absolute() or trainer.workspace is None else trainer.workspace / self.path
+        save_weights(state, target, step=trainer.step, settings_json=trainer.settings.model_dump_json(), weights=self.weights)
+        self.written = target
+        trainer.logger.info("Exported the %s weights of step %d to %s", self.weights, trainer.step, target)
+
+
+def _tied_as_in(trainer: TrainerView, state: dict) -> dict:
+    """``state`` with the model's tied keys sharing one tensor again (the gather copies them
+    apart), so the export records the tie."""
+    from trainloop.checkpoint.weights import tied_keys
+
+    for key, owner in tied_keys(trainer.model).items():
+        if key in state and owner in state and state[key].shape == state[owner].shape:
+            state[key] = state[owner]
+    return state
