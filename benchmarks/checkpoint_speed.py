@@ -175,7 +175,8 @@ def one_round(scratch: Path, megabytes: float, results: dict[str, list[float]]) 
 
     def our_resume() -> None:
         chosen = open_checkpoint([checkpoint], explicit=True)
-        assert chosen is not None and chosen[1] is not None
+        assert chosen is not None
+        assert chosen[1] is not None
         loaded = chosen[1]
         _load_model_and_optimizer(Shim(model, optimizer), loaded["model"], loaded["training_state"]["optimizer"])  # type: ignore[arg-type]
 

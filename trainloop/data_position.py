@@ -32,11 +32,12 @@ class InexactResumeWarning(UserWarning):
 
 def has_sampler(loader: Any) -> bool:
     """Whether ``loader`` is a ``DataLoader`` that draws indices from a sampler (a map-style
-    dataset) and keeps no state of its own (``StatefulDataLoader`` saves its own position)."""
+    dataset) and keeps no state of its own (``StatefulDataLoader`` saves its own position).
+    """
     return isinstance(loader, DataLoader) and not callable(getattr(loader, "state_dict", None)) and loader._dataset_kind == 0
 
 
-def _generators(loader: DataLoader) -> list[torch.Generator]:
+def _generators(loader: DataLoader[Any]) -> list[torch.Generator]:
     """The generators a loader's epoch may draw from besides torch's global one, each once."""
     found: list[torch.Generator] = []
     batch_sampler = loader.batch_sampler
@@ -47,16 +48,18 @@ def _generators(loader: DataLoader) -> list[torch.Generator]:
     return found
 
 
-def _draws_from_torch(loader: DataLoader) -> bool:
+def _draws_from_torch(loader: DataLoader[Any]) -> bool:
     """Whether the loader's order may come from torch's global generator: any sampler but one
-    whose order is fixed (``SequentialSampler``) or seeded by itself (``DistributedSampler``)."""
+    whose order is fixed (``SequentialSampler``) or seeded by itself (``DistributedSampler``).
+    """
     sampler = getattr(loader.batch_sampler, "sampler", loader.sampler)
     return not isinstance(sampler, (SequentialSampler, DistributedSampler))
 
 
-def capture_epoch_start(loader: DataLoader) -> dict[str, Any]:
+def capture_epoch_start(loader: DataLoader[Any]) -> dict[str, Any]:
     """The generator states an epoch's shuffle is drawn from, taken just before ``iter(loader)``
-    (torch's global one, 5 KB, only when the order may come from it)."""
+    (torch's global one, 5 KB, only when the order may come from it).
+    """
     return {
         "torch": torch.get_rng_state() if _draws_from_torch(loader) else None,
         "generators": [g.get_state() for g in _generators(loader)],
@@ -66,7 +69,8 @@ def capture_epoch_start(loader: DataLoader) -> dict[str, Any]:
 class _SkipFirst:
     """An index sampler whose iterators drop its first ``skip`` items, until one of them has
     (a multi-worker ``DataLoader`` makes two as it starts and uses the second; persistent
-    workers iterate the same object again next epoch, which must then not skip)."""
+    workers iterate the same object again next epoch, which must then not skip).
+    """
 
     def __init__(self, sampler: Any, skip: int) -> None:
         self.sampler = sampler
@@ -107,7 +111,7 @@ class _Skipping:
         return next(self.iterator)
 
 
-def replayed_epoch(loader: DataLoader, epoch_start: dict[str, Any], drawn: int) -> Iterator[Any]:
+def replayed_epoch(loader: DataLoader[Any], epoch_start: dict[str, Any], drawn: int) -> Iterator[Any]:
     """The loader's iterator of an epoch begun with the generators at ``epoch_start``, past its
     first ``drawn`` batches (whose data is not loaded).
 

@@ -115,7 +115,8 @@ class Loop:
     def build_components(self, lr_scheduler: bool = True) -> None:
         """Seed, then build data loader, model, optimizer, lr scheduler and grad scaler, in that
         order (each may read the ones before it): ``building`` starts with these, and ``lr_find``
-        builds them without the lr scheduler (``lr_scheduler=False``)."""
+        builds them without the lr scheduler (``lr_scheduler=False``).
+        """
         t, built = self.trainer, self.run_state.built
         if t.settings.seed is not None:
             seed_all(t.settings.seed)
@@ -132,7 +133,8 @@ class Loop:
     @contextlib.contextmanager
     def components_kept(self) -> Iterator[None]:
         """Give the built components back what they held (or their absence) afterwards: for a
-        tool that builds and runs a trainer's step outside ``train()`` (``lr_find``)."""
+        tool that builds and runs a trainer's step outside ``train()`` (``lr_find``).
+        """
         saved = dict(self.run_state.built)
         try:
             yield

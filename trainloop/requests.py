@@ -56,7 +56,8 @@ class RunRequests:
 
     def checkpoint_due(self, step: int, ending: Callable[[], bool]) -> bool:
         """Whether a save is due after ``step``: asked for, or standing and ``ending()`` says the
-        run ends after this step (asked only then)."""
+        run ends after this step (asked only then).
+        """
         return self._checkpoint or (self._checkpoint_at_exit and self._last_checkpoint_step != step and ending())
 
     def checkpointed(self, step: int) -> None:

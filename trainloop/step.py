@@ -189,7 +189,8 @@ class StepRunner:
 
     def begin(self) -> None:
         """Start a step (or its retry): no microstep done, no items counted; with ``epochs``,
-        as many microsteps as the epoch still has batches, up to the accumulation."""
+        as many microsteps as the epoch still has batches, up to the accumulation.
+        """
         self.microsteps = 0
         self.items = None
         if self.epochs is not None:
@@ -202,7 +203,8 @@ class StepRunner:
     def microsteps_remain(self) -> bool:
         """Whether the step in progress needs another microstep (``plan.accumulation``, the one
         place a run reads its accumulation from, or fewer for an epoch's last step under
-        ``max_epochs``: the machine's edge and ``lr_find`` ask this)."""
+        ``max_epochs``: the machine's edge and ``lr_find`` ask this).
+        """
         return self.microsteps < self.target
 
     def microstep(self) -> Microstep:
@@ -261,7 +263,7 @@ class StepRunner:
         backward = self._to_backpropagate(loss)
         if self._scaler is not None:
             backward = self._scaler.scale(backward)
-        backward.backward()
+        backward.backward()  # type: ignore[no-untyped-call]  # torch leaves Tensor.backward unannotated
         self.microsteps += 1
         return Microstep(loss, records, data_time)
 
@@ -276,7 +278,8 @@ class StepRunner:
         _check_scalar(loss, "loss", plan.owner)
         if self.items is not None:
             raise TypeError(f"{plan.owner} mixed plain losses and Loss(sum, count) in one step")
-        return loss / self._divisor if self._divisor > 1 else loss
+        scaled: torch.Tensor = loss / self._divisor if self._divisor > 1 else loss
+        return scaled
 
     def update(self) -> bool:
         """The optimizer update of the step whose microsteps are done.

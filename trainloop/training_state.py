@@ -112,7 +112,8 @@ def _load_model_and_optimizer(trainer: TrainerView, model_state: dict[str, Any],
 def _optimizer_state_by_index(trainer: TrainerView, saved: dict[str, Any]) -> dict[str, Any] | None:
     """``saved`` (parameters named as ``get_state_dict`` names them) in ``Optimizer.state_dict``'s
     own numbering, or ``None`` where torch's ``set_state_dict`` must do it: a sharded model
-    (FSDP, DTensor parameters), flattened options, or a layout that does not match."""
+    (FSDP, DTensor parameters), flattened options, or a layout that does not match.
+    """
     from torch.distributed.checkpoint.state_dict import _get_fqns
     from torch.distributed.tensor import DTensor
 
@@ -216,7 +217,8 @@ def _warn_on_changed_settings(trainer: TrainerView, saved: str | None) -> None:
 
 def _loader_state(loader: Any, data: EpochIterator | None) -> Any:
     """The loader's position when it can report one (``StatefulDataLoader``), or where a plain
-    ``DataLoader`` with a sampler is in its epoch; else ``None``."""
+    ``DataLoader`` with a sampler is in its epoch; else ``None``.
+    """
     state_dict = getattr(loader, "state_dict", None)
     if callable(state_dict):
         return state_dict()

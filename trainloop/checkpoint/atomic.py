@@ -114,7 +114,8 @@ def publish(tmp: Path, target: Path, then: Callable[[], None] | None = None) -> 
 
 def discard(tmp: Path) -> None:
     """Remove an unpublished temporary directory; what cannot be removed now, a later
-    :func:`clean_leftovers` removes."""
+    :func:`clean_leftovers` removes.
+    """
     shutil.rmtree(tmp, ignore_errors=True)
 
 
@@ -209,7 +210,8 @@ _removals: list[Future[None]] = []
 
 def wait_for_removals() -> None:
     """Wait until the directories :func:`remove_directory` deletes in the background are gone
-    (and let its helper thread end)."""
+    (and let its helper thread end).
+    """
     global _remover
     while _removals:
         _removals.pop(0).result()

@@ -50,7 +50,6 @@ _GROUP_EXTRAS = frozenset({"params", "initial_lr", "name"})
 
 def _infer_optimizer(groups: list[dict[str, Any]]) -> str | None:
     """The ``torch.optim`` class whose param-group keys match the saved groups', if one does."""
-
     if not groups or not isinstance(groups[0], dict):
         return None
     keys = set(groups[0]) - _GROUP_EXTRAS

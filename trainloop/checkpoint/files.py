@@ -197,7 +197,8 @@ def point_latest(checkpoint: Path) -> None:
 def _named(path: Path, write: Any, value: Any) -> FileDigest:
     """``write(value, path)``; an OS error that does not name its file is given ``path``."""
     try:
-        return write(value, path)
+        digest: FileDigest = write(value, path)
+        return digest
     except OSError as error:
         if error.filename is None:
             raise OSError(error.errno, error.strerror or str(error), str(path)) from error

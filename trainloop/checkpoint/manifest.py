@@ -54,7 +54,8 @@ MANIFEST_VERSION = 1
 
 def save_torch(obj: Any, path: Path) -> FileDigest:
     """``torch.save(obj, path)``, hashing the bytes on their way to the file (see
-    :class:`~trainloop.checkpoint.hashing.HashingWriter`)."""
+    :class:`~trainloop.checkpoint.hashing.HashingWriter`).
+    """
     with open(path, "wb") as file:
         hashing = HashingWriter(file)
         try:
@@ -96,7 +97,6 @@ def make_metadata(step: int, epoch: int, format: str, metrics: Mapping[str, Any]
         metrics: The last logged records, flattened (``"a/b"`` keys); values that are not
             numbers are left out, non-finite ones are written as ``null`` (JSON has no NaN).
     """
-
     metadata: dict[str, Any] = {
         "step": step,
         "epoch": epoch,

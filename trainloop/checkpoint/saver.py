@@ -22,7 +22,8 @@ from typing import Any, cast
 
 import torch
 import torch.distributed as dist
-import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.state_dict_saver import async_save as dcp_async_save
+from torch.distributed.checkpoint.state_dict_saver import save as dcp_save
 
 from trainloop.checkpoint.atomic import clean_leftovers, discard, make_temporary, publish
 from trainloop.checkpoint.errors import CheckpointError
@@ -245,7 +246,7 @@ class CheckpointSaver:
         if not self.async_save:
             def write_shards() -> None:
                 with quiet_single_process():
-                    dcp.save(shards, storage_writer=writer, no_dist=not in_process_group())
+                    dcp_save(shards, storage_writer=writer, no_dist=not in_process_group())
 
             return agree_on_error(self._finish_sharded(tmp, target, seen, write_shards, writer, rest, metadata, published, None))
         if self._group is None and in_process_group():
@@ -257,7 +258,7 @@ class CheckpointSaver:
         stager = ReusingStager(self._stage) if ReusingStager.suits(shards) else None
         with quiet_single_process():  # here only the staging; DCP's thread may still say it
             # A Future, not a response with a staging future: both stagers stage at once.
-            future = cast(Future, dcp.async_save(shards, storage_writer=writer, process_group=self._group,
+            future = cast(Future[None], dcp_async_save(shards, storage_writer=writer, process_group=self._group,
                                                  async_stager=stager, no_dist=not in_process_group()))
         group = self._group
 
@@ -277,7 +278,8 @@ class CheckpointSaver:
                         group: Any) -> BaseException | None:
         """After every rank wrote its shards: gather their digests, and rank 0 checks that it
         sees every rank's files, completes the checkpoint (the rest, metadata, manifest) and
-        publishes it. Every rank calls; ``seen``: this rank found rank 0's ``tmp``."""
+        publishes it. Every rank calls; ``seen``: this rank found rank 0's ``tmp``.
+        """
         local: tuple[dict[str, FileDigest], BaseException | None, bool]
         try:
             write_shards()
@@ -312,7 +314,8 @@ class CheckpointSaver:
 
 def _stepped_by(optimizer: torch.optim.Optimizer | None) -> Callable[[torch.Tensor], bool] | None:
     """Whether a tensor shares memory with ``optimizer``'s parameters or state: what only its
-    step changes, so its copy can wait until that step."""
+    step changes, so its copy can wait until that step.
+    """
     if optimizer is None:
         return None
     tensors = [p for group in optimizer.param_groups for p in group["params"]]

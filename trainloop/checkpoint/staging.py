@@ -24,7 +24,8 @@ __all__ = ["CpuStage", "ReusingStager", "stage_to_cpu"]
 
 def stage_to_cpu(obj: Any) -> Any:
     """A copy of ``obj`` that training cannot change: tensors copied to CPU memory, containers
-    rebuilt, other mutable objects deep-copied (see :class:`CpuStage` to reuse the memory)."""
+    rebuilt, other mutable objects deep-copied (see :class:`CpuStage` to reuse the memory).
+    """
     return CpuStage().copy(obj)
 
 
@@ -82,7 +83,8 @@ class CpuStage:
 
     def release(self) -> None:
         """Let the buffers go (the copy they hold is no longer needed): between saves, no copy
-        of the state is kept; the next :meth:`copy` allocates anew."""
+        of the state is kept; the next :meth:`copy` allocates anew.
+        """
         self._buffers = {}
         self._deferred = []
 
@@ -131,7 +133,8 @@ class ReusingStager(AsyncStager):
         self._stage = stage
 
     def stage(self, state_dict: dict[str, Any]) -> dict[str, Any]:
-        return self._stage.copy(state_dict)
+        staged: dict[str, Any] = self._stage.copy(state_dict)
+        return staged
 
     def synchronize_staging(self) -> None:
         return None  # nothing to wait for: stage() copied synchronously

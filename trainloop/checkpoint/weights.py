@@ -160,7 +160,8 @@ def _choose(directory: Path, weights: str, entry: Any, names: list[str]) -> dict
 
 def tied_keys(model: nn.Module) -> dict[str, str]:
     """Keys of ``model``'s state dict that share a tensor with an earlier key (GPT-2's
-    ``lm_head.weight`` -> ``transformer.wte.weight``)."""
+    ``lm_head.weight`` -> ``transformer.wte.weight``).
+    """
     first: dict[int, str] = {}
     tied: dict[str, str] = {}
     for name, tensor in unwrap_model(model).state_dict(keep_vars=True).items():

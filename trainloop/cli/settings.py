@@ -1,5 +1,6 @@
 """The settings ``run`` and ``validate`` check: the file < ``TRAINLOOP_*`` environment < ``--set``,
-validated by the trainer's settings class, then preflighted."""
+validated by the trainer's settings class, then preflighted.
+"""
 
 from __future__ import annotations
 
@@ -97,7 +98,8 @@ def _trainer_hint(found: SettingsInput) -> str | None:
 
 def _trainers_declaring(keys: set[str], directory: Path) -> list[str]:
     """``module:Class`` of the trainers in ``directory``'s modules whose ``settings_class``
-    (a class of the same module) declares every one of ``keys``; read with ``ast``, not imported."""
+    (a class of the same module) declares every one of ``keys``; read with ``ast``, not imported.
+    """
     found = []
     for path in sorted(directory.glob("*.py")):
         try:

@@ -29,7 +29,8 @@ _GUARD_HINT = 'a trainer\'s module must not exit or parse the command line when 
 
 class _HeldStream:
     """A stand-in for stdout/stderr that holds what a module writes while it imports, and
-    passes writes through afterwards (a logging handler set up at import keeps writing here)."""
+    passes writes through afterwards (a logging handler set up at import keeps writing here).
+    """
 
     def __init__(self, real: IO[str]) -> None:
         self._real = real

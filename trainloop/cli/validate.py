@@ -1,5 +1,6 @@
 """``trainloop validate``: the checks of ``run``, then the resolved settings as JSON; builds and
-writes nothing."""
+writes nothing.
+"""
 
 from __future__ import annotations
 

@@ -30,13 +30,15 @@ class IdenticalBatchesWarning(UserWarning):
 
 def seed_ranks_apart(seed: int) -> None:
     """Reseed Python's, NumPy's and torch's generators with ``seed + rank`` (after the model
-    is built, so every replica's initialisation stays the same)."""
+    is built, so every replica's initialisation stays the same).
+    """
     seed_all(seed + rank())
 
 
 def batch_digest(batch: Any) -> str:
     """A hash of a batch's contents: tensors (copied to the CPU, once), numbers, strings, nested
-    in lists, tuples and dicts."""
+    in lists, tuples and dicts.
+    """
     digest = hashlib.sha256()
     for leaf in _leaves(batch):
         if isinstance(leaf, torch.Tensor):
@@ -62,7 +64,8 @@ def _leaves(value: Any) -> Iterator[Any]:
 
 def warn_if_ranks_drew_the_same(batch: Any) -> None:
     """Under a process group of 2+ ranks, gather a hash of each rank's first batch (one small
-    all-gather) and warn once if they are all equal. Every rank must call it."""
+    all-gather) and warn once if they are all equal. Every rank must call it.
+    """
     if world_size() < 2:
         return
     digests = gather_from_ranks(batch_digest(batch))

@@ -112,24 +112,28 @@ class BaseHook:
 
     def on_before_step(self, trainer: Any) -> None:
         """Called when a new step begins (the ``begin_step`` edge into ``accumulating``; not
-        again when the step is retried)."""
+        again when the step is retried).
+        """
 
     def on_before_optimizer_step(self, trainer: Any) -> None:
         """Called in ``stepping``, gradients unscaled and normalised, before clipping."""
 
     def on_after_step(self, trainer: Any) -> None:
         """Called in ``stepping`` after the optimizer and scheduler stepped (never for an update
-        that found non-finite gradients); ``trainer.step_info`` is complete."""
+        that found non-finite gradients); ``trainer.step_info`` is complete.
+        """
 
     def on_schedule(self, trainer: Any) -> None:
         """Called when ``self.schedule`` is due: in ``stepping`` right after this hook's
         ``on_after_step``; at the end of a run ended by an exit request, in ``exiting`` right
         before its ``on_after_train``; with ``at_start``, in ``restoring`` right after its
-        ``on_before_train`` (see ``trainloop.hooks.every``)."""
+        ``on_before_train`` (see ``trainloop.hooks.every``).
+        """
 
     def on_exception(self, trainer: Any, error: BaseException) -> None:
         """Called in ``exiting`` when the run ends by an error (or an interrupt), before
-        ``on_after_train``; ``error`` is what ``train()`` re-raises afterwards."""
+        ``on_after_train``; ``error`` is what ``train()`` re-raises afterwards.
+        """
 
     def on_after_train(self, trainer: Any) -> None:
         """Called in ``exiting``, however the run ends (after ``on_exception`` for an error)."""

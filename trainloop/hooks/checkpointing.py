@@ -146,7 +146,8 @@ class CheckpointingHook(BaseHook):
     @classmethod
     def check_settings(cls, declared: Any, settings: Any, trainer: Any) -> list[HookProblem]:
         """A relative ``path`` needs a workspace; a ``load`` directory must exist (checked in a
-        single process only: under a launcher, rank 0 checks it for every rank when loading)."""
+        single process only: under a launcher, rank 0 checks it for every rank when loading).
+        """
         problems = needs_workspace(settings, declared.path, "path", f"checkpoints go to {str(declared.path)!r}, a relative path")
         if isinstance(declared.load, Path) and one_process() and not declared.load.expanduser().is_dir():
             problems.append(("load", f"no checkpoint directory at {str(declared.load)!r}"))
@@ -265,7 +266,8 @@ class CheckpointingHook(BaseHook):
     def _choose(self, trainer: TrainerView, root: Path) -> tuple[Path, dict[str, Any] | None] | None:
         """The checkpoint to load, and its state dict if full: rank 0 lists the candidates,
         every rank verifies their files as it reads them (a sharded one: its share; see
-        :mod:`trainloop.checkpoint.verify`); the same answer on every rank."""
+        :mod:`trainloop.checkpoint.verify`); the same answer on every rank.
+        """
         from trainloop.checkpoint.saver import broadcast_from_rank_zero
         from trainloop.checkpoint.verify import open_checkpoint
 
@@ -447,7 +449,8 @@ class CheckpointingHook(BaseHook):
     @property
     def best_checkpoint(self) -> Path | None:
         """The best checkpoint by ``monitor`` still on disk, or ``None`` (no ``keep_best``, or
-        no checkpoint scored yet)."""
+        no checkpoint scored yet).
+        """
         if self._best is None or self._root is None:
             return None
         best = self._best.best
@@ -471,7 +474,8 @@ class CheckpointingHook(BaseHook):
 
 def _say(logger: Logger, message: str, *args: Any) -> None:
     """Tell the user (rank 0) what the run starts from: logged at INFO when logging is
-    configured, else one line on stderr (Python shows no INFO record by default)."""
+    configured, else one line on stderr (Python shows no INFO record by default).
+    """
     if not is_rank_zero():
         return
     if logger.hasHandlers():

@@ -73,9 +73,10 @@ class ExportHook(BaseHook):
         trainer.logger.info("Exported the %s weights of step %d to %s", self.weights, trainer.step, target)
 
 
-def _tied_as_in(trainer: TrainerView, state: dict) -> dict:
+def _tied_as_in(trainer: TrainerView, state: dict[str, Any]) -> dict[str, Any]:
     """``state`` with the model's tied keys sharing one tensor again (the gather copies them
-    apart), so the export records the tie."""
+    apart), so the export records the tie.
+    """
     from trainloop.checkpoint.weights import tied_keys
 
     for key, owner in tied_keys(trainer.model).items():

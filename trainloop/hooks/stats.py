@@ -197,7 +197,8 @@ class StatsHook(BaseHook):
     def on_schedule(self, trainer: TrainerView) -> None:
         """Emit the steps since the last emission: at a multiple of ``interval``, or the last step
         of a run that ended cleanly (never after an error: with ``sync`` the other ranks may not
-        get here, and the collective would hang)."""
+        get here, and the collective would hang).
+        """
         if self._steps:
             self._emit_window(trainer)
 

@@ -55,7 +55,8 @@ class _Model:
 
 class _ActingState(_LibraryState):
     """A ``transitions`` state that runs the entering edge's action before its entry callbacks,
-    as the fast path does: both paths are then one machine."""
+    as the fast path does: both paths are then one machine.
+    """
 
     def enter(self, event_data: Any) -> None:
         action = getattr(event_data.transition, "action", None)

@@ -138,7 +138,8 @@ def _overview(metrics: list[dict[str, Any]], summary: TraceSummary | None, runs:
 
 def _window(metrics: list[dict[str, Any]]) -> str:
     """The steps the last logged training loss averages (a ``LoggingHook`` logs the mean over
-    the steps since its previous record), as a label: `` (mean of steps 391-400)``."""
+    the steps since its previous record), as a label: `` (mean of steps 391-400)``.
+    """
     steps = [int(r["step"]) for r in metrics if "loss" in r]
     if not steps:
         return ""

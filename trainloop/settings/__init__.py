@@ -2,7 +2,8 @@
 defaults < file < ``TRAINLOOP_*`` environment < ``--set``), how errors are worded (``errors``),
 the optimizer and schedule declarations (``optimizer``, ``schedule``), the field types
 (``types``) and the checks across settings, trainer and hooks made before anything runs
-(``preflight``)."""
+(``preflight``).
+"""
 
 from trainloop.settings.model import TrainerSettings
 from trainloop.settings.sources import SettingsFileError

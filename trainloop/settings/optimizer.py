@@ -37,7 +37,13 @@ from pydantic import (
 )
 from torch import nn
 
-from trainloop.settings.schedule import LR_SCHEDULES, LrScheduleSettings, build_lr_scheduler, describe_schedule_change, lr_factor
+from trainloop.settings.schedule import (
+    LR_SCHEDULES,
+    LrScheduleSettings,
+    build_lr_scheduler,
+    describe_schedule_change,
+    lr_factor,
+)
 from trainloop.settings.types import StrictBool
 
 __all__ = [
@@ -199,7 +205,8 @@ class _OptimizerArgs(BaseModel):
 
     @classmethod
     def _optimizer_name(cls) -> str:
-        return typing.get_args(cls.model_fields["name"].annotation)[0]
+        name: str = typing.get_args(cls.model_fields["name"].annotation)[0]
+        return name
 
     def kwargs(self) -> dict[str, Any]:
         """The optimizer constructor's keyword arguments (every declared argument)."""
@@ -232,7 +239,8 @@ def _constructor_error(cls: type[torch.optim.Optimizer], kwargs: dict[str, Any])
 @cache
 def _optimizer_args_model(name: str) -> type[_OptimizerArgs] | None:
     """The settings model of one optimizer, derived from its constructor; ``None`` if its
-    required arguments cannot be declared as data."""
+    required arguments cannot be declared as data.
+    """
     cls = OPTIMIZERS[name]
     init = inspect.unwrap(cls.__init__)
     signature = inspect.signature(init)

@@ -118,7 +118,8 @@ def check(trainer: TrainerContract) -> None:
 def checked(settings: TrainerSettings, trainer_class: type[TrainerContract]) -> Iterator[None]:
     """Within the block, ``check`` passes a ``trainer_class`` trainer of exactly ``settings``
     without running the preflight again: the caller ran it (with the class; an instance's
-    attributes add to what the class has, never take away) and found nothing."""
+    attributes add to what the class has, never take away) and found nothing.
+    """
     token = _PASSED.set((settings, trainer_class))
     try:
         yield
@@ -151,7 +152,8 @@ def _declared_hooks(
     settings: TrainerSettings, trainer: type[TrainerContract] | TrainerContract | None
 ) -> list[tuple[tuple[Key, ...], str]]:
     """Each declared hook's class: its methods, its ``check_settings`` of each hook it is
-    declared as, and its ``check_together`` of them all (once per class)."""
+    declared as, and its ``check_together`` of them all (once per class).
+    """
     problems: list[tuple[tuple[Key, ...], str]] = []
     by_class: dict[type[BaseHook], list[tuple[int, HookSettings]]] = {}
     for i, spec in enumerate(settings.hooks):

@@ -53,7 +53,8 @@ class SettingsInput:
 
     def source_of(self, path: tuple[Key, ...]) -> str:
         """Where the value at ``path`` came from: the layer that set it or the nearest mapping
-        around it, and every layer that set something inside it (``"run.yaml, TRAINLOOP_X__Y"``)."""
+        around it, and every layer that set something inside it (``"run.yaml, TRAINLOOP_X__Y"``).
+        """
         found = self.default_source
         if not path:  # about the settings as a whole: the file, if any
             return found
