@@ -60,7 +60,8 @@ def measure(rounds: int, source: Path) -> dict[str, tuple[float, float]]:
         for name in names[r % len(names):] + names[: r % len(names)]:
             times[name].append(timed(CASES[name], source))
     return {
-        name: (statistics.median(w for w, _ in values), statistics.median(c for _, c in values)) for name, values in times.items()
+        name: (statistics.median(w for w, _ in values), statistics.median(c for _, c in values))
+        for name, values in times.items()
     }
 
 

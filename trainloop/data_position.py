@@ -34,7 +34,11 @@ def has_sampler(loader: Any) -> bool:
     """Whether ``loader`` is a ``DataLoader`` that draws indices from a sampler (a map-style
     dataset) and keeps no state of its own (``StatefulDataLoader`` saves its own position).
     """
-    return isinstance(loader, DataLoader) and not callable(getattr(loader, "state_dict", None)) and loader._dataset_kind == 0
+    return (
+        isinstance(loader, DataLoader)
+        and not callable(getattr(loader, "state_dict", None))
+        and loader._dataset_kind == 0
+    )
 
 
 def _generators(loader: DataLoader[Any]) -> list[torch.Generator]:

@@ -175,7 +175,9 @@ class Loop:
             t,
             lr_scheduler=t.lr_scheduler,
             check_grads=t.settings.detect_non_finite_grads,
-            before_optimizer_step=self.before_optimizer_step if self.run_state.dispatch["on_before_optimizer_step"] else None,
+            before_optimizer_step=self.before_optimizer_step
+            if self.run_state.dispatch["on_before_optimizer_step"]
+            else None,
         )
 
     def before_optimizer_step(self) -> None:

@@ -86,7 +86,9 @@ def load_training_state(trainer: TrainerView, run: RunState, state_dict: dict[st
         fn(trainer, state_dict)
 
 
-def _load_model_and_optimizer(trainer: TrainerView, model_state: dict[str, Any], optimizer_state: dict[str, Any]) -> None:
+def _load_model_and_optimizer(
+    trainer: TrainerView, model_state: dict[str, Any], optimizer_state: dict[str, Any]
+) -> None:
     """Load the model's and the optimizer's states (saved by ``get_state_dict``: keyed by names).
 
     A plain or DDP model's optimizer state is renumbered by parameter and loaded directly:

@@ -217,7 +217,9 @@ def check_hashes(directory: Path, expected: Mapping[str, FileDigest], files: Ite
         try:
             sha256 = hash_file(path).sha256
         except FileNotFoundError:
-            raise CheckpointError(f"{directory} is not a complete checkpoint: missing {rel} (listed in its manifest)") from None
+            raise CheckpointError(
+                f"{directory} is not a complete checkpoint: missing {rel} (listed in its manifest)"
+            ) from None
         if sha256 != expected[rel].sha256:
             raise CheckpointError(f"{path}: cannot load: corrupt (its SHA-256 differs from its manifest's)")
 

@@ -248,7 +248,9 @@ class CheckpointSaver:
                 with quiet_single_process():
                     dcp_save(shards, storage_writer=writer, no_dist=not in_process_group())
 
-            return agree_on_error(self._finish_sharded(tmp, target, seen, write_shards, writer, rest, metadata, published, None))
+            return agree_on_error(
+                self._finish_sharded(tmp, target, seen, write_shards, writer, rest, metadata, published, None)
+            )
         if self._group is None and in_process_group():
             # The background's collectives get their own group: on the default one they could
             # interleave with the training loop's and deadlock.
@@ -264,7 +266,9 @@ class CheckpointSaver:
 
         def finish() -> None:
             try:
-                error = self._finish_sharded(tmp, target, seen, future.result, writer, staged_rest, metadata, published, group)
+                error = self._finish_sharded(
+                    tmp, target, seen, future.result, writer, staged_rest, metadata, published, group
+                )
             finally:
                 self._stage.release()  # no copy of the state is kept between saves
             if error is not None:

@@ -123,7 +123,9 @@ def _find_dot(format: str) -> str:
     try:
         return find_dot()
     except GraphvizError:
-        raise CliError(f"--format {format} needs Graphviz's `dot` program, which is not on PATH: {_GRAPHVIZ_HINT}", FAILURE) from None
+        raise CliError(
+            f"--format {format} needs Graphviz's `dot` program, which is not on PATH: {_GRAPHVIZ_HINT}", FAILURE
+        ) from None
 
 
 def _render_with_dot(source: str, format: str) -> bytes:

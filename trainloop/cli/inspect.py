@@ -24,7 +24,9 @@ def command(args: argparse.Namespace) -> int:
     except CheckpointError as error:
         hint = _intact_alternative(root, directory) if root is not None else ""
         raise CliError(f"{error}{hint}", FAILURE) from None
-    sys.stdout.write(json.dumps(info, indent=2, default=jsonable) + "\n" if args.json else format_checkpoint(info, root))
+    sys.stdout.write(
+        json.dumps(info, indent=2, default=jsonable) + "\n" if args.json else format_checkpoint(info, root)
+    )
     return 0
 
 

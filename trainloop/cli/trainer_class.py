@@ -93,7 +93,9 @@ def _import_module(module_name: str, spec: str, given_as: str) -> ModuleType:
     except SystemExit as exit_:
         said = err.last_line() or out.last_line()
         said = f", saying {said!r}" if said else ""
-        raise CliError(f"{given_as} {spec!r}: importing {module_name!r} exited (code {exit_.code!r}){said}; {_GUARD_HINT}") from None
+        raise CliError(
+            f"{given_as} {spec!r}: importing {module_name!r} exited (code {exit_.code!r}){said}; {_GUARD_HINT}"
+        ) from None
     except ModuleNotFoundError as error:
         if error.name is not None and (module_name == error.name or module_name.startswith(error.name + ".")):
             raise CliError(f"{given_as} {spec!r}: no module named {error.name!r}") from None

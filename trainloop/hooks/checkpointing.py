@@ -148,7 +148,9 @@ class CheckpointingHook(BaseHook):
         """A relative ``path`` needs a workspace; a ``load`` directory must exist (checked in a
         single process only: under a launcher, rank 0 checks it for every rank when loading).
         """
-        problems = needs_workspace(settings, declared.path, "path", f"checkpoints go to {str(declared.path)!r}, a relative path")
+        problems = needs_workspace(
+            settings, declared.path, "path", f"checkpoints go to {str(declared.path)!r}, a relative path"
+        )
         if isinstance(declared.load, Path) and one_process() and not declared.load.expanduser().is_dir():
             problems.append(("load", f"no checkpoint directory at {str(declared.load)!r}"))
         return problems
@@ -159,7 +161,9 @@ class CheckpointingHook(BaseHook):
         problems = []
         loading = [i for i, spec in declared if spec.load is not None]
         if len(loading) > 1:
-            problems.append(f"{listed(loading)}: each would load a checkpoint into the trainer; set load to null on all but one")
+            problems.append(
+                f"{listed(loading)}: each would load a checkpoint into the trainer; set load to null on all but one"
+            )
         by_directory: dict[Path, list[int]] = {}
         for i, spec in declared:
             path = Path(spec.path).expanduser()

@@ -66,7 +66,9 @@ def hook_dispatch(hooks: Sequence[BaseHook]) -> dict[str, tuple[Callable[..., No
     if any(h.schedule is not None for h in hooks):
         calls = ScheduledCalls(hooks)
         dispatch.update(
-            on_before_train=(calls.before_train,), on_after_step=(calls.after_step,), on_after_train=(calls.after_train,)
+            on_before_train=(calls.before_train,),
+            on_after_step=(calls.after_step,),
+            on_after_train=(calls.after_train,),
         )
     return dispatch
 
@@ -118,7 +120,9 @@ class ScheduledCalls:
         self._next, self._epochs, self._stepped = 0, None, False
         run_length = trainer.run_length
         # Epochs matter when a schedule counts them, or when max_epochs may end the run.
-        self._watch_epochs = any(e.unit == "epochs" or (e.at_end and run_length.max_epochs is not None) for e in self._everies)
+        self._watch_epochs = any(
+            e.unit == "epochs" or (e.at_end and run_length.max_epochs is not None) for e in self._everies
+        )
         for before, at_start in self._start:
             if before is not None:
                 before(trainer)

@@ -69,7 +69,9 @@ def draw(
                     if color is not None:
                         attributes.append(f"color={color}, fontcolor={color}")
                 else:
-                    attributes.append("color=gray70, fontcolor=gray55" + ("" if t.trigger == FAIL else ", style=dashed"))
+                    attributes.append(
+                        "color=gray70, fontcolor=gray55" + ("" if t.trigger == FAIL else ", style=dashed")
+                    )
             lines.append(f'    "{t.source.value}" -> "{t.dest.value}" [{", ".join(attributes)}];')
         for state, text in (notes or {}).items():
             note = "".join(line.replace("\\", "\\\\").replace('"', '\\"') + "\\l" for line in text)

@@ -105,7 +105,13 @@ def read_trace(path: Path | str) -> list[TraceEntry]:
             try:
                 row = json.loads(line)
                 entries.append(
-                    TraceEntry(float(row["time"]), int(row["step"]), State(row["source"]), State(row["dest"]), str(row["trigger"]))
+                    TraceEntry(
+                        float(row["time"]),
+                        int(row["step"]),
+                        State(row["source"]),
+                        State(row["dest"]),
+                        str(row["trigger"]),
+                    )
                 )
             except (ValueError, KeyError, TypeError) as error:
                 raise ValueError(f"{path}:{number}: not a trace entry ({error})") from None

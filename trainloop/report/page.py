@@ -76,7 +76,9 @@ def build_report(workspace: Path) -> str:
     """
     settings_file = workspace / "settings.json"
     if not settings_file.is_file():
-        raise ReportError(f"{workspace}: no settings.json, so no run was recorded there (a run writes it in its workspace)")
+        raise ReportError(
+            f"{workspace}: no settings.json, so no run was recorded there (a run writes it in its workspace)"
+        )
     try:
         settings = json.loads(settings_file.read_text(encoding="utf-8"))
         metrics = read_metrics(workspace / METRICS_FILE) if (workspace / METRICS_FILE).is_file() else None
@@ -133,7 +135,11 @@ def _overview(metrics: list[dict[str, Any]], summary: TraceSummary | None, runs:
             cards.append((f"last {key}{_window(metrics) if key == 'loss' else ''}", f"{value:.4g}"))
     cards.append(("retries", "not traced" if retries is None else str(retries)))
     cards.append(("checkpoints", str(len(checkpoints))))
-    return '<div class="stats">' + "".join(f'<div class="card"><span class="muted">{_e(k)}</span><b>{_e(v)}</b></div>' for k, v in cards) + "</div>"
+    return (
+        '<div class="stats">'
+        + "".join(f'<div class="card"><span class="muted">{_e(k)}</span><b>{_e(v)}</b></div>' for k, v in cards)
+        + "</div>"
+    )
 
 
 def _window(metrics: list[dict[str, Any]]) -> str:
@@ -158,7 +164,9 @@ def _charts(metrics: list[dict[str, Any]] | None, best_step: int | None) -> str:
     for group, curves in group_metrics(metrics).items():
         for key, points in curves.items():
             chart = metric_chart(key, {key: points}, best_step if group == "val" else None)
-            out.append(f'<div class="card" title="{_e(chart.title)}"><span class="muted">{_e(group_title(group))}</span>{chart.svg}</div>')
+            out.append(
+                f'<div class="card" title="{_e(chart.title)}"><span class="muted">{_e(group_title(group))}</span>{chart.svg}</div>'
+            )
     out.append("</div>")
     return "\n".join(out)
 
@@ -180,7 +188,11 @@ def machine_svg(counts: Mapping[tuple[State, State, str], int] | None = None) ->
 
 
 def _drawn_table(counts: Mapping[tuple[State, State, str], int] | None) -> list[Transition]:
-    return [t for t in TRANSITIONS if t.trigger != "fail" or (counts is not None and counts.get((t.source, t.dest, t.trigger), 0))]
+    return [
+        t
+        for t in TRANSITIONS
+        if t.trigger != "fail" or (counts is not None and counts.get((t.source, t.dest, t.trigger), 0))
+    ]
 
 
 def _machine(summary: TraceSummary | None) -> str:
@@ -268,13 +280,19 @@ def _checked_runs(runs: list[dict[str, Any]], path: Path, notes: list[str]) -> l
     """The runs whose fields are what trainloop writes; a note per run left out."""
     kept = []
     for number, run in enumerate(runs, 1):
-        wrong: list[str] = [k for k in ("step", "epoch", "exit_code") if k in run and not (isinstance(run[k], int) and not isinstance(run[k], bool))]
+        wrong: list[str] = [
+            k
+            for k in ("step", "epoch", "exit_code")
+            if k in run and not (isinstance(run[k], int) and not isinstance(run[k], bool))
+        ]
         if "time" in run and not _is_number(run["time"]):
             wrong.append("time")
         if run.get("error") is not None and not isinstance(run["error"], str):
             wrong.append("error")
         if wrong:
-            notes.append(f"{path.name}: run {number}: {wrong[0]} is {_short(run[wrong[0]])}, not what trainloop writes; run left out")
+            notes.append(
+                f"{path.name}: run {number}: {wrong[0]} is {_short(run[wrong[0]])}, not what trainloop writes; run left out"
+            )
             continue
         kept.append(run)
     return kept
@@ -308,7 +326,11 @@ def _runs(runs: list[dict[str, Any]]) -> str:
             f'<td class="num">{run.get("epoch")}</td><td class="{"bad" if error or code else ""}">'
             f"{_e(error or ended)}</td></tr>"
         )
-    return "<table><tr><th>run</th><th>ended (UTC)</th><th>step</th><th>epochs</th><th>how it ended</th></tr>" + "".join(rows) + "</table>"
+    return (
+        "<table><tr><th>run</th><th>ended (UTC)</th><th>step</th><th>epochs</th><th>how it ended</th></tr>"
+        + "".join(rows)
+        + "</table>"
+    )
 
 
 def _checkpoints(workspace: Path, settings: Mapping[str, Any], notes: list[str]) -> list[dict[str, Any]]:
@@ -328,7 +350,9 @@ def _checkpoints(workspace: Path, settings: Mapping[str, Any], notes: list[str])
         scores: dict[str, Any] = found_scores if isinstance(found_scores, dict) else {}
         for name, score in scores.items():
             if score is not None and not _is_number(score):
-                notes.append(f"{root / BEST_FILE}: the score of checkpoint {name} is {_short(score)}, not a number; left out")
+                notes.append(
+                    f"{root / BEST_FILE}: the score of checkpoint {name} is {_short(score)}, not a number; left out"
+                )
         latest = (root / LATEST).resolve().name if (root / LATEST).exists() else None
         for step in checkpoint_steps(root):
             metadata = _read_json(root / str(step) / "metadata.json")

@@ -210,7 +210,9 @@ class _OptimizerArgs(BaseModel):
 
     def kwargs(self) -> dict[str, Any]:
         """The optimizer constructor's keyword arguments (every declared argument)."""
-        return {name: getattr(self, name) for name in type(self).model_fields if name not in ("name", "no_weight_decay")}
+        return {
+            name: getattr(self, name) for name in type(self).model_fields if name not in ("name", "no_weight_decay")
+        }
 
 
 class _DecayOptimizerArgs(_OptimizerArgs):

@@ -53,7 +53,9 @@ if TYPE_CHECKING:
 __all__ = ["PreflightError", "check", "checked", "preflight"]
 
 #: The settings that passed the preflight in this context, with the trainer class they passed with.
-_PASSED: ContextVar[tuple[TrainerSettings, type[TrainerContract]] | None] = ContextVar("trainloop_preflight_passed", default=None)
+_PASSED: ContextVar[tuple[TrainerSettings, type[TrainerContract]] | None] = ContextVar(
+    "trainloop_preflight_passed", default=None
+)
 
 
 class PreflightError(ValueError):
@@ -134,14 +136,18 @@ def _class_of(trainer: type[TrainerContract] | TrainerContract) -> type[TrainerC
     return trainer if isinstance(trainer, type) else type(trainer)
 
 
-def _contract(settings: TrainerSettings, trainer: type[TrainerContract] | TrainerContract) -> list[tuple[tuple[Key, ...], str]]:
+def _contract(
+    settings: TrainerSettings, trainer: type[TrainerContract] | TrainerContract
+) -> list[tuple[tuple[Key, ...], str]]:
     cls = _class_of(trainer)
     missing = cls.missing_methods()
     problems: list[tuple[tuple[Key, ...], str]] = [
         ((), f"{cls.__name__} must implement {name}()") for name in missing if name != "build_optimizer"
     ]
     if settings.optimizer is None and "build_optimizer" in missing:
-        problems.append((("optimizer",), f"optimizer: none declared, and {cls.__name__} does not implement build_optimizer()"))
+        problems.append(
+            (("optimizer",), f"optimizer: none declared, and {cls.__name__} does not implement build_optimizer()")
+        )
     return problems
 
 
@@ -183,7 +189,9 @@ def _combinations(settings: TrainerSettings) -> list[tuple[tuple[Key, ...], str]
             by_state_key.setdefault(spec.name or cls.default_name(), []).append(i)
     for key, indices in by_state_key.items():
         if len(indices) > 1:
-            problems.append((("hooks",), f"{listed(indices)}: both save their state under the name {key!r}; give each a \"name\""))
+            problems.append(
+                (("hooks",), f'{listed(indices)}: both save their state under the name {key!r}; give each a "name"')
+            )
     by_signal: dict[signal.Signals, list[int]] = {}
     for i, spec in enumerate(settings.hooks):
         if "exit_signals" not in spec.model_fields_set:
@@ -192,7 +200,9 @@ def _combinations(settings: TrainerSettings) -> list[tuple[tuple[Key, ...], str]
             by_signal.setdefault(as_signal(sig), []).append(i)
     for sig, indices in by_signal.items():
         if len(indices) > 1:
-            problems.append((("hooks",), f"{listed(indices)}: each catches {sig.name}, and a process has one handler per signal"))
+            problems.append(
+                (("hooks",), f"{listed(indices)}: each catches {sig.name}, and a process has one handler per signal")
+            )
     return problems
 
 

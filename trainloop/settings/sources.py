@@ -62,7 +62,9 @@ class SettingsInput:
             if path[:end] in self.sources:
                 found = self.sources[path[:end]]
                 break
-        inside = [source for known, source in self.sources.items() if len(known) > len(path) and known[: len(path)] == path]
+        inside = [
+            source for known, source in self.sources.items() if len(known) > len(path) and known[: len(path)] == path
+        ]
         return ", ".join(dict.fromkeys([found, *inside]))
 
     def set(self, keys: list[str], value: Any, source: str) -> None:
@@ -113,7 +115,9 @@ def _list_index(items: list[Any], key: str, source: str, where: str) -> int:
         if int(key) < len(items):
             return int(key)
         raise SettingsFileError(f"{source}: {where}.{key} is not an item of a {len(items)}-item list")
-    matches = [i for i, item in enumerate(items) if isinstance(item, dict) and str(item.get("type", "")).lower() == key.lower()]
+    matches = [
+        i for i, item in enumerate(items) if isinstance(item, dict) and str(item.get("type", "")).lower() == key.lower()
+    ]
     if len(matches) == 1:
         return matches[0]
     types = [str(item.get("type")) for item in items if isinstance(item, dict)]
