@@ -102,16 +102,19 @@ class EpochIterator:
 
     @property
     def epochs_completed(self) -> int:
-        """Full passes over the data so far: the current epoch counts once its last batch is
-        drawn (known only for a loader with ``len()``; otherwise when the next epoch begins).
+        """Full passes over the data so far.
+
+        The current epoch counts once its last batch is drawn (known only for a loader with ``len()``; otherwise when
+        the next epoch begins).
         """
         length = self.batches_per_epoch
         return self.epoch + (length is not None and self._drawn_this_epoch >= length)
 
     @property
     def remaining(self) -> int | None:
-        """Batches left to draw in the current epoch (0: the next draw begins another), for a
-        loader with ``len()``; else ``None``.
+        """Batches left to draw in the current epoch (0.
+
+        The next draw begins another), for a loader with ``len()``; else ``None``.
         """
         length = self.batches_per_epoch
         return None if length is None else max(0, length - self._drawn_this_epoch)

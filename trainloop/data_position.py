@@ -53,8 +53,9 @@ def _generators(loader: DataLoader[Any]) -> list[torch.Generator]:
 
 
 def _draws_from_torch(loader: DataLoader[Any]) -> bool:
-    """Whether the loader's order may come from torch's global generator: any sampler but one
-    whose order is fixed (``SequentialSampler``) or seeded by itself (``DistributedSampler``).
+    """Whether the loader's order may come from torch's global generator.
+
+    Any sampler but one whose order is fixed (``SequentialSampler``) or seeded by itself (``DistributedSampler``).
     """
     sampler = getattr(loader.batch_sampler, "sampler", loader.sampler)
     return not isinstance(sampler, (SequentialSampler, DistributedSampler))

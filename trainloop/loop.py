@@ -1,6 +1,7 @@
-"""The loop of one trainer: the work of each state, the edges' actions, and the policies the
-transition table's conditions name. ``BaseTrainer.train()`` runs it; ``trainloop.machine`` says
-which state comes next.
+"""The loop of one trainer.
+
+The work of each state, the edges' actions, and the policies the transition table's conditions name.
+``BaseTrainer.train()`` runs it; ``trainloop.machine`` says which state comes next.
 
 The loop owns the run: what it produces (``step``, ``epoch``, ``step_info``, the built
 components, ``hooks``, the data iterator) is its ``RunState``, which the trainer shows read-only
@@ -132,8 +133,9 @@ class Loop:
 
     @contextlib.contextmanager
     def components_kept(self) -> Iterator[None]:
-        """Give the built components back what they held (or their absence) afterwards: for a
-        tool that builds and runs a trainer's step outside ``train()`` (``lr_find``).
+        """Give the built components back what they held (or their absence) afterwards.
+
+        For a tool that builds and runs a trainer's step outside ``train()`` (``lr_find``).
         """
         saved = dict(self.run_state.built)
         try:
@@ -259,8 +261,9 @@ class Loop:
         self.requests.checkpointed(self.run_state.step)
 
     def exit(self) -> list[BaseException]:
-        """Every hook's ``on_after_train`` (one that fails does not stop the others: each may
-        have something to give back, such as signal handlers), then close what the run opened.
+        """Every hook's ``on_after_train`` (one that fails does not stop the others.
+
+        Each may have something to give back, such as signal handlers), then close what the run opened.
 
         Returns:
             What the hooks raised, in hook order (the first is what a clean run raises).

@@ -1,5 +1,6 @@
-"""One training step, written once: the microsteps (``accumulating``) and the optimizer update
-(``stepping``). ``BaseTrainer`` and ``lr_find`` both run it.
+"""One training step, written once.
+
+The microsteps (``accumulating``) and the optimizer update (``stepping``). ``BaseTrainer`` and ``lr_find`` both run it.
 
 A ``StepPlan`` is what the loop needs, resolved before the first step; a ``StepRunner`` holds
 what is derived from it (the gradient-sync switch, the non-finite check's buffers) and the
@@ -188,8 +189,10 @@ class StepRunner:
         self.grad_norm: torch.Tensor | None = None  # the last update's (clipping only)
 
     def begin(self) -> None:
-        """Start a step (or its retry): no microstep done, no items counted; with ``epochs``,
-        as many microsteps as the epoch still has batches, up to the accumulation.
+        """Start a step (or its retry).
+
+        No microstep done, no items counted; with ``epochs``, as many microsteps as the epoch still has batches, up to
+        the accumulation.
         """
         self.microsteps = 0
         self.items = None

@@ -1,5 +1,7 @@
-"""``BaseTrainer``: the user's contract, and the machine seen from outside (callbacks, requests,
-diagrams); the work of each state is ``trainloop.loop``'s.
+"""``BaseTrainer``.
+
+The user's contract, and the machine seen from outside (callbacks, requests, diagrams); the work of each state is
+``trainloop.loop``'s.
 """
 
 from __future__ import annotations
@@ -199,8 +201,9 @@ class BaseTrainer:
 
     @property
     def loop(self) -> Loop:
-        """The loop that runs this trainer and owns its run state (machinery: tools such as
-        ``lr_find`` use it; hooks read the trainer instead).
+        """The loop that runs this trainer and owns its run state (machinery.
+
+        Tools such as ``lr_find`` use it; hooks read the trainer instead).
         """
         return self._loop
 
@@ -211,8 +214,10 @@ class BaseTrainer:
 
     @property
     def max_steps(self) -> int:
-        """The run's planned steps: ``settings.max_steps``, or fewer when ``max_epochs`` ends it
-        first (see ``RunLength.planned_steps``; known once the data loader is built).
+        """The run's planned steps.
+
+        ``settings.max_steps``, or fewer when ``max_epochs`` ends it first (see ``RunLength.planned_steps``; known once
+        the data loader is built).
         """
         return self.run_length.planned_steps or 0
 
@@ -341,9 +346,10 @@ class BaseTrainer:
     # -- state -----------------------------------------------------------------------------
 
     def state_dict(self) -> dict[str, Any]:
-        """The full training state: model, optimizer, scheduler, grad scaler, step, per-rank
-        random generators and data position, settings, and hooks' (see
-        ``trainloop.training_state``).
+        """The full training state.
+
+        Model, optimizer, scheduler, grad scaler, step, per-rank random generators and data position, settings, and
+        hooks' (see ``trainloop.training_state``).
         """
         return training_state(self, self._run)
 

@@ -52,9 +52,7 @@ def module_modes_kept(model: nn.Module, train: bool) -> Iterator[None]:
 
 
 def is_distributed_model(model: nn.Module) -> bool:
-    """Whether ``model`` is wrapped by DDP or sharded by FSDP (1 or 2): it averages gradients
-    over ranks.
-    """
+    """Whether ``model`` is wrapped by DDP or sharded by FSDP (1 or 2): it averages gradients over ranks."""
     if isinstance(model, nn.parallel.DistributedDataParallel):
         return True
     fsdp = sys.modules.get("torch.distributed.fsdp")  # never imported: no FSDP model exists

@@ -113,8 +113,9 @@ def publish(tmp: Path, target: Path, then: Callable[[], None] | None = None) -> 
 
 
 def discard(tmp: Path) -> None:
-    """Remove an unpublished temporary directory; what cannot be removed now, a later
-    :func:`clean_leftovers` removes.
+    """Remove an unpublished temporary directory.
+
+    What cannot be removed now, a later :func:`clean_leftovers` removes.
     """
     shutil.rmtree(tmp, ignore_errors=True)
 

@@ -111,8 +111,9 @@ def latest_checkpoint(root: Path, verify: bool = True, logger: Logger | None = N
 
 
 def checkpoint_candidates(root: Path, logger: Logger | None = None) -> list[Path]:
-    """The checkpoints under ``root`` to try resuming from, best first, unverified: the one
-    ``root/latest`` points to, then the others from the highest step down.
+    """The checkpoints under ``root`` to try resuming from, best first, unverified.
+
+    The one ``root/latest`` points to, then the others from the highest step down.
 
     A ``latest`` that resolves outside ``root`` (a link into another run's checkpoints) is
     skipped with a warning: following it would resume another run's weights and step, and

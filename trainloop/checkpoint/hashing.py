@@ -162,9 +162,7 @@ def read_verified(path: Path, expected: FileDigest) -> mmap.mmap | bytes:
 
 
 class BufferReader(io.RawIOBase):
-    """A read-only, seekable file over a buffer (a mapped file), without copying it, for
-    ``torch.load``.
-    """
+    """A read-only, seekable file over a buffer (a mapped file), without copying it, for ``torch.load``."""
 
     def __init__(self, buffer: mmap.mmap | bytes | bytearray) -> None:
         super().__init__()

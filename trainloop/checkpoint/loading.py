@@ -1,7 +1,8 @@
-"""Loading one checkpoint file safely: ``torch.load(weights_only=True)``, and the error that says
-whether a file was corrupt or refused (objects whose unpickling could run code). Both formats
-(``trainloop.checkpoint.files``, ``trainloop.checkpoint.sharded``) read through it; a full
-checkpoint's files are verified in the same read (:func:`load_verified`).
+"""Loading one checkpoint file safely.
+
+``torch.load(weights_only=True)``, and the error that says whether a file was corrupt or refused (objects whose
+unpickling could run code). Both formats (``trainloop.checkpoint.files``, ``trainloop.checkpoint.sharded``) read through
+it; a full checkpoint's files are verified in the same read (:func:`load_verified`).
 """
 
 from __future__ import annotations
@@ -22,9 +23,9 @@ SHARDED_DIR = "sharded"
 
 
 class UnloadableError(CheckpointError):
-    """A file that matches its manifest but cannot be loaded (refused as unsafe, or unreadable
-    by torch): the manifest vouches that it is what was saved, so it is an error to report,
-    not a damaged checkpoint to skip.
+    """A file that matches its manifest but cannot be loaded (refused as unsafe, or unreadable by torch).
+
+    The manifest vouches that it is what was saved, so it is an error to report, not a damaged checkpoint to skip.
     """
 
 

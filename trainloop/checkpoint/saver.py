@@ -280,9 +280,10 @@ class CheckpointSaver:
     def _finish_sharded(self, tmp: Path, target: Path, seen: bool, write_shards: Callable[[], Any],
                         writer: Any, rest: dict[str, Any], metadata: dict[str, Any], published: Callable[[Path], None],
                         group: Any) -> BaseException | None:
-        """After every rank wrote its shards: gather their digests, and rank 0 checks that it
-        sees every rank's files, completes the checkpoint (the rest, metadata, manifest) and
-        publishes it. Every rank calls; ``seen``: this rank found rank 0's ``tmp``.
+        """After every rank wrote its shards.
+
+        Gather their digests, and rank 0 checks that it sees every rank's files, completes the checkpoint (the rest,
+        metadata, manifest) and publishes it. Every rank calls; ``seen``: this rank found rank 0's ``tmp``.
         """
         local: tuple[dict[str, FileDigest], BaseException | None, bool]
         try:
@@ -317,8 +318,9 @@ class CheckpointSaver:
 
 
 def _stepped_by(optimizer: torch.optim.Optimizer | None) -> Callable[[torch.Tensor], bool] | None:
-    """Whether a tensor shares memory with ``optimizer``'s parameters or state: what only its
-    step changes, so its copy can wait until that step.
+    """Whether a tensor shares memory with ``optimizer``'s parameters or state.
+
+    What only its step changes, so its copy can wait until that step.
     """
     if optimizer is None:
         return None

@@ -23,8 +23,10 @@ __all__ = ["CpuStage", "ReusingStager", "stage_to_cpu"]
 
 
 def stage_to_cpu(obj: Any) -> Any:
-    """A copy of ``obj`` that training cannot change: tensors copied to CPU memory, containers
-    rebuilt, other mutable objects deep-copied (see :class:`CpuStage` to reuse the memory).
+    """A copy of ``obj`` that training cannot change.
+
+    Tensors copied to CPU memory, containers rebuilt, other mutable objects deep-copied (see :class:`CpuStage` to reuse
+    the memory).
     """
     return CpuStage().copy(obj)
 
@@ -82,8 +84,9 @@ class CpuStage:
                 )
 
     def release(self) -> None:
-        """Let the buffers go (the copy they hold is no longer needed): between saves, no copy
-        of the state is kept; the next :meth:`copy` allocates anew.
+        """Let the buffers go (the copy they hold is no longer needed).
+
+        Between saves, no copy of the state is kept; the next :meth:`copy` allocates anew.
         """
         self._buffers = {}
         self._deferred = []

@@ -59,8 +59,9 @@ class Weights:
 
 
 def find_checkpoint(path: Path) -> Path:
-    """The checkpoint directory ``path`` names: itself, or a checkpoints root's (or a
-    workspace's ``checkpoints/``) latest complete checkpoint.
+    """The checkpoint directory ``path`` names.
+
+    Itself, or a checkpoints root's (or a workspace's ``checkpoints/``) latest complete checkpoint.
 
     Raises:
         CheckpointError: Nothing there is a checkpoint; the message names ``path``.

@@ -1,5 +1,7 @@
-"""``trainloop graph``: draw the state machine, optionally weighted by a run's trace, optionally with
-the hooks a settings file declares beside the states they act in.
+"""``trainloop graph``.
+
+Draw the state machine, optionally weighted by a run's trace, optionally with the hooks a settings file declares beside
+the states they act in.
 """
 
 from __future__ import annotations

@@ -39,8 +39,9 @@ def _is_checkpoint(directory: Path) -> bool:
 
 
 def _find_checkpoint(path: str) -> tuple[Path, Path | None]:
-    """The checkpoint directory ``path`` names: itself, or the latest under a checkpoints root
-    (or under ``<workspace>/checkpoints``).
+    """The checkpoint directory ``path`` names.
+
+    Itself, or the latest under a checkpoints root (or under ``<workspace>/checkpoints``).
 
     Returns:
         The checkpoint directory, and the root it was found under (``None`` if given directly).

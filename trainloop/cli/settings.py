@@ -1,5 +1,6 @@
-"""The settings ``run`` and ``validate`` check: the file < ``TRAINLOOP_*`` environment < ``--set``,
-validated by the trainer's settings class, then preflighted.
+"""The settings ``run`` and ``validate`` check.
+
+The file < ``TRAINLOOP_*`` environment < ``--set``, validated by the trainer's settings class, then preflighted.
 """
 
 from __future__ import annotations

@@ -1,5 +1,6 @@
-"""``--trainer module:Class``: import the user's trainer class, and nothing but a clear line if
-its module cannot be used.
+"""``--trainer module:Class``.
+
+Import the user's trainer class, and nothing but a clear line if its module cannot be used.
 
 A trainer's module is the user's script, imported as a library. One that exits at import
 (``sys.exit()``, or an ``argparse`` that reads trainloop's own command line and prints its usage)

@@ -1,5 +1,6 @@
-"""Seeds per rank, made explicit: the ``seed_per_rank`` offset, and the first-step check that
-warns when every rank drew the same batch.
+"""Seeds per rank, made explicit.
+
+The ``seed_per_rank`` offset, and the first-step check that warns when every rank drew the same batch.
 
 ``seed`` seeds every rank alike: right for model initialisation (every replica starts equal)
 and for a ``DistributedSampler`` (every rank must agree on the permutation it splits), wrong
@@ -36,8 +37,9 @@ def seed_ranks_apart(seed: int) -> None:
 
 
 def batch_digest(batch: Any) -> str:
-    """A hash of a batch's contents: tensors (copied to the CPU, once), numbers, strings, nested
-    in lists, tuples and dicts.
+    """A hash of a batch's contents.
+
+    Tensors (copied to the CPU, once), numbers, strings, nested in lists, tuples and dicts.
     """
     digest = hashlib.sha256()
     for leaf in _leaves(batch):

@@ -145,8 +145,10 @@ class CheckpointingHook(BaseHook):
 
     @classmethod
     def check_settings(cls, declared: Any, settings: Any, trainer: Any) -> list[HookProblem]:
-        """A relative ``path`` needs a workspace; a ``load`` directory must exist (checked in a
-        single process only: under a launcher, rank 0 checks it for every rank when loading).
+        """A relative ``path`` needs a workspace.
+
+        A ``load`` directory must exist (checked in a single process only: under a launcher, rank 0 checks it for every
+        rank when loading).
         """
         problems = needs_workspace(
             settings, declared.path, "path", f"checkpoints go to {str(declared.path)!r}, a relative path"
@@ -268,8 +270,9 @@ class CheckpointingHook(BaseHook):
             _say(trainer.logger, "Resumed from %s at step %d", directory, trainer.step)
 
     def _choose(self, trainer: TrainerView, root: Path) -> tuple[Path, dict[str, Any] | None] | None:
-        """The checkpoint to load, and its state dict if full: rank 0 lists the candidates,
-        every rank verifies their files as it reads them (a sharded one: its share; see
+        """The checkpoint to load, and its state dict if full.
+
+        Rank 0 lists the candidates, every rank verifies their files as it reads them (a sharded one: its share; see
         :mod:`trainloop.checkpoint.verify`); the same answer on every rank.
         """
         from trainloop.checkpoint.saver import broadcast_from_rank_zero
@@ -416,8 +419,9 @@ class CheckpointingHook(BaseHook):
     # -- exiting -------------------------------------------------------------------------------
 
     def on_after_train(self, trainer: TrainerView) -> None:
-        """Wait for a save in flight; then give the exit signals back to their previous handlers;
-        warn if ``monitor`` was never logged.
+        """Wait for a save in flight.
+
+        Then give the exit signals back to their previous handlers; warn if ``monitor`` was never logged.
 
         In that order: a second SIGTERM while the exit save completes must not find the
         default handler, which would kill the process and lose the save.
@@ -477,8 +481,9 @@ class CheckpointingHook(BaseHook):
 
 
 def _say(logger: Logger, message: str, *args: Any) -> None:
-    """Tell the user (rank 0) what the run starts from: logged at INFO when logging is
-    configured, else one line on stderr (Python shows no INFO record by default).
+    """Tell the user (rank 0) what the run starts from.
+
+    Logged at INFO when logging is configured, else one line on stderr (Python shows no INFO record by default).
     """
     if not is_rank_zero():
         return

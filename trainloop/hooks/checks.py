@@ -20,8 +20,9 @@ HookProblem = tuple[str | None, str]
 
 
 def needs_workspace(settings: Any, path: Path | None, name: str, what: str) -> list[HookProblem]:
-    """A problem if files go to ``path`` (``None``: a default under the workspace) and no
-    workspace is set while ``path`` is relative.
+    """A problem if files go to ``path`` (``None``.
+
+    A default under the workspace) and no workspace is set while ``path`` is relative.
 
     Args:
         settings: The run's ``TrainerSettings``.

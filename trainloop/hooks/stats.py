@@ -195,9 +195,10 @@ class StatsHook(BaseHook):
             self._max_memory = memory
 
     def on_schedule(self, trainer: TrainerView) -> None:
-        """Emit the steps since the last emission: at a multiple of ``interval``, or the last step
-        of a run that ended cleanly (never after an error: with ``sync`` the other ranks may not
-        get here, and the collective would hang).
+        """Emit the steps since the last emission.
+
+        At a multiple of ``interval``, or the last step of a run that ended cleanly (never after an error: with ``sync``
+        the other ranks may not get here, and the collective would hang).
         """
         if self._steps:
             self._emit_window(trainer)

@@ -1,5 +1,6 @@
-"""The learning-rate range test: sweep the lr exponentially over a few optimizer steps and
-suggest the one at which the loss falls fastest.
+"""The learning-rate range test.
+
+Sweep the lr exponentially over a few optimizer steps and suggest the one at which the loss falls fastest.
 
 The test (Smith, "Cyclical Learning Rates for Training Neural Networks", 2017) trains for
 ``num_iterations`` steps while the learning rate grows from ``start_lr`` to ``end_lr`` by a
@@ -330,8 +331,9 @@ def _trainer_plan(trainer: BaseTrainer) -> Iterator[tuple[StepPlan, Iterable[Any
 
 @contextlib.contextmanager
 def _random_state_kept() -> Iterator[None]:
-    """Put the global generators (Python, NumPy, torch, CUDA) back afterwards: the test draws
-    (shuffling, dropout, a seed_all), but a run started afterwards sees the same numbers.
+    """Put the global generators (Python, NumPy, torch, CUDA) back afterwards.
+
+    The test draws (shuffling, dropout, a seed_all), but a run started afterwards sees the same numbers.
     """
     state = get_rng_state()
     try:

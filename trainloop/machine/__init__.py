@@ -1,5 +1,6 @@
-"""The machine: its table as data (``table``), the runner (``runner``), its drawing
-(``diagram``) and the record of a run (``trace``).
+"""The machine.
+
+Its table as data (``table``), the runner (``runner``), its drawing (``diagram``) and the record of a run (``trace``).
 """
 
 from trainloop.machine.diagram import draw

@@ -240,8 +240,9 @@ def _constructor_error(cls: type[torch.optim.Optimizer], kwargs: dict[str, Any])
 
 @cache
 def _optimizer_args_model(name: str) -> type[_OptimizerArgs] | None:
-    """The settings model of one optimizer, derived from its constructor; ``None`` if its
-    required arguments cannot be declared as data.
+    """The settings model of one optimizer, derived from its constructor.
+
+    ``None`` if its required arguments cannot be declared as data.
     """
     cls = OPTIMIZERS[name]
     init = inspect.unwrap(cls.__init__)

@@ -157,8 +157,10 @@ def _contract(
 def _declared_hooks(
     settings: TrainerSettings, trainer: type[TrainerContract] | TrainerContract | None
 ) -> list[tuple[tuple[Key, ...], str]]:
-    """Each declared hook's class: its methods, its ``check_settings`` of each hook it is
-    declared as, and its ``check_together`` of them all (once per class).
+    """Each declared hook's class.
+
+    Its methods, its ``check_settings`` of each hook it is declared as, and its ``check_together`` of them all (once per
+    class).
     """
     problems: list[tuple[tuple[Key, ...], str]] = []
     by_class: dict[type[BaseHook], list[tuple[int, HookSettings]]] = {}

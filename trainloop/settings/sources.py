@@ -24,8 +24,9 @@ Key = str | int
 
 
 class SettingsFileError(ValueError):
-    """Settings could not be read or did not validate; the message names the file, variable or
-    override, and every offending field, one line per problem.
+    """Settings could not be read or did not validate.
+
+    The message names the file, variable or override, and every offending field, one line per problem.
 
     Attributes:
         problems: The lines of the message, one per problem.
@@ -52,8 +53,10 @@ class SettingsInput:
     default_source: str = "settings"
 
     def source_of(self, path: tuple[Key, ...]) -> str:
-        """Where the value at ``path`` came from: the layer that set it or the nearest mapping
-        around it, and every layer that set something inside it (``"run.yaml, TRAINLOOP_X__Y"``).
+        """Where the value at ``path`` came from.
+
+        The layer that set it or the nearest mapping around it, and every layer that set something inside it
+        (``"run.yaml, TRAINLOOP_X__Y"``).
         """
         found = self.default_source
         if not path:  # about the settings as a whole: the file, if any
