@@ -89,9 +89,10 @@ class EpochIterator:
         self._iterator = _FirstBatchTap(self, self._iterator, fn)
 
     def position(self) -> dict[str, Any] | None:
-        """Where a ``DataLoader`` with a sampler is inside its epoch (the generators' states as
-        the epoch began, and the batches drawn since), for a checkpoint; ``None`` for other
-        loaders, and at an epoch's end (the next epoch begins from the restored generators).
+        """Where a ``DataLoader`` with a sampler is inside its epoch, for a checkpoint.
+
+        That is the generators' states as the epoch began, and the batches drawn since; ``None`` for other loaders, and
+        at an epoch's end (the next epoch begins from the restored generators).
         """
         length = self.batches_per_epoch
         if not self._sampled or self._epoch_start is None or self._drawn_this_epoch == 0:

@@ -114,9 +114,10 @@ class Loop:
                 self.machine.on_enter(state, method)
 
     def build_components(self, lr_scheduler: bool = True) -> None:
-        """Seed, then build data loader, model, optimizer, lr scheduler and grad scaler, in that
-        order (each may read the ones before it): ``building`` starts with these, and ``lr_find``
-        builds them without the lr scheduler (``lr_scheduler=False``).
+        """Seed, then build data loader, model, optimizer, lr scheduler and grad scaler, in that order.
+
+        Each may read the ones before it: ``building`` starts with these, and ``lr_find`` builds them without the lr
+        scheduler (``lr_scheduler=False``).
         """
         t, built = self.trainer, self.run_state.built
         if t.settings.seed is not None:

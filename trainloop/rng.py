@@ -19,8 +19,9 @@ def _numpy() -> Any:
 
 
 def seed_all(seed: int) -> None:
-    """Seed Python's ``random``, NumPy's global generator (if NumPy is installed) and torch's
-    (CPU and every CUDA device) with ``seed``.
+    """Seed Python's ``random``, NumPy's global generator and torch's (CPU and every CUDA device) with ``seed``.
+
+    NumPy's is seeded if NumPy is installed.
     """
     random.seed(seed)
     numpy = _numpy()

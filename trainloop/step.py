@@ -204,9 +204,10 @@ class StepRunner:
         return left or self.epochs.batches_per_epoch or 1  # type: ignore[union-attr]  # 0: a new epoch begins
 
     def microsteps_remain(self) -> bool:
-        """Whether the step in progress needs another microstep (``plan.accumulation``, the one
-        place a run reads its accumulation from, or fewer for an epoch's last step under
-        ``max_epochs``: the machine's edge and ``lr_find`` ask this).
+        """Whether the step in progress needs another microstep.
+
+        It needs ``plan.accumulation`` microsteps (the one place a run reads its accumulation from), or fewer for an
+        epoch's last step under ``max_epochs``: the machine's edge and ``lr_find`` ask this.
         """
         return self.microsteps < self.target
 

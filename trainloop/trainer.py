@@ -360,8 +360,9 @@ class BaseTrainer:
     # -- logging and helpers -------------------------------------------------------------------
 
     def log(self, records: Records) -> None:
-        """Send nested numeric records to every hook's ``on_log``, and record them in
-        ``trainer.metrics`` (and ``<workspace>/metrics.jsonl``, see ``settings.metrics_file``).
+        """Send nested numeric records to every hook's ``on_log``, and record them in ``trainer.metrics``.
+
+        They are also written to ``<workspace>/metrics.jsonl`` (see ``settings.metrics_file``).
         """
         run = self._run
         self.metrics.record(run.step, records)

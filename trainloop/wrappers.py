@@ -1,5 +1,6 @@
-"""Seeing through model wrappers (``torch.compile``, DDP, FSDP, ``AveragedModel``) and keeping a
-model's train/eval modes.
+"""Seeing through model wrappers and keeping a model's train/eval modes.
+
+The wrappers are ``torch.compile``, DDP, FSDP and ``AveragedModel``.
 """
 
 from __future__ import annotations
@@ -34,8 +35,9 @@ def unwrap_model(module: nn.Module) -> nn.Module:
 
 @contextlib.contextmanager
 def module_modes_kept(model: nn.Module, train: bool) -> Iterator[None]:
-    """Put ``model`` in train or eval mode for the block, then give every submodule its own mode
-    back (also when the block raises).
+    """Put ``model`` in train or eval mode for the block, then give every submodule its own mode back.
+
+    Also when the block raises.
     """
     modules = list(model.modules())
     modes = [m.training for m in modules]

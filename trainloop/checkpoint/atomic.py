@@ -210,8 +210,9 @@ _removals: list[Future[None]] = []
 
 
 def wait_for_removals() -> None:
-    """Wait until the directories :func:`remove_directory` deletes in the background are gone
-    (and let its helper thread end).
+    """Wait until the directories :func:`remove_directory` deletes in the background are gone.
+
+    Also lets its helper thread end.
     """
     global _remover
     while _removals:

@@ -93,8 +93,9 @@ def save_weights(
 
 
 def _unshared(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """Copy the tensors that still share storage with another (overlapping slices of one
-    buffer), which safetensors refuses; exact ties were copied already.
+    """Copy the tensors that still share storage with another, which safetensors refuses.
+
+    These are overlapping slices of one buffer; exact ties were copied already.
     """
     owners: dict[int, str] = {}
     result: dict[str, torch.Tensor] = {}

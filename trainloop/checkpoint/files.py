@@ -242,8 +242,9 @@ def read_checkpoint(directory: Path, verify: bool = True) -> dict[str, Any]:
 
 
 def read_full(directory: Path, listing: dict[str, FileDigest] | None) -> dict[str, Any]:
-    """Read a full checkpoint whose listing (names and sizes) was checked, verifying each file
-    against ``listing`` as it is read (unverified when ``None``).
+    """Read a full checkpoint whose listing (names and sizes) was checked.
+
+    Each file is verified against ``listing`` as it is read (unverified when ``None``).
 
     Raises:
         CheckpointError: As :func:`read_checkpoint`.

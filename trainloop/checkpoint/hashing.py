@@ -130,9 +130,10 @@ class HashingWriter(io.RawIOBase):
 
 
 def read_verified(path: Path, expected: FileDigest) -> mmap.mmap | bytes:
-    """The contents of ``path``, mapped into memory, read once and checked against its manifest
-    entry (hashing the mapping reads the file; the kernel reads ahead while it hashes). Load
-    from it with :class:`BufferReader`, then close it.
+    """The contents of ``path``, mapped into memory, read once and checked against its manifest entry.
+
+    Hashing the mapping reads the file; the kernel reads ahead while it hashes. Load from it with :class:`BufferReader`,
+    then close it.
 
     Raises:
         CheckpointError: The file is missing, or its size or SHA-256 differs (the message

@@ -43,8 +43,9 @@ def load_file(path: Path) -> Any:
 
 
 def load_verified(path: Path, expected: FileDigest) -> Any:
-    """:func:`load_file`, but the file is read once, checked against its manifest entry while it
-    is read, and only then unpickled (see :func:`~trainloop.checkpoint.hashing.read_verified`).
+    """:func:`load_file`, but the file is read once and checked while it is read, before unpickling.
+
+    It is checked against its manifest entry (see :func:`~trainloop.checkpoint.hashing.read_verified`).
 
     Raises:
         CheckpointError: The file's size or SHA-256 is not its manifest's.

@@ -53,8 +53,9 @@ MANIFEST_VERSION = 1
 
 
 def save_torch(obj: Any, path: Path) -> FileDigest:
-    """``torch.save(obj, path)``, hashing the bytes on their way to the file (see
-    :class:`~trainloop.checkpoint.hashing.HashingWriter`).
+    """``torch.save(obj, path)``, hashing the bytes on their way to the file.
+
+    See :class:`~trainloop.checkpoint.hashing.HashingWriter`.
     """
     with open(path, "wb") as file:
         hashing = HashingWriter(file)

@@ -100,8 +100,9 @@ class _HashingFileSystem(FileSystem):
 
 
 def shard_writer(directory: Path) -> FileSystemWriter:
-    """A DCP writer of ``directory`` that fsyncs every file it writes, one file per rank, and
-    hashes each as it writes it (see :func:`own_shards`).
+    """A DCP writer of ``directory`` that fsyncs and hashes every file it writes, one file per rank.
+
+    See :func:`own_shards` for the digests.
     """
     writer = FileSystemWriter(directory, single_file_per_rank=True, sync_files=True)
     writer.fs = _HashingFileSystem()
@@ -109,8 +110,9 @@ def shard_writer(directory: Path) -> FileSystemWriter:
 
 
 def own_shards(writer: FileSystemWriter) -> dict[str, FileDigest]:
-    """Digests of the shard files ``writer`` wrote (this rank's), by path relative to the
-    checkpoint, hashed while they were written: no rank reads its shards back.
+    """Digests of the shard files ``writer`` wrote (this rank's), by path relative to the checkpoint.
+
+    They were hashed while they were written: no rank reads its shards back.
     """
     fs = writer.fs
     return dict(fs.digests) if isinstance(fs, _HashingFileSystem) else {}

@@ -164,8 +164,9 @@ def _choose(directory: Path, weights: str, entry: Any, names: list[str]) -> dict
 
 
 def tied_keys(model: nn.Module) -> dict[str, str]:
-    """Keys of ``model``'s state dict that share a tensor with an earlier key (GPT-2's
-    ``lm_head.weight`` -> ``transformer.wte.weight``).
+    """Keys of ``model``'s state dict that share a tensor with an earlier key.
+
+    For example GPT-2's ``lm_head.weight`` -> ``transformer.wte.weight``.
     """
     first: dict[int, str] = {}
     tied: dict[str, str] = {}

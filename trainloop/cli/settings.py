@@ -100,8 +100,10 @@ def _trainer_hint(found: SettingsInput) -> str | None:
 
 
 def _trainers_declaring(keys: set[str], directory: Path) -> list[str]:
-    """``module:Class`` of the trainers in ``directory``'s modules whose ``settings_class``
-    (a class of the same module) declares every one of ``keys``; read with ``ast``, not imported.
+    """``module:Class`` of the trainers in ``directory``'s modules whose settings declare every one of ``keys``.
+
+    The settings are the ``settings_class`` (a class of the same module); the modules are read with ``ast``, not
+    imported.
     """
     found = []
     for path in sorted(directory.glob("*.py")):

@@ -29,8 +29,9 @@ _GUARD_HINT = 'a trainer\'s module must not exit or parse the command line when 
 
 
 class _HeldStream:
-    """A stand-in for stdout/stderr that holds what a module writes while it imports, and
-    passes writes through afterwards (a logging handler set up at import keeps writing here).
+    """A stand-in for stdout/stderr that holds what a module writes while it imports.
+
+    Afterwards it passes writes through (a logging handler set up at import keeps writing here).
     """
 
     def __init__(self, real: IO[str]) -> None:

@@ -30,8 +30,9 @@ class IdenticalBatchesWarning(UserWarning):
 
 
 def seed_ranks_apart(seed: int) -> None:
-    """Reseed Python's, NumPy's and torch's generators with ``seed + rank`` (after the model
-    is built, so every replica's initialisation stays the same).
+    """Reseed Python's, NumPy's and torch's generators with ``seed + rank``.
+
+    Called after the model is built, so every replica's initialisation stays the same.
     """
     seed_all(seed + rank())
 
@@ -65,8 +66,9 @@ def _leaves(value: Any) -> Iterator[Any]:
 
 
 def warn_if_ranks_drew_the_same(batch: Any) -> None:
-    """Under a process group of 2+ ranks, gather a hash of each rank's first batch (one small
-    all-gather) and warn once if they are all equal. Every rank must call it.
+    """Warn once if every rank's first batch is the same, under a process group of 2+ ranks.
+
+    Gathers a hash of each rank's first batch (one small all-gather). Every rank must call it.
     """
     if world_size() < 2:
         return

@@ -121,8 +121,9 @@ class BaseHook:
         """Called in ``stepping``, gradients unscaled and normalised, before clipping."""
 
     def on_after_step(self, trainer: Any) -> None:
-        """Called in ``stepping`` after the optimizer and scheduler stepped (never for an update
-        that found non-finite gradients); ``trainer.step_info`` is complete.
+        """Called in ``stepping`` after the optimizer and scheduler stepped; ``trainer.step_info`` is complete.
+
+        Never called for an update that found non-finite gradients.
         """
 
     def on_schedule(self, trainer: Any) -> None:

@@ -456,8 +456,9 @@ class CheckpointingHook(BaseHook):
 
     @property
     def best_checkpoint(self) -> Path | None:
-        """The best checkpoint by ``monitor`` still on disk, or ``None`` (no ``keep_best``, or
-        no checkpoint scored yet).
+        """The best checkpoint by ``monitor`` still on disk, or ``None``.
+
+        ``None`` when there is no ``keep_best``, or no checkpoint was scored yet.
         """
         if self._best is None or self._root is None:
             return None

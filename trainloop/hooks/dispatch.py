@@ -1,5 +1,6 @@
-"""Which hook methods exist, which state each runs in, and the dispatch table that calls only the
-hooks that override a method, and a hook's ``on_schedule`` only when its ``Schedule`` is due.
+"""Which hook methods exist, which state each runs in, and the dispatch table that calls them.
+
+The table calls only the hooks that override a method, and a hook's ``on_schedule`` only when its ``Schedule`` is due.
 """
 
 from __future__ import annotations
@@ -150,8 +151,9 @@ class ScheduledCalls:
         self._next = min(upcoming, default=sys.maxsize)
 
     def after_train(self, trainer: Any) -> None:
-        """Each hook's ``on_schedule`` if the clean end of the run was not acted on, then its
-        ``on_after_train`` (also when ``on_schedule`` raised).
+        """Each hook's ``on_schedule`` if the clean end of the run was not acted on, then its ``on_after_train``.
+
+        ``on_after_train`` runs also when ``on_schedule`` raised.
         """
         # Not after an error: other ranks may not reach this point, and a collective would hang.
         clean = self._stepped and trainer.error is None
@@ -197,8 +199,9 @@ HOOK_METHODS = frozenset(HOOK_EVENTS) | {"on_schedule"} | {f"on_enter_{state.val
 
 
 def check_schedule(hook: BaseHook) -> None:
-    """Raise ``TypeError`` if ``hook`` declares a schedule without ``on_schedule``, or the reverse
-    (either half alone would silently never act).
+    """Raise ``TypeError`` if ``hook`` declares a schedule without ``on_schedule``, or the reverse.
+
+    Either half alone would silently never act.
     """
     scheduled, acts = hook.schedule is not None, _overrides(hook, "on_schedule")
     if scheduled and not acts:

@@ -82,8 +82,9 @@ class ExportHook(BaseHook):
 
 
 def _tied_as_in(trainer: TrainerView, state: dict[str, Any]) -> dict[str, Any]:
-    """``state`` with the model's tied keys sharing one tensor again (the gather copies them
-    apart), so the export records the tie.
+    """``state`` with the model's tied keys sharing one tensor again, so the export records the tie.
+
+    The gather copies them apart.
     """
     from trainloop.checkpoint.weights import tied_keys
 

@@ -77,8 +77,9 @@ class Trace(deque[TraceEntry]):
 
 
 def start_run_record(settings: TrainerSettings) -> Trace | None:
-    """Write the resolved settings to ``<workspace>/settings.json`` (rank 0), and open the trace
-    (``<workspace>/trace.jsonl`` when there is a workspace) if ``settings.trace`` is on.
+    """Write the resolved settings to ``<workspace>/settings.json`` (rank 0), and open the trace.
+
+    The trace (``<workspace>/trace.jsonl`` when there is a workspace) is opened if ``settings.trace`` is on.
     """
     workspace = settings.workspace if is_rank_zero() else None
     if workspace is not None:

@@ -143,8 +143,9 @@ def _overview(metrics: list[dict[str, Any]], summary: TraceSummary | None, runs:
 
 
 def _window(metrics: list[dict[str, Any]]) -> str:
-    """The steps the last logged training loss averages (a ``LoggingHook`` logs the mean over
-    the steps since its previous record), as a label: `` (mean of steps 391-400)``.
+    """The steps the last logged training loss averages, as a label: `` (mean of steps 391-400)``.
+
+    A ``LoggingHook`` logs the mean over the steps since its previous record.
     """
     steps = [int(r["step"]) for r in metrics if "loss" in r]
     if not steps:

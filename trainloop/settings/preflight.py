@@ -102,8 +102,9 @@ def preflight(
 
 
 def check(trainer: TrainerContract) -> None:
-    """``preflight`` of a trainer about to train, unless its settings passed it with its class
-    in this context already (see ``checked``).
+    """``preflight`` of a trainer about to train, unless it passed already.
+
+    Skipped when its settings passed it with its class in this context already (see ``checked``).
 
     Raises:
         PreflightError: A problem was found; nothing was built or written.
@@ -118,9 +119,10 @@ def check(trainer: TrainerContract) -> None:
 
 @contextmanager
 def checked(settings: TrainerSettings, trainer_class: type[TrainerContract]) -> Iterator[None]:
-    """Within the block, ``check`` passes a ``trainer_class`` trainer of exactly ``settings``
-    without running the preflight again: the caller ran it (with the class; an instance's
-    attributes add to what the class has, never take away) and found nothing.
+    """Within the block, ``check`` passes a ``trainer_class`` trainer of exactly ``settings`` at once.
+
+    It does not run the preflight again: the caller ran it (with the class; an instance's attributes add to what the
+    class has, never take away) and found nothing.
     """
     token = _PASSED.set((settings, trainer_class))
     try:
