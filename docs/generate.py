@@ -283,7 +283,8 @@ def architecture_svg() -> str:
         f'<rect width="{width}" height="{height}" fill="white"/>',
         f'<text x="{margin}" y="24" font-size="14" font-weight="bold">trainloop: who imports whom</text>',
         f'<text x="{margin}" y="42" fill="#555">A → B: a module of A imports one of B (type-only imports too).</text>',
-        f'<text x="{margin}" y="58" fill="#555">Packages end in /. Red: an import that points up the house, closing a cycle.</text>',
+        f'<text x="{margin}" y="58" fill="#555">'
+        "Packages end in /. Red: an import that points up the house, closing a cycle.</text>",
     ]
     for source in sorted(graph):
         for dest in sorted(graph[source]):
@@ -302,7 +303,8 @@ def architecture_svg() -> str:
         x, y = where[node]
         fill = "#d6eaf8" if node.endswith("/") else "#f2f3f4"
         out.append(
-            f'<g><title>{node}</title><rect x="{x - width_of[node] / 2:.1f}" y="{y}" width="{width_of[node]}" height="{box_h}" '
+            f'<g><title>{node}</title><rect x="{x - width_of[node] / 2:.1f}" y="{y}" '
+            f'width="{width_of[node]}" height="{box_h}" '
             f'rx="5" fill="{fill}" stroke="#34495e"/>'
             f'<text x="{x:.1f}" y="{y + 17}" text-anchor="middle">{node}</text></g>'
         )

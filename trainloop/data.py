@@ -113,9 +113,9 @@ class EpochIterator:
 
     @property
     def remaining(self) -> int | None:
-        """Batches left to draw in the current epoch (0.
+        """Batches left to draw in the current epoch, for a loader with ``len()``; else ``None``.
 
-        The next draw begins another), for a loader with ``len()``; else ``None``.
+        At 0, the next draw begins another epoch.
         """
         length = self.batches_per_epoch
         return None if length is None else max(0, length - self._drawn_this_epoch)

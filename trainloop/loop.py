@@ -103,6 +103,7 @@ class Loop:
     # -- the work of each state ----------------------------------------------------------------
 
     def build(self) -> None:
+        """The work of ``building``: the components, then the hooks, their dispatch and their state callbacks."""
         t, run = self.trainer, self.run_state
         self.build_components()
         hooks = with_default_logging(build_declared_hooks(t.settings.hooks, t.build_hooks()), t.settings)
@@ -146,6 +147,7 @@ class Loop:
             self.run_state.built.update(saved)
 
     def restore(self) -> None:
+        """The work of ``restoring``: restore what the restoring callbacks loaded."""
         # A checkpoint, if any, was loaded by on_enter_restoring callbacks before this runs.
         t, run = self.trainer, self.run_state
         if t.settings.metrics_file and t.settings.workspace is not None and is_rank_zero():
@@ -184,10 +186,12 @@ class Loop:
         )
 
     def before_optimizer_step(self) -> None:
+        """Run the hooks' ``on_before_optimizer_step``."""
         for fn in self.run_state.dispatch["on_before_optimizer_step"]:
             fn(self.trainer)
 
     def accumulate(self) -> None:
+        """The work of ``accumulating``: one microstep (forward and backward)."""
         loss, records, data_time = self.runner.microstep()  # type: ignore[union-attr]
         info = self.run_state.step_info
         info.data_time.append(data_time)
@@ -197,6 +201,7 @@ class Loop:
         info.loss.append(loss.sum.detach() / loss.count if isinstance(loss, Loss) else loss.detach())
 
     def update(self) -> None:
+        """The work of ``stepping``: the optimizer update, then the step's bookkeeping."""
         t, run, runner = self.trainer, self.run_state, self.runner
         self.applied = runner.update()  # type: ignore[union-attr]
         if t.settings.grad_clip is not None:
@@ -240,6 +245,7 @@ class Loop:
         )
 
     def retry(self) -> None:
+        """The work of ``retrying``: drop the step whose gradients were not finite."""
         t = self.trainer
         self.retries += 1
         if t.grad_scaler.is_enabled():  # expected at the start of fp16 runs: not a warning
@@ -258,13 +264,14 @@ class Loop:
         info.non_finite_grad_retries = self.retries
 
     def checkpoint(self) -> None:
+        """The work of ``checkpointing``."""
         # The save itself is done by on_enter_checkpointing callbacks (CheckpointingHook).
         self.requests.checkpointed(self.run_state.step)
 
     def exit(self) -> list[BaseException]:
-        """Every hook's ``on_after_train`` (one that fails does not stop the others.
+        """Every hook's ``on_after_train``, then close what the run opened.
 
-        Each may have something to give back, such as signal handlers), then close what the run opened.
+        One hook that fails does not stop the others: each may have something to give back, such as signal handlers.
 
         Returns:
             What the hooks raised, in hook order (the first is what a clean run raises).
@@ -313,15 +320,19 @@ class Loop:
     # -- the policies --------------------------------------------------------------------------
 
     def should_exit(self) -> bool:
+        """Whether the run ends: an agreed exit request, or the run length reached."""
         return self.requests.exit_agreed or self.trainer.run_length.reached(self.run_state.step)
 
     def microsteps_remain(self) -> bool:
+        """Whether the step in progress needs another microstep."""
         return self.runner.microsteps_remain()  # type: ignore[union-attr]
 
     def grads_non_finite(self) -> bool:
+        """Whether the last update found non-finite gradients and was skipped."""
         return not self.applied
 
     def checkpoint_due(self) -> bool:
+        """Whether a checkpoint is due at this step."""
         return self.requests.checkpoint_due(self.run_state.step, ending=self.should_exit)
 
 

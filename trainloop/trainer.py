@@ -201,9 +201,9 @@ class BaseTrainer:
 
     @property
     def loop(self) -> Loop:
-        """The loop that runs this trainer and owns its run state (machinery.
+        """The loop that runs this trainer and owns its run state.
 
-        Tools such as ``lr_find`` use it; hooks read the trainer instead).
+        Machinery: tools such as ``lr_find`` use it; hooks read the trainer instead.
         """
         return self._loop
 

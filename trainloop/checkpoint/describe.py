@@ -158,6 +158,7 @@ def describe_checkpoint(directory: Path) -> dict[str, Any]:
 
 
 def jsonable(value: Any) -> Any:
+    """``value`` as JSON can hold it: a tensor as a list, anything else as text."""
     # A tensor lr (capturable optimizers) or scheduler value; anything else, as text.
     return value.tolist() if isinstance(value, torch.Tensor) else str(value)
 

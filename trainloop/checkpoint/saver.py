@@ -280,7 +280,7 @@ class CheckpointSaver:
     def _finish_sharded(self, tmp: Path, target: Path, seen: bool, write_shards: Callable[[], Any],
                         writer: Any, rest: dict[str, Any], metadata: dict[str, Any], published: Callable[[Path], None],
                         group: Any) -> BaseException | None:
-        """After every rank wrote its shards.
+        """Finish the checkpoint after every rank wrote its shards.
 
         Gather their digests, and rank 0 checks that it sees every rank's files, completes the checkpoint (the rest,
         metadata, manifest) and publishes it. Every rank calls; ``seen``: this rank found rank 0's ``tmp``.

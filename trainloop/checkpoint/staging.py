@@ -136,13 +136,16 @@ class ReusingStager(AsyncStager):
         self._stage = stage
 
     def stage(self, state_dict: dict[str, Any]) -> dict[str, Any]:
+        """Copy ``state_dict`` into the stage's CPU buffers, synchronously."""
         staged: dict[str, Any] = self._stage.copy(state_dict)
         return staged
 
     def synchronize_staging(self) -> None:
+        """Nothing to wait for: :meth:`stage` copied synchronously."""
         return None  # nothing to wait for: stage() copied synchronously
 
     def close(self) -> None:
+        """Nothing to release: the buffers belong to the ``CpuStage``, reused by the next save."""
         return None  # the buffers belong to the CpuStage, reused by the next save
 
     @staticmethod

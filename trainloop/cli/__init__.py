@@ -5,7 +5,8 @@
     trainloop run run.yaml [--trainer train:MyTrainer] [--set max_steps=100 ...]
     trainloop validate run.yaml [--trainer train:MyTrainer] [--set ...]
     trainloop schema [--trainer train:MyTrainer] [--output schema.json]
-    trainloop graph [--format mermaid|dot|svg|png] [--trace runs/exp1] [--settings run.yaml [--trainer train:MyTrainer]] [--output machine.svg]
+    trainloop graph [--format mermaid|dot|svg|png] [--trace runs/exp1]
+                    [--settings run.yaml [--trainer train:MyTrainer]] [--output machine.svg]
     trainloop inspect runs/exp1/checkpoints
     trainloop report runs/exp1 [--output report.html]
     trainloop export runs/exp1/checkpoints --output model.safetensors [--weights ema]

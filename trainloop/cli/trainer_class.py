@@ -25,7 +25,10 @@ if TYPE_CHECKING:
 
 __all__ = ["load_trainer_class"]
 
-_GUARD_HINT = 'a trainer\'s module must not exit or parse the command line when imported: put that code under `if __name__ == "__main__":`'
+_GUARD_HINT = (
+    "a trainer's module must not exit or parse the command line when imported: "
+    'put that code under `if __name__ == "__main__":`'
+)
 
 
 class _HeldStream:

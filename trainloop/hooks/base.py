@@ -112,9 +112,9 @@ class BaseHook:
         """Called once in ``restoring``, after any checkpoint was loaded."""
 
     def on_before_step(self, trainer: Any) -> None:
-        """Called when a new step begins (the ``begin_step`` edge into ``accumulating``.
+        """Called when a new step begins (the ``begin_step`` edge into ``accumulating``).
 
-        Not again when the step is retried).
+        Not called again when the step is retried.
         """
 
     def on_before_optimizer_step(self, trainer: Any) -> None:
