@@ -297,10 +297,17 @@ class StepRunner:
             nothing stepped, the gradients are left as they are, and a grad scaler has lowered
             its scale for the retry.
         """
+        self._prepare_grads()
+        if self._grads_non_finite():
+            return False
+        self._apply()
+        return True
+
+    def _prepare_grads(self) -> None:
+        """Unscale (fp16), normalise by the item count or rescale, ``before_optimizer_step``, clip."""
         plan = self.plan
-        optimizer, scaler = plan.optimizer, self._scaler
-        if scaler is not None:
-            scaler.unscale_(optimizer)
+        if self._scaler is not None:
+            self._scaler.unscale_(plan.optimizer)
         if self.items is not None:
             self._normalise_by_items()
         elif self._divisor != self.target:  # an epoch ran out while forward skipped batches
@@ -312,20 +319,31 @@ class StepRunner:
             if hasattr(grad_norm, "full_tensor"):  # an FSDP2 DTensor, replicated: no communication
                 grad_norm = grad_norm.full_tensor()
             self.grad_norm = grad_norm
+
+    def _grads_non_finite(self) -> bool:
+        """Whether the update must be refused (a grad scaler then lowers its scale for the retry)."""
+        scaler = self._scaler
         if scaler is not None:
             # The step's one host sync, the one GradScaler.step would make anyway: a skipped
             # update is a retry, decided here, not a silent no-op. (torch's private API: GradScaler
             # has no public way to read what unscale_ found, and GradScaler.step reads this one.)
-            found = scaler._found_inf_per_device(optimizer).values()
+            found = scaler._found_inf_per_device(self.plan.optimizer).values()
             if any(bool(f.item()) for f in found):
                 scaler.update()  # lowers the scale for the retry
-                return False
-        elif plan.check_grads:
+                return True
+            return False
+        if self.plan.check_grads:
             # The step's one host sync: a retry must be decided before the optimizer steps.
             # With clipping on, the total norm is finite iff every gradient is.
-            non_finite = self._grad_check() if self._grad_check is not None else not bool(torch.isfinite(grad_norm))
-            if non_finite:
-                return False
+            if self._grad_check is not None:
+                return self._grad_check()
+            assert self.grad_norm is not None  # no check of its own means clipping is on
+            return not bool(torch.isfinite(self.grad_norm))
+        return False
+
+    def _apply(self) -> None:
+        """Step the optimizer (through the grad scaler if it must), the scaler and the lr scheduler; zero the grads."""
+        plan, optimizer, scaler = self.plan, self.plan.optimizer, self._scaler
         if scaler is not None and self._step_through_scaler:
             scaler.step(optimizer)
         else:
@@ -335,7 +353,6 @@ class StepRunner:
         optimizer.zero_grad()
         if plan.lr_scheduler is not None:
             plan.lr_scheduler.step()
-        return True
 
     def _rescale(self, factor: float) -> None:
         grads = [p.grad for p in self.plan.model.parameters() if p.grad is not None]
