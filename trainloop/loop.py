@@ -1,6 +1,5 @@
-"""The loop of one trainer.
+"""The loop of one trainer: the work of each state, the edges' actions, and the policies the conditions name.
 
-The work of each state, the edges' actions, and the policies the transition table's conditions name.
 ``BaseTrainer.train()`` runs it; ``trainloop.machine`` says which state comes next.
 
 The loop owns the run: what it produces (``step``, ``epoch``, ``step_info``, the built

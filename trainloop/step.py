@@ -1,6 +1,6 @@
-"""One training step, written once.
+"""One training step, written once: the microsteps (``accumulating``) and the optimizer update (``stepping``).
 
-The microsteps (``accumulating``) and the optimizer update (``stepping``). ``BaseTrainer`` and ``lr_find`` both run it.
+``BaseTrainer`` and ``lr_find`` both run it.
 
 A ``StepPlan`` is what the loop needs, resolved before the first step; a ``StepRunner`` holds
 what is derived from it (the gradient-sync switch, the non-finite check's buffers) and the

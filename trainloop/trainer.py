@@ -1,7 +1,6 @@
-"""``BaseTrainer``.
+"""``BaseTrainer``: the user's contract, and the machine seen from outside (callbacks, requests, diagrams).
 
-The user's contract, and the machine seen from outside (callbacks, requests, diagrams); the work of each state is
-``trainloop.loop``'s.
+The work of each state is ``trainloop.loop``'s.
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""The seed's helpers for nested records, at the path its users import them from.
+"""The seed's helpers for nested records, at the path its users import them from (``trainloop.utils``).
 
 ``from trainloop.utils import key_average`` keeps working; they live in ``trainloop.nested``.
 """

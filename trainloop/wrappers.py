@@ -1,7 +1,4 @@
-"""Seeing through model wrappers and keeping a model's train/eval modes.
-
-The wrappers are ``torch.compile``, DDP, FSDP and ``AveragedModel``.
-"""
+"""Seeing through model wrappers (``torch.compile``, DDP, FSDP, ``AveragedModel``) and keeping train/eval modes."""
 
 from __future__ import annotations
 

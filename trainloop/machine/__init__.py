@@ -1,6 +1,6 @@
-"""The machine.
+"""The machine: its table as data, the runner, its drawing and the record of a run.
 
-Its table as data (``table``), the runner (``runner``), its drawing (``diagram``) and the record of a run (``trace``).
+The modules: ``table`` (the transitions, pure data), ``runner``, ``diagram`` and ``trace``.
 """
 
 from trainloop.machine.diagram import draw

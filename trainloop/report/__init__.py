@@ -1,8 +1,7 @@
-"""``trainloop report``.
+"""``trainloop report``: one self-contained HTML page about a run's workspace.
 
-One self-contained HTML page about a run's workspace (``page``), its metric charts (``charts``) and the machine drawn
-with Graphviz where it is installed (``graphviz``); the metrics a run logged (``metrics.jsonl``) read back with
-``read_metrics``.
+The page (``page``), its metric charts (``charts``) and the machine drawn with Graphviz where it is installed
+(``graphviz``); the metrics a run logged (``metrics.jsonl``) read back with ``read_metrics``.
 """
 
 from trainloop.metrics import read_metrics

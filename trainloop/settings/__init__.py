@@ -1,4 +1,4 @@
-"""The run's declaration.
+"""The run's declaration: the settings, where their values come from, and the checks made before anything runs.
 
 The settings model (``model``), where values come from (``sources``: defaults < file < ``TRAINLOOP_*`` environment <
 ``--set``), how errors are worded (``errors``), the optimizer and schedule declarations (``optimizer``, ``schedule``),
