@@ -37,7 +37,7 @@ def test_the_retry_edge_leaves_stepping_whatever_the_accumulation(accumulation):
     trainer.train()
     assert retried == [2]
     assert trainer.step == 3
-    assert trainer.calls == 4 * accumulation
+    assert trainer.calls == 4 * accumulation  # 3 steps and one redone
     counts = trainer.trace.counts()
     assert counts[(State.ACCUMULATING, State.STEPPING, "update")] == 4
     assert counts[(State.ACCUMULATING, State.ACCUMULATING, "accumulate")] == 4 * (accumulation - 1)

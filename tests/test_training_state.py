@@ -66,7 +66,7 @@ def test_a_plain_dataloader_saves_where_its_sampler_is_mid_epoch_and_nothing_at_
     trainer.train()
     state = trainer.state_dict()["training_state"]
     assert state["data_loader"] == [None]
-    assert state["epoch"] == 1
+    assert state["epoch"] == 1  # the next epoch begins afresh
 
 
 def test_resuming_with_other_settings_warns_naming_them():

@@ -103,7 +103,7 @@ def test_run_trains_from_a_settings_file_with_env_and_set_overrides(trained):
     assert result.returncode == 0, result.stderr
     saved = json.loads((workspace / "settings.json").read_text())
     assert saved["max_steps"] == 6
-    assert saved["seed"] == 3
+    assert saved["seed"] == 3  # --set and TRAINLOOP_SEED took effect
     assert saved["nan_at_steps"] == [2]  # validated with the trainer's own settings_class
     assert sorted(p.name for p in (workspace / "checkpoints").iterdir()) == ["3", "6", "latest"]
     assert (workspace / "trace.jsonl").stat().st_size > 0
@@ -165,7 +165,7 @@ def test_inspect_the_latest_checkpoint_of_a_root(trained, after_run):
     assert "rng state:    saved for 1 rank(s): numpy, python, torch" in out
     assert "data loader:  no position saved" in out
     assert '"nan_at_steps": [' in out
-    assert '"seed": 3' in out
+    assert '"seed": 3' in out  # the settings it was made with
     assert result.stderr == ""
 
 
@@ -401,7 +401,7 @@ def test_validate_prints_resolved_settings_file_then_env_then_set(launched):
     assert result.returncode == 0, result.stderr
     settings = json.loads(result.stdout)
     assert settings["max_steps"] == 9
-    assert settings["lr"] == 0.5
+    assert settings["lr"] == 0.5  # env over the file
     assert settings["seed"] == 2  # --set over env
     assert settings["hooks"][0]["interval"] == 5
     assert settings["hooks"][0]["keep_previous"] == 3

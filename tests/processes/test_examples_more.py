@@ -154,7 +154,7 @@ def test_char_lm_learns_and_samples_from_the_ema_model(char_lm, tmp_path, monkey
     losses = {int(step): float(loss) for step, loss in re.findall(r"Step (\d+)/200: .* loss (\d+\.\d+)", caplog.text)}
     assert sorted(losses) == [50, 100, 150, 200]
     assert losses[200] < losses[50]
-    assert losses[200] < 0.6 * math.log(vocab)
+    assert losses[200] < 0.6 * math.log(vocab)  # training loss, in nats
     assert re.findall(r"Step (\d+): validation \d+\.\d+ bits per character", caplog.text) == ["100", "200"]
 
     out = capsys.readouterr().out

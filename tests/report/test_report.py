@@ -114,7 +114,7 @@ def test_the_page_renders_in_a_headless_browser(workspace, tmp_path):
     dom = subprocess.run([CHROMIUM, *flags, "--dump-dom", page.as_uri()], capture_output=True, text=True, timeout=120, check=False)
     assert dom.returncode == 0, dom.stderr[-2000:]
     assert dom.stdout.count("<svg") >= 8
-    assert "Run report: run" in dom.stdout
+    assert "Run report: run" in dom.stdout  # parsed and laid out by the browser
     shot = tmp_path / "shot.png"
     subprocess.run([CHROMIUM, *flags, "--window-size=1280,2400", f"--screenshot={shot}", page.as_uri()],
                    capture_output=True, timeout=120, check=True)
