@@ -125,7 +125,9 @@ def summary(steps: dict[str, dict[str, dict]], imports: dict[str, dict]) -> list
         verdict = "met" if fastest == "trainloop" else f"not met ({LABELS[fastest]} imports faster)"
         if libs[runner_up] - libs[fastest] < IMPORT_TIE:
             other = runner_up if fastest == "trainloop" else fastest
-            verdict += f", but {LABELS[other]} is within {IMPORT_TIE:.2f} s of trainloop: a tie within this machine's noise"
+            verdict += (
+                f", but {LABELS[other]} is within {IMPORT_TIE:.2f} s of trainloop: a tie within this machine's noise"
+            )
         lines.append(f'Goal "fastest import": {verdict}.')
     return lines
 

@@ -95,7 +95,9 @@ def main() -> None:
             sync_median = None
             for async_save in (False, True):
                 directory = Path(scratch) / f"{format}-{'async' if async_save else 'sync'}"
-                blocked, size = blocked_per_save(directory, format, async_save, args.saves, args.interval, args.momentum)
+                blocked, size = blocked_per_save(
+                    directory, format, async_save, args.saves, args.interval, args.momentum
+                )
                 median = statistics.median(blocked)
                 sync_median = sync_median or median
                 ratio = f"{100 * median / sync_median:.0f}%"

@@ -175,7 +175,8 @@ def one_round(scratch: Path, megabytes: float, results: dict[str, list[float]]) 
 
     def our_resume() -> None:
         chosen = open_checkpoint([checkpoint], explicit=True)
-        assert chosen is not None and chosen[1] is not None
+        assert chosen is not None
+        assert chosen[1] is not None
         loaded = chosen[1]
         _load_model_and_optimizer(Shim(model, optimizer), loaded["model"], loaded["training_state"]["optimizer"])  # type: ignore[arg-type]
 
@@ -188,9 +189,12 @@ def one_round(scratch: Path, megabytes: float, results: dict[str, list[float]]) 
                        optim_state_dict=loaded["training_state"]["optimizer"])
 
     for temperature in ("cold", "warm"):
-        for name, fn, directory in (("disk read", disk_read, scratch), ("torch.load + load_state_dict", plain_resume, plain),
-                                    ("trainloop resume", our_resume, checkpoint),
-                                    ("previous resume", previous_resume, checkpoint)):
+        for name, fn, directory in (
+            ("disk read", disk_read, scratch),
+            ("torch.load + load_state_dict", plain_resume, plain),
+            ("trainloop resume", our_resume, checkpoint),
+            ("previous resume", previous_resume, checkpoint),
+        ):
             if temperature == "cold":
                 drop_cache(directory)
             else:
@@ -268,7 +272,9 @@ def report(size: float, results: dict[str, list[float]]) -> None:
             key = f"{name} ({temperature})"
             print(f"  {key:<40} {1000 * med[key]:>7.0f} ms   {ratio(key, floor)} the floor (paired)")
     blocked = med["async: loop blocked"]
-    share = statistics.median(a / b for a, b in zip(results["async: loop blocked"], results["write_checkpoint"], strict=True))
+    share = statistics.median(
+        a / b for a, b in zip(results["async: loop blocked"], results["write_checkpoint"], strict=True)
+    )
     print(f"  {'async save: loop blocked':<40} {1000 * blocked:>7.1f} ms   {100 * share:.1f}% of a sync save (paired)")
     print(f"  {'async save: staging copy held':<40} {med['async: staging copy during the save (MB)']:>7.0f} MB during, "
           f"{med['async: staging copy kept after it (MB)']:.0f} MB once settled")

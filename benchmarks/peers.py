@@ -169,7 +169,9 @@ def _csv(value: str, allowed: tuple[str, ...], what: str) -> list[str]:
     items = [v.strip() for v in value.split(",") if v.strip()]
     bad = [v for v in items if v not in allowed]
     if bad or not items:
-        raise argparse.ArgumentTypeError(f"{what}: expected a comma-separated subset of {','.join(allowed)}, got {value!r}")
+        raise argparse.ArgumentTypeError(
+            f"{what}: expected a comma-separated subset of {','.join(allowed)}, got {value!r}"
+        )
     return items
 
 
@@ -177,7 +179,9 @@ def main(argv: list[str] | None = None) -> None:
     """Measure, print the markdown report, and write it (and the chart) if asked."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=300, help="timed steps per run")
-    parser.add_argument("--medium-steps", type=int, default=None, help="timed steps on the medium model (default: --steps)")
+    parser.add_argument(
+        "--medium-steps", type=int, default=None, help="timed steps on the medium model (default: --steps)"
+    )
     parser.add_argument("--warmup", type=int, default=50, help="steps of the warm-up run in each child")
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--import-rounds", type=int, default=5, help="fresh-process imports per contender (0: skip)")

@@ -4,9 +4,9 @@
 Each case is a fresh process (``python -c ...`` or ``python -m trainloop ...``), timed wall-clock
 from start to exit and by its CPU time (user + system, from ``wait4``; on a machine shared with
 other work the wall time mostly measures the wait for a core, the CPU time much less so). The
-cases are interleaved round by round (the order rotated) and the median over rounds is reported. ``python -c pass`` is the interpreter's own
-floor. ``import trainloop`` imports its names on first use, so what a user pays is the line that
-takes the contract (``from trainloop import BaseTrainer, TrainerSettings``).
+cases are interleaved round by round (the order rotated) and the median over rounds is reported.
+``python -c pass`` is the interpreter's own floor. ``import trainloop`` imports its names on first use, so what a
+user pays is the line that takes the contract (``from trainloop import BaseTrainer, TrainerSettings``).
 
 Run: ``python benchmarks/startup.py [--rounds 7] [--source DIR]``; ``--source`` is the checkout
 whose ``trainloop`` is timed (default: this one), ``--markdown`` prints the table
@@ -60,7 +60,8 @@ def measure(rounds: int, source: Path) -> dict[str, tuple[float, float]]:
         for name in names[r % len(names):] + names[: r % len(names)]:
             times[name].append(timed(CASES[name], source))
     return {
-        name: (statistics.median(w for w, _ in values), statistics.median(c for _, c in values)) for name, values in times.items()
+        name: (statistics.median(w for w, _ in values), statistics.median(c for _, c in values))
+        for name, values in times.items()
     }
 
 

@@ -108,7 +108,11 @@ def hooks_reference() -> str:
             prop = schema["properties"][field]
             options = prop.get("anyOf", [prop])
             kinds = [
-                " or ".join(repr(v) for v in o["enum"]) if "enum" in o else repr(o["const"]) if "const" in o else o.get("type", "any")
+                " or ".join(repr(v) for v in o["enum"])
+                if "enum" in o
+                else repr(o["const"])
+                if "const" in o
+                else o.get("type", "any")
                 for o in options
             ]
             default = "required" if info.is_required() else f"`{json.dumps(prop.get('default'))}`"
@@ -150,12 +154,18 @@ def layout_table() -> str:
     import ast
 
     rows = ["| where | modules | what it holds |", "|---|---|---|"]
-    paths = sorted(PACKAGE.glob("*/__init__.py")) + sorted(p for p in PACKAGE.glob("*.py") if not p.stem.startswith("_"))
+    paths = sorted(PACKAGE.glob("*/__init__.py")) + sorted(
+        p for p in PACKAGE.glob("*.py") if not p.stem.startswith("_")
+    )
     for path in paths:
         name = f"{path.parent.name}/" if path.name == "__init__.py" else f"{path.name}"
         doc = ast.get_docstring(ast.parse(path.read_text())) or ""
         summary = " ".join(doc.split("\n\n")[0].split()).replace("|", "\\|")
-        modules = ", ".join(m.stem for m in sorted(path.parent.glob("*.py")) if m.stem != "__init__") if name.endswith("/") else ""
+        modules = (
+            ", ".join(m.stem for m in sorted(path.parent.glob("*.py")) if m.stem != "__init__")
+            if name.endswith("/")
+            else ""
+        )
         rows.append(f"| `{name}` | {modules} | {summary} |")
     return "\n".join(rows)
 
@@ -173,7 +183,9 @@ def import_graph() -> dict[str, set[str]]:
     """Wing -> the wings it imports (at run time or for types only), from the source with ``ast``."""
     import ast
 
-    modules = {".".join(p.relative_to(ROOT).with_suffix("").parts).removesuffix(".__init__") for p in PACKAGE.rglob("*.py")}
+    modules = {
+        ".".join(p.relative_to(ROOT).with_suffix("").parts).removesuffix(".__init__") for p in PACKAGE.rglob("*.py")
+    }
     graph: dict[str, set[str]] = {}
     for path in sorted(PACKAGE.rglob("*.py")):
         name = ".".join(path.relative_to(ROOT).with_suffix("").parts).removesuffix(".__init__")
@@ -185,7 +197,10 @@ def import_graph() -> dict[str, set[str]]:
             if isinstance(node, ast.Import):
                 targets = [a.name for a in node.names]
             elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
-                targets = [f"{node.module}.{a.name}" if f"{node.module}.{a.name}" in modules else node.module for a in node.names]
+                targets = [
+                    f"{node.module}.{a.name}" if f"{node.module}.{a.name}" in modules else node.module
+                    for a in node.names
+                ]
             else:
                 continue
             for target in targets:
@@ -233,7 +248,12 @@ def architecture_layers(graph: dict[str, set[str]]) -> tuple[list[list[str]], se
         rows[height[node]].append(node)
     for below, row in zip(rows, rows[1:]):
         position = {n: i / max(1, len(below) - 1) for i, n in enumerate(below)}
-        row.sort(key=lambda n: (sum(position[d] for d in graph[n] if d in position) / max(1, sum(d in position for d in graph[n])), n))
+        row.sort(
+            key=lambda n: (
+                sum(position[d] for d in graph[n] if d in position) / max(1, sum(d in position for d in graph[n])),
+                n,
+            )
+        )
     return rows, upward
 
 
@@ -263,7 +283,8 @@ def architecture_svg() -> str:
         f'<rect width="{width}" height="{height}" fill="white"/>',
         f'<text x="{margin}" y="24" font-size="14" font-weight="bold">trainloop: who imports whom</text>',
         f'<text x="{margin}" y="42" fill="#555">A → B: a module of A imports one of B (type-only imports too).</text>',
-        f'<text x="{margin}" y="58" fill="#555">Packages end in /. Red: an import that points up the house, closing a cycle.</text>',
+        f'<text x="{margin}" y="58" fill="#555">'
+        "Packages end in /. Red: an import that points up the house, closing a cycle.</text>",
     ]
     for source in sorted(graph):
         for dest in sorted(graph[source]):
@@ -282,7 +303,8 @@ def architecture_svg() -> str:
         x, y = where[node]
         fill = "#d6eaf8" if node.endswith("/") else "#f2f3f4"
         out.append(
-            f'<g><title>{node}</title><rect x="{x - width_of[node] / 2:.1f}" y="{y}" width="{width_of[node]}" height="{box_h}" '
+            f'<g><title>{node}</title><rect x="{x - width_of[node] / 2:.1f}" y="{y}" '
+            f'width="{width_of[node]}" height="{box_h}" '
             f'rx="5" fill="{fill}" stroke="#34495e"/>'
             f'<text x="{x:.1f}" y="{y + 17}" text-anchor="middle">{node}</text></g>'
         )

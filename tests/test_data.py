@@ -22,7 +22,8 @@ def test_reiterables_run_epoch_after_epoch():
     loader = Loader([1, 2, 3])
     batches = EpochIterator(loader)
     assert take(batches, 7) == [1, 2, 3, 1, 2, 3, 1]
-    assert batches.epoch == 2 and loader.epochs == [0, 1, 2]
+    assert batches.epoch == 2
+    assert loader.epochs == [0, 1, 2]
 
 
 def test_a_restored_epoch_is_passed_to_set_epoch():

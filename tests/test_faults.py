@@ -75,9 +75,11 @@ def params(model: torch.nn.Module) -> dict[str, torch.Tensor]:
 def assert_equal_tree(a: Any, b: Any, where: str = "") -> None:
     """Equal nested containers, tensors compared bitwise."""
     if isinstance(a, torch.Tensor):
-        assert isinstance(b, torch.Tensor) and torch.equal(a, b), where
+        assert isinstance(b, torch.Tensor), where
+        assert torch.equal(a, b), where
     elif isinstance(a, dict):
-        assert isinstance(b, dict) and a.keys() == b.keys(), where
+        assert isinstance(b, dict), where
+        assert a.keys() == b.keys(), where
         for key in a:
             assert_equal_tree(a[key], b[key], f"{where}/{key}")
     elif isinstance(a, (list, tuple)):
@@ -214,7 +216,8 @@ BAD_OUTPUTS: dict[str, tuple[Output, type[BaseException], str]] = {
 def test_bad_forward_output_is_a_clear_error_and_no_step_is_taken(tmp_path, case):
     bad, error, match = BAD_OUTPUTS[case]
     trainer, snapshots, root = run_to_fault(tmp_path, error, match, bad=bad)
-    assert trainer.step == BAD_FROM and sorted(snapshots.after_step) == [1, 2, 3, 4]
+    assert trainer.step == BAD_FROM
+    assert sorted(snapshots.after_step) == [1, 2, 3, 4]
     assert_checkpoint_intact(root, GOOD_STEPS, snapshots)
     assert_equal_tree(params(trainer.model), snapshots.after_step[GOOD_STEPS], "model")
 
@@ -246,7 +249,8 @@ def test_records_that_are_not_numbers_fail_at_aggregation_naming_the_key(tmp_pat
         tmp_path, error, match, hook_class(interval=3),
         bad=lambda loss, records, batch: (loss, make(loss)),
     )
-    assert trainer.step == 6 and sorted(snapshots.after_step) == [1, 2, 3, 4, 5, 6]
+    assert trainer.step == 6
+    assert sorted(snapshots.after_step) == [1, 2, 3, 4, 5, 6]
     assert_checkpoint_intact(root, GOOD_STEPS, snapshots)
 
 
@@ -292,7 +296,8 @@ def test_one_shot_iterator_running_out_mid_step_applies_no_partial_step(tmp_path
         r"the data iterator from build_data_loader\(\) ran out after 5 batches and cannot be iterated again",
         data=iter(batches(5)), gradient_accumulation_steps=2,
     )
-    assert trainer.step == 3 and sorted(snapshots.after_step) == [1, 2]
+    assert trainer.step == 3
+    assert sorted(snapshots.after_step) == [1, 2]
     assert trainer.forward_calls == {1: 2, 2: 2, 3: 1}
     assert_checkpoint_intact(root, 2, snapshots)
     assert_equal_tree(params(trainer.model), snapshots.after_step[2], "model")
@@ -302,7 +307,8 @@ def test_generator_running_out_between_steps(tmp_path):
     trainer, snapshots, root = run_to_fault(
         tmp_path, DataExhaustedError, r"ran out after 5 batches", data=(b for b in batches(5)),
     )
-    assert trainer.step == 6 and sorted(snapshots.after_step) == [1, 2, 3, 4, 5]
+    assert trainer.step == 6
+    assert sorted(snapshots.after_step) == [1, 2, 3, 4, 5]
     assert_checkpoint_intact(root, 4, snapshots)
 
 
@@ -311,4 +317,5 @@ def test_an_empty_loader_is_an_error_and_writes_no_checkpoint(tmp_path):
         tmp_path, DataExhaustedError, r"the data loader from build_data_loader\(\) yielded no batch in epoch 0",
         data=DataLoader(make_data(0), batch_size=8),
     )
-    assert checkpoint_steps(root) == [] and latest_checkpoint(root) is None
+    assert checkpoint_steps(root) == []
+    assert latest_checkpoint(root) is None

@@ -43,8 +43,10 @@ def test_the_loop_owns_the_run_state_the_trainer_shows():
     assert run.step == trainer.step == 3
     assert run.hooks == trainer.hooks == (hook,)
     assert set(run.built) == set(COMPONENTS)
-    assert trainer.model is run.built["model"] and trainer.optimizer is run.built["optimizer"]
-    assert run.step_info is trainer.step_info and len(run.step_info.loss) == 1
+    assert trainer.model is run.built["model"]
+    assert trainer.optimizer is run.built["optimizer"]
+    assert run.step_info is trainer.step_info
+    assert len(run.step_info.loss) == 1
     assert run.dispatch["on_after_step"] == (hook.on_after_step,)
 
 
@@ -65,10 +67,12 @@ def test_the_accumulating_edge_asks_the_runner_which_reads_the_step_plan():
     trainer = TinyTrainer(max_steps=1, gradient_accumulation_steps=2)
     trainer.train()
     runner = trainer.loop.runner
-    assert runner.plan.accumulation == 2 and runner.microsteps == 2
+    assert runner.plan.accumulation == 2
+    assert runner.microsteps == 2
     assert not trainer.loop.microsteps_remain()
     runner.begin()
-    assert trainer.loop.microsteps_remain() and runner.microsteps_remain()
+    assert trainer.loop.microsteps_remain()
+    assert runner.microsteps_remain()
 
 
 def test_a_skipped_batch_is_not_a_microstep():
@@ -116,10 +120,12 @@ def test_retries_exhausted_end_the_run_with_the_error_recorded_in_the_run_state(
     with pytest.raises(RuntimeError, match="non-finite gradients at step 1 after 2 retries"):
         trainer.train()
     assert trainer.state is State.EXITING
-    assert trainer.loop.run_state.error is trainer.error and isinstance(trainer.error, RuntimeError)
+    assert trainer.loop.run_state.error is trainer.error
+    assert isinstance(trainer.error, RuntimeError)
     assert [c[0] for c in hook.calls[-2:]] == ["on_exception", "on_after_train"]
     assert hook.events("on_after_step") == []
-    assert trainer.loop.retries == 2 and trainer.step == 1
+    assert trainer.loop.retries == 2
+    assert trainer.step == 1
 
 
 def test_a_checkpoint_request_takes_the_checkpointing_state_once_and_an_exit_request_ends_after_its_step():
@@ -135,7 +141,8 @@ def test_a_checkpoint_request_takes_the_checkpointing_state_once_and_an_exit_req
     trainer.on_enter(State.CHECKPOINTING, lambda t: entered.append(t.step))
     trainer.train()
     assert entered == [2]
-    assert trainer.step == 4 and trainer.result.exit_code == 0
+    assert trainer.step == 4
+    assert trainer.result.exit_code == 0
 
 
 def test_exit_leaves_the_epoch_the_data_ended_in():

@@ -38,7 +38,8 @@ def test_every_hooks_end_runs_and_the_first_error_is_raised(caplog):
     assert raised.value.args == ("first",)
     assert after.events("on_after_train") == [("on_after_train", "exiting", 2)]
     assert "second" in caplog.text  # the later error is not lost either
-    assert isinstance(trainer.result, RunResult) and trainer.result.error == "RuntimeError: first"
+    assert isinstance(trainer.result, RunResult)
+    assert trainer.result.error == "RuntimeError: first"
 
 
 def test_a_hook_failing_in_on_exception_does_not_replace_the_runs_error(caplog):
@@ -54,7 +55,8 @@ def test_a_hook_failing_in_on_exception_does_not_replace_the_runs_error(caplog):
         trainer.train()
     # Both hooks ran both methods; the hooks' errors are logged and noted on the user's error.
     assert [c[0] for c in after.calls[-2:]] == ["on_exception", "on_after_train"]
-    assert "hook in on_exception" in caplog.text and "RuntimeError('hook')" in caplog.text
+    assert "hook in on_exception" in caplog.text
+    assert "RuntimeError('hook')" in caplog.text
     assert any("hook in on_exception" in note for note in raised.value.__notes__)
     assert trainer.result.error == "ValueError: the user's error"
 

@@ -29,7 +29,8 @@ def test_loss_sum_count_with_accumulation_matches_the_mean_over_all_tokens_of_on
 def test_step_info_losses_are_per_item_means():
     trainer = TokenTrainer(max_steps=1, gradient_accumulation_steps=2, data=sequences())
     trainer.train()
-    assert len(trainer.step_info.loss) == 2 and all(loss.ndim == 0 for loss in trainer.step_info.loss)
+    assert len(trainer.step_info.loss) == 2
+    assert all(loss.ndim == 0 for loss in trainer.step_info.loss)
 
 
 def test_mixing_plain_and_summed_losses_in_one_step_is_an_error():

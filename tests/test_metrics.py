@@ -31,8 +31,10 @@ def test_every_log_call_is_a_line_with_step_and_time(tmp_path):
     rows = [json.loads(line) for line in lines]
     assert [r["step"] for r in rows] == [2, 4]  # the file closed with the run
     assert all(isinstance(r["time"], float) and isinstance(r["loss"], float) for r in rows)
-    assert rows[0]["lr/group_0"] == 0.05 and "records/mse" in rows[0]
-    assert trainer.metrics.history[-1]["custom/a"] == 1.0 and "custom/text" not in trainer.metrics.history[-1]
+    assert rows[0]["lr/group_0"] == 0.05
+    assert "records/mse" in rows[0]
+    assert trainer.metrics.history[-1]["custom/a"] == 1.0
+    assert "custom/text" not in trainer.metrics.history[-1]
     assert read_metrics(tmp_path / "metrics.jsonl") == rows
 
 
@@ -55,7 +57,8 @@ def test_resume_drops_the_steps_after_the_checkpoint_so_none_is_duplicated(tmp_p
 def test_a_line_cut_off_by_a_killed_run_is_ignored_and_dropped_on_resume(tmp_path):
     path = tmp_path / "metrics.jsonl"
     path.write_text('{"step": 1, "time": 1.0, "loss": null}\n{"step": 2, "ti')
-    assert [r["step"] for r in read_metrics(path)] == [1] and math.isnan(read_metrics(path)[0]["loss"])
+    assert [r["step"] for r in read_metrics(path)] == [1]
+    assert math.isnan(read_metrics(path)[0]["loss"])
     log = MetricsLog()
     log.open(path, resumed_step=1)
     log.record(2, {"loss": 0.5})
@@ -71,5 +74,6 @@ def test_turned_off_in_settings_from_the_environment(tmp_path):
     settings = TrainerSettings.load(env=environment, overrides=["max_steps=2"])
     result = TinyTrainer(settings, hooks=[LoggingHook(interval=1)]).train()
     assert [row["step"] for row in result.history] == [1, 2]  # still kept in memory
-    assert (tmp_path / "settings.json").exists() and not (tmp_path / "metrics.jsonl").exists()
+    assert (tmp_path / "settings.json").exists()
+    assert not (tmp_path / "metrics.jsonl").exists()
     assert TrainerSettings.load(env={"TRAINLOOP_MAX_STEPS": "2"}).metrics_file is True

@@ -15,8 +15,11 @@ def test_map_nested_tensor_maps_tensors_in_any_nesting_and_keeps_the_rest():
     assert torch.equal(out["x"], torch.full((2,), 2.0))
     assert out["meta"][:2] == ["id", 3]
     inner = out["meta"][2]
-    assert isinstance(inner, tuple) and torch.equal(inner[0], torch.ones(1))
-    assert isinstance(inner[1], Pair) and torch.equal(inner[1].a, torch.full((1,), 2.0)) and inner[1].b == "s"
+    assert isinstance(inner, tuple)
+    assert torch.equal(inner[0], torch.ones(1))
+    assert isinstance(inner[1], Pair)
+    assert torch.equal(inner[1].a, torch.full((1,), 2.0))
+    assert inner[1].b == "s"
     assert torch.equal(batch["x"], torch.ones(2))  # the input is untouched
 
 
@@ -33,7 +36,8 @@ def test_key_average_nan_handling():
     records = [{"a": 1.0, "b": math.nan}, {"a": math.nan, "b": math.nan}, {"a": 3.0}]
     assert math.isnan(key_average(records)["a"])
     averaged = key_average(records, exclude_nan=True)
-    assert averaged["a"] == 2.0 and math.isnan(averaged["b"])
+    assert averaged["a"] == 2.0
+    assert math.isnan(averaged["b"])
 
 
 @pytest.mark.parametrize(

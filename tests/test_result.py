@@ -23,9 +23,11 @@ def test_train_returns_the_runs_result_with_the_last_of_every_logged_key(tmp_pat
     ]
     trainer = TinyTrainer(max_steps=7, hooks=hooks)
     result = trainer.train()
-    assert isinstance(result, RunResult) and trainer.result is result
+    assert isinstance(result, RunResult)
+    assert trainer.result is result
     assert (result.step, result.epoch, result.exit_code, result.best_checkpoint) == (7, 0, 0, None)
-    assert result.metrics["val/loss"] == pytest.approx(0.5 / 7) and result.metrics["val/acc/top1"] == 7.0
+    assert result.metrics["val/loss"] == pytest.approx(0.5 / 7)
+    assert result.metrics["val/acc/top1"] == 7.0
     assert set(result.metrics) >= {"loss", "lr/group_0", "step_time", "data_time", "records/mse"}
     assert all(type(v) is float for v in result.metrics.values())
     # The history holds every call, in order (hook order within a step), with its step.
@@ -40,7 +42,8 @@ def test_the_best_checkpoint_is_the_results(tmp_path):
     validation = ValidationHook(lambda t: {"loss": abs(t.step - 4)}, interval=2)
     result = TinyTrainer(max_steps=8, hooks=[validation, hook], workspace=tmp_path).train()
     assert result.best_checkpoint == tmp_path / "checkpoints" / "4"
-    assert isinstance(result.best_checkpoint, Path) and result.best_checkpoint.is_dir()
+    assert isinstance(result.best_checkpoint, Path)
+    assert result.best_checkpoint.is_dir()
 
 
 def test_a_signal_exit_raises_and_leaves_the_result_on_the_trainer(tmp_path):

@@ -37,7 +37,7 @@ def test_max_epochs_alone_runs_whole_passes_over_the_data():
     assert (result.step, result.epoch, trainer.max_steps) == (16, 2, 16)
 
 
-@pytest.mark.parametrize("max_steps, max_epochs, steps, epochs", [(5, 2, 5, 0), (30, 2, 16, 2), (16, 2, 16, 2)])
+@pytest.mark.parametrize(("max_steps", "max_epochs", "steps", "epochs"), [(5, 2, 5, 0), (30, 2, 16, 2), (16, 2, 16, 2)])
 def test_max_steps_and_max_epochs_whichever_comes_first(max_steps, max_epochs, steps, epochs):
     result = TinyTrainer(max_steps=max_steps, max_epochs=max_epochs).train()
     assert (result.step, result.epoch) == (steps, epochs)
@@ -48,7 +48,8 @@ def test_max_epochs_from_a_settings_file_and_the_schedule_spans_the_epochs(tmp_p
     path.write_text(json.dumps({"max_epochs": 3, "lr_schedule": {"name": "linear", "warmup_ratio": 0.25}}))
     trainer = TinyTrainer(TrainerSettings.from_file(path))
     result = trainer.train()
-    assert result.step == 24 and trainer.max_steps == 24
+    assert result.step == 24
+    assert trainer.max_steps == 24
     # A linear decay over the 24 planned steps ends at zero.
     assert trainer.optimizer.param_groups[0]["lr"] == pytest.approx(0.0, abs=1e-12)
 
@@ -115,7 +116,8 @@ def test_a_step_whose_epoch_runs_out_while_skipping_ends_on_what_it_has():
     data = epoch_of(4)
     trainer = SkipsLast(max_epochs=2, gradient_accumulation_steps=4, data=data)
     result = trainer.train()
-    assert data.epochs == [4, 4] and result.step == 2
+    assert data.epochs == [4, 4]
+    assert result.step == 2
     first_three = torch.utils.data.Subset(make_data(32), range(24))
     reference = TinyTrainer(max_epochs=2, data=DataLoader(first_three, batch_size=24))
     reference.train()

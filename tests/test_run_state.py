@@ -39,7 +39,8 @@ def test_a_hook_that_assigns_the_step_ends_the_run_with_that_message():
     trainer = TinyTrainer(max_steps=3, hooks=[Cheat()])
     with pytest.raises(AttributeError, match="request_exit"):
         trainer.train()
-    assert trainer.step == 1 and trainer.state is State.EXITING
+    assert trainer.step == 1
+    assert trainer.state is State.EXITING
 
 
 def test_components_may_be_assigned_before_a_run_but_not_during_it():
@@ -70,7 +71,8 @@ def test_components_may_be_assigned_before_a_run_but_not_during_it():
         "trainer.model was built in 'building' and is not replaced during a run (state 'stepping'): "
         "change it in place, or restore a state with trainer.load_state_dict()"
     )
-    assert trainer.model is not None and trainer.lr_scheduler is None
+    assert trainer.model is not None
+    assert trainer.lr_scheduler is None
 
 
 def test_a_component_assigned_before_base_init_is_kept():
@@ -110,10 +112,14 @@ def test_step_info_reads_and_takes_records_like_the_seeds_dict():
 
     trainer = TinyTrainer(max_steps=1, gradient_accumulation_steps=2, hooks=[Memory(), Reader()])
     trainer.train()
-    assert seen["loss"].ndim == 0 and seen["retries"] == 0
-    assert seen["has_memory"] and seen["memory"] == 1.5
-    assert not seen["has_grad_norm"] and seen["get"] == "none"
-    assert seen["tokens"] == 128 and seen["typed"] == (1.5, {"tokens": 128})
+    assert seen["loss"].ndim == 0
+    assert seen["retries"] == 0
+    assert seen["has_memory"]
+    assert seen["memory"] == 1.5
+    assert not seen["has_grad_norm"]
+    assert seen["get"] == "none"
+    assert seen["tokens"] == 128
+    assert seen["typed"] == (1.5, {"tokens": 128})
     with pytest.raises(KeyError):
         trainer.step_info["grad_norm"]
     with pytest.raises(KeyError):

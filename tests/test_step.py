@@ -36,7 +36,8 @@ def test_the_retry_edge_leaves_stepping_whatever_the_accumulation(accumulation):
     trainer._hooks = [Where()]
     trainer.train()
     assert retried == [2]
-    assert trainer.step == 3 and trainer.calls == 4 * accumulation  # 3 steps and one redone
+    assert trainer.step == 3
+    assert trainer.calls == 4 * accumulation  # 3 steps and one redone
     counts = trainer.trace.counts()
     assert counts[(State.ACCUMULATING, State.STEPPING, "update")] == 4
     assert counts[(State.ACCUMULATING, State.ACCUMULATING, "accumulate")] == 4 * (accumulation - 1)
@@ -44,7 +45,8 @@ def test_the_retry_edge_leaves_stepping_whatever_the_accumulation(accumulation):
     assert counts[(State.STEPPING, State.ACCUMULATING, "begin_step")] == 2
     # Four updates, each in stepping; on_after_step only for the three applied.
     assert states.count(("before_optimizer_step", "stepping")) == 4
-    assert states.count(("after_step", "stepping")) == 3 and len(states) == 7
+    assert states.count(("after_step", "stepping")) == 3
+    assert len(states) == 7
     assert all(torch.isfinite(p).all() for p in params(trainer))
 
 
@@ -66,7 +68,8 @@ def test_fp16_skipped_updates_are_retries_and_only_applied_updates_advance_step_
     # Forward calls 3 and 4 are NaN: step 3 is refused by GradScaler twice, then applied.
     assert counts[(State.STEPPING, State.RETRYING, "retry")] == 2
     assert counts[(State.RETRYING, State.ACCUMULATING, "redo_step")] == 2
-    assert trainer.step == 4 and len(hook.events("on_after_step")) == 4
+    assert trainer.step == 4
+    assert len(hook.events("on_after_step")) == 4
     assert [info.non_finite_grad_retries for info in hook.step_infos] == [0, 0, 2, 0]
     assert scheduled == [0, 1, 2, 3, 4]  # built at 0, then one per applied update only
     assert trainer.grad_scaler.get_scale() == 2.0**6  # halved once per refused update
@@ -92,7 +95,8 @@ def test_fp16_as_the_seeds_declare_it_trains_with_refused_updates_as_retries():
     # and each refused update shows as stepping -> retrying while the scale comes down.
     trainer = TinyTrainer(max_steps=3, mixed_precision="fp16", trace=True)
     trainer.train()
-    assert trainer.step == 3 and trainer.grad_scaler.get_scale() < 2.0**16
+    assert trainer.step == 3
+    assert trainer.grad_scaler.get_scale() < 2.0**16
     assert trainer.trace.counts()[(State.STEPPING, State.RETRYING, "retry")] > 0
 
 
@@ -116,9 +120,11 @@ def test_fp16_from_a_settings_file_validates_and_a_bad_floor_is_refused_naming_i
     bad = Cli("run", "run.yaml", *trainer, "--set", "min_loss_scale=0", cwd=tmp_path)
     assert good.result().returncode == 0, good.result().stderr
     result = bad.result()
-    assert result.returncode == 2 and result.stdout == ""
+    assert result.returncode == 2
+    assert result.stdout == ""
     assert_one_clean_error(result.stderr, "min_loss_scale", "greater than 0")
-    assert len(result.stderr.splitlines()) == 1 and not (tmp_path / "ws").exists()
+    assert len(result.stderr.splitlines()) == 1
+    assert not (tmp_path / "ws").exists()
 
 
 class SyncCounter:

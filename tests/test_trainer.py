@@ -21,7 +21,8 @@ def test_train_runs_the_machine_to_exiting_and_calls_hooks_in_their_states():
     trainer = TinyTrainer(max_steps=3, hooks=[hook], trace=True)
     assert trainer.state is State.IDLE
     trainer.train()
-    assert trainer.state is State.EXITING and trainer.step == 3
+    assert trainer.state is State.EXITING
+    assert trainer.step == 3
     assert hook.calls[0] == ("on_before_train", "restoring", 0)
     assert hook.events("on_before_step") == [("on_before_step", "accumulating", s) for s in (1, 2, 3)]
     assert hook.events("on_after_step") == [("on_after_step", "stepping", s) for s in (1, 2, 3)]
@@ -57,7 +58,8 @@ def test_step_info_carries_times_losses_records_and_retries():
     hook = CaptureHook()
     TinyTrainer(max_steps=2, gradient_accumulation_steps=2, grad_clip=10.0, hooks=[hook]).train()
     info = hook.step_infos[-1]
-    assert len(info.data_time) == 2 and all(t >= 0 for t in info.data_time)
+    assert len(info.data_time) == 2
+    assert all(t >= 0 for t in info.data_time)
     assert info.step_time > 0
     assert [loss.shape for loss in info.loss] == [torch.Size([]), torch.Size([])]
     assert not any(loss.requires_grad for loss in info.loss)
@@ -94,7 +96,8 @@ def test_non_finite_gradients_retry_the_step_without_stepping_the_optimizer():
     assert counts[(State.RETRYING, State.ACCUMULATING, "redo_step")] == 2
     assert len(hook.events("on_before_step")) == 3  # a retry is not a new step
     # The retried step's losses are those of its last attempt; its data time counts every attempt.
-    assert len(hook.step_infos[1].loss) == 1 and len(hook.step_infos[1].data_time) == 3
+    assert len(hook.step_infos[1].loss) == 1
+    assert len(hook.step_infos[1].data_time) == 3
 
 
 def test_retries_exhausted_raise_and_never_step_on_non_finite_gradients():
@@ -219,7 +222,8 @@ def test_a_one_shot_iterator_that_runs_out_is_a_clear_error():
     trainer = TinyTrainer(max_steps=3, data=batches)
     with pytest.raises(DataExhaustedError, match="ran out after 2 batches and cannot be iterated again"):
         trainer.train()
-    assert trainer.step == 3 and trainer.state is State.EXITING
+    assert trainer.step == 3
+    assert trainer.state is State.EXITING
 
 
 def test_an_infinite_iterator_is_fine_and_a_generator_is_closed_on_exit():
@@ -300,7 +304,8 @@ def test_hooks_add_and_restore_their_state_by_name_whatever_their_order():
     trainer.train()
     b.count = 7
     state = trainer.state_dict()
-    assert state["counter_hook"] == {"count": 2} and state["second"] == {"count": 7}
+    assert state["counter_hook"] == {"count": 2}
+    assert state["second"] == {"count": 7}
     c, d = CounterHook(), CounterHook()
     d.name = "second"
     restored = TinyTrainer(max_steps=2, hooks=[d, c])  # another order: each finds its own state
@@ -389,7 +394,9 @@ def test_request_exit_ends_cleanly_and_an_exit_code_raises_system_exit():
 
     trainer = TinyTrainer(max_steps=10, hooks=[Stop()])
     trainer.train()
-    assert trainer.step == 2 and trainer.state is State.EXITING and trainer.exit_requested
+    assert trainer.step == 2
+    assert trainer.state is State.EXITING
+    assert trainer.exit_requested
     hook = CaptureHook()
     trainer = TinyTrainer(max_steps=10, hooks=[Stop(143), hook])
     with pytest.raises(SystemExit) as info:
@@ -420,7 +427,8 @@ def test_an_error_moves_to_exiting_runs_after_train_and_propagates():
     with pytest.raises(ValueError, match="boom"):
         trainer.train()
     assert trainer.state is State.EXITING
-    assert trainer.trace[-1].trigger == "fail" and trainer.trace[-1].step == 2
+    assert trainer.trace[-1].trigger == "fail"
+    assert trainer.trace[-1].step == 2
     assert hook.calls[-1] == ("on_after_train", "exiting", 2)
 
 

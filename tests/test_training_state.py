@@ -51,7 +51,8 @@ def test_stopped_and_resumed_equals_uninterrupted(stop_at, accumulation):
 def test_checkpoint_holds_per_rank_rng_and_loader_state_and_settings_json():
     trainer = run(2)
     state = trainer.state_dict()["training_state"]
-    assert len(state["rng"]) == 1 and {"python", "torch", "numpy"} <= set(state["rng"][0])
+    assert len(state["rng"]) == 1
+    assert {"python", "torch", "numpy"} <= set(state["rng"][0])
     assert isinstance(state["data_loader"][0], dict)
     assert '"max_steps":2' in state["settings"]
 
@@ -64,7 +65,8 @@ def test_a_plain_dataloader_saves_where_its_sampler_is_mid_epoch_and_nothing_at_
     trainer = TinyTrainer(max_steps=8)
     trainer.train()
     state = trainer.state_dict()["training_state"]
-    assert state["data_loader"] == [None] and state["epoch"] == 1  # the next epoch begins afresh
+    assert state["data_loader"] == [None]
+    assert state["epoch"] == 1  # the next epoch begins afresh
 
 
 def test_resuming_with_other_settings_warns_naming_them():

@@ -56,7 +56,7 @@ def test_an_empty_workspace_from_set_is_an_error_naming_it(tmp_path):
 
 
 @pytest.mark.parametrize(
-    "hook, field",
+    ("hook", "field"),
     [
         ({"type": "checkpointing", "interval": 1, "path": ""}, "hooks[0].path"),
         ({"type": "checkpointing", "interval": 1, "path": "  "}, "hooks[0].path"),
@@ -67,7 +67,8 @@ def test_an_empty_hook_path_is_an_error_naming_it(tmp_path, capsys, hook, field)
     (tmp_path / "run.json").write_text(json.dumps({"max_steps": 2, "workspace": "ws", "hooks": [hook]}))
     for command in ("run", "validate"):
         code, out, err = call(capsys, command, "run.json", "--trainer", TRAINER)
-        assert code == 2 and out == ""
+        assert code == 2
+        assert out == ""
         assert_one_clean_error(err, f"run.json: {field}: ", "empty path")
     assert _listing(tmp_path) == ["run.json"]
 
@@ -91,7 +92,7 @@ def _writable(directory: Path) -> None:
 
 
 @pytest.mark.parametrize(
-    "case, message",
+    ("case", "message"),
     [
         ("a file", "workspace: ws: is a file, not a directory"),
         ("under a file", "workspace: f/ws: f is a file, not a directory"),
@@ -122,7 +123,8 @@ def test_an_unusable_workspace_is_refused_before_any_step(tmp_path, capsys, case
     try:
         for command in ("validate", "run"):
             code, out, err = call(capsys, command, "run.json", "--trainer", TRAINER)
-            assert code == 2 and out == "", err
+            assert code == 2, err
+            assert out == "", err
             assert_one_clean_error(err, f"trainloop {command}: error: run.json: {message}\n")
             assert err.count("\n") == 1
     finally:
@@ -263,4 +265,5 @@ def test_every_json_file_of_a_run_is_strict_json(tmp_path):
         for part in text.splitlines() if path.suffix == ".jsonl" else [text]:
             _strict(part)
     best = _strict((tmp_path / "checkpoints" / "best.json").read_text())
-    assert best["scores"]["4"] == 0.5 and best["scores"].get("2", None) is None
+    assert best["scores"]["4"] == 0.5
+    assert best["scores"].get("2", None) is None

@@ -1,5 +1,4 @@
-"""trainloop: a minimalist PyTorch training loop driven by validated settings and an explicit
-state machine.
+"""trainloop: a minimalist PyTorch training loop driven by validated settings and an explicit state machine.
 
 The top level is the user's contract: the trainer and hooks to subclass, the built-in hooks, the
 settings, what a run reports (``StepInfo``, ``RunResult``, ``State``) and the errors a user

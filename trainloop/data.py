@@ -89,9 +89,11 @@ class EpochIterator:
         self._iterator = _FirstBatchTap(self, self._iterator, fn)
 
     def position(self) -> dict[str, Any] | None:
-        """Where a ``DataLoader`` with a sampler is inside its epoch (the generators' states as
-        the epoch began, and the batches drawn since), for a checkpoint; ``None`` for other
-        loaders, and at an epoch's end (the next epoch begins from the restored generators)."""
+        """Where a ``DataLoader`` with a sampler is inside its epoch, for a checkpoint.
+
+        That is the generators' states as the epoch began, and the batches drawn since; ``None`` for other loaders, and
+        at an epoch's end (the next epoch begins from the restored generators).
+        """
         length = self.batches_per_epoch
         if not self._sampled or self._epoch_start is None or self._drawn_this_epoch == 0:
             return None
@@ -101,15 +103,20 @@ class EpochIterator:
 
     @property
     def epochs_completed(self) -> int:
-        """Full passes over the data so far: the current epoch counts once its last batch is
-        drawn (known only for a loader with ``len()``; otherwise when the next epoch begins)."""
+        """Full passes over the data so far.
+
+        The current epoch counts once its last batch is drawn (known only for a loader with ``len()``; otherwise when
+        the next epoch begins).
+        """
         length = self.batches_per_epoch
         return self.epoch + (length is not None and self._drawn_this_epoch >= length)
 
     @property
     def remaining(self) -> int | None:
-        """Batches left to draw in the current epoch (0: the next draw begins another), for a
-        loader with ``len()``; else ``None``."""
+        """Batches left to draw in the current epoch, for a loader with ``len()``; else ``None``.
+
+        At 0, the next draw begins another epoch.
+        """
         length = self.batches_per_epoch
         return None if length is None else max(0, length - self._drawn_this_epoch)
 

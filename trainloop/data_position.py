@@ -31,12 +31,18 @@ class InexactResumeWarning(UserWarning):
 
 
 def has_sampler(loader: Any) -> bool:
-    """Whether ``loader`` is a ``DataLoader`` that draws indices from a sampler (a map-style
-    dataset) and keeps no state of its own (``StatefulDataLoader`` saves its own position)."""
-    return isinstance(loader, DataLoader) and not callable(getattr(loader, "state_dict", None)) and loader._dataset_kind == 0
+    """Whether ``loader`` is a ``DataLoader`` that draws indices from a sampler and keeps no state of its own.
+
+    A sampler means a map-style dataset; ``StatefulDataLoader`` saves its own position.
+    """
+    return (
+        isinstance(loader, DataLoader)
+        and not callable(getattr(loader, "state_dict", None))
+        and loader._dataset_kind == 0
+    )
 
 
-def _generators(loader: DataLoader) -> list[torch.Generator]:
+def _generators(loader: DataLoader[Any]) -> list[torch.Generator]:
     """The generators a loader's epoch may draw from besides torch's global one, each once."""
     found: list[torch.Generator] = []
     batch_sampler = loader.batch_sampler
@@ -47,16 +53,20 @@ def _generators(loader: DataLoader) -> list[torch.Generator]:
     return found
 
 
-def _draws_from_torch(loader: DataLoader) -> bool:
-    """Whether the loader's order may come from torch's global generator: any sampler but one
-    whose order is fixed (``SequentialSampler``) or seeded by itself (``DistributedSampler``)."""
+def _draws_from_torch(loader: DataLoader[Any]) -> bool:
+    """Whether the loader's order may come from torch's global generator.
+
+    Any sampler but one whose order is fixed (``SequentialSampler``) or seeded by itself (``DistributedSampler``).
+    """
     sampler = getattr(loader.batch_sampler, "sampler", loader.sampler)
     return not isinstance(sampler, (SequentialSampler, DistributedSampler))
 
 
-def capture_epoch_start(loader: DataLoader) -> dict[str, Any]:
-    """The generator states an epoch's shuffle is drawn from, taken just before ``iter(loader)``
-    (torch's global one, 5 KB, only when the order may come from it)."""
+def capture_epoch_start(loader: DataLoader[Any]) -> dict[str, Any]:
+    """The generator states an epoch's shuffle is drawn from, taken just before ``iter(loader)``.
+
+    Torch's global one (5 KB) is included only when the order may come from it.
+    """
     return {
         "torch": torch.get_rng_state() if _draws_from_torch(loader) else None,
         "generators": [g.get_state() for g in _generators(loader)],
@@ -64,9 +74,11 @@ def capture_epoch_start(loader: DataLoader) -> dict[str, Any]:
 
 
 class _SkipFirst:
-    """An index sampler whose iterators drop its first ``skip`` items, until one of them has
-    (a multi-worker ``DataLoader`` makes two as it starts and uses the second; persistent
-    workers iterate the same object again next epoch, which must then not skip)."""
+    """An index sampler whose iterators drop its first ``skip`` items, until one of them has.
+
+    A multi-worker ``DataLoader`` makes two as it starts and uses the second; persistent workers iterate the same object
+    again next epoch, which must then not skip.
+    """
 
     def __init__(self, sampler: Any, skip: int) -> None:
         self.sampler = sampler
@@ -107,9 +119,10 @@ class _Skipping:
         return next(self.iterator)
 
 
-def replayed_epoch(loader: DataLoader, epoch_start: dict[str, Any], drawn: int) -> Iterator[Any]:
-    """The loader's iterator of an epoch begun with the generators at ``epoch_start``, past its
-    first ``drawn`` batches (whose data is not loaded).
+def replayed_epoch(loader: DataLoader[Any], epoch_start: dict[str, Any], drawn: int) -> Iterator[Any]:
+    """The loader's iterator of an epoch begun with the generators at ``epoch_start``, past ``drawn`` batches.
+
+    The data of the first ``drawn`` batches is not loaded.
 
     The draws happen in the unbroken run's order: the iterator's base seed as it is made, then
     the sampler's shuffle. Torch's global generator is left as it was: the checkpoint restores

@@ -1,5 +1,8 @@
-"""The JSON files trainloop writes: strict JSON (no ``NaN`` or ``Infinity``, which other
-readers refuse), and JSON-lines appends that never join a line cut short by a killed writer."""
+"""The JSON files trainloop writes.
+
+Strict JSON (no ``NaN`` or ``Infinity``, which other readers refuse), and JSON-lines appends that never join a line cut
+short by a killed writer.
+"""
 
 from __future__ import annotations
 

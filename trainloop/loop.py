@@ -1,6 +1,6 @@
-"""The loop of one trainer: the work of each state, the edges' actions, and the policies the
-transition table's conditions name. ``BaseTrainer.train()`` runs it; ``trainloop.machine`` says
-which state comes next.
+"""The loop of one trainer: the work of each state, the edges' actions, and the policies the conditions name.
+
+``BaseTrainer.train()`` runs it; ``trainloop.machine`` says which state comes next.
 
 The loop owns the run: what it produces (``step``, ``epoch``, ``step_info``, the built
 components, ``hooks``, the data iterator) is its ``RunState``, which the trainer shows read-only
@@ -102,6 +102,7 @@ class Loop:
     # -- the work of each state ----------------------------------------------------------------
 
     def build(self) -> None:
+        """The work of ``building``: the components, then the hooks, their dispatch and their state callbacks."""
         t, run = self.trainer, self.run_state
         self.build_components()
         hooks = with_default_logging(build_declared_hooks(t.settings.hooks, t.build_hooks()), t.settings)
@@ -113,9 +114,11 @@ class Loop:
                 self.machine.on_enter(state, method)
 
     def build_components(self, lr_scheduler: bool = True) -> None:
-        """Seed, then build data loader, model, optimizer, lr scheduler and grad scaler, in that
-        order (each may read the ones before it): ``building`` starts with these, and ``lr_find``
-        builds them without the lr scheduler (``lr_scheduler=False``)."""
+        """Seed, then build data loader, model, optimizer, lr scheduler and grad scaler, in that order.
+
+        Each may read the ones before it: ``building`` starts with these, and ``lr_find`` builds them without the lr
+        scheduler (``lr_scheduler=False``).
+        """
         t, built = self.trainer, self.run_state.built
         if t.settings.seed is not None:
             seed_all(t.settings.seed)
@@ -131,8 +134,10 @@ class Loop:
 
     @contextlib.contextmanager
     def components_kept(self) -> Iterator[None]:
-        """Give the built components back what they held (or their absence) afterwards: for a
-        tool that builds and runs a trainer's step outside ``train()`` (``lr_find``)."""
+        """Give the built components back what they held (or their absence) afterwards.
+
+        For a tool that builds and runs a trainer's step outside ``train()`` (``lr_find``).
+        """
         saved = dict(self.run_state.built)
         try:
             yield
@@ -141,6 +146,7 @@ class Loop:
             self.run_state.built.update(saved)
 
     def restore(self) -> None:
+        """The work of ``restoring``: restore what the restoring callbacks loaded."""
         # A checkpoint, if any, was loaded by on_enter_restoring callbacks before this runs.
         t, run = self.trainer, self.run_state
         if t.settings.metrics_file and t.settings.workspace is not None and is_rank_zero():
@@ -173,14 +179,18 @@ class Loop:
             t,
             lr_scheduler=t.lr_scheduler,
             check_grads=t.settings.detect_non_finite_grads,
-            before_optimizer_step=self.before_optimizer_step if self.run_state.dispatch["on_before_optimizer_step"] else None,
+            before_optimizer_step=self.before_optimizer_step
+            if self.run_state.dispatch["on_before_optimizer_step"]
+            else None,
         )
 
     def before_optimizer_step(self) -> None:
+        """Run the hooks' ``on_before_optimizer_step``."""
         for fn in self.run_state.dispatch["on_before_optimizer_step"]:
             fn(self.trainer)
 
     def accumulate(self) -> None:
+        """The work of ``accumulating``: one microstep (forward and backward)."""
         loss, records, data_time = self.runner.microstep()  # type: ignore[union-attr]
         info = self.run_state.step_info
         info.data_time.append(data_time)
@@ -190,6 +200,7 @@ class Loop:
         info.loss.append(loss.sum.detach() / loss.count if isinstance(loss, Loss) else loss.detach())
 
     def update(self) -> None:
+        """The work of ``stepping``: the optimizer update, then the step's bookkeeping."""
         t, run, runner = self.trainer, self.run_state, self.runner
         self.applied = runner.update()  # type: ignore[union-attr]
         if t.settings.grad_clip is not None:
@@ -233,6 +244,7 @@ class Loop:
         )
 
     def retry(self) -> None:
+        """The work of ``retrying``: drop the step whose gradients were not finite."""
         t = self.trainer
         self.retries += 1
         if t.grad_scaler.is_enabled():  # expected at the start of fp16 runs: not a warning
@@ -251,12 +263,14 @@ class Loop:
         info.non_finite_grad_retries = self.retries
 
     def checkpoint(self) -> None:
+        """The work of ``checkpointing``."""
         # The save itself is done by on_enter_checkpointing callbacks (CheckpointingHook).
         self.requests.checkpointed(self.run_state.step)
 
     def exit(self) -> list[BaseException]:
-        """Every hook's ``on_after_train`` (one that fails does not stop the others: each may
-        have something to give back, such as signal handlers), then close what the run opened.
+        """Every hook's ``on_after_train``, then close what the run opened.
+
+        One hook that fails does not stop the others: each may have something to give back, such as signal handlers.
 
         Returns:
             What the hooks raised, in hook order (the first is what a clean run raises).
@@ -305,15 +319,19 @@ class Loop:
     # -- the policies --------------------------------------------------------------------------
 
     def should_exit(self) -> bool:
+        """Whether the run ends: an agreed exit request, or the run length reached."""
         return self.requests.exit_agreed or self.trainer.run_length.reached(self.run_state.step)
 
     def microsteps_remain(self) -> bool:
+        """Whether the step in progress needs another microstep."""
         return self.runner.microsteps_remain()  # type: ignore[union-attr]
 
     def grads_non_finite(self) -> bool:
+        """Whether the last update found non-finite gradients and was skipped."""
         return not self.applied
 
     def checkpoint_due(self) -> bool:
+        """Whether a checkpoint is due at this step."""
         return self.requests.checkpoint_due(self.run_state.step, ending=self.should_exit)
 
 

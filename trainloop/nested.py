@@ -110,8 +110,10 @@ def flatten_nested_dict(d: Mapping[str, Any], sep: str = "/", prefix: str = "") 
 
 
 def hint_for_missing_key(key: str, seen: Iterable[str]) -> str:
-    """A hint for a key that was never seen among ``seen``: ``"; did you mean 'val/loss'?"``,
-    else the keys seen (at most 20), else ``""``."""
+    """A hint for a key that was never seen among ``seen``.
+
+    ``"; did you mean 'val/loss'?"``, else the keys seen (at most 20), else ``""``.
+    """
     seen = sorted(set(seen))
     close = difflib.get_close_matches(key, seen, n=3)
     if close:

@@ -55,8 +55,10 @@ class RunRequests:
                 self.exit_code = agreed - 1
 
     def checkpoint_due(self, step: int, ending: Callable[[], bool]) -> bool:
-        """Whether a save is due after ``step``: asked for, or standing and ``ending()`` says the
-        run ends after this step (asked only then)."""
+        """Whether a save is due after ``step``.
+
+        Asked for, or standing and ``ending()`` says the run ends after this step (asked only then).
+        """
         return self._checkpoint or (self._checkpoint_at_exit and self._last_checkpoint_step != step and ending())
 
     def checkpointed(self, step: int) -> None:

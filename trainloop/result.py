@@ -81,8 +81,10 @@ def run_result(trainer: TrainerView) -> RunResult:
 
 
 def _reran_complete(trainer: TrainerView, result: RunResult) -> bool:
-    """Whether the run resumed a run that had completed and ended cleanly, having trained
-    nothing: it is not a run of its own (the workspace's record of that run stands)."""
+    """Whether the run resumed a run that had completed and ended cleanly, having trained nothing.
+
+    It is not a run of its own (the workspace's record of that run stands).
+    """
     resumed_complete = any(getattr(hook, "resumed_complete", False) for hook in trainer.hooks)
     return resumed_complete and result.exit_code == 0 and result.error is None
 

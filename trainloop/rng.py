@@ -19,8 +19,10 @@ def _numpy() -> Any:
 
 
 def seed_all(seed: int) -> None:
-    """Seed Python's ``random``, NumPy's global generator (if NumPy is installed) and torch's
-    (CPU and every CUDA device) with ``seed``."""
+    """Seed Python's ``random``, NumPy's global generator and torch's (CPU and every CUDA device) with ``seed``.
+
+    NumPy's is seeded if NumPy is installed.
+    """
     random.seed(seed)
     numpy = _numpy()
     if numpy is not None:
@@ -39,7 +41,7 @@ def get_rng_state() -> dict[str, Any]:
     if numpy is not None:
         name, keys, pos, has_gauss, cached = numpy.random.get_state()
         state["numpy"] = (name, torch.from_numpy(keys.astype("int64")), pos, has_gauss, cached)
-    if torch.cuda.is_available() and torch.cuda.is_initialized():
+    if torch.cuda.is_available() and torch.cuda.is_initialized():  # type: ignore[no-untyped-call]  # torch leaves it unannotated
         state["cuda"] = torch.cuda.get_rng_state_all()
     return state
 

@@ -81,8 +81,9 @@ T = TypeVar("T")
 
 
 class RunValue(Generic[T]):
-    """A trainer attribute that shows its loop's ``RunState``: read-only, and assigning it raises
-    an ``AttributeError`` that says what to do instead (the loop is its one writer).
+    """A trainer attribute that shows its loop's ``RunState``.
+
+    Read-only, and assigning it raises an ``AttributeError`` that says what to do instead (the loop is its one writer).
 
     Args:
         doc: The attribute's docstring.

@@ -1,5 +1,6 @@
-"""One training step, written once: the microsteps (``accumulating``) and the optimizer update
-(``stepping``). ``BaseTrainer`` and ``lr_find`` both run it.
+"""One training step, written once: the microsteps (``accumulating``) and the optimizer update (``stepping``).
+
+``BaseTrainer`` and ``lr_find`` both run it.
 
 A ``StepPlan`` is what the loop needs, resolved before the first step; a ``StepRunner`` holds
 what is derived from it (the gradient-sync switch, the non-finite check's buffers) and the
@@ -188,8 +189,11 @@ class StepRunner:
         self.grad_norm: torch.Tensor | None = None  # the last update's (clipping only)
 
     def begin(self) -> None:
-        """Start a step (or its retry): no microstep done, no items counted; with ``epochs``,
-        as many microsteps as the epoch still has batches, up to the accumulation."""
+        """Start a step (or its retry).
+
+        No microstep done, no items counted; with ``epochs``, as many microsteps as the epoch still has batches, up to
+        the accumulation.
+        """
         self.microsteps = 0
         self.items = None
         if self.epochs is not None:
@@ -200,9 +204,11 @@ class StepRunner:
         return left or self.epochs.batches_per_epoch or 1  # type: ignore[union-attr]  # 0: a new epoch begins
 
     def microsteps_remain(self) -> bool:
-        """Whether the step in progress needs another microstep (``plan.accumulation``, the one
-        place a run reads its accumulation from, or fewer for an epoch's last step under
-        ``max_epochs``: the machine's edge and ``lr_find`` ask this)."""
+        """Whether the step in progress needs another microstep.
+
+        It needs ``plan.accumulation`` microsteps (the one place a run reads its accumulation from), or fewer for an
+        epoch's last step under ``max_epochs``: the machine's edge and ``lr_find`` ask this.
+        """
         return self.microsteps < self.target
 
     def microstep(self) -> Microstep:
@@ -261,7 +267,7 @@ class StepRunner:
         backward = self._to_backpropagate(loss)
         if self._scaler is not None:
             backward = self._scaler.scale(backward)
-        backward.backward()
+        backward.backward()  # type: ignore[no-untyped-call]  # torch leaves Tensor.backward unannotated
         self.microsteps += 1
         return Microstep(loss, records, data_time)
 
@@ -276,7 +282,8 @@ class StepRunner:
         _check_scalar(loss, "loss", plan.owner)
         if self.items is not None:
             raise TypeError(f"{plan.owner} mixed plain losses and Loss(sum, count) in one step")
-        return loss / self._divisor if self._divisor > 1 else loss
+        scaled: torch.Tensor = loss / self._divisor if self._divisor > 1 else loss
+        return scaled
 
     def update(self) -> bool:
         """The optimizer update of the step whose microsteps are done.
@@ -290,10 +297,17 @@ class StepRunner:
             nothing stepped, the gradients are left as they are, and a grad scaler has lowered
             its scale for the retry.
         """
+        self._prepare_grads()
+        if self._grads_non_finite():
+            return False
+        self._apply()
+        return True
+
+    def _prepare_grads(self) -> None:
+        """Unscale (fp16), normalise by the item count or rescale, ``before_optimizer_step``, clip."""
         plan = self.plan
-        optimizer, scaler = plan.optimizer, self._scaler
-        if scaler is not None:
-            scaler.unscale_(optimizer)
+        if self._scaler is not None:
+            self._scaler.unscale_(plan.optimizer)
         if self.items is not None:
             self._normalise_by_items()
         elif self._divisor != self.target:  # an epoch ran out while forward skipped batches
@@ -305,20 +319,31 @@ class StepRunner:
             if hasattr(grad_norm, "full_tensor"):  # an FSDP2 DTensor, replicated: no communication
                 grad_norm = grad_norm.full_tensor()
             self.grad_norm = grad_norm
+
+    def _grads_non_finite(self) -> bool:
+        """Whether the update must be refused (a grad scaler then lowers its scale for the retry)."""
+        scaler = self._scaler
         if scaler is not None:
             # The step's one host sync, the one GradScaler.step would make anyway: a skipped
             # update is a retry, decided here, not a silent no-op. (torch's private API: GradScaler
             # has no public way to read what unscale_ found, and GradScaler.step reads this one.)
-            found = scaler._found_inf_per_device(optimizer).values()
+            found = scaler._found_inf_per_device(self.plan.optimizer).values()
             if any(bool(f.item()) for f in found):
                 scaler.update()  # lowers the scale for the retry
-                return False
-        elif plan.check_grads:
+                return True
+            return False
+        if self.plan.check_grads:
             # The step's one host sync: a retry must be decided before the optimizer steps.
             # With clipping on, the total norm is finite iff every gradient is.
-            non_finite = self._grad_check() if self._grad_check is not None else not bool(torch.isfinite(grad_norm))
-            if non_finite:
-                return False
+            if self._grad_check is not None:
+                return self._grad_check()
+            assert self.grad_norm is not None  # no check of its own means clipping is on
+            return not bool(torch.isfinite(self.grad_norm))
+        return False
+
+    def _apply(self) -> None:
+        """Step the optimizer (through the grad scaler if it must), the scaler and the lr scheduler; zero the grads."""
+        plan, optimizer, scaler = self.plan, self.plan.optimizer, self._scaler
         if scaler is not None and self._step_through_scaler:
             scaler.step(optimizer)
         else:
@@ -328,7 +353,6 @@ class StepRunner:
         optimizer.zero_grad()
         if plan.lr_scheduler is not None:
             plan.lr_scheduler.step()
-        return True
 
     def _rescale(self, factor: float) -> None:
         grads = [p.grad for p in self.plan.model.parameters() if p.grad is not None]

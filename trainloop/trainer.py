@@ -1,5 +1,7 @@
-"""``BaseTrainer``: the user's contract, and the machine seen from outside (callbacks, requests,
-diagrams); the work of each state is ``trainloop.loop``'s."""
+"""``BaseTrainer``: the user's contract, and the machine seen from outside (callbacks, requests, diagrams).
+
+The work of each state is ``trainloop.loop``'s.
+"""
 
 from __future__ import annotations
 
@@ -198,8 +200,10 @@ class BaseTrainer:
 
     @property
     def loop(self) -> Loop:
-        """The loop that runs this trainer and owns its run state (machinery: tools such as
-        ``lr_find`` use it; hooks read the trainer instead)."""
+        """The loop that runs this trainer and owns its run state.
+
+        Machinery: tools such as ``lr_find`` use it; hooks read the trainer instead.
+        """
         return self._loop
 
     @property
@@ -209,8 +213,11 @@ class BaseTrainer:
 
     @property
     def max_steps(self) -> int:
-        """The run's planned steps: ``settings.max_steps``, or fewer when ``max_epochs`` ends it
-        first (see ``RunLength.planned_steps``; known once the data loader is built)."""
+        """The run's planned steps.
+
+        ``settings.max_steps``, or fewer when ``max_epochs`` ends it first (see ``RunLength.planned_steps``; known once
+        the data loader is built).
+        """
         return self.run_length.planned_steps or 0
 
     @property
@@ -338,9 +345,11 @@ class BaseTrainer:
     # -- state -----------------------------------------------------------------------------
 
     def state_dict(self) -> dict[str, Any]:
-        """The full training state: model, optimizer, scheduler, grad scaler, step, per-rank
-        random generators and data position, settings, and hooks' (see
-        ``trainloop.training_state``)."""
+        """The full training state.
+
+        Model, optimizer, scheduler, grad scaler, step, per-rank random generators and data position, settings, and
+        hooks' (see ``trainloop.training_state``).
+        """
         return training_state(self, self._run)
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
@@ -350,8 +359,10 @@ class BaseTrainer:
     # -- logging and helpers -------------------------------------------------------------------
 
     def log(self, records: Records) -> None:
-        """Send nested numeric records to every hook's ``on_log``, and record them in
-        ``trainer.metrics`` (and ``<workspace>/metrics.jsonl``, see ``settings.metrics_file``)."""
+        """Send nested numeric records to every hook's ``on_log``, and record them in ``trainer.metrics``.
+
+        They are also written to ``<workspace>/metrics.jsonl`` (see ``settings.metrics_file``).
+        """
         run = self._run
         self.metrics.record(run.step, records)
         for fn in run.dispatch["on_log"]:

@@ -86,7 +86,9 @@ def load_training_state(trainer: TrainerView, run: RunState, state_dict: dict[st
         fn(trainer, state_dict)
 
 
-def _load_model_and_optimizer(trainer: TrainerView, model_state: dict[str, Any], optimizer_state: dict[str, Any]) -> None:
+def _load_model_and_optimizer(
+    trainer: TrainerView, model_state: dict[str, Any], optimizer_state: dict[str, Any]
+) -> None:
     """Load the model's and the optimizer's states (saved by ``get_state_dict``: keyed by names).
 
     A plain or DDP model's optimizer state is renumbered by parameter and loaded directly:
@@ -110,9 +112,11 @@ def _load_model_and_optimizer(trainer: TrainerView, model_state: dict[str, Any],
 
 
 def _optimizer_state_by_index(trainer: TrainerView, saved: dict[str, Any]) -> dict[str, Any] | None:
-    """``saved`` (parameters named as ``get_state_dict`` names them) in ``Optimizer.state_dict``'s
-    own numbering, or ``None`` where torch's ``set_state_dict`` must do it: a sharded model
-    (FSDP, DTensor parameters), flattened options, or a layout that does not match."""
+    """``saved`` in ``Optimizer.state_dict``'s own numbering, or ``None`` where torch must do it.
+
+    ``saved`` names parameters as ``get_state_dict`` names them. ``None`` leaves it to torch's ``set_state_dict``: a
+    sharded model (FSDP, DTensor parameters), flattened options, or a layout that does not match.
+    """
     from torch.distributed.checkpoint.state_dict import _get_fqns
     from torch.distributed.tensor import DTensor
 
@@ -215,8 +219,10 @@ def _warn_on_changed_settings(trainer: TrainerView, saved: str | None) -> None:
 
 
 def _loader_state(loader: Any, data: EpochIterator | None) -> Any:
-    """The loader's position when it can report one (``StatefulDataLoader``), or where a plain
-    ``DataLoader`` with a sampler is in its epoch; else ``None``."""
+    """The loader's position, or ``None`` when it has none to report.
+
+    A ``StatefulDataLoader`` reports its own; a plain ``DataLoader`` with a sampler, where it is in its epoch.
+    """
     state_dict = getattr(loader, "state_dict", None)
     if callable(state_dict):
         return state_dict()

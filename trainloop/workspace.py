@@ -74,7 +74,9 @@ def hold_workspace(workspace: Path | None, logger: Logger) -> Iterator[None]:
         try:
             fcntl.flock(file, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
-            raise WorkspaceBusyError(f"{workspace}: in use by {_holder(path)}; wait for it to end or give another workspace") from None
+            raise WorkspaceBusyError(
+                f"{workspace}: in use by {_holder(path)}; wait for it to end or give another workspace"
+            ) from None
         file.seek(0)
         left = file.read().strip()
         if left:  # its holder ended without releasing it: killed, or its machine went down

@@ -1,5 +1,4 @@
-"""Seeing through model wrappers (``torch.compile``, DDP, FSDP, ``AveragedModel``) and keeping a
-model's train/eval modes."""
+"""Seeing through model wrappers (``torch.compile``, DDP, FSDP, ``AveragedModel``) and keeping train/eval modes."""
 
 from __future__ import annotations
 
@@ -33,8 +32,10 @@ def unwrap_model(module: nn.Module) -> nn.Module:
 
 @contextlib.contextmanager
 def module_modes_kept(model: nn.Module, train: bool) -> Iterator[None]:
-    """Put ``model`` in train or eval mode for the block, then give every submodule its own mode
-    back (also when the block raises)."""
+    """Put ``model`` in train or eval mode for the block, then give every submodule its own mode back.
+
+    Also when the block raises.
+    """
     modules = list(model.modules())
     modes = [m.training for m in modules]
     model.train(train)
@@ -50,8 +51,7 @@ def module_modes_kept(model: nn.Module, train: bool) -> Iterator[None]:
 
 
 def is_distributed_model(model: nn.Module) -> bool:
-    """Whether ``model`` is wrapped by DDP or sharded by FSDP (1 or 2): it averages gradients
-    over ranks."""
+    """Whether ``model`` is wrapped by DDP or sharded by FSDP (1 or 2): it averages gradients over ranks."""
     if isinstance(model, nn.parallel.DistributedDataParallel):
         return True
     fsdp = sys.modules.get("torch.distributed.fsdp")  # never imported: no FSDP model exists

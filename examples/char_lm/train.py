@@ -109,7 +109,9 @@ def split(ids: torch.Tensor, block: int, val_every: int) -> tuple[list[torch.Ten
     return [t for t in train if len(t) > 1], [v for v in val if len(v) > 1]
 
 
-def training_sequences(segments: list[torch.Tensor], settings: CharLMSettings, generator: torch.Generator) -> list[torch.Tensor]:
+def training_sequences(
+    segments: list[torch.Tensor], settings: CharLMSettings, generator: torch.Generator
+) -> list[torch.Tensor]:
     """Pieces of each segment starting every ``stride`` characters, of random lengths in
     [min_length, context] (plus the one character their last position predicts)."""
     pieces = []

@@ -63,7 +63,9 @@ class DigitsTrainer(BaseTrainer):
         return nn.Sequential(nn.Linear(64, hidden), nn.ReLU(), nn.Linear(hidden, 10)).to(self.device)
 
     def build_lr_scheduler(self):
-        return torch.optim.lr_scheduler.CosineAnnealingLR(self.optimizer, T_max=self.max_steps)  # planned: max_epochs works too
+        return torch.optim.lr_scheduler.CosineAnnealingLR(
+            self.optimizer, T_max=self.max_steps
+        )  # planned: max_epochs works too
 
     def forward(self, batch):
         x, y = (t.to(self.device) for t in batch)

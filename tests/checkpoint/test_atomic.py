@@ -35,7 +35,8 @@ def fill(directory: Path, text: str) -> None:
 def test_atomic_directory_publishes_a_complete_directory_and_leaves_nothing_hidden(tmp_path):
     target = tmp_path / "deep" / "7"
     with atomic_directory(target) as tmp:
-        assert tmp.parent == target.parent and tmp.name.startswith(".7.tmp-")
+        assert tmp.parent == target.parent
+        assert tmp.name.startswith(".7.tmp-")
         assert not target.exists()  # invisible under its name until complete
         fill(tmp, "x")
     assert (target / "sub" / "b.txt").read_text() == "xx"
@@ -46,10 +47,9 @@ def test_replacing_keeps_the_old_contents_until_the_new_are_complete(tmp_path):
     target = tmp_path / "7"
     with atomic_directory(target) as tmp:
         fill(tmp, "old")
-    with pytest.raises(RuntimeError, match="cut short"):
-        with atomic_directory(target) as tmp:
-            fill(tmp, "new")
-            raise RuntimeError("cut short")
+    with pytest.raises(RuntimeError, match="cut short"), atomic_directory(target) as tmp:  # noqa: PT012  (the fill must happen inside)
+        fill(tmp, "new")
+        raise RuntimeError("cut short")
     assert (target / "a.txt").read_text() == "old"
     assert entries(tmp_path) == ["7"]
     with atomic_directory(target) as tmp:
@@ -118,5 +118,6 @@ def test_clean_leftovers_restores_a_moved_aside_directory_and_removes_the_rest(t
         clean_leftovers(tmp_path, LOGGER)
     assert entries(tmp_path) == [".hidden-by-user", "5", "6", "7"]
     assert (tmp_path / "6" / "f").read_text() == ".6.old-0b"
-    assert "Restored" in caplog.text and str(tmp_path / "6") in caplog.text
+    assert "Restored" in caplog.text
+    assert str(tmp_path / "6") in caplog.text
     clean_leftovers(tmp_path / "absent", LOGGER)  # no directory: nothing to do

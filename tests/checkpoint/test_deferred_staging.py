@@ -20,7 +20,8 @@ def test_a_deferred_tensor_is_copied_by_finish_copy():
     copied = stage.copy({"kept": kept, "deferred": deferred}, defer=lambda t: t is deferred)
     kept.add_(10)  # after the copy: not seen
     stage.finish_copy()
-    assert torch.equal(copied["kept"], torch.ones(3)) and torch.equal(copied["deferred"], torch.full((3,), 2.0))
+    assert torch.equal(copied["kept"], torch.ones(3))
+    assert torch.equal(copied["deferred"], torch.full((3,), 2.0))
     stage.release()
     assert stage._buffers == {}
 

@@ -30,7 +30,8 @@ def metadata_of(path):
 def assert_exact(loaded, expected):
     assert sorted(loaded) == sorted(expected)
     for key, value in expected.items():
-        assert loaded[key].dtype == value.dtype and torch.equal(loaded[key], value), key
+        assert loaded[key].dtype == value.dtype, key
+        assert torch.equal(loaded[key], value), key
 
 
 @pytest.fixture(scope="module")
@@ -42,7 +43,8 @@ def sharded_run(tmp_path_factory):
 
 def test_a_2_rank_sharded_checkpoint_exports_bit_exactly_tied_weights_included(sharded_run, tmp_path):
     reference = torch.load(sharded_run / "reference.pt", weights_only=True)
-    assert "lm_head.weight" in reference and "wte.weight" in reference
+    assert "lm_head.weight" in reference
+    assert "wte.weight" in reference
     metadata = export_checkpoint(sharded_run / "ws" / "checkpoints", tmp_path / "model.safetensors")
     assert_exact(load_file(tmp_path / "model.safetensors"), reference)
     assert metadata == metadata_of(tmp_path / "model.safetensors")
@@ -56,7 +58,8 @@ def test_the_end_of_run_export_under_ddp_has_clean_keys_and_records_the_tie(shar
     reference = torch.load(sharded_run / "reference.pt", weights_only=True)
     assert_exact(load_file(end), reference)  # no "module." from DDP
     metadata = metadata_of(end)
-    assert json.loads(metadata["tied"]) == {"lm_head.weight": "wte.weight"} and metadata["step"] == "3"
+    assert json.loads(metadata["tied"]) == {"lm_head.weight": "wte.weight"}
+    assert metadata["step"] == "3"
 
 
 def test_a_full_checkpoint_with_tied_weights_exports_through_the_cli(tmp_path):
@@ -79,7 +82,8 @@ def test_a_full_checkpoint_with_tied_weights_exports_through_the_cli(tmp_path):
 
 def test_export_of_nothing_exits_1_naming_the_path_and_writes_nothing(tmp_path):
     result = Cli("export", "missing", "--output", "model.safetensors", cwd=tmp_path, env=cli_env()).result()
-    assert result.returncode == 1 and result.stdout == ""
+    assert result.returncode == 1
+    assert result.stdout == ""
     assert result.stderr == "trainloop export: error: missing: no such file or directory\n"
     assert list(tmp_path.iterdir()) == []
 

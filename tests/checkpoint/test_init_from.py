@@ -111,7 +111,8 @@ def test_strictness_prefixes_and_ignored_keys(tmp_path, caplog):
     assert not torch.equal(model[0].weight, torch.full_like(model[0].weight, 7.0))  # nothing loaded
     head = model[2].weight.detach().clone()
     assert load_weights(model, source, strip_prefixes=["backbone."], ignore=["2.", "extra"]) == ["0.bias", "0.weight"]
-    assert torch.equal(model[0].weight, torch.full_like(model[0].weight, 7.0)) and torch.equal(model[2].weight, head)
+    assert torch.equal(model[0].weight, torch.full_like(model[0].weight, 7.0))
+    assert torch.equal(model[2].weight, head)
     with caplog.at_level(logging.WARNING, logger="trainloop"):
         load_weights(model, source, strip_prefixes=["backbone."], strict=False)
     assert [r.getMessage() for r in caplog.records] == [
@@ -139,7 +140,8 @@ def test_tied_weights_count_as_loaded_when_their_twin_is(tmp_path):
 
     model = Tied()
     loaded = load_weights(model, {"wte.weight": torch.ones(5, 3)})  # as transformers saves GPT-2
-    assert loaded == ["wte.weight"] and torch.equal(model.head.weight, torch.ones(5, 3))
+    assert loaded == ["wte.weight"]
+    assert torch.equal(model.head.weight, torch.ones(5, 3))
 
 
 def test_a_missing_source_is_refused_by_the_preflight_exit_2_nothing_written(tmp_path):
@@ -147,7 +149,8 @@ def test_a_missing_source_is_refused_by_the_preflight_exit_2_nothing_written(tmp
     runs = [Cli(command, "run.json", "--trainer", "cli_trainers:CliTrainer", cwd=tmp_path, env=cli_env()) for command in ("run", "validate")]
     for command, process in zip(("run", "validate"), runs):
         result = process.result()
-        assert result.returncode == 2 and result.stdout == ""
+        assert result.returncode == 2
+        assert result.stdout == ""
         assert result.stderr.splitlines() == [
             f"trainloop {command}: error: run.json: init_from.path: no checkpoint or weights file at 'nowhere/model.safetensors'"
         ]

@@ -60,8 +60,10 @@ def test_every_rank_hashes_its_own_files_and_a_corrupt_shard_of_another_rank_is_
 
     for step in (4, 2):
         (share0, total), (share1, _) = hashed(0, step), hashed(1, step)
-        assert "sharded/__0_0.distcp" in share0 and "sharded/__1_0.distcp" in share1  # each its own
-        assert not set(share0) & set(share1) and len(share0) + len(share1) == total  # the union, once
+        assert "sharded/__0_0.distcp" in share0
+        assert "sharded/__1_0.distcp" in share1  # each its own
+        assert not set(share0) & set(share1)
+        assert len(share0) + len(share1) == total  # the union, once
         assert {"metadata.json", "training_state.pt", "sharded/.metadata"} <= set(share0 + share1)
 
 

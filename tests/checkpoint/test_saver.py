@@ -93,8 +93,10 @@ def test_a_state_that_cannot_be_written_is_a_checkpoint_error_not_a_save_error(t
     error = saver.save(tmp_path, 1, bad, make_metadata(1, 0, "full"), lambda _: None)
     if async_save and error is None:
         error = saver.settle(agree=False)
-    assert type(error) is CheckpointError and "could not save checkpoint" in str(error)
-    assert checkpoint_steps(tmp_path) == [] and sorted(os.listdir(tmp_path)) == []
+    assert type(error) is CheckpointError
+    assert "could not save checkpoint" in str(error)
+    assert checkpoint_steps(tmp_path) == []
+    assert sorted(os.listdir(tmp_path)) == []
 
 
 def test_as_save_failure_finds_the_operating_system_error_in_the_chain(tmp_path):
@@ -105,12 +107,15 @@ def test_as_save_failure_finds_the_operating_system_error_in_the_chain(tmp_path)
             raise RuntimeError("PytorchStreamWriter failed writing file") from disk
     except RuntimeError as error:
         failure = as_save_failure(tmp_path / "4", error)
-    assert isinstance(failure, CheckpointSaveError) and "No space left on device" in str(failure)
+    assert isinstance(failure, CheckpointSaveError)
+    assert "No space left on device" in str(failure)
     other = as_save_failure(tmp_path / "4", TypeError("cannot pickle"))
-    assert type(other) is CheckpointError and "TypeError: cannot pickle" in str(other)
+    assert type(other) is CheckpointError
+    assert "TypeError: cannot pickle" in str(other)
 
 
 def test_without_a_process_group_agreement_and_broadcast_are_this_process_own():
     error = ValueError("x")
-    assert agree_on_error(error) is error and agree_on_error(None) is None
+    assert agree_on_error(error) is error
+    assert agree_on_error(None) is None
     assert broadcast_from_rank_zero({"a": 1}) == {"a": 1}

@@ -58,9 +58,11 @@ def test_the_copy_is_a_snapshot_that_training_cannot_change():
 
 def test_containers_keep_their_types():
     copied = stage_to_cpu(state(3.0))
-    assert type(copied["model"]) is OrderedDict and list(copied["model"]) == ["w", "b"]
+    assert type(copied["model"]) is OrderedDict
+    assert list(copied["model"]) == ["w", "b"]
     pair = copied["training_state"]["pair"]
-    assert type(pair) is Pair and pair.b == [1, 2]
+    assert type(pair) is Pair
+    assert pair.b == [1, 2]
     assert copied["training_state"]["step"] == 7
 
 

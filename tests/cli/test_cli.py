@@ -102,12 +102,14 @@ def test_run_trains_from_a_settings_file_with_env_and_set_overrides(trained):
     workspace, result = trained
     assert result.returncode == 0, result.stderr
     saved = json.loads((workspace / "settings.json").read_text())
-    assert saved["max_steps"] == 6 and saved["seed"] == 3  # --set and TRAINLOOP_SEED took effect
+    assert saved["max_steps"] == 6
+    assert saved["seed"] == 3  # --set and TRAINLOOP_SEED took effect
     assert saved["nan_at_steps"] == [2]  # validated with the trainer's own settings_class
     assert sorted(p.name for p in (workspace / "checkpoints").iterdir()) == ["3", "6", "latest"]
     assert (workspace / "trace.jsonl").stat().st_size > 0
     # Logging was configured (INFO, stderr) because the trainer's module did not configure it.
-    assert "Saved checkpoint" in result.stderr and "retrying (1/1)" in result.stderr
+    assert "Saved checkpoint" in result.stderr
+    assert "retrying (1/1)" in result.stderr
     assert "Traceback" not in result.stderr
 
 
@@ -124,7 +126,8 @@ def test_graph_with_a_trace_labels_edges_with_their_counts(after_run):
     assert "    building --> exiting: fail (n=0)\n" in mermaid
     # The per-state time summary goes to stderr.
     summary = result.stderr
-    assert "trace.jsonl: 6 steps, " in summary and "retries: 1, checkpoints: 2" in summary
+    assert "trace.jsonl: 6 steps, " in summary
+    assert "retries: 1, checkpoints: 2" in summary
     states = [line.split()[0] for line in summary.splitlines()[1:]]
     assert {"building", "restoring", "stepping", "retrying", "checkpointing"} <= set(states)
 
@@ -149,8 +152,11 @@ def test_inspect_the_latest_checkpoint_of_a_root(trained, after_run):
     out = result.stdout
     assert f"checkpoint:   {(workspace / 'checkpoints' / '6').resolve()}  (latest of " in out
     assert "step:         6  (epoch 0)" in out
-    assert "saved:        20" in out and "(full format, trainloop " in out
-    assert "files:        metadata.json (" in out and "model.pt (" in out and "matching its manifest" in out
+    assert "saved:        20" in out
+    assert "(full format, trainloop " in out
+    assert "files:        metadata.json (" in out
+    assert "model.pt (" in out
+    assert "matching its manifest" in out
     assert "model:        4 tensors, 49 elements, 196 B, float32" in out  # 4*8+8 + 8*1+1 floats
     assert "optimizer:    AdamW (from its param groups), 1 param group(s): name=default" in out
     assert "state for 4 params: 12 tensors" in out  # step, exp_avg, exp_avg_sq per parameter
@@ -158,7 +164,8 @@ def test_inspect_the_latest_checkpoint_of_a_root(trained, after_run):
     assert "grad scaler:  disabled" in out
     assert "rng state:    saved for 1 rank(s): numpy, python, torch" in out
     assert "data loader:  no position saved" in out
-    assert '"nan_at_steps": [' in out and '"seed": 3' in out  # the settings it was made with
+    assert '"nan_at_steps": [' in out
+    assert '"seed": 3' in out  # the settings it was made with
     assert result.stderr == ""
 
 
@@ -167,13 +174,18 @@ def test_inspect_json_of_a_step_directory_and_of_a_workspace(trained, capsys):
     code, out, err = call(capsys, "inspect", "--json", workspace / "checkpoints" / "3")
     assert code == 0, err
     info = json.loads(out)
-    assert info["step"] == 3 and info["format"] == "full" and info["metadata"]["step"] == 3
+    assert info["step"] == 3
+    assert info["format"] == "full"
+    assert info["metadata"]["step"] == 3
     assert sorted(info["files"]) == ["metadata.json", "model.pt", "training_state.pt"]
     assert info["model"] == {"tensors": 4, "elements": 49, "bytes": 196, "dtypes": ["float32"]}
-    assert info["optimizer"]["class"] == "AdamW" and info["optimizer"]["declared"] == "AdamW"
-    assert info["settings"]["max_steps"] == 6 and info["hooks"] == {}
+    assert info["optimizer"]["class"] == "AdamW"
+    assert info["optimizer"]["declared"] == "AdamW"
+    assert info["settings"]["max_steps"] == 6
+    assert info["hooks"] == {}
     code, out, _ = call(capsys, "inspect", "--json", workspace)  # a workspace: its checkpoints/latest
-    assert code == 0 and json.loads(out)["step"] == 6
+    assert code == 0
+    assert json.loads(out)["step"] == 6
 
 
 def _copy_checkpoints(trained, tmp_path: Path) -> Path:
@@ -188,7 +200,8 @@ def test_inspect_a_corrupt_latest_checkpoint_names_the_file_and_the_intact_one(t
     model = root / "6" / "model.pt"
     model.write_bytes(model.read_bytes()[:100])  # a torn write
     code, out, err = call(capsys, "inspect", root)
-    assert code == 1 and out == ""
+    assert code == 1
+    assert out == ""
     assert_one_clean_error(
         err, f"{model.resolve()}: cannot load: truncated or altered",
         f"the newest intact checkpoint under {root} is {root / '3'}",
@@ -200,7 +213,7 @@ def test_inspect_a_corrupt_latest_checkpoint_names_the_file_and_the_intact_one(t
 
 
 @pytest.mark.parametrize(
-    "layout, message",
+    ("layout", "message"),
     [
         ("flipped-byte", "model.pt: cannot load: corrupt (its SHA-256 differs from its manifest's)"),
         ("no-training-state", "is not a complete checkpoint: missing training_state.pt"),
@@ -237,7 +250,8 @@ def test_inspect_incomplete_checkpoints(trained, tmp_path, capsys, layout, messa
     else:
         target = tmp_path / "absent"
     code, out, err = call(capsys, "inspect", target)
-    assert code == 1 and out == ""
+    assert code == 1
+    assert out == ""
     assert_one_clean_error(err, message)
 
 
@@ -273,7 +287,8 @@ def test_sigterm_during_run_saves_and_exits_143(tmp_path):
     # The step during which the signal landed finished, was saved, and was the last.
     last_step = int((["step 2"] + rest.splitlines())[-1].split()[1])
     assert [p.name for p in (tmp_path / "ws" / "checkpoints").iterdir() if p.name.isdigit()] == [str(last_step)]
-    assert "Caught SIGTERM" in err and "Traceback" not in err
+    assert "Caught SIGTERM" in err
+    assert "Traceback" not in err
 
 
 # -- settings and trainer errors: exit 2, one clear message, nothing written -------------------
@@ -295,7 +310,7 @@ def test_run_with_invalid_settings_names_file_and_fields_and_writes_nothing(laun
 
 
 @pytest.mark.parametrize(
-    "spec, message",
+    ("spec", "message"),
     [
         ("cli_trainers.CliTrainer", "expected module:Class"),
         ("cli_trainers:", "expected module:Class"),
@@ -317,7 +332,8 @@ def test_a_trainer_that_cannot_be_used_is_one_line_exit_2(tmp_path, capsys, monk
     monkeypatch.syspath_prepend(str(TESTS))
     for command in (["run", "run.json"], ["validate", "run.json"], ["schema", "--output", "schema.json"]):
         code, out, err = call(capsys, *command, "--trainer", spec)
-        assert code == 2 and out == ""
+        assert code == 2
+        assert out == ""
         assert_one_clean_error(err, message)
         assert err.count("\n") == 1  # one line
     assert sorted(p.name for p in tmp_path.iterdir() if not p.name.startswith("__")) == [
@@ -356,11 +372,12 @@ BAD_FILES = [
 ]
 
 
-@pytest.mark.parametrize("name, text, message", BAD_FILES)
+@pytest.mark.parametrize(("name", "text", "message"), BAD_FILES)
 def test_validate_reports_bad_files_naming_file_and_field(tmp_path, capsys, name, text, message):
     (tmp_path / name).write_text(text)
     code, out, err = call(capsys, "validate", name)
-    assert code == 2 and out == ""
+    assert code == 2
+    assert out == ""
     assert_one_clean_error(err, name, message)
     assert sorted(p.name for p in tmp_path.iterdir()) == [name]
 
@@ -383,9 +400,11 @@ def test_validate_prints_resolved_settings_file_then_env_then_set(launched):
     result = process.result()
     assert result.returncode == 0, result.stderr
     settings = json.loads(result.stdout)
-    assert settings["max_steps"] == 9 and settings["lr"] == 0.5  # env over the file
+    assert settings["max_steps"] == 9
+    assert settings["lr"] == 0.5  # env over the file
     assert settings["seed"] == 2  # --set over env
-    assert settings["hooks"][0]["interval"] == 5 and settings["hooks"][0]["keep_previous"] == 3
+    assert settings["hooks"][0]["interval"] == 5
+    assert settings["hooks"][0]["keep_previous"] == 3
     assert settings["optimizer"] == {**settings["optimizer"], "name": "AdamW", "lr": 0.02}
     assert settings["lr_schedule"]["warmup_steps"] == 2
     assert settings["nan_at_steps"] == [2]  # the trainer's own field
@@ -411,17 +430,22 @@ def test_schema_is_the_committed_schema_file(launched):
 
 def test_schema_output_and_a_trainer_schema(tmp_path, capsys, monkeypatch):
     code, printed, _ = call(capsys, "schema")
-    assert code == 0 and printed == json.dumps(TrainerSettings.json_schema(), indent=2) + "\n"
+    assert code == 0
+    assert printed == json.dumps(TrainerSettings.json_schema(), indent=2) + "\n"
     code, out, _ = call(capsys, "schema", "--output", tmp_path / "schema.json")
-    assert code == 0 and out == ""
+    assert code == 0
+    assert out == ""
     assert (tmp_path / "schema.json").read_text() == printed
     monkeypatch.syspath_prepend(str(TESTS))
     code, out, _ = call(capsys, "schema", "--trainer", TRAINER)
     assert code == 0
     properties = json.loads(out)["properties"]
-    assert "nan_at_steps" in properties and "max_steps" in properties and "$schema" in properties
+    assert "nan_at_steps" in properties
+    assert "max_steps" in properties
+    assert "$schema" in properties
     code, out, err = call(capsys, "schema", "--output", tmp_path / "no" / "such" / "dir.json")
-    assert code == 1 and out == ""
+    assert code == 1
+    assert out == ""
     assert_one_clean_error(err, "dir.json: cannot write")
 
 
@@ -430,20 +454,24 @@ def test_schema_output_and_a_trainer_schema(tmp_path, capsys, monkeypatch):
 
 def test_graph_without_trace_is_the_table(capsys, tmp_path):
     code, out, err = call(capsys, "graph")
-    assert code == 0 and err == ""
+    assert code == 0
+    assert err == ""
     assert out == draw(format="mermaid")
     code, out, _ = call(capsys, "graph", "--format", "dot", "--output", tmp_path / "m.dot")
-    assert code == 0 and out == ""
+    assert code == 0
+    assert out == ""
     assert (tmp_path / "m.dot").read_text() == draw(format="dot")
 
 
 def test_graph_trace_errors(tmp_path, capsys):
     code, out, err = call(capsys, "graph", "--trace", tmp_path)
-    assert code == 1 and out == ""
+    assert code == 1
+    assert out == ""
     assert_one_clean_error(err, f"{tmp_path / 'trace.jsonl'}: no trace file", '"trace": true')
     (tmp_path / "trace.jsonl").write_text('{"time": 1, "step": 0, "source": "idle", "dest": "building", "trigger": "start"}\n{"time": 2}\n')
     code, out, err = call(capsys, "graph", "--trace", tmp_path, "--output", tmp_path / "g.mmd")
-    assert code == 1 and out == ""
+    assert code == 1
+    assert out == ""
     assert_one_clean_error(err, "trace.jsonl:2: not a trace entry")
     assert not (tmp_path / "g.mmd").exists()
 
@@ -478,7 +506,8 @@ def test_graph_svg_with_graphviz(trained, tmp_path, capsys):
     code, out, err = call(capsys, "graph", "--format", "svg", "--trace", workspace, "--output", output)
     assert code == 0, err
     svg = output.read_text()
-    assert "<svg" in svg and "retry [grads_non_finite] (n=1)" in svg
+    assert "<svg" in svg
+    assert "retry [grads_non_finite] (n=1)" in svg
     assert out == ""
 
 
@@ -497,7 +526,8 @@ def test_a_settings_file_that_is_not_utf8_is_one_line_exit_2(tmp_path, capsys):
     (tmp_path / "run.yaml").write_bytes("max_steps: 3\nworkspace: caf\u00e9\n".encode("cp1252"))
     for command in ("validate", "run"):
         code, out, err = call(capsys, command, "run.yaml", "--trainer", TRAINER)
-        assert code == 2 and out == ""
+        assert code == 2
+        assert out == ""
         assert err == f"trainloop {command}: error: run.yaml: not a UTF-8 text file (byte 0xe9 at offset 27); save it as UTF-8\n"
     assert [p.name for p in tmp_path.iterdir()] == ["run.yaml"]
 
@@ -505,7 +535,8 @@ def test_a_settings_file_that_is_not_utf8_is_one_line_exit_2(tmp_path, capsys):
 def test_run_without_a_trainer_says_how_to_name_one(tmp_path, capsys):
     (tmp_path / "run.json").write_text('{"max_steps": 3, "lr": 0.1}')  # lr: the trainer's own field
     code, out, err = call(capsys, "run", "run.json")
-    assert code == 2 and out == ""
+    assert code == 2
+    assert out == ""
     assert err == 'trainloop run: error: run.json: no trainer to run: give --trainer MODULE:CLASS or a "trainer" key in the settings\n'
     (tmp_path / "run.json").write_text('{"max_steps": 3, "trainer": 5}')
     code, _, err = call(capsys, "run", "run.json")

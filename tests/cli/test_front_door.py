@@ -45,7 +45,8 @@ def test_help_answers_without_importing_torch(command):
 
 def test_a_bad_argument_is_answered_without_torch_too():
     result, modules = _imported("graph", "--format", "gif")
-    assert result.returncode == 2 and "invalid choice: 'gif'" in result.stderr
+    assert result.returncode == 2
+    assert "invalid choice: 'gif'" in result.stderr
     assert "torch" not in modules
 
 
@@ -122,7 +123,9 @@ def test_a_trainer_module_that_exits_at_import_is_one_line_exit_2(tmp_path, modu
         lines = result.stderr.splitlines()
         assert len(lines) == 1, result.stderr
         assert lines[0].startswith(f"trainloop {command}: error: ")
-        assert f"importing {module!r} exited" in lines[0] and said in lines[0] and '__name__ == "__main__"' in lines[0]
+        assert f"importing {module!r} exited" in lines[0]
+        assert said in lines[0]
+        assert '__name__ == "__main__"' in lines[0]
     assert not (tmp_path / "ws").exists()
 
 
@@ -158,7 +161,8 @@ def test_validate_without_a_trainer_says_which_trainer_knows_the_unknown_setting
     # The digits example as a new user first tries it: no --trainer, no "trainer" key.
     example = REPO / "examples" / "digits"
     result = Cli("validate", "settings.json", cwd=example).result()
-    assert result.returncode == 2 and result.stdout == ""
+    assert result.returncode == 2
+    assert result.stdout == ""
     lines = result.stderr.splitlines()
     assert [line for line in lines if "unknown setting" in line] == [
         f"trainloop validate: error: settings.json: {key}: unknown setting {key!r}; valid here: " + line.split("valid here: ", 1)[1]

@@ -168,9 +168,11 @@ def test_fsdp_options_take_one_class_a_list_or_a_predicate():
     assert FSDPOptions(shard_modules=nn.Linear).shard_modules == (nn.Linear,)
     assert FSDPOptions(shard_modules=[nn.Linear, nn.Tanh]).shard_modules == (nn.Linear, nn.Tanh)
     by_class = FSDPOptions(shard_modules=nn.Linear)
-    assert by_class.matches(nn.Linear(1, 1)) and not by_class.matches(nn.Tanh())
+    assert by_class.matches(nn.Linear(1, 1))
+    assert not by_class.matches(nn.Tanh())
     wide = FSDPOptions(shard_modules=lambda m: getattr(m, "out_features", 0) > 4)
-    assert wide.matches(nn.Linear(1, 8)) and not wide.matches(nn.Linear(1, 2))
+    assert wide.matches(nn.Linear(1, 8))
+    assert not wide.matches(nn.Linear(1, 2))
     assert not FSDPOptions().matches(nn.Linear(1, 1))
     assert FSDPOptions(reshard_after_forward=False).fully_shard_kwargs() == {"reshard_after_forward": False}
 

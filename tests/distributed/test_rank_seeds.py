@@ -32,7 +32,8 @@ def test_a_global_generator_loader_seeded_alike_warns_once_on_every_rank(seen):
 
 def test_no_warning_with_seed_per_rank_or_a_distributed_sampler(seen):
     for rank_seen in seen:
-        assert rank_seen["get_batch_seed_per_rank"] == [] and rank_seen["distributed_sampler"] == []
+        assert rank_seen["get_batch_seed_per_rank"] == []
+        assert rank_seen["distributed_sampler"] == []
 
 
 def test_seed_per_rank_needs_a_seed():

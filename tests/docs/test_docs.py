@@ -65,7 +65,8 @@ def test_the_machine_picture_is_drawn_from_the_current_table(monkeypatch):
     monkeypatch.setattr(generate, "TRANSITIONS", generate.TRANSITIONS[:-1])
     assert not generate.machine_svg_is_current()
     text = (ROOT / "docs" / "machine.md").read_text()
-    assert "](img/machine.svg)" in text and "```mermaid" in text
+    assert "](img/machine.svg)" in text
+    assert "```mermaid" in text
     assert "```mermaid" in (ROOT / "README.md").read_text()
 
 
@@ -96,7 +97,8 @@ def test_the_architecture_picture_is_drawn_from_the_current_imports(monkeypatch)
     assert svg == generate.architecture_svg(), "docs/img/architecture.svg is stale: run python docs/generate.py"
     graph = generate.import_graph()
     wings = {p.name + "/" for p in (ROOT / "trainloop").iterdir() if (p / "__init__.py").is_file()}
-    assert wings <= set(graph) and {"trainer", "loop", "step"} <= set(graph)
+    assert wings <= set(graph)
+    assert {"trainer", "loop", "step"} <= set(graph)
     for source, dests in graph.items():  # every wing and every import between wings is drawn
         assert f"<title>{source}</title>" in svg
         for dest in dests:

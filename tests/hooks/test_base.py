@@ -21,7 +21,8 @@ def test_a_misspelt_hook_method_fails_when_hooks_are_built_before_any_step(tmp_p
     trainer = TinyTrainer(max_steps=2, hooks=[Typo()], workspace=tmp_path / "ws")
     with pytest.raises(TypeError, match=f"Typo.{method} is not a hook method, so it would never be called; {suggestion}"):
         trainer.train()
-    assert trainer.step == 0 and trainer.state is State.EXITING
+    assert trainer.step == 0
+    assert trainer.state is State.EXITING
 
 
 def test_attributes_named_on_something_that_are_not_methods_are_fine():
@@ -45,4 +46,5 @@ def test_dispatch_lists_only_the_hooks_that_override_a_method():
     a, b = Steps(), BaseHook()
     dispatch = hook_dispatch([a, b])
     assert dispatch["on_after_step"] == (a.on_after_step,)
-    assert dispatch["on_before_step"] == () and dispatch["on_exception"] == ()
+    assert dispatch["on_before_step"] == ()
+    assert dispatch["on_exception"] == ()

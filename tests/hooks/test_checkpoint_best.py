@@ -84,7 +84,7 @@ def test_a_monitor_that_never_appears_is_a_warning_with_did_you_mean(tmp_path):
 
 
 @pytest.mark.parametrize(
-    "kwargs, message",
+    ("kwargs", "message"),
     [
         ({"keep_best": 1}, "keep_best=1 needs a monitor"),
         ({"monitor": "val/loss"}, "monitor='val/loss' needs keep_best >= 1"),
@@ -107,7 +107,8 @@ def test_a_typo_in_mode_is_a_validation_error_naming_it(tmp_path):
         [sys.executable, "-m", "trainloop", "validate", "run.json"], cwd=tmp_path, capture_output=True, text=True, check=False,
         env={**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])},
     )
-    assert result.returncode == 2 and result.stdout == ""
+    assert result.returncode == 2
+    assert result.stdout == ""
     assert result.stderr == "trainloop validate: error: run.json: hooks[0].mode: Input should be 'min' or 'max' (got 'mn')\n"
     assert sorted(p.name for p in tmp_path.iterdir()) == ["run.json"]
 

@@ -162,11 +162,13 @@ def test_resume_matches_an_uninterrupted_run(tmp_path, format, async_save):
     hook = CheckpointingHook(interval=4, format=format, async_save=async_save)
     resumed = run(tmp_path / "split", 16, capture, counter, hook)
     assert capture.events("on_before_train")[0][2] == 8
-    assert counter.found and counter.count == 16
+    assert counter.found
+    assert counter.count == 16
     assert resumed.lr_scheduler.state_dict() == straight.lr_scheduler.state_dict()
     assert_same(params(resumed.model), params(straight.model))
     root = tmp_path / "split" / "checkpoints"
-    assert checkpoint_steps(root) == [16] and os.readlink(root / "latest") == "16"
+    assert checkpoint_steps(root) == [16]
+    assert os.readlink(root / "latest") == "16"
     assert checkpoint_format(root / "16") == format
     assert not [p for p in root.iterdir() if p.name.startswith(".")]
 
@@ -187,7 +189,8 @@ def test_a_hook_without_state_in_a_sharded_checkpoint_sees_none(tmp_path):
     counter, capture = CounterHook(), CaptureHook()
     run(tmp_path, 6, counter, capture, CheckpointingHook(interval=4, format="sharded"))
     assert capture.events("on_before_train")[0][2] == 4
-    assert counter.found is False and counter.count == 2  # it started afresh, told by the absence
+    assert counter.found is False
+    assert counter.count == 2  # it started afresh, told by the absence
 
 
 @pytest.mark.parametrize("format", FORMATS)
@@ -198,7 +201,8 @@ def test_background_write_lets_the_loop_run_and_latest_waits_for_it(tmp_path, fo
     run(tmp_path, 6, gated, hook)
     # Steps 3 and 4 ran while the write of step 2 was held: it was neither named nor `latest`.
     assert gated.seen_while_held == [(3, None, False), (4, None, False)]
-    assert gated.gate.pickled_on and all(name != "MainThread" for name in gated.gate.pickled_on)
+    assert gated.gate.pickled_on
+    assert all(name != "MainThread" for name in gated.gate.pickled_on)
     # The save of step 4 waited for it; the end of the run waited for the last one.
     assert checkpoint_steps(root) == [2, 4, 6]
     assert os.readlink(root / "latest") == "6"
@@ -214,7 +218,8 @@ def test_one_background_save_at_a_time(tmp_path, format):
     # Each save began once the previous one was complete and `latest` pointed at it.
     assert observer.seen == [(1, 1, None), (2, 1, "1"), (3, 1, "2"), (4, 1, "3"), (5, 1, "4")]
     assert not [t for t in threading.enumerate() if t.name.startswith("checkpoint-")]
-    assert checkpoint_steps(root) == [4, 5] and os.readlink(root / "latest") == "5"
+    assert checkpoint_steps(root) == [4, 5]
+    assert os.readlink(root / "latest") == "5"
 
 
 
@@ -225,7 +230,8 @@ def test_an_exit_signal_saves_in_the_background_and_the_exit_waits_for_it(tmp_pa
         run(tmp_path, 50, SignalAtStep(3, signal.SIGUSR1), hook)
     assert exit.value.code == 128 + signal.SIGUSR1
     root = tmp_path / "checkpoints"
-    assert checkpoint_steps(root) == [3] and os.readlink(root / "latest") == "3"
+    assert checkpoint_steps(root) == [3]
+    assert os.readlink(root / "latest") == "3"
     assert read_checkpoint(root / "latest")["training_state"]["step"] == 3
 
 

@@ -154,7 +154,9 @@ def test_metadata_json_holds_step_epoch_time_metrics_and_versions(tmp_path):
     }
     run(tmp_path / "quiet", 1, CheckpointingHook(interval=1, format="sharded"), metrics_file=False)
     metadata = read_metadata(tmp_path / "quiet" / "checkpoints" / "1")
-    assert "metrics" not in metadata and metadata["format"] == "sharded" and metadata["step"] == 1
+    assert "metrics" not in metadata
+    assert metadata["format"] == "sharded"
+    assert metadata["step"] == 1
 
 
 def test_read_metadata_of_a_bad_file_names_it(tmp_path):
@@ -175,7 +177,8 @@ def test_a_bad_latest_falls_back_to_the_previous_complete_one(tmp_path, how, cap
     said = damage(root / "3", how)
     with caplog.at_level(logging.WARNING, logger="trainloop"):
         assert latest_checkpoint(root) == root / "2"
-    assert f"Skipping checkpoint {root / '3'}" in caplog.text and said in caplog.text
+    assert f"Skipping checkpoint {root / '3'}" in caplog.text
+    assert said in caplog.text
     assert latest_checkpoint(root, verify=False) == (root / "3").resolve()
 
     caplog.clear()
@@ -198,7 +201,8 @@ def test_a_bad_sharded_latest_falls_back_too(tmp_path, how, caplog):
     capture = CaptureHook()
     with caplog.at_level(logging.WARNING, logger="trainloop"):
         run(tmp_path, 3, capture, CheckpointingHook(interval=1, format="sharded"))
-    assert started_at(capture) == 1 and said in caplog.text
+    assert started_at(capture) == 1
+    assert said in caplog.text
 
 
 @pytest.mark.parametrize("how", DAMAGES)
@@ -225,7 +229,8 @@ def test_no_complete_checkpoint_starts_fresh_warning_about_each(tmp_path, caplog
     with caplog.at_level(logging.WARNING, logger="trainloop"):
         run(tmp_path, 1, capture, CheckpointingHook(interval=1, keep_previous=5))
     assert started_at(capture) == 0
-    assert f"Skipping checkpoint {root / '2'}" in caplog.text and f"Skipping checkpoint {root / '1'}" in caplog.text
+    assert f"Skipping checkpoint {root / '2'}" in caplog.text
+    assert f"Skipping checkpoint {root / '1'}" in caplog.text
 
 
 def test_reading_without_verifying(tmp_path):
@@ -315,7 +320,8 @@ def test_file_too_large_raises_naming_the_checkpoint_and_leaves_nothing(tmp_path
     assert "File too large" in message
     if format == "full":
         assert "ballast_hook.pt" in message  # the file being written
-        assert isinstance(error.value.__cause__, OSError) and error.value.__cause__.errno == errno.EFBIG
+        assert isinstance(error.value.__cause__, OSError)
+        assert error.value.__cause__.errno == errno.EFBIG
     assert trainer.step == 3
     assert_untouched(root, [1, 2], "2")
 
@@ -368,7 +374,8 @@ def test_unwritable_directory_raises_or_warns_naming_the_checkpoint(tmp_path, fo
             trainer.train()
         with caplog.at_level(logging.WARNING, logger="trainloop"):
             run(tmp_path, 4, CheckpointingHook(interval=1, format=format, on_save_error="warn"))
-    assert "could not save checkpoint" in caplog.text and str(root / "4") in caplog.text
+    assert "could not save checkpoint" in caplog.text
+    assert str(root / "4") in caplog.text
     assert_untouched(root, [1, 2], "2")
 
 
@@ -448,4 +455,5 @@ def test_a_state_that_cannot_be_written_raises_even_with_warn(tmp_path, async_sa
     with pytest.raises(CheckpointError, match=rf"could not save checkpoint {root / '1'}: .*(pickle|lambda)") as error:
         trainer.train()
     assert not isinstance(error.value, CheckpointSaveError)
-    assert checkpoint_steps(root) == [] and hidden_entries(root) == []
+    assert checkpoint_steps(root) == []
+    assert hidden_entries(root) == []

@@ -84,7 +84,8 @@ def test_the_optimizer_state_loads_exactly_without_a_dummy_step(tmp_path, optimi
         resumed.train()  # resumes at step 3 = max_steps: no step to train
     finally:
         handle.remove()
-    assert resumed.step == 3 and steps == []  # torch's set_state_dict would have stepped once
+    assert resumed.step == 3
+    assert steps == []  # torch's set_state_dict would have stepped once
     saved, loaded = first.optimizer.state_dict(), resumed.optimizer.state_dict()
     assert saved["param_groups"] == loaded["param_groups"]
     assert saved["state"].keys() == loaded["state"].keys()

@@ -85,7 +85,8 @@ def test_layout_files_and_latest_symlink(tmp_path):
         assert state["training_state"]["step"] == step
         assert state["counter_hook"] == {"count": step}
     latest = root / "latest"
-    assert latest.is_symlink() and os.readlink(latest) == "5"  # relative: the tree can move
+    assert latest.is_symlink()
+    assert os.readlink(latest) == "5"  # relative: the tree can move
     assert latest_checkpoint(root) == (root / "5").resolve()
     assert hidden_entries(root) == []
     latest.unlink()  # without the symlink, the highest step is the newest
@@ -372,7 +373,8 @@ def test_exit_signals_outside_the_main_thread_is_a_clear_error(tmp_path):
     thread = threading.Thread(target=train)
     thread.start()
     thread.join()
-    assert len(errors) == 1 and isinstance(errors[0], RuntimeError)
+    assert len(errors) == 1
+    assert isinstance(errors[0], RuntimeError)
     assert "exit_signals cannot be installed" in str(errors[0])
     assert signal.getsignal(signal.SIGUSR1) is signal.SIG_DFL
 
@@ -416,7 +418,8 @@ def test_declared_in_settings():
     ).build()
     assert isinstance(hook, CheckpointingHook)
     assert hook.exit_signals == (signal.SIGTERM, signal.SIGINT)
-    assert hook.load is None and hook.path == Path("checkpoints")
+    assert hook.load is None
+    assert hook.path == Path("checkpoints")
     assert (hook.format, hook.async_save, hook.on_save_error) == ("sharded", True, "warn")
     default = model.model_validate({"type": "checkpointing", "interval": 10}).build()
     assert (default.format, default.async_save, default.on_save_error) == ("full", False, "raise")

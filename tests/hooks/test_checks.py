@@ -82,7 +82,8 @@ def test_validate_refuses_what_run_refuses_for_a_users_hook(tmp_path, hooks, lin
         processes[command] = Cli(command, "run.json", cwd=root, env=cli_env(**ENV))
     for command, process in processes.items():
         result = process.result()
-        assert result.returncode == 2 and result.stdout == ""
+        assert result.returncode == 2
+        assert result.stdout == ""
         errors = [text for text in result.stderr.splitlines() if not text.startswith("marker: ")]
         assert errors == [f"trainloop {command}: error: {line}"]
         assert_one_clean_error("\n".join(errors))

@@ -24,7 +24,8 @@ def test_cpu_device_is_a_no_op_with_one_warning():
     ours = [w for w in caught if "CudaMaxMemoryHook" in str(w.message)]
     assert len(ours) == 1  # once per run, not once per step
     assert issubclass(ours[0].category, RuntimeWarning)
-    assert "'cpu'" in str(ours[0].message) and "max_memory" in str(ours[0].message)
+    assert "'cpu'" in str(ours[0].message)
+    assert "max_memory" in str(ours[0].message)
     assert len(capture.step_infos) == 4
     assert all(info.max_memory is None for info in capture.step_infos)
     assert trainer.step == 4
@@ -47,7 +48,8 @@ def test_cuda_peak_is_recorded_per_step():
         trainer.train()
     peaks = [info.max_memory for info in capture.step_infos]
     assert all(isinstance(p, float) and p > 0 for p in peaks)
-    assert peaks[1] >= 0.25 > peaks[0] and peaks[2] < 0.25
+    assert peaks[1] >= 0.25 > peaks[0]
+    assert peaks[2] < 0.25
 
 
 def test_takes_no_parameters_and_is_declarable():

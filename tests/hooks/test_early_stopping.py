@@ -62,7 +62,8 @@ def test_stops_a_real_run_when_patience_runs_out():
     assert script.steps == [2, 4, 6, 8]
     assert trainer.step == 8 < trainer.max_steps
     assert trainer.state is State.EXITING
-    assert trainer.error is None and trainer.exit_code is None
+    assert trainer.error is None
+    assert trainer.exit_code is None
     assert [c[2] for c in capture.events("on_after_step")] == list(range(1, 9))
     assert capture.events("on_after_train") == [("on_after_train", "exiting", 8)]
     assert (stopper.best, stopper.bad_count, stopper.observations, stopper.stopped_step) == (4.0, 2, 4, 8)
@@ -73,7 +74,8 @@ def test_improvement_resets_the_count():
     trainer, stopper, script, _ = run(values, interval=1, patience=3)
     # 3 best, bad, 2 best, bad, bad, 1 best, bad, bad, bad -> stop at the 9th observation.
     assert trainer.step == 9
-    assert stopper.best == 1.0 and stopper.bad_count == 3
+    assert stopper.best == 1.0
+    assert stopper.bad_count == 3
 
 
 def test_min_delta_requires_a_real_improvement():
@@ -89,26 +91,33 @@ def test_mode_max():
 
     # The same sequence under "min" improves only at 0.1, so it stops earlier.
     trainer, stopper, _, _ = run([0.1, 0.5, 0.4, 0.5, 0.45, 0.9], interval=1, mode="min", patience=3)
-    assert trainer.step == 4 and stopper.best == 0.1
+    assert trainer.step == 4
+    assert stopper.best == 0.1
 
 
 def test_runs_to_max_steps_while_improving():
     trainer, stopper, script, _ = run([5.0, 4.0, 3.0, 2.0, 1.0], max_steps=10, patience=1)
-    assert trainer.step == 10 and script.steps == [2, 4, 6, 8, 10]
-    assert stopper.stopped_step is None and stopper.bad_count == 0 and stopper.best == 1.0
+    assert trainer.step == 10
+    assert script.steps == [2, 4, 6, 8, 10]
+    assert stopper.stopped_step is None
+    assert stopper.bad_count == 0
+    assert stopper.best == 1.0
 
 
 def test_nan_counts_as_no_improvement_and_tensors_are_read():
     values = [torch.tensor(2.0), torch.tensor(math.nan), torch.tensor(math.nan), torch.tensor(1.0)]
     trainer, stopper, _, _ = run(values, interval=1, patience=2)
     assert trainer.step == 3
-    assert stopper.best == 2.0 and isinstance(stopper.best, float)
+    assert stopper.best == 2.0
+    assert isinstance(stopper.best, float)
 
 
 def test_first_observation_nan_then_finite():
     trainer, stopper, _, _ = run([math.nan, 3.0, 4.0], max_steps=3, interval=1, patience=2)
-    assert trainer.step == 3 and stopper.stopped_step is None
-    assert stopper.best == 3.0 and stopper.bad_count == 1
+    assert trainer.step == 3
+    assert stopper.stopped_step is None
+    assert stopper.best == 3.0
+    assert stopper.bad_count == 1
 
 
 @pytest.mark.parametrize(
@@ -157,7 +166,8 @@ class Loader(BaseHook):
 def test_state_round_trip_resumes_the_count():
     # First run: best 4 at step 4, no improvement at step 6; ends at max_steps.
     trainer, stopper, _, _ = run([5.0, 4.0, 4.5], max_steps=6, patience=2)
-    assert trainer.step == 6 and stopper.stopped_step is None
+    assert trainer.step == 6
+    assert stopper.stopped_step is None
     state_dict = trainer.state_dict()
     assert state_dict[stopper.name] == {
         "monitor": "val/loss", "mode": "min", "best": 4.0, "bad_count": 1, "observations": 3,
@@ -206,7 +216,8 @@ def test_load_of_another_metric_or_a_checkpoint_without_state_starts_afresh(capl
     assert (hook.best, hook.bad_count, hook.observations) == (None, 0, 0)
     messages = [r.getMessage() for r in caplog.records]
     assert len(messages) == 2
-    assert "monitored 'val/acc' (max)" in messages[0] and "'val/loss' (min)" in messages[0]
+    assert "monitored 'val/acc' (max)" in messages[0]
+    assert "'val/loss' (min)" in messages[0]
     assert "no early-stopping state" in messages[1]
 
 
@@ -215,7 +226,9 @@ def test_warns_once_when_the_monitored_key_never_appears():
     with pytest.warns(MonitorNotFoundWarning, match=expected) as record:
         trainer, stopper, script, _ = run([5.0] * 10, max_steps=10, interval=2, monitor="val/los", patience=1)
     assert len([w for w in record if w.category is MonitorNotFoundWarning]) == 1
-    assert trainer.step == 10 and len(script.steps) == 5 and stopper.observations == 0
+    assert trainer.step == 10
+    assert len(script.steps) == 5
+    assert stopper.observations == 0
 
     # Nothing close: the warning lists what was logged.
     with pytest.warns(MonitorNotFoundWarning, match=r"keys logged: val/loss"):

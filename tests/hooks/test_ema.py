@@ -159,7 +159,8 @@ def test_declarable_in_settings():
     assert HOOK_TYPES["ema"] is EmaHook
     model = hook_settings_model(EmaHook)
     hook = model.model_validate({"type": "ema", "decay": 0.99}).build()
-    assert isinstance(hook, EmaHook) and hook.decay == 0.99
+    assert isinstance(hook, EmaHook)
+    assert hook.decay == 0.99
     assert model.model_validate({"type": "ema"}).build().decay == 0.9999
     with pytest.raises(ValidationError, match="decay"):
         model.model_validate({"type": "ema", "decay": 1})

@@ -41,7 +41,7 @@ def logged_steps(trainer) -> list[int]:
 
 
 @pytest.mark.parametrize(
-    "settings, extra, expected",
+    ("settings", "extra", "expected"),
     [
         ({"max_steps": 7}, [], [3, 6, 7]),  # max_steps not a multiple: the last step too
         ({"max_steps": 6}, [], [3, 6]),  # a multiple: once
@@ -63,7 +63,8 @@ def test_a_run_ended_by_an_error_is_not_acted_on_at_its_end(tmp_path):
     trainer = TinyTrainer(max_steps=20, hooks=[*hooks, CrashAt(5)], workspace=tmp_path)
     with pytest.raises(Crash):
         trainer.train()
-    assert evaluated == [3] and logged_steps(trainer) == [3]
+    assert evaluated == [3]
+    assert logged_steps(trainer) == [3]
     assert checkpoint_steps(tmp_path / "checkpoints") == [3]
 
 

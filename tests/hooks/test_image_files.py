@@ -52,10 +52,12 @@ def test_images_are_written_per_step_and_read_back(tmp_path):
         written = sorted(str(p.relative_to(root / step)) for p in (root / step).rglob("*.png"))
         assert written == ["a/b.png", "nested/grey.png", "sample.png"]
         with Image.open(root / step / "sample.png") as back:
-            assert back.format == "PNG" and back.mode == "RGB"
+            assert back.format == "PNG"
+            assert back.mode == "RGB"
             assert back.tobytes() == rgb.tobytes()
         with Image.open(root / step / "nested" / "grey.png") as back:
-            assert back.mode == "L" and back.tobytes() == grey.tobytes()
+            assert back.mode == "L"
+            assert back.tobytes() == grey.tobytes()
 
 
 def test_jpeg_format_converts_rgba_and_is_case_insensitive(tmp_path):
@@ -65,7 +67,9 @@ def test_jpeg_format_converts_rgba_and_is_case_insensitive(tmp_path):
     TinyTrainer(max_steps=1, workspace=tmp_path, hooks=[hook, ImageLogHook({"x": rgba}, steps=[1])]).train()
 
     with Image.open(tmp_path / "visualizations" / "1" / "x.jpg") as back:
-        assert back.format == "JPEG" and back.mode == "RGB" and back.size == (16, 16)
+        assert back.format == "JPEG"
+        assert back.mode == "RGB"
+        assert back.size == (16, 16)
         # Lossy, but close to the original colours.
         assert all(
             abs(a - b) <= 40 for a, b in zip(back.getpixel((8, 8)), rgba.getpixel((8, 8))[:3], strict=True)
@@ -78,7 +82,8 @@ def test_other_formats_by_extension(tmp_path):
         max_steps=1, workspace=tmp_path, hooks=[hook, ImageLogHook({"x": gradient()}, steps=[1])]
     ).train()
     with Image.open(tmp_path / "visualizations" / "1" / "x.tif") as back:
-        assert back.format == "TIFF" and back.tobytes() == gradient().tobytes()
+        assert back.format == "TIFF"
+        assert back.tobytes() == gradient().tobytes()
 
 
 @pytest.mark.parametrize("name", ["../escape", "a//b", "./x", "a/..", "a\\b"])
@@ -91,7 +96,10 @@ def test_names_that_leave_the_step_folder_are_refused(tmp_path, name):
     with pytest.raises(ValueError, match="not a relative path"):
         trainer.train()
     assert (
-        not (tmp_path / "escape.png").exists() and not (tmp_path / "visualizations" / "escape.png").exists()
+        not (tmp_path / "escape.png").exists()
+    )
+    assert (
+        not (tmp_path / "visualizations" / "escape.png").exists()
     )
 
 

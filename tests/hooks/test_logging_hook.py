@@ -87,7 +87,8 @@ def test_defaults_and_settings_declaration():
     assert HOOK_TYPES["logging"] is LoggingHook
     model = hook_settings_model(LoggingHook)
     built = model.model_validate_json('{"type": "logging", "interval": 3, "sync": false}').build()
-    assert type(built) is LoggingHook and (built.interval, built.sync) == (3, False)
+    assert type(built) is LoggingHook
+    assert (built.interval, built.sync) == (3, False)
     with pytest.raises(ValidationError, match="sync"):
         model.model_validate_json('{"type": "logging", "sync": "no"}')
     with pytest.raises(ValidationError, match="type"):

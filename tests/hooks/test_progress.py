@@ -107,7 +107,8 @@ def test_lines_are_formatted_lazily_and_skipped_when_info_is_off(caplog):
     caplog.set_level(logging.INFO, logger="trainloop")
     TinyTrainer(max_steps=1, hooks=[ProgressHook(bar=False)]).train()
     (record,) = [r for r in caplog.records if r.name == "trainloop"]
-    assert record.msg.startswith("Step %d/%d: step %.4fs") and record.args[:2] == (1, 1)
+    assert record.msg.startswith("Step %d/%d: step %.4fs")
+    assert record.args[:2] == (1, 1)
 
 
 def test_not_a_terminal_means_lines_not_a_bar(caplog, capfd):
@@ -117,7 +118,8 @@ def test_not_a_terminal_means_lines_not_a_bar(caplog, capfd):
     TinyTrainer(max_steps=4, hooks=[ProgressHook(interval=2)]).train()
     assert len(progress_lines(caplog)) == 2
     out, err = capfd.readouterr()
-    assert "\r" not in out + err and "step/s" not in out + err
+    assert "\r" not in out + err
+    assert "step/s" not in out + err
 
 
 # -- logging never configured ---------------------------------------------------------------------
@@ -169,7 +171,8 @@ def test_configured_logging_is_left_alone_in_a_fresh_process():
 def test_fallback_handler_lives_for_the_run_only(capsys):
     logger = logging.getLogger("test_progress.unconfigured")
     logger.propagate = False  # so pytest's handlers on the root logger are out of its chain
-    assert not logger.hasHandlers() and logger.level == logging.NOTSET
+    assert not logger.hasHandlers()
+    assert logger.level == logging.NOTSET
 
     class Probe(BaseHook):
         def __init__(self):
@@ -184,9 +187,11 @@ def test_fallback_handler_lives_for_the_run_only(capsys):
     finally:
         logger.propagate = True
     assert probe.seen == [(1, logging.INFO)] * 2
-    assert logger.handlers == [] and logger.level == logging.NOTSET
+    assert logger.handlers == []
+    assert logger.level == logging.NOTSET
     err = capsys.readouterr().err
-    assert "test_progress.unconfigured: Step 1/2: step " in err and "Step 2/2: " in err
+    assert "test_progress.unconfigured: Step 1/2: step " in err
+    assert "Step 2/2: " in err
 
 
 def test_fallback_respects_a_level_set_on_the_logger(capsys):
@@ -253,10 +258,15 @@ def test_a_terminal_gets_a_bar_unless_bar_is_off():
         """
     )
     bar, lines = tty.split("-- bar off --")
-    assert "\r" in bar and "20/20" in bar and "step/s" in bar and "100%|" in bar
+    assert "\r" in bar
+    assert "20/20" in bar
+    assert "step/s" in bar
+    assert "100%|" in bar
     assert re.search(rf"step/s, step {NUMBER}s data {NUMBER}s eta \d+:\d\d:\d\d loss {NUMBER} lr 5\.00e-02\]", bar)
     assert "Step 5/20" not in bar + stderr  # the bar replaces the lines
-    assert "%|" not in lines and "Step 2/4: step" in stderr and "Step 4/4: step" in stderr
+    assert "%|" not in lines
+    assert "Step 2/4: step" in stderr
+    assert "Step 4/4: step" in stderr
 
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="pseudo-terminal sizing is Linux-only here")

@@ -155,7 +155,8 @@ def test_the_custom_hook_example_of_the_docs_runs_from_the_cli(tmp_path):
     result = schema.result()
     assert result.returncode == 0, result.stderr
     hook_types = json.loads(result.stdout)["properties"]["hooks"]["items"]["discriminator"]["mapping"]
-    assert "loss_file" in hook_types and "checkpointing" in hook_types
+    assert "loss_file" in hook_types
+    assert "checkpointing" in hook_types
 
 
 def test_a_hook_object_in_settings_says_where_objects_go():
@@ -165,4 +166,5 @@ def test_a_hook_object_in_settings_says_where_objects_go():
         TrainerSettings(max_steps=2, hooks=[ValidationHook(evaluate="evaluate", interval=2)])
     message = str(info.value)
     assert "settings.hooks holds hooks as data, not ValidationHook objects: return hook objects from build_hooks()" in message
-    assert '"type": "validation"' in message and "{{" not in message
+    assert '"type": "validation"' in message
+    assert "{{" not in message

@@ -166,9 +166,11 @@ def test_graph_with_settings_shows_each_hook_beside_its_state_with_its_schedule(
 def test_graph_with_settings_that_do_not_validate_exits_2_naming_the_field(tmp_path):
     (tmp_path / "run.json").write_text(json.dumps({"max_steps": 4, "hooks": [{"type": "checkpointing", "interval": 0}]}))
     result = Cli("graph", "--settings", "run.json", cwd=tmp_path, env=cli_env()).result()
-    assert result.returncode == 2 and result.stdout == ""
+    assert result.returncode == 2
+    assert result.stdout == ""
     assert_one_clean_error(result.stderr)
-    assert "hooks[0].interval" in result.stderr and len(result.stderr.splitlines()) == 1
+    assert "hooks[0].interval" in result.stderr
+    assert len(result.stderr.splitlines()) == 1
 
 
 def test_the_report_lists_the_declared_hooks_with_their_schedules(tmp_path):

@@ -108,13 +108,15 @@ def test_means_over_microsteps_and_interval():
         published = window[-1].stats  # StatsHook publishes in step_info on emitting steps
         losses = [loss.item() for info in window for loss in info.loss]
         assert len(losses) == 6  # 3 steps x 2 microsteps
-        assert published.step == emit_step and published.steps == 3
+        assert published.step == emit_step
+        assert published.steps == 3
         assert published.loss == pytest.approx(mean(losses), rel=1e-6)
         assert published.records == {"mse": pytest.approx(mean(losses), rel=1e-6)}
         assert published.step_time == pytest.approx(mean(info.step_time for info in window))
         assert published.data_time == pytest.approx(mean(sum(info.data_time) for info in window))
         assert published.non_finite_grad_retries == 0
-        assert published.grad_norm is None and published.max_memory is None
+        assert published.grad_norm is None
+        assert published.max_memory is None
         assert published.lrs == {"group_0": 0.05}
     assert [(info.stats is not None) for info in infos] == [False, False, True, False, False, True]
     assert stats.latest is infos[5].stats
@@ -129,7 +131,8 @@ def test_records_averaged_key_by_key_over_microsteps():
     (_, first), (_, second) = rec.emitted
     assert first.records["nested"] == {"call": 2.5}
     assert second.records["nested"] == {"call": 6.5}
-    assert first.records["odd"] == 1.0 and second.records["odd"] == 1.0
+    assert first.records["odd"] == 1.0
+    assert second.records["odd"] == 1.0
     assert first.records["mse"] == pytest.approx(first.loss, rel=1e-6)
 
 
@@ -182,7 +185,8 @@ def test_retries_are_counted_in_their_window():
     second = rec.emitted[1][1]
     # The NaN attempt's loss was dropped with the retry: the mean is over the kept attempts.
     kept = [loss.item() for info in capture.step_infos[2:] for loss in info.loss]
-    assert math.isfinite(second.loss) and second.loss == pytest.approx(mean(kept), rel=1e-6)
+    assert math.isfinite(second.loss)
+    assert second.loss == pytest.approx(mean(kept), rel=1e-6)
 
 
 def test_peak_memory_is_the_max_of_the_window():
@@ -272,7 +276,8 @@ def test_steps_that_do_not_emit_run_no_tensor_op():
     hook = Watched()
     TinyTrainer(max_steps=6, grad_clip=1.0, gradient_accumulation_steps=2, hooks=[hook]).train()
     quiet = [ops for step, ops in hook.ops if step % 3]
-    assert len(quiet) == 8 and all(ops == [] for ops in quiet)
+    assert len(quiet) == 8
+    assert all(ops == [] for ops in quiet)
     emitting = [ops for step, ops in hook.ops if step % 3 == 0 and ops]
     assert len(emitting) == 2  # the reduction happens on the emitting steps only
     for ops in emitting:
@@ -318,7 +323,8 @@ def test_declarable_in_settings():
     assert HOOK_TYPES["stats"] is StatsHook
     model = hook_settings_model(StatsHook)
     hook = model.model_validate_json('{"type": "stats", "interval": 5, "sync": false}').build()
-    assert isinstance(hook, StatsHook) and (hook.interval, hook.sync) == (5, False)
+    assert isinstance(hook, StatsHook)
+    assert (hook.interval, hook.sync) == (5, False)
     assert model(type="stats").build().interval == 10
     with pytest.raises(ValidationError, match="interval"):
         model.model_validate_json('{"type": "stats", "interval": 0}')

@@ -74,7 +74,8 @@ def test_runs_at_interval_and_last_step_in_eval_mode_without_grad(tmp_path):
     assert modes.modes == [[True] * 4] * 10
     assert torch.is_grad_enabled()
     logs = val_logs(capture)
-    assert len(logs) == 4 and all(set(r) == {"loss", "n"} for r in logs)
+    assert len(logs) == 4
+    assert all(set(r) == {"loss", "n"} for r in logs)
     assert hook.last_step == 10
     assert hook.last_records is logs[-1]
     assert float(hook.last_records["loss"]) > 0
@@ -140,7 +141,8 @@ def test_method_name_form(tmp_path):
     trainer.train()
     assert trainer.validated_at == [(2, False, False), (4, False, False), (5, False, False)]
     logs = val_logs(capture)
-    assert len(logs) == 3 and logs[-1] == hook.last_records
+    assert len(logs) == 3
+    assert logs[-1] == hook.last_records
     assert isinstance(hook.last_records["loss"], float)
     assert trainer.model.training
 
@@ -269,4 +271,5 @@ def test_unconfigured_logging_shows_results_beside_progress_lines_in_a_fresh_pro
     )
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), str(ROOT / "tests" / "support")])}
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, check=True)
-    assert "Step 2/2: step" in result.stderr and "Validation at step 2: val/loss 0.25" in result.stderr
+    assert "Step 2/2: step" in result.stderr
+    assert "Validation at step 2: val/loss 0.25" in result.stderr

@@ -61,7 +61,8 @@ def read_records(path: Path) -> list:
     from wandb.proto import wandb_internal_pb2
 
     data = path.read_bytes()
-    assert data[:4] == b":W&B" and struct.unpack_from("<H", data, 4)[0] == 0xBEE1, path
+    assert data[:4] == b":W&B", path
+    assert struct.unpack_from("<H", data, 4)[0] == 0xBEE1, path
     records, pending, pos = [], b"", 7
     while pos + 7 <= len(data):
         room = _BLOCK - pos % _BLOCK
@@ -148,15 +149,20 @@ def test_offline_run_logs_records_and_images_then_a_resumed_run_continues_it(tmp
     run_id = (workspace / RUN_ID_FILE).read_text()
     (first_dir,) = offline_runs(workspace)  # wandb's files live in the workspace by default
     first = OfflineRun(first_dir)
-    assert first.run.run_id == run_id and first_dir.name.endswith(run_id)
-    assert first.run.project == "trainloop-test" and list(first.run.tags) == ["tiny"]
-    assert first.config["lr"] == 0.05 and first.config["max_steps"] == 4
+    assert first.run.run_id == run_id
+    assert first_dir.name.endswith(run_id)
+    assert first.run.project == "trainloop-test"
+    assert list(first.run.tags) == ["tiny"]
+    assert first.config["lr"] == 0.05
+    assert first.config["max_steps"] == 4
     assert first.config["workspace"] == str(workspace)
     rows = first.rows()
     assert sorted(rows) == [1, 2, 3, 4]
     for step, value in log.logged.items():
-        assert rows[step]["loss/mse"] == pytest.approx(value) and rows[step]["attempt"] == 1
-    assert rows[2]["samples/pic/_type"] == "image-file" and rows[2]["samples/pic/format"] == "png"
+        assert rows[step]["loss/mse"] == pytest.approx(value)
+        assert rows[step]["attempt"] == 1
+    assert rows[2]["samples/pic/_type"] == "image-file"
+    assert rows[2]["samples/pic/format"] == "png"
     with Image.open(first_dir / "files" / rows[2]["samples/pic/path"]) as back:
         assert back.convert("RGB").tobytes() == picture().tobytes()
     assert first.exit_code == 0
@@ -169,7 +175,8 @@ def test_offline_run_logs_records_and_images_then_a_resumed_run_continues_it(tmp
     ).train()
     (second_dir,) = set(offline_runs(workspace)) - {first_dir}
     second = OfflineRun(second_dir)
-    assert second.run.run_id == run_id and (workspace / RUN_ID_FILE).read_text() == run_id
+    assert second.run.run_id == run_id
+    assert (workspace / RUN_ID_FILE).read_text() == run_id
     assert {step: row["attempt"] for step, row in second.rows().items()} == {3: 2, 4: 2}
 
     # Started again from step 0 in the same workspace: a new run, whose id replaces the old.
@@ -199,7 +206,8 @@ def test_failed_run_exits_1_and_wandb_dir_and_kwargs_are_respected(tmp_path, off
     (run_dir,) = offline_runs(tmp_path / "elsewhere")
     run = OfflineRun(run_dir)
     assert run.exit_code == 1
-    assert run.run.display_name == "custom-name" and run.run.job_type == "unit"
+    assert run.run.display_name == "custom-name"
+    assert run.run.job_type == "unit"
     assert sorted(run.rows()) == [1, 2]
     assert run.rows()[1]["samples/pic/format"] == "jpg"
     with Image.open(run_dir / "files" / run.rows()[1]["samples/pic/path"]) as back:

@@ -70,7 +70,8 @@ class RegressionSetup:
 def assert_same_state(expected, actual) -> None:
     """Equal nested structures, tensors bitwise equal (dtype too)."""
     if isinstance(expected, torch.Tensor):
-        assert isinstance(actual, torch.Tensor) and actual.dtype == expected.dtype
+        assert isinstance(actual, torch.Tensor)
+        assert actual.dtype == expected.dtype
         assert torch.equal(expected, actual)
     elif isinstance(expected, dict):
         assert expected.keys() == actual.keys()
@@ -90,13 +91,16 @@ def assert_same_state(expected, actual) -> None:
 def test_suggestion_on_tiny_regression_trains_faster_than_start_lr_and_does_not_diverge():
     result = lr_find(TinyTrainer(max_steps=1))
     assert isinstance(result, LrFindResult)
-    assert result.suggestion is not None and 1e-3 <= result.suggestion <= 1.0
+    assert result.suggestion is not None
+    assert 1e-3 <= result.suggestion <= 1.0
     initial = full_data_mse(TinyTrainer(max_steps=1).build_model())
     with_suggestion, with_start_lr = train_tiny(result.suggestion), train_tiny(1e-7)
-    assert math.isfinite(with_suggestion) and with_suggestion < 0.5 * initial
+    assert math.isfinite(with_suggestion)
+    assert with_suggestion < 0.5 * initial
     assert with_suggestion < with_start_lr
     # SGD on this problem blows up well before lr 1; the suggestion stays clear of it.
-    assert result.diverged_at is not None and result.suggestion < result.diverged_at
+    assert result.diverged_at is not None
+    assert result.suggestion < result.diverged_at
 
 
 def test_lrs_sweep_exponentially_from_start_to_end_and_losses_are_a_moving_average():
@@ -105,7 +109,8 @@ def test_lrs_sweep_exponentially_from_start_to_end_and_losses_are_a_moving_avera
     assert len(result.lrs) == len(result.losses) == len(result.raw_losses) == 30
     for i, lr in enumerate(result.lrs):
         assert lr == pytest.approx(1e-5 * 1000 ** (i / 29), rel=1e-9)
-    assert result.lrs[0] == pytest.approx(1e-5, rel=1e-12) and result.lrs[-1] == pytest.approx(1e-2, rel=1e-12)
+    assert result.lrs[0] == pytest.approx(1e-5, rel=1e-12)
+    assert result.lrs[-1] == pytest.approx(1e-2, rel=1e-12)
     # Bias-corrected exponential moving average of the raw losses, weight 0.1 on the newest.
     ema = 0.0
     for i, (raw, smoothed) in enumerate(zip(result.raw_losses, result.losses)):
@@ -137,8 +142,10 @@ def test_no_suggestion_when_the_loss_never_falls():
 @pytest.mark.parametrize("threshold", [1.5, 4.0])
 def test_divergence_stops_the_sweep_at_the_first_crossing(threshold):
     result = lr_find(TinyTrainer(max_steps=1), end_lr=100.0, num_iterations=100, divergence_threshold=threshold)
-    assert result.diverged_at is not None and result.diverged_at == result.lrs[-1]
-    assert len(result.lrs) < 100 and result.lrs[-1] < 100.0
+    assert result.diverged_at is not None
+    assert result.diverged_at == result.lrs[-1]
+    assert len(result.lrs) < 100
+    assert result.lrs[-1] < 100.0
     *before, last = result.losses
     assert not math.isfinite(last) or last > threshold * min(before)
     for i, loss in enumerate(before):
@@ -162,7 +169,8 @@ def test_a_non_finite_loss_is_divergence_without_an_optimizer_step():
         return loss * math.inf if len(calls) == 5 else loss
 
     result = lr_find(LrFindComponents(setup.model, setup.optimizer, setup.data, loss_fn), num_iterations=20)
-    assert len(result.lrs) == 5 and result.diverged_at == result.lrs[4]
+    assert len(result.lrs) == 5
+    assert result.diverged_at == result.lrs[4]
     assert math.isinf(result.raw_losses[-1])
     assert_same_state(before, setup.snapshot())
 
@@ -192,7 +200,8 @@ def test_model_optimizer_grads_modes_and_rng_are_restored_exactly():
     assert [m.training for m in setup.model.modules()] == [True, True, False, True, True, True]
     assert torch.equal(torch.get_rng_state(), rng)
     # The scheduler's wrapper around optimizer.step is gone again.
-    assert "step" not in vars(setup.optimizer) and "_opt_called" not in vars(setup.optimizer)
+    assert "step" not in vars(setup.optimizer)
+    assert "_opt_called" not in vars(setup.optimizer)
 
 
 def test_training_after_the_test_is_identical_to_training_without_it():
@@ -278,7 +287,8 @@ def test_param_groups_keep_their_ratio_and_the_largest_follows_the_sweep():
         assert large == lr  # group 1 had the largest lr (1e-2)
         assert small == pytest.approx(lr / 10, rel=1e-12)
         assert zero == 0.0
-    assert seen[0][1] == pytest.approx(1e-4) and seen[-1][1] == pytest.approx(1e-1)
+    assert seen[0][1] == pytest.approx(1e-4)
+    assert seen[-1][1] == pytest.approx(1e-1)
     assert torch.equal(frozen, torch.zeros(3))
 
 
@@ -298,7 +308,8 @@ def test_every_group_at_lr_zero_is_an_error_and_changes_nothing():
 def test_trainer_form_leaves_the_trainer_ready_to_train_as_if_untouched():
     trainer = TinyTrainer(max_steps=5)
     lr_find(trainer, num_iterations=20)
-    assert trainer.state.value == "idle" and trainer.step == 0
+    assert trainer.state.value == "idle"
+    assert trainer.step == 0
     for name in ("data_loader", "model", "optimizer", "grad_scaler"):
         assert not hasattr(trainer, name)
     trainer.train()
@@ -346,7 +357,8 @@ def test_trainer_form_honours_accumulation_loss_sum_count_skipped_batches_and_cl
                                       data=DataLoader(make_data(), batch_size=4))
     result = lr_find(trainer, start_lr=0.1, end_lr=0.2, num_iterations=2, smoothing=0)
     # Iteration 1: batches 0 and 1 (2 is skipped); iteration 2: batches 3 and 4.
-    assert len(result.lrs) == 2 and trainer.seen == 5
+    assert len(result.lrs) == 2
+    assert trainer.seen == 5
     x, y = make_data().tensors
     model = TinyTrainer(max_steps=1).build_model()
     first = nn.functional.mse_loss(model(x[:8]), y[:8])  # the mean over the step's 8 samples
@@ -394,7 +406,8 @@ def test_trainer_form_runs_forward_under_the_trainers_autocast():
             return super().forward(batch)
 
     result = lr_find(Bf16Trainer(max_steps=1, mixed_precision="bf16", device="cpu"), end_lr=1e-3, num_iterations=3)
-    assert len(result.lrs) == 3 and set(dtypes) == {torch.bfloat16}
+    assert len(result.lrs) == 3
+    assert set(dtypes) == {torch.bfloat16}
 
 
 def test_a_trainer_that_already_trained_is_refused():
@@ -501,7 +514,8 @@ def test_plot_writes_a_png(tmp_path):
     path = result.plot(tmp_path / "lr.png")
     assert path == tmp_path / "lr.png"
     data = path.read_bytes()
-    assert data[:8] == b"\x89PNG\r\n\x1a\n" and len(data) > 5000
+    assert data[:8] == b"\x89PNG\r\n\x1a\n"
+    assert len(data) > 5000
 
 
 def test_plot_handles_a_non_finite_last_loss(tmp_path):
@@ -577,7 +591,8 @@ def test_under_ddp_ranks_average_the_loss_and_stop_together_and_matplotlib_stays
     results = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]
     assert results[0] == results[1]  # identical losses (averaged), so the same stop and suggestion
     lrs, raw, _suggestion, diverged_at = results[0]
-    assert diverged_at is not None and len(lrs) < 40
+    assert diverged_at is not None
+    assert len(lrs) < 40
     # Averaged over the two shards: iteration 0 is the mean of both ranks' first batch.
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 1))

@@ -35,7 +35,8 @@ def make_machine(policies=None):
 def test_state_is_a_str_enum_with_the_seven_states():
     names = {"building", "restoring", "stepping", "accumulating", "retrying", "checkpointing", "exiting"}
     assert names <= {s.value for s in State}
-    assert State("stepping") is State.STEPPING and State.STEPPING == "stepping"
+    assert State("stepping") is State.STEPPING
+    assert State.STEPPING == "stepping"
     assert isinstance(State.EXITING, str)
 
 
@@ -129,7 +130,8 @@ def test_fast_path_is_taken_only_for_edges_nobody_listens_to():
     edges = lambda: {t.dest: listened for t, _, _, listened in machine._edges[State.STEPPING]}  # noqa: E731
     assert not any(edges().values())
     handle = machine.on_enter(State.RETRYING, lambda o: None)
-    assert edges()[State.RETRYING] and not edges()[State.ACCUMULATING]
+    assert edges()[State.RETRYING]
+    assert not edges()[State.ACCUMULATING]
     handle.remove()
     assert not any(edges().values())
 

@@ -25,7 +25,8 @@ def test_a_traced_run_writes_trace_jsonl_and_settings_json(tmp_path):
     assert set(summary.seconds_in_state) >= {State.BUILDING, State.STEPPING, State.ACCUMULATING}
     assert all(seconds >= 0 for seconds in summary.seconds_in_state.values())
     saved = json.loads((tmp_path / "settings.json").read_text())
-    assert saved["max_steps"] == 3 and saved["trace"] is True
+    assert saved["max_steps"] == 3
+    assert saved["trace"] is True
 
 
 def test_memory_is_bounded_but_counts_cover_the_run():

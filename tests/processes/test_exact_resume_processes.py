@@ -103,7 +103,8 @@ def reference_params(accumulation: int) -> list[torch.Tensor]:
 def assert_bitwise_equal(got: list[torch.Tensor], expected: list[torch.Tensor]) -> None:
     assert len(got) == len(expected)
     for a, b in zip(got, expected):
-        assert a.dtype == b.dtype and torch.equal(a, b), (a - b).abs().max()
+        assert a.dtype == b.dtype, (a.dtype, b.dtype)
+        assert torch.equal(a, b), (a - b).abs().max()
 
 
 # -- the runs --------------------------------------------------------------------------------

@@ -25,7 +25,8 @@ def test_digits_reaches_95_percent_and_resumes(tmp_path, monkeypatch, caplog):
         accuracy = digits.main([])
     assert accuracy >= 0.95
     assert "Step 400/400" in caplog.text
-    assert "Validation at step 100: val/loss" in caplog.text and "Validation at step 400: val/loss" in caplog.text
+    assert "Validation at step 100: val/loss" in caplog.text
+    assert "Validation at step 400: val/loss" in caplog.text
     workspace = tmp_path / "runs/digits"
     best = json.loads((workspace / "checkpoints/best.json").read_text())["best"]
     kept = {"400", "latest", "best.json", str(best)}
@@ -34,4 +35,5 @@ def test_digits_reaches_95_percent_and_resumes(tmp_path, monkeypatch, caplog):
     caplog.clear()
     with caplog.at_level(logging.INFO, logger="trainloop"):
         assert digits.main([]) == accuracy  # resumed at step 400: nothing left to train
-    assert "Resuming from step 400" in caplog.text and "Step " not in caplog.text
+    assert "Resuming from step 400" in caplog.text
+    assert "Step " not in caplog.text

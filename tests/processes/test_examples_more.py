@@ -73,7 +73,8 @@ def test_config_builder_reaches_95_percent_and_resumes(config_builder, tmp_path,
         warnings.simplefilter("error", ChangedSettingsWarning)  # the same config: the same settings
         with caplog.at_level(logging.INFO, logger="trainloop"):
             assert config_builder.main([]) == accuracy  # resumed at step 400: nothing left to train
-    assert "Resuming from step 400" in caplog.text and "Step " not in caplog.text
+    assert "Resuming from step 400" in caplog.text
+    assert "Step " not in caplog.text
 
 
 def test_config_builder_composes_files_and_overrides(config_builder, tmp_path, monkeypatch):
@@ -83,17 +84,21 @@ def test_config_builder_composes_files_and_overrides(config_builder, tmp_path, m
     )
     assert isinstance(trainer, config_builder.DigitsTrainer)
     settings = trainer.settings
-    assert settings.max_steps == 30 and settings.workspace is None
+    assert settings.max_steps == 30
+    assert settings.workspace is None
     assert settings.lr_scheduler["T_max"] == 30  # cfgx's final.trainer.max_steps follows the override
     assert [h.type for h in settings.hooks] == ["progress"]  # quick.py replaced the list
     trainer.train()
     assert trainer.step == 30
     assert [type(m) for m in trainer.model] == [torch.nn.Linear, torch.nn.ReLU, torch.nn.Linear]
-    assert trainer.model[0].out_features == 16 and trainer.model[2].in_features == 16
+    assert trainer.model[0].out_features == 16
+    assert trainer.model[2].in_features == 16
     assert isinstance(trainer.optimizer, torch.optim.AdamW)
-    assert trainer.optimizer.defaults["lr"] == 0.01 and trainer.optimizer.defaults["weight_decay"] == 1e-4
+    assert trainer.optimizer.defaults["lr"] == 0.01
+    assert trainer.optimizer.defaults["weight_decay"] == 1e-4
     assert isinstance(trainer.lr_scheduler, torch.optim.lr_scheduler.CosineAnnealingLR)
-    assert trainer.lr_scheduler.T_max == 30 and trainer.lr_scheduler.last_epoch == 30
+    assert trainer.lr_scheduler.T_max == 30
+    assert trainer.lr_scheduler.last_epoch == 30
     assert len(trainer.data.train_set) + len(trainer.data.val_set) == 1797
     assert not (tmp_path / "runs").exists()  # quick.py has no workspace
 
@@ -148,12 +153,14 @@ def test_char_lm_learns_and_samples_from_the_ema_model(char_lm, tmp_path, monkey
 
     losses = {int(step): float(loss) for step, loss in re.findall(r"Step (\d+)/200: .* loss (\d+\.\d+)", caplog.text)}
     assert sorted(losses) == [50, 100, 150, 200]
-    assert losses[200] < losses[50] and losses[200] < 0.6 * math.log(vocab)  # training loss, in nats
+    assert losses[200] < losses[50]
+    assert losses[200] < 0.6 * math.log(vocab)  # training loss, in nats
     assert re.findall(r"Step (\d+): validation \d+\.\d+ bits per character", caplog.text) == ["100", "200"]
 
     out = capsys.readouterr().out
     sample = re.search(r"^sample \(EMA model\): The trainer(.*?)\nvalidation ", out, re.MULTILINE | re.DOTALL).group(1)
-    assert len(sample) == 160 and sample.strip()
+    assert len(sample) == 160
+    assert sample.strip()
     assert set(sample) <= set(char_lm.load_text())
     assert f"validation {bpc:.3f} bits per character after 200 steps" in out
 
@@ -230,9 +237,11 @@ def test_char_lm_prompt_outside_the_vocabulary_fails_before_training(char_lm):
 
 def test_char_lm_settings_file_declares_the_shown_features(char_lm):
     settings = char_lm.CharLMSettings.from_file(CHAR_LM / "settings.json")
-    assert settings.mixed_precision == "bf16" and settings.gradient_accumulation_steps > 1
+    assert settings.mixed_precision == "bf16"
+    assert settings.gradient_accumulation_steps > 1
     assert settings.optimizer.name == "AdamW"
-    assert settings.lr_schedule.name == "cosine" and settings.lr_schedule.warmup_steps > 0
+    assert settings.lr_schedule.name == "cosine"
+    assert settings.lr_schedule.warmup_steps > 0
     assert EmaHook in {type(spec.build()) for spec in settings.hooks}
 
 

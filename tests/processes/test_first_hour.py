@@ -59,9 +59,11 @@ def test_a_workspace_records_the_loss_and_lr_by_default(tmp_path):
     rows = [json.loads(line) for line in (tmp_path / "ws" / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in rows] == [10, 20, 25]
     assert all("loss" in r and r["lr/group_0"] == 0.05 for r in rows)
-    assert result.metrics["loss"] == rows[-1]["loss"] and result.metrics["lr/group_0"] == 0.05
+    assert result.metrics["loss"] == rows[-1]["loss"]
+    assert result.metrics["lr/group_0"] == 0.05
     page = build_report(tmp_path / "ws")
-    assert "last loss (mean of steps 21-25)" in page and "No metrics.jsonl" not in page
+    assert "last loss (mean of steps 21-25)" in page
+    assert "No metrics.jsonl" not in page
 
 
 def test_a_declared_logging_hook_or_metrics_file_off_replaces_the_default(tmp_path):

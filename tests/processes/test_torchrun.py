@@ -65,9 +65,11 @@ def test_sigterm_to_torchrun_saves_on_every_worker_and_torchrun_exits_1(tmp_path
     proc.send_signal(signal.SIGTERM)
     code, out, err = finish(proc)
     assert code == 1, err[-3000:]  # torchrun's own SignalException, however the workers ended
-    assert "SignalException" in err and "got signal: 15" in err
+    assert "SignalException" in err
+    assert "got signal: 15" in err
     stop = checkpoint_steps(root)[-1]
-    assert stop > 100 and stop % 100, checkpoint_steps(root)  # not a scheduled save: the exit save
+    assert stop > 100, checkpoint_steps(root)
+    assert stop % 100, checkpoint_steps(root)  # not a scheduled save: the exit save
     assert "Caught SIGTERM during step" in err, err[-3000:]
     assert f"Saved checkpoint {root / str(stop)}" in err
     assert read_metadata(root / str(stop))["step"] == stop
@@ -82,7 +84,9 @@ def test_a_killed_worker_is_restarted_and_resumes_from_the_latest_checkpoint(tmp
     os.kill(int(children[-1]), signal.SIGKILL)  # one worker lost
     code, out, err = finish(proc)
     assert code == 0, err[-3000:]
-    assert "final accuracy" in out and "after 300 steps on 2 ranks" in out
+    assert "final accuracy" in out
+    assert "after 300 steps on 2 ranks" in out
     loaded = [line for line in err.splitlines() if "Loading checkpoint" in line]
-    assert len(loaded) == 1 and loaded[0].endswith(("checkpoints/100", "checkpoints/200")), loaded
+    assert len(loaded) == 1, loaded
+    assert loaded[0].endswith(("checkpoints/100", "checkpoints/200")), loaded
     assert checkpoint_steps(root) == [300]

@@ -57,7 +57,7 @@ def test_wrong_values_in_every_file_are_notes_on_the_page_not_a_traceback(worksp
 
 
 @pytest.mark.parametrize(
-    "line, message",
+    ("line", "message"),
     [
         ('{"step": null, "loss": 1.0}', "not a metrics record"),
         ('{"step": "x", "loss": 1.0}', "not a metrics record"),
@@ -67,15 +67,20 @@ def test_wrong_values_in_every_file_are_notes_on_the_page_not_a_traceback(worksp
 def test_a_line_that_is_not_a_record_is_one_line_naming_file_and_line(workspace, tmp_path, capsys, line, message):
     n = _append(workspace / "metrics.jsonl", line)
     code, out, err = call(capsys, "report", workspace)
-    assert code == 1 and out == ""
-    assert err.startswith("trainloop report: error: ") and f"metrics.jsonl:{n}: {message}" in err and err.count("\n") == 1
+    assert code == 1
+    assert out == ""
+    assert err.startswith("trainloop report: error: ")
+    assert f"metrics.jsonl:{n}: {message}" in err
+    assert err.count("\n") == 1
     assert not (workspace / "report.html").exists()
 
 
 def test_settings_that_are_not_an_object_are_one_line(workspace, capsys):
     (workspace / "settings.json").write_text("[1]")
     code, _, err = call(capsys, "report", workspace)
-    assert code == 1 and err.count("\n") == 1 and "settings.json: not the settings of a run" in err
+    assert code == 1
+    assert err.count("\n") == 1
+    assert "settings.json: not the settings of a run" in err
 
 
 def test_an_existing_but_empty_metrics_file_is_not_called_missing(tmp_path):
@@ -84,4 +89,5 @@ def test_an_existing_but_empty_metrics_file_is_not_called_missing(tmp_path):
     TinyTrainer(max_steps=2, workspace=tmp_path / "ws").train()
     (tmp_path / "ws" / "metrics.jsonl").write_text("")
     page = build_report(tmp_path / "ws")
-    assert "No metrics.jsonl" not in page and "metrics.jsonl holds no records: nothing was logged" in page
+    assert "No metrics.jsonl" not in page
+    assert "metrics.jsonl holds no records: nothing was logged" in page

@@ -60,7 +60,8 @@ def test_the_page_holds_every_section_and_nothing_from_the_network(workspace, tm
     for chart in ("loss", "lr/group_0", "val/loss", "val/accuracy", "grad_norm", "step_time"):
         assert f'title="{chart}"' in page
     assert page.count("<svg") >= 8  # the charts and the machine
-    assert "SIGUSR1 (exit code 138)" in page and "completed" in page
+    assert "SIGUSR1 (exit code 138)" in page
+    assert "completed" in page
     # The best checkpoint (val/loss 0 at step 8) is marked; its score and the monitor are shown.
     assert re.search(r'<tr class="best"><td>[^<]*checkpoints/8</td><td class="num">8</td>.*?<td class="num">0</td><td>best</td>', page)
     assert re.search(r"retrying.*?stepping.*?checkpointing", page, re.S)
@@ -71,7 +72,8 @@ def test_the_page_holds_every_section_and_nothing_from_the_network(workspace, tm
 def test_the_machine_is_weighted_by_the_trace_and_unused_fail_edges_are_folded(workspace):
     page = build_report(workspace)
     diagram = page[page.index(">The machine<"):page.index(">Time per state<")]
-    assert re.search(r"begin_step[^<]* \(n=\d+\)", diagram) and "checkpoint [checkpoint_due] (n=" in diagram
+    assert re.search(r"begin_step[^<]* \(n=\d+\)", diagram)
+    assert "checkpoint [checkpoint_due] (n=" in diagram
     assert "fail" not in re.sub(r"<p.*?</p>", "", diagram, flags=re.S)  # no run failed: no fail edge drawn
 
 
@@ -85,13 +87,16 @@ def test_without_graphviz_the_machine_is_a_readable_table(workspace, monkeypatch
 def test_a_workspace_without_trace_or_metrics_still_reports(tmp_path):
     TinyTrainer(max_steps=2, workspace=tmp_path / "plain", metrics_file=False).train()
     page = build_report(tmp_path / "plain")
-    assert "No trace.jsonl here" in page and "No metrics.jsonl in this workspace" in page and "No checkpoints." in page
+    assert "No trace.jsonl here" in page
+    assert "No metrics.jsonl in this workspace" in page
+    assert "No checkpoints." in page
 
 
 def test_not_a_workspace_is_a_clear_error_and_nothing_is_written(tmp_path):
     (tmp_path / "empty").mkdir()
     result = cli("report", "empty", cwd=tmp_path)
-    assert result.returncode == 1 and result.stdout == ""
+    assert result.returncode == 1
+    assert result.stdout == ""
     assert result.stderr.strip() == "trainloop report: error: empty: no settings.json, so no run was recorded there (a run writes it in its workspace)"
     assert list((tmp_path / "empty").iterdir()) == []
 
@@ -108,7 +113,8 @@ def test_the_page_renders_in_a_headless_browser(workspace, tmp_path):
     ]
     dom = subprocess.run([CHROMIUM, *flags, "--dump-dom", page.as_uri()], capture_output=True, text=True, timeout=120, check=False)
     assert dom.returncode == 0, dom.stderr[-2000:]
-    assert dom.stdout.count("<svg") >= 8 and "Run report: run" in dom.stdout  # parsed and laid out by the browser
+    assert dom.stdout.count("<svg") >= 8
+    assert "Run report: run" in dom.stdout  # parsed and laid out by the browser
     shot = tmp_path / "shot.png"
     subprocess.run([CHROMIUM, *flags, "--window-size=1280,2400", f"--screenshot={shot}", page.as_uri()],
                    capture_output=True, timeout=120, check=True)

@@ -111,7 +111,8 @@ def test_declared_arguments_reach_the_constructor():
     assert (group["lr"], group["betas"], group["eps"], group["weight_decay"], group["amsgrad"]) == (
         3e-4, (0.9, 0.95), 1e-6, 0.2, True,
     )
-    assert settings.name == "AdamW" and settings.optimizer_class is torch.optim.AdamW
+    assert settings.name == "AdamW"
+    assert settings.optimizer_class is torch.optim.AdamW
     assert settings.kwargs["betas"] == (0.9, 0.95)
     # Undeclared arguments keep the constructor's defaults.
     assert settings.kwargs["maximize"] is False
@@ -146,7 +147,8 @@ def test_unknown_argument_is_named_and_the_valid_ones_listed():
     with pytest.raises(ValidationError) as info:
         OptimizerSettings(name="AdamW", lrr=1e-3, beta=0.9)
     message = str(info.value)
-    assert "'lrr'" in message and "'beta'" in message
+    assert "'lrr'" in message
+    assert "'beta'" in message
     assert "valid arguments: no_weight_decay, lr, betas, eps, weight_decay" in message
 
 
@@ -154,7 +156,8 @@ def test_no_weight_decay_needs_an_optimizer_with_weight_decay():
     with pytest.raises(ValidationError) as info:
         OptimizerSettings(name="Rprop", no_weight_decay=["bias"])
     message = str(info.value)
-    assert "'no_weight_decay'" in message and "etas" in message
+    assert "'no_weight_decay'" in message
+    assert "etas" in message
     assert "weight_decay" not in OptimizerSettings(name="Rprop").kwargs
 
 

@@ -68,7 +68,8 @@ def launched(tmp_path_factory: pytest.TempPathFactory) -> dict[str, tuple[Cli, P
 def test_a_run_that_cannot_work_exits_2_one_line_each_and_writes_nothing(launched, command):
     process, root = launched[f"{command}_doomed"]
     result = process.result()
-    assert result.returncode == 2 and result.stdout == ""
+    assert result.returncode == 2
+    assert result.stdout == ""
     assert_one_clean_error(result.stderr)
     assert result.stderr.splitlines() == [f"trainloop {command}: error: {line}" for line in DOOMED_LINES]
     assert [p.name for p in root.iterdir()] == ["run.json"]  # no ws/, settings.json, trace, events
@@ -78,7 +79,8 @@ def test_a_run_that_cannot_work_exits_2_one_line_each_and_writes_nothing(launche
 def test_a_declared_hook_with_a_misspelt_method_is_refused_before_anything_is_written(launched, command):
     process, root = launched[f"{command}_typo"]
     result = process.result()
-    assert result.returncode == 2 and result.stdout == ""
+    assert result.returncode == 2
+    assert result.stdout == ""
     assert result.stderr.splitlines() == [
         f"trainloop {command}: error: run.json: hooks[0]: TypoPrinter.on_after_steps is not a hook method, so it "
         "would never be called; did you mean on_after_step?"
@@ -90,7 +92,8 @@ def test_a_declared_hook_with_a_misspelt_method_is_refused_before_anything_is_wr
 def test_paths_that_need_a_workspace_are_found_by_validate_and_run(tmp_path, capsys, command):
     (tmp_path / "run.json").write_text(json.dumps(NO_WORKSPACE))
     code, out, err = call(capsys, command, "run.json", "--trainer", TRAINER)
-    assert code == 2 and out == ""
+    assert code == 2
+    assert out == ""
     assert err.splitlines() == [f"trainloop {command}: error: {line}" for line in NO_WORKSPACE_LINES]
     assert [p.name for p in tmp_path.iterdir()] == ["run.json"]
 
@@ -126,7 +129,8 @@ def test_train_runs_the_same_preflight_before_writing(tmp_path):
 def test_validate_without_trainer_checks_what_settings_alone_tell(tmp_path, capsys):
     (tmp_path / "run.json").write_text(json.dumps(DOOMED))
     code, out, err = call(capsys, "validate", "run.json")
-    assert code == 2 and out == ""
+    assert code == 2
+    assert out == ""
     # No trainer named: the method cannot be checked; the checkpoint directory can.
     assert err.splitlines() == [f"trainloop validate: error: {DOOMED_LINES[1]}"]
 
@@ -202,6 +206,7 @@ def test_under_a_launcher_the_checkpoint_directory_is_left_to_the_hook(monkeypat
 def test_two_declared_hooks_saving_state_under_one_name_are_refused(tmp_path, capsys, command):
     (tmp_path / "run.json").write_text(json.dumps({"max_steps": 2, "workspace": "ws", "hooks": [{"type": "ema"}, {"type": "ema", "decay": 0.5}]}))
     code, out, err = call(capsys, command, "run.json", "--trainer", TRAINER)
-    assert code == 2 and out == ""
+    assert code == 2
+    assert out == ""
     assert err.splitlines() == [f"trainloop {command}: error: run.json: hooks[0] and hooks[1]: both save their state under the name 'ema_hook'; give each a \"name\""]
     assert [p.name for p in tmp_path.iterdir()] == ["run.json"]

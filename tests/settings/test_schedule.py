@@ -64,7 +64,8 @@ def test_linear_decays_to_the_final_ratio(final):
     r = final or 0.0
     expected = [base * (1 - (1 - r) * j / steps) for j in range(steps + 1)]
     assert lrs == pytest.approx(expected)
-    assert lrs[0] == pytest.approx(base) and lrs[-1] == pytest.approx(base * r)
+    assert lrs[0] == pytest.approx(base)
+    assert lrs[-1] == pytest.approx(base * r)
 
 
 @pytest.mark.parametrize("final", [None, 0.25])
@@ -244,7 +245,8 @@ def test_nanogpts_get_lr_one_to_one(max_iters, lr_decay_iters):
 
 def test_an_absolute_final_lr_is_the_floor_of_every_group():
     rows = schedule(20, sgd(1.0, 0.1), name="linear", decay_steps=10, final_lr=0.05)
-    assert rows[10] == pytest.approx([0.05, 0.05]) and rows[19] == pytest.approx([0.05, 0.05])
+    assert rows[10] == pytest.approx([0.05, 0.05])
+    assert rows[19] == pytest.approx([0.05, 0.05])
     assert rows[0] == pytest.approx([1.0, 0.1])
 
 
@@ -351,7 +353,8 @@ def test_resuming_with_a_larger_max_steps_says_what_the_schedule_does(tmp_path):
         make(8, hook).train()
     factor = lr_factor(LrScheduleSettings(name="cosine", final_lr_ratio=0.1), 8)
     (note,) = [str(w.message) for w in caught if str(w.message).startswith("lr_schedule:")]
-    assert "resuming after step 4 with max_steps 8" in note and "the checkpoint's run had max_steps 4" in note
+    assert "resuming after step 4 with max_steps 8" in note
+    assert "the checkpoint's run had max_steps 4" in note
     assert f"step 6 runs at {factor(5):.4g} x each group's initial lr" in note
     assert "(the checkpoint's schedule had 0.1 there)" in note  # the old cosine had ended
     # The learning rate follows the schedule over the new max_steps, not back up a cosine.

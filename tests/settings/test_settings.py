@@ -32,7 +32,9 @@ def test_defaults():
     s = TrainerSettings(max_steps=1)
     assert s.gradient_accumulation_steps == 1
     assert s.max_non_finite_grad_retries is None
-    assert s.detect_non_finite_grads and s.no_sync_accumulate and not s.trace
+    assert s.detect_non_finite_grads
+    assert s.no_sync_accumulate
+    assert not s.trace
     assert TrainerSettings(max_steps=1, gradient_accumulation_steps=None).gradient_accumulation_steps == 1
 
 
@@ -137,7 +139,8 @@ class MyTrainer(BaseTrainer):
 def test_a_trainer_declares_its_own_settings(tmp_path):
     trainer = MyTrainer(max_steps=3, lr=0.5)
     assert isinstance(trainer.settings, MySettings)
-    assert trainer.settings.lr == 0.5 and trainer.settings.hidden_dim == 8
+    assert trainer.settings.lr == 0.5
+    assert trainer.settings.hidden_dim == 8
     path = tmp_path / "run.json"
     path.write_text('{"max_steps": 3, "hidden_dim": 16}')
     assert MyTrainer(MySettings.from_file(path)).settings.hidden_dim == 16
@@ -153,14 +156,16 @@ def test_precedence_defaults_file_env_overrides(tmp_path):
     env = {"TRAINLOOP_GRAD_CLIP": "2.5", "trainloop_max_steps": "7", "UNRELATED": "x"}
     settings = TrainerSettings.load(path, env=env, overrides=["max_steps=9", "hooks.0.interval=4", "trace=true"])
     assert (settings.max_steps, settings.grad_clip, settings.mixed_precision) == (9, 2.5, "bf16")
-    assert settings.hooks[0].interval == 4 and settings.trace is True
+    assert settings.hooks[0].interval == 4
+    assert settings.trace is True
     assert settings.gradient_accumulation_steps == 1  # the default, untouched
     assert TrainerSettings.load(path, env=env).max_steps == 7
 
 
 def test_env_and_overrides_without_a_file():
     settings = TrainerSettings.load(env={"TRAINLOOP_MAX_STEPS": "3", "TRAINLOOP_HOOKS": '[{"type": "ema", "decay": 0.5}]'})
-    assert settings.max_steps == 3 and settings.hooks[0].decay == 0.5
+    assert settings.max_steps == 3
+    assert settings.hooks[0].decay == 0.5
 
 
 @pytest.mark.parametrize(

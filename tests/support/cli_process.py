@@ -77,6 +77,7 @@ def call(capsys: pytest.CaptureFixture[str], *args: object) -> tuple[int, str, s
 
 def assert_one_clean_error(err: str, *needles: str) -> None:
     assert "Traceback" not in err
-    assert err.startswith("trainloop ") and ": error: " in err, err
+    assert err.startswith("trainloop "), err
+    assert ": error: " in err, err
     for needle in needles:
         assert needle in err, err

@@ -6,7 +6,14 @@ they also serve tools that inspect or convert checkpoints. ``metadata.json`` and
 """
 
 from trainloop.checkpoint.errors import CheckpointError, CheckpointSaveError
-from trainloop.checkpoint.files import LATEST, checkpoint_format, checkpoint_steps, latest_checkpoint, read_checkpoint, write_checkpoint
+from trainloop.checkpoint.files import (
+    LATEST,
+    checkpoint_format,
+    checkpoint_steps,
+    latest_checkpoint,
+    read_checkpoint,
+    write_checkpoint,
+)
 from trainloop.checkpoint.manifest import MANIFEST, METADATA, read_metadata, verify_checkpoint
 
 __all__ = [

@@ -113,8 +113,10 @@ def publish(tmp: Path, target: Path, then: Callable[[], None] | None = None) -> 
 
 
 def discard(tmp: Path) -> None:
-    """Remove an unpublished temporary directory; what cannot be removed now, a later
-    :func:`clean_leftovers` removes."""
+    """Remove an unpublished temporary directory.
+
+    What cannot be removed now, a later :func:`clean_leftovers` removes.
+    """
     shutil.rmtree(tmp, ignore_errors=True)
 
 
@@ -208,8 +210,10 @@ _removals: list[Future[None]] = []
 
 
 def wait_for_removals() -> None:
-    """Wait until the directories :func:`remove_directory` deletes in the background are gone
-    (and let its helper thread end)."""
+    """Wait until the directories :func:`remove_directory` deletes in the background are gone.
+
+    Also lets its helper thread end.
+    """
     global _remover
     while _removals:
         _removals.pop(0).result()

@@ -150,7 +150,7 @@ class BestCheckpoints:
         tmp.replace(root / BEST_FILE)
 
 
-def read_best(root: Path) -> dict | None:
+def read_best(root: Path) -> dict[str, Any] | None:
     """The contents of ``root/best.json``, or ``None`` when there is none (or it is unreadable)."""
     try:
         data = json.loads((root / BEST_FILE).read_text(encoding="utf-8"))

@@ -50,7 +50,6 @@ _GROUP_EXTRAS = frozenset({"params", "initial_lr", "name"})
 
 def _infer_optimizer(groups: list[dict[str, Any]]) -> str | None:
     """The ``torch.optim`` class whose param-group keys match the saved groups', if one does."""
-
     if not groups or not isinstance(groups[0], dict):
         return None
     keys = set(groups[0]) - _GROUP_EXTRAS
@@ -116,7 +115,8 @@ def describe_checkpoint(directory: Path) -> dict[str, Any]:
             "class_from": "param groups" if inferred else "settings" if declared_name else None,
             "declared": declared_name,
             "param_groups": [
-                {k: v for k, v in group.items() if k in ("name", "lr", "weight_decay")} | {"params": len(group.get("params", ()))}
+                {k: v for k, v in group.items() if k in ("name", "lr", "weight_decay")}
+                | {"params": len(group.get("params", ()))}
                 for group in groups
                 if isinstance(group, dict)
             ],
@@ -138,11 +138,19 @@ def describe_checkpoint(directory: Path) -> dict[str, Any]:
         "metadata": metadata,
         "model": _tensor_stats(state["model"]),
         "optimizer": optimizer,
-        "lr_scheduler": None if scheduler is None else {
-            "last_epoch": scheduler.get("last_epoch"), "last_lr": scheduler.get("_last_lr"),
+        "lr_scheduler": None
+        if scheduler is None
+        else {
+            "last_epoch": scheduler.get("last_epoch"),
+            "last_lr": scheduler.get("_last_lr"),
         },
-        "grad_scaler": {"enabled": bool(scaler), **({"scale": float(scaler["scale"])} if scaler and "scale" in scaler else {})},
-        "rng": None if rng is None else {"ranks": len(rng), "generators": sorted(rng[0]) if rng and isinstance(rng[0], dict) else []},
+        "grad_scaler": {
+            "enabled": bool(scaler),
+            **({"scale": float(scaler["scale"])} if scaler and "scale" in scaler else {}),
+        },
+        "rng": None
+        if rng is None
+        else {"ranks": len(rng), "generators": sorted(rng[0]) if rng and isinstance(rng[0], dict) else []},
         "data_loader": None if loaders is None or all(item is None for item in loaders) else {"ranks": len(loaders)},
         "hooks": hooks,
         "settings": settings,
@@ -150,6 +158,7 @@ def describe_checkpoint(directory: Path) -> dict[str, Any]:
 
 
 def jsonable(value: Any) -> Any:
+    """``value`` as JSON can hold it: a tensor as a list, anything else as text."""
     # A tensor lr (capturable optimizers) or scheduler value; anything else, as text.
     return value.tolist() if isinstance(value, torch.Tensor) else str(value)
 
@@ -173,21 +182,32 @@ def format_checkpoint(info: dict[str, Any], root: Path | None) -> str:
     lines.append(f"step:         {info['step']}" + (f"  (epoch {info['epoch']})" if info["epoch"] is not None else ""))
     metadata = info["metadata"] or {}
     made = [f"{info['format']} format"] + [
-        f"{name} {metadata[key]}" for key, name in (("trainloop_version", "trainloop"), ("torch_version", "torch")) if key in metadata
+        f"{name} {metadata[key]}"
+        for key, name in (("trainloop_version", "trainloop"), ("torch_version", "torch"))
+        if key in metadata
     ]
     lines.append(f"saved:        {metadata.get('time', 'at an unknown time')} ({', '.join(made)})")
     files = info["files"]
-    listed = ", ".join(f"{rel} ({_size(size)})" for rel, size in files.items()) if len(files) <= 6 else f"{len(files)} files"
+    listed = (
+        ", ".join(f"{rel} ({_size(size)})" for rel, size in files.items()) if len(files) <= 6 else f"{len(files)} files"
+    )
     lines.append(f"files:        {listed}; {_size(sum(files.values()))} in all, matching its manifest")
     if metadata.get("metrics"):
-        lines.append("metrics:      " + ", ".join(f"{k}={v:.6g}" if isinstance(v, float) else f"{k}={v}" for k, v in metadata["metrics"].items()))
+        lines.append(
+            "metrics:      "
+            + ", ".join(f"{k}={v:.6g}" if isinstance(v, float) else f"{k}={v}" for k, v in metadata["metrics"].items())
+        )
     lines.append(f"model:        {_tensors_text(info['model'])}")
     optimizer = info["optimizer"]
     if optimizer is None:
         lines.append("optimizer:    none saved")
     else:
         name = f"{optimizer['class']} (from its {optimizer['class_from']})" if optimizer["class"] else "unknown class"
-        if optimizer["declared"] and optimizer["class"] and optimizer["declared"] not in optimizer["class"].split(" or "):
+        if (
+            optimizer["declared"]
+            and optimizer["class"]
+            and optimizer["declared"] not in optimizer["class"].split(" or ")
+        ):
             name += f", although the settings declare {optimizer['declared']}"
         groups = "; ".join(
             ", ".join(f"{k}={v}" for k, v in group.items()) for group in optimizer["param_groups"]
@@ -196,7 +216,12 @@ def format_checkpoint(info: dict[str, Any], root: Path | None) -> str:
         lines.append(f"              state for {optimizer['params_with_state']} params: {_tensors_text(optimizer)}")
     scheduler = info["lr_scheduler"]
     lines.append(
-        "lr scheduler: " + ("none" if scheduler is None else f"yes (last_epoch={scheduler['last_epoch']}, last lr={scheduler['last_lr']})")
+        "lr scheduler: "
+        + (
+            "none"
+            if scheduler is None
+            else f"yes (last_epoch={scheduler['last_epoch']}, last lr={scheduler['last_lr']})"
+        )
     )
     scaler = info["grad_scaler"]
     if not scaler["enabled"]:
@@ -204,9 +229,16 @@ def format_checkpoint(info: dict[str, Any], root: Path | None) -> str:
     else:
         lines.append("grad scaler:  " + (f"enabled (scale={scaler['scale']:g})" if "scale" in scaler else "enabled"))
     rng = info["rng"]
-    lines.append("rng state:    " + ("not saved" if rng is None else f"saved for {rng['ranks']} rank(s): {', '.join(rng['generators'])}"))
+    lines.append(
+        "rng state:    "
+        + ("not saved" if rng is None else f"saved for {rng['ranks']} rank(s): {', '.join(rng['generators'])}")
+    )
     loader = info["data_loader"]
-    saved = f"position saved for {loader['ranks']} rank(s)" if loader is not None else "no position saved (not a stateful loader)"
+    saved = (
+        f"position saved for {loader['ranks']} rank(s)"
+        if loader is not None
+        else "no position saved (not a stateful loader)"
+    )
     lines.append("data loader:  " + saved)
     if info["hooks"]:
         for key, stats in info["hooks"].items():

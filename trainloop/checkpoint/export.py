@@ -60,14 +60,25 @@ def save_weights(
     seen: dict[tuple[int, int, tuple[int, ...], tuple[int, ...], torch.dtype], str] = {}
     for key, value in state_dict.items():
         tensor = value.detach()
-        view = (tensor.untyped_storage().data_ptr(), int(tensor.storage_offset()), tuple(tensor.shape), tuple(tensor.stride()), tensor.dtype)
+        view = (
+            tensor.untyped_storage().data_ptr(),
+            int(tensor.storage_offset()),
+            tuple(tensor.shape),
+            tuple(tensor.stride()),
+            tensor.dtype,
+        )
         if tensor.numel() and view in seen:
             tied[key] = seen[view]
             tensor = tensor.clone()  # its own storage: safetensors refuses a shared one
         elif tensor.numel():
             seen[view] = key
         tensors[key] = tensor.cpu().contiguous()
-    metadata = {"format": "pt", "weights": weights, "trainloop_version": __version__, "tied": json.dumps(tied, sort_keys=True)}
+    metadata = {
+        "format": "pt",
+        "weights": weights,
+        "trainloop_version": __version__,
+        "tied": json.dumps(tied, sort_keys=True),
+    }
     if step is not None:
         metadata["step"] = str(step)
     digest = settings_hash(settings_json)
@@ -82,8 +93,10 @@ def save_weights(
 
 
 def _unshared(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """Copy the tensors that still share storage with another (overlapping slices of one
-    buffer), which safetensors refuses; exact ties were copied already."""
+    """Copy the tensors that still share storage with another, which safetensors refuses.
+
+    These are overlapping slices of one buffer; exact ties were copied already.
+    """
     owners: dict[int, str] = {}
     result: dict[str, torch.Tensor] = {}
     for key, tensor in tensors.items():

@@ -111,8 +111,9 @@ def latest_checkpoint(root: Path, verify: bool = True, logger: Logger | None = N
 
 
 def checkpoint_candidates(root: Path, logger: Logger | None = None) -> list[Path]:
-    """The checkpoints under ``root`` to try resuming from, best first, unverified: the one
-    ``root/latest`` points to, then the others from the highest step down.
+    """The checkpoints under ``root`` to try resuming from, best first, unverified.
+
+    The one ``root/latest`` points to, then the others from the highest step down.
 
     A ``latest`` that resolves outside ``root`` (a link into another run's checkpoints) is
     skipped with a warning: following it would resume another run's weights and step, and
@@ -197,7 +198,8 @@ def point_latest(checkpoint: Path) -> None:
 def _named(path: Path, write: Any, value: Any) -> FileDigest:
     """``write(value, path)``; an OS error that does not name its file is given ``path``."""
     try:
-        return write(value, path)
+        digest: FileDigest = write(value, path)
+        return digest
     except OSError as error:
         if error.filename is None:
             raise OSError(error.errno, error.strerror or str(error), str(path)) from error
@@ -240,8 +242,9 @@ def read_checkpoint(directory: Path, verify: bool = True) -> dict[str, Any]:
 
 
 def read_full(directory: Path, listing: dict[str, FileDigest] | None) -> dict[str, Any]:
-    """Read a full checkpoint whose listing (names and sizes) was checked, verifying each file
-    against ``listing`` as it is read (unverified when ``None``).
+    """Read a full checkpoint whose listing (names and sizes) was checked.
+
+    Each file is verified against ``listing`` as it is read (unverified when ``None``).
 
     Raises:
         CheckpointError: As :func:`read_checkpoint`.

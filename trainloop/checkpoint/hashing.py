@@ -62,9 +62,11 @@ class HashingWriter(io.RawIOBase):
         self.error: OSError | None = None
 
     def writable(self) -> bool:
+        """True: this file is written to."""
         return True
 
     def write(self, data: Any) -> int:
+        """Write ``data`` to the file, hashing it on the way; return the number of bytes written."""
         view = memoryview(data).cast("B")
         if view.nbytes < _PARALLEL_MIN:
             self._hash.update(view)
@@ -106,12 +108,15 @@ class HashingWriter(io.RawIOBase):
                 raise
 
     def tell(self) -> int:
+        """The position in the file."""
         return self._file.tell()
 
     def fileno(self) -> int:
+        """The file's descriptor."""
         return self._file.fileno()
 
     def flush(self) -> None:
+        """Flush the file's buffer."""
         self._file.flush()
 
     def close(self) -> None:
@@ -130,9 +135,10 @@ class HashingWriter(io.RawIOBase):
 
 
 def read_verified(path: Path, expected: FileDigest) -> mmap.mmap | bytes:
-    """The contents of ``path``, mapped into memory, read once and checked against its manifest
-    entry (hashing the mapping reads the file; the kernel reads ahead while it hashes). Load
-    from it with :class:`BufferReader`, then close it.
+    """The contents of ``path``, mapped into memory, read once and checked against its manifest entry.
+
+    Hashing the mapping reads the file; the kernel reads ahead while it hashes. Load from it with :class:`BufferReader`,
+    then close it.
 
     Raises:
         CheckpointError: The file is missing, or its size or SHA-256 differs (the message
@@ -162,8 +168,7 @@ def read_verified(path: Path, expected: FileDigest) -> mmap.mmap | bytes:
 
 
 class BufferReader(io.RawIOBase):
-    """A read-only, seekable file over a buffer (a mapped file), without copying it, for
-    ``torch.load``."""
+    """A read-only, seekable file over a buffer (a mapped file), without copying it, for ``torch.load``."""
 
     def __init__(self, buffer: mmap.mmap | bytes | bytearray) -> None:
         super().__init__()
@@ -171,12 +176,15 @@ class BufferReader(io.RawIOBase):
         self._pos = 0
 
     def readable(self) -> bool:
+        """True: this file is read."""
         return True
 
     def seekable(self) -> bool:
+        """True: any position can be read."""
         return True
 
     def readinto(self, target: Any) -> int:
+        """Copy the next bytes of the buffer into ``target``; return how many were copied."""
         out = memoryview(target).cast("B")
         count = min(out.nbytes, self._view.nbytes - self._pos)
         out[:count] = self._view[self._pos : self._pos + count]
@@ -184,13 +192,16 @@ class BufferReader(io.RawIOBase):
         return count
 
     def seek(self, offset: int, whence: int = io.SEEK_SET) -> int:
+        """Move to ``offset`` from ``whence``; return the new position."""
         base = {io.SEEK_SET: 0, io.SEEK_CUR: self._pos, io.SEEK_END: self._view.nbytes}[whence]
         self._pos = max(0, base + offset)
         return self._pos
 
     def tell(self) -> int:
+        """The position in the buffer."""
         return self._pos
 
     def close(self) -> None:
+        """Release the view of the buffer."""
         self._view.release()
         super().close()

@@ -1,7 +1,9 @@
-"""Loading one checkpoint file safely: ``torch.load(weights_only=True)``, and the error that says
-whether a file was corrupt or refused (objects whose unpickling could run code). Both formats
-(``trainloop.checkpoint.files``, ``trainloop.checkpoint.sharded``) read through it; a full
-checkpoint's files are verified in the same read (:func:`load_verified`)."""
+"""Loading one checkpoint file safely.
+
+``torch.load(weights_only=True)``, and the error that says whether a file was corrupt or refused (objects whose
+unpickling could run code). Both formats (``trainloop.checkpoint.files``, ``trainloop.checkpoint.sharded``) read through
+it; a full checkpoint's files are verified in the same read (:func:`load_verified`).
+"""
 
 from __future__ import annotations
 
@@ -21,9 +23,10 @@ SHARDED_DIR = "sharded"
 
 
 class UnloadableError(CheckpointError):
-    """A file that matches its manifest but cannot be loaded (refused as unsafe, or unreadable
-    by torch): the manifest vouches that it is what was saved, so it is an error to report,
-    not a damaged checkpoint to skip."""
+    """A file that matches its manifest but cannot be loaded (refused as unsafe, or unreadable by torch).
+
+    The manifest vouches that it is what was saved, so it is an error to report, not a damaged checkpoint to skip.
+    """
 
 
 def load_file(path: Path) -> Any:
@@ -40,8 +43,9 @@ def load_file(path: Path) -> Any:
 
 
 def load_verified(path: Path, expected: FileDigest) -> Any:
-    """:func:`load_file`, but the file is read once, checked against its manifest entry while it
-    is read, and only then unpickled (see :func:`~trainloop.checkpoint.hashing.read_verified`).
+    """:func:`load_file`, but the file is read once and checked while it is read, before unpickling.
+
+    It is checked against its manifest entry (see :func:`~trainloop.checkpoint.hashing.read_verified`).
 
     Raises:
         CheckpointError: The file's size or SHA-256 is not its manifest's.

@@ -53,8 +53,10 @@ MANIFEST_VERSION = 1
 
 
 def save_torch(obj: Any, path: Path) -> FileDigest:
-    """``torch.save(obj, path)``, hashing the bytes on their way to the file (see
-    :class:`~trainloop.checkpoint.hashing.HashingWriter`)."""
+    """``torch.save(obj, path)``, hashing the bytes on their way to the file.
+
+    See :class:`~trainloop.checkpoint.hashing.HashingWriter`.
+    """
     with open(path, "wb") as file:
         hashing = HashingWriter(file)
         try:
@@ -96,7 +98,6 @@ def make_metadata(step: int, epoch: int, format: str, metrics: Mapping[str, Any]
         metrics: The last logged records, flattened (``"a/b"`` keys); values that are not
             numbers are left out, non-finite ones are written as ``null`` (JSON has no NaN).
     """
-
     metadata: dict[str, Any] = {
         "step": step,
         "epoch": epoch,
@@ -217,7 +218,9 @@ def check_hashes(directory: Path, expected: Mapping[str, FileDigest], files: Ite
         try:
             sha256 = hash_file(path).sha256
         except FileNotFoundError:
-            raise CheckpointError(f"{directory} is not a complete checkpoint: missing {rel} (listed in its manifest)") from None
+            raise CheckpointError(
+                f"{directory} is not a complete checkpoint: missing {rel} (listed in its manifest)"
+            ) from None
         if sha256 != expected[rel].sha256:
             raise CheckpointError(f"{path}: cannot load: corrupt (its SHA-256 differs from its manifest's)")
 

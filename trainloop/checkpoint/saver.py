@@ -22,7 +22,8 @@ from typing import Any, cast
 
 import torch
 import torch.distributed as dist
-import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.state_dict_saver import async_save as dcp_async_save
+from torch.distributed.checkpoint.state_dict_saver import save as dcp_save
 
 from trainloop.checkpoint.atomic import clean_leftovers, discard, make_temporary, publish
 from trainloop.checkpoint.errors import CheckpointError
@@ -245,9 +246,11 @@ class CheckpointSaver:
         if not self.async_save:
             def write_shards() -> None:
                 with quiet_single_process():
-                    dcp.save(shards, storage_writer=writer, no_dist=not in_process_group())
+                    dcp_save(shards, storage_writer=writer, no_dist=not in_process_group())
 
-            return agree_on_error(self._finish_sharded(tmp, target, seen, write_shards, writer, rest, metadata, published, None))
+            return agree_on_error(
+                self._finish_sharded(tmp, target, seen, write_shards, writer, rest, metadata, published, None)
+            )
         if self._group is None and in_process_group():
             # The background's collectives get their own group: on the default one they could
             # interleave with the training loop's and deadlock.
@@ -257,13 +260,15 @@ class CheckpointSaver:
         stager = ReusingStager(self._stage) if ReusingStager.suits(shards) else None
         with quiet_single_process():  # here only the staging; DCP's thread may still say it
             # A Future, not a response with a staging future: both stagers stage at once.
-            future = cast(Future, dcp.async_save(shards, storage_writer=writer, process_group=self._group,
+            future = cast(Future[None], dcp_async_save(shards, storage_writer=writer, process_group=self._group,
                                                  async_stager=stager, no_dist=not in_process_group()))
         group = self._group
 
         def finish() -> None:
             try:
-                error = self._finish_sharded(tmp, target, seen, future.result, writer, staged_rest, metadata, published, group)
+                error = self._finish_sharded(
+                    tmp, target, seen, future.result, writer, staged_rest, metadata, published, group
+                )
             finally:
                 self._stage.release()  # no copy of the state is kept between saves
             if error is not None:
@@ -275,9 +280,11 @@ class CheckpointSaver:
     def _finish_sharded(self, tmp: Path, target: Path, seen: bool, write_shards: Callable[[], Any],
                         writer: Any, rest: dict[str, Any], metadata: dict[str, Any], published: Callable[[Path], None],
                         group: Any) -> BaseException | None:
-        """After every rank wrote its shards: gather their digests, and rank 0 checks that it
-        sees every rank's files, completes the checkpoint (the rest, metadata, manifest) and
-        publishes it. Every rank calls; ``seen``: this rank found rank 0's ``tmp``."""
+        """Finish the checkpoint after every rank wrote its shards.
+
+        Gather their digests, and rank 0 checks that it sees every rank's files, completes the checkpoint (the rest,
+        metadata, manifest) and publishes it. Every rank calls; ``seen``: this rank found rank 0's ``tmp``.
+        """
         local: tuple[dict[str, FileDigest], BaseException | None, bool]
         try:
             write_shards()
@@ -311,8 +318,10 @@ class CheckpointSaver:
 
 
 def _stepped_by(optimizer: torch.optim.Optimizer | None) -> Callable[[torch.Tensor], bool] | None:
-    """Whether a tensor shares memory with ``optimizer``'s parameters or state: what only its
-    step changes, so its copy can wait until that step."""
+    """Whether a tensor shares memory with ``optimizer``'s parameters or state.
+
+    What only its step changes, so its copy can wait until that step.
+    """
     if optimizer is None:
         return None
     tensors = [p for group in optimizer.param_groups for p in group["params"]]

@@ -28,16 +28,15 @@ from pathlib import Path
 from typing import Any
 
 import torch
-import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
-from torch.distributed.checkpoint.filesystem import FileSystem
+from torch.distributed.checkpoint.filesystem import FileSystem, FileSystemReader, FileSystemWriter
 from torch.distributed.checkpoint.metadata import (
     Metadata,
     StorageMeta,
     TensorStorageMetadata,
 )
+from torch.distributed.checkpoint.state_dict_loader import load as dcp_load
 
 from trainloop.checkpoint.errors import CheckpointError
 from trainloop.checkpoint.hashing import FileDigest, HashingWriter
@@ -101,16 +100,20 @@ class _HashingFileSystem(FileSystem):
 
 
 def shard_writer(directory: Path) -> FileSystemWriter:
-    """A DCP writer of ``directory`` that fsyncs every file it writes, one file per rank, and
-    hashes each as it writes it (see :func:`own_shards`)."""
+    """A DCP writer of ``directory`` that fsyncs and hashes every file it writes, one file per rank.
+
+    See :func:`own_shards` for the digests.
+    """
     writer = FileSystemWriter(directory, single_file_per_rank=True, sync_files=True)
     writer.fs = _HashingFileSystem()
     return writer
 
 
 def own_shards(writer: FileSystemWriter) -> dict[str, FileDigest]:
-    """Digests of the shard files ``writer`` wrote (this rank's), by path relative to the
-    checkpoint, hashed while they were written: no rank reads its shards back."""
+    """Digests of the shard files ``writer`` wrote (this rank's), by path relative to the checkpoint.
+
+    They were hashed while they were written: no rank reads its shards back.
+    """
     fs = writer.fs
     return dict(fs.digests) if isinstance(fs, _HashingFileSystem) else {}
 
@@ -226,7 +229,7 @@ def _lists_back(node: Any) -> Any:
 def _dcp_load(directory: Path, state_dict: dict[str, Any], reader: FileSystemReader, no_dist: bool) -> None:
     try:
         with quiet_single_process():
-            dcp.load(state_dict, storage_reader=reader, planner=_SafeLoadPlanner(), no_dist=no_dist)
+            dcp_load(state_dict, storage_reader=reader, planner=_SafeLoadPlanner(), no_dist=no_dist)
     except CheckpointException as error:
         failures = [failure[0] for failure in error.failures.values()]
         first = next((f for f in failures if isinstance(f, CheckpointError)), failures[0] if failures else error)
@@ -274,7 +277,9 @@ class _IndexUnpickler(pickle.Unpickler):
     def find_class(self, module: str, name: str) -> Any:
         if module == "torch.distributed.checkpoint.metadata" or name in _INDEX_GLOBALS.get(module, ()):
             return super().find_class(module, name)
-        if module == "torch" and isinstance(getattr(torch, name, None), (torch.dtype, torch.layout, torch.memory_format)):
+        if module == "torch" and isinstance(
+            getattr(torch, name, None), (torch.dtype, torch.layout, torch.memory_format)
+        ):
             return getattr(torch, name)
         raise _Refused(f"{module}.{name} is not part of a checkpoint index")
 

@@ -23,8 +23,11 @@ __all__ = ["CpuStage", "ReusingStager", "stage_to_cpu"]
 
 
 def stage_to_cpu(obj: Any) -> Any:
-    """A copy of ``obj`` that training cannot change: tensors copied to CPU memory, containers
-    rebuilt, other mutable objects deep-copied (see :class:`CpuStage` to reuse the memory)."""
+    """A copy of ``obj`` that training cannot change.
+
+    Tensors copied to CPU memory, containers rebuilt, other mutable objects deep-copied (see :class:`CpuStage` to reuse
+    the memory).
+    """
     return CpuStage().copy(obj)
 
 
@@ -81,8 +84,10 @@ class CpuStage:
                 )
 
     def release(self) -> None:
-        """Let the buffers go (the copy they hold is no longer needed): between saves, no copy
-        of the state is kept; the next :meth:`copy` allocates anew."""
+        """Let the buffers go (the copy they hold is no longer needed).
+
+        Between saves, no copy of the state is kept; the next :meth:`copy` allocates anew.
+        """
         self._buffers = {}
         self._deferred = []
 
@@ -131,12 +136,16 @@ class ReusingStager(AsyncStager):
         self._stage = stage
 
     def stage(self, state_dict: dict[str, Any]) -> dict[str, Any]:
-        return self._stage.copy(state_dict)
+        """Copy ``state_dict`` into the stage's CPU buffers, synchronously."""
+        staged: dict[str, Any] = self._stage.copy(state_dict)
+        return staged
 
     def synchronize_staging(self) -> None:
+        """Nothing to wait for: :meth:`stage` copied synchronously."""
         return None  # nothing to wait for: stage() copied synchronously
 
     def close(self) -> None:
+        """Nothing to release: the buffers belong to the ``CpuStage``, reused by the next save."""
         return None  # the buffers belong to the CpuStage, reused by the next save
 
     @staticmethod

@@ -128,7 +128,14 @@ def _choose(
                     state = read_full(candidate, listing)
                 else:
                     share = hash_shares(listing, world)[this_rank]
-                    logger.debug("Rank %d hashed %d of the %d files of %s: %s", this_rank, len(share), len(listing), candidate, share)
+                    logger.debug(
+                        "Rank %d hashed %d of the %d files of %s: %s",
+                        this_rank,
+                        len(share),
+                        len(listing),
+                        candidate,
+                        share,
+                    )
                     check_hashes(candidate, listing, share)
             except (CheckpointError, OSError) as failure:
                 error = failure if isinstance(failure, CheckpointError) else CheckpointError(f"{candidate}: {failure}")

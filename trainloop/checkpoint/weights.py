@@ -59,8 +59,9 @@ class Weights:
 
 
 def find_checkpoint(path: Path) -> Path:
-    """The checkpoint directory ``path`` names: itself, or a checkpoints root's (or a
-    workspace's ``checkpoints/``) latest complete checkpoint.
+    """The checkpoint directory ``path`` names.
+
+    Itself, or a checkpoints root's (or a workspace's ``checkpoints/``) latest complete checkpoint.
 
     Raises:
         CheckpointError: Nothing there is a checkpoint; the message names ``path``.
@@ -72,7 +73,9 @@ def find_checkpoint(path: Path) -> Path:
             found = latest_checkpoint(root)
             if found is not None:
                 return found
-    raise CheckpointError(f"{path}: not a checkpoint directory, nor a checkpoints root or workspace with a complete checkpoint")
+    raise CheckpointError(
+        f"{path}: not a checkpoint directory, nor a checkpoints root or workspace with a complete checkpoint"
+    )
 
 
 def read_weights(path: str | Path, weights: str = "model") -> Weights:
@@ -93,7 +96,9 @@ def read_weights(path: str | Path, weights: str = "model") -> Weights:
     if path.is_dir():
         return _from_checkpoint(find_checkpoint(path), weights)
     if weights != "model":
-        raise CheckpointError(f"{path}: a weights file holds one model's weights; weights={weights!r} needs a checkpoint")
+        raise CheckpointError(
+            f"{path}: a weights file holds one model's weights; weights={weights!r} needs a checkpoint"
+        )
     if path.suffix == ".safetensors":
         from safetensors import safe_open
         from safetensors.torch import load_file as load_safetensors
@@ -159,8 +164,10 @@ def _choose(directory: Path, weights: str, entry: Any, names: list[str]) -> dict
 
 
 def tied_keys(model: nn.Module) -> dict[str, str]:
-    """Keys of ``model``'s state dict that share a tensor with an earlier key (GPT-2's
-    ``lm_head.weight`` -> ``transformer.wte.weight``)."""
+    """Keys of ``model``'s state dict that share a tensor with an earlier key.
+
+    For example GPT-2's ``lm_head.weight`` -> ``transformer.wte.weight``.
+    """
     first: dict[int, str] = {}
     tied: dict[str, str] = {}
     for name, tensor in unwrap_model(model).state_dict(keep_vars=True).items():
@@ -235,7 +242,9 @@ def load_weights(
     lines = [f"{source}: missing key {k} (the model's own initialisation is kept)" for k in missing]
     lines += [f"{source}: unexpected key {k} (not in the model, not loaded)" for k in unexpected]
     if strict and lines:
-        raise CheckpointError("\n".join([*lines, f"{source}: set strict to false, or list keys in ignore or strip_prefixes"]))
+        raise CheckpointError(
+            "\n".join([*lines, f"{source}: set strict to false, or list keys in ignore or strip_prefixes"])
+        )
     log = logger or logging.getLogger("trainloop")
     for line in lines:
         log.warning("%s", line)
@@ -260,7 +269,9 @@ def init_from(trainer: TrainerView) -> None:
     if spec is None:
         return
     if trainer.step > 0:
-        trainer.logger.info("init_from %s not loaded: the run resumed its own checkpoint at step %d", spec.path, trainer.step)
+        trainer.logger.info(
+            "init_from %s not loaded: the run resumed its own checkpoint at step %d", spec.path, trainer.step
+        )
         return
     found = read_weights(spec.path, spec.weights)
     loaded = load_weights(

@@ -5,7 +5,8 @@
     trainloop run run.yaml [--trainer train:MyTrainer] [--set max_steps=100 ...]
     trainloop validate run.yaml [--trainer train:MyTrainer] [--set ...]
     trainloop schema [--trainer train:MyTrainer] [--output schema.json]
-    trainloop graph [--format mermaid|dot|svg|png] [--trace runs/exp1] [--settings run.yaml [--trainer train:MyTrainer]] [--output machine.svg]
+    trainloop graph [--format mermaid|dot|svg|png] [--trace runs/exp1]
+                    [--settings run.yaml [--trainer train:MyTrainer]] [--output machine.svg]
     trainloop inspect runs/exp1/checkpoints
     trainloop report runs/exp1 [--output report.html]
     trainloop export runs/exp1/checkpoints --output model.safetensors [--weights ema]
@@ -78,7 +79,9 @@ def _build_parser() -> argparse.ArgumentParser:
     )
     _settings_args(validate)
 
-    schema = commands.add_parser("schema", help="print the settings' JSON Schema", description="Print or write the settings' JSON Schema.")
+    schema = commands.add_parser(
+        "schema", help="print the settings' JSON Schema", description="Print or write the settings' JSON Schema."
+    )
     schema.add_argument("--output", metavar="PATH", help="write it here instead of stdout")
     schema.add_argument("--trainer", metavar="MODULE:CLASS", help="the schema of this trainer's settings_class")
 
@@ -90,10 +93,16 @@ def _build_parser() -> argparse.ArgumentParser:
     graph.add_argument("--format", default="mermaid", choices=["mermaid", "dot", "svg", "png"],
                        help="mermaid or dot source text, or svg/png rendered by Graphviz's dot (default: mermaid)")
     graph.add_argument("--trace", metavar="WORKSPACE_OR_TRACE_FILE", help="a run's workspace or its trace.jsonl")
-    graph.add_argument("--settings", metavar="SETTINGS_FILE",
-                       help="show the hooks this settings file declares beside the states they act in, with their schedules")
-    graph.add_argument("--trainer", metavar="MODULE:CLASS",
-                       help="with --settings: the trainer whose settings_class validates them (default: the settings' trainer key)")
+    graph.add_argument(
+        "--settings",
+        metavar="SETTINGS_FILE",
+        help="show the hooks this settings file declares beside the states they act in, with their schedules",
+    )
+    graph.add_argument(
+        "--trainer",
+        metavar="MODULE:CLASS",
+        help="with --settings: the trainer whose settings_class validates them (default: the settings' trainer key)",
+    )
     graph.add_argument("--output", metavar="PATH", help="write it here instead of stdout")
 
     inspect = commands.add_parser(

@@ -1,5 +1,6 @@
-"""``trainloop export CHECKPOINT --output model.safetensors``: a checkpoint's weights, consolidated
-into one ``.safetensors`` file (see :mod:`trainloop.checkpoint.export`).
+"""``trainloop export CHECKPOINT --output model.safetensors``.
+
+A checkpoint's weights, consolidated into one ``.safetensors`` file (see :mod:`trainloop.checkpoint.export`).
 
 Exit codes: 0 written; 1 the checkpoint cannot be used (missing, corrupt, no such weights) or
 the file cannot be written; 2 bad arguments.

@@ -1,5 +1,8 @@
-"""``trainloop graph``: draw the state machine, optionally weighted by a run's trace, optionally with
-the hooks a settings file declares beside the states they act in."""
+"""``trainloop graph``.
+
+Draw the state machine, optionally weighted by a run's trace, optionally with the hooks a settings file declares beside
+the states they act in.
+"""
 
 from __future__ import annotations
 
@@ -122,7 +125,9 @@ def _find_dot(format: str) -> str:
     try:
         return find_dot()
     except GraphvizError:
-        raise CliError(f"--format {format} needs Graphviz's `dot` program, which is not on PATH: {_GRAPHVIZ_HINT}", FAILURE) from None
+        raise CliError(
+            f"--format {format} needs Graphviz's `dot` program, which is not on PATH: {_GRAPHVIZ_HINT}", FAILURE
+        ) from None
 
 
 def _render_with_dot(source: str, format: str) -> bytes:

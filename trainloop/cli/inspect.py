@@ -24,7 +24,9 @@ def command(args: argparse.Namespace) -> int:
     except CheckpointError as error:
         hint = _intact_alternative(root, directory) if root is not None else ""
         raise CliError(f"{error}{hint}", FAILURE) from None
-    sys.stdout.write(json.dumps(info, indent=2, default=jsonable) + "\n" if args.json else format_checkpoint(info, root))
+    sys.stdout.write(
+        json.dumps(info, indent=2, default=jsonable) + "\n" if args.json else format_checkpoint(info, root)
+    )
     return 0
 
 
@@ -37,8 +39,9 @@ def _is_checkpoint(directory: Path) -> bool:
 
 
 def _find_checkpoint(path: str) -> tuple[Path, Path | None]:
-    """The checkpoint directory ``path`` names: itself, or the latest under a checkpoints root
-    (or under ``<workspace>/checkpoints``).
+    """The checkpoint directory ``path`` names.
+
+    Itself, or the latest under a checkpoints root (or under ``<workspace>/checkpoints``).
 
     Returns:
         The checkpoint directory, and the root it was found under (``None`` if given directly).

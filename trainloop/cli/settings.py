@@ -1,5 +1,7 @@
-"""The settings ``run`` and ``validate`` check: the file < ``TRAINLOOP_*`` environment < ``--set``,
-validated by the trainer's settings class, then preflighted."""
+"""The settings ``run`` and ``validate`` check.
+
+The file < ``TRAINLOOP_*`` environment < ``--set``, validated by the trainer's settings class, then preflighted.
+"""
 
 from __future__ import annotations
 
@@ -26,7 +28,9 @@ def settings_class_for(trainer_spec: str | None) -> type[TrainerSettings]:
     return load_trainer_class(trainer_spec).settings_class
 
 
-def checked_settings(args: argparse.Namespace, trainer_required: bool) -> tuple[TrainerSettings, type[BaseTrainer] | None]:
+def checked_settings(
+    args: argparse.Namespace, trainer_required: bool
+) -> tuple[TrainerSettings, type[BaseTrainer] | None]:
     """Resolve, validate and preflight the settings ``args`` name, with the trainer they name.
 
     The layers are defaults < the file < ``TRAINLOOP_*`` environment < ``--set``. The trainer
@@ -87,7 +91,7 @@ def _trainer_hint(found: SettingsInput) -> str | None:
     if declaring:
         specs = " or ".join(f"--trainer {spec}" for spec in declaring)
         what = "are settings" if len(unknown) > 1 else "is a setting"
-        return f"{where}: {names} {what} of {' and '.join(declaring)}: name the trainer with {specs} or a \"trainer\" key"
+        return f'{where}: {names} {what} of {" and ".join(declaring)}: name the trainer with {specs} or a "trainer" key'
     what = "are not TrainerSettings fields" if len(unknown) > 1 else "is not a TrainerSettings field"
     return (
         f"{where}: {names} {what}: if your trainer's settings_class declares "
@@ -96,8 +100,11 @@ def _trainer_hint(found: SettingsInput) -> str | None:
 
 
 def _trainers_declaring(keys: set[str], directory: Path) -> list[str]:
-    """``module:Class`` of the trainers in ``directory``'s modules whose ``settings_class``
-    (a class of the same module) declares every one of ``keys``; read with ``ast``, not imported."""
+    """``module:Class`` of the trainers in ``directory``'s modules whose settings declare every one of ``keys``.
+
+    The settings are the ``settings_class`` (a class of the same module); the modules are read with ``ast``, not
+    imported.
+    """
     found = []
     for path in sorted(directory.glob("*.py")):
         try:
@@ -115,7 +122,11 @@ def _trainers_declaring(keys: set[str], directory: Path) -> list[str]:
 def _assigned_name(cls: ast.ClassDef, attribute: str) -> str | None:
     """The name ``cls`` assigns to ``attribute`` in its body (``settings_class = DigitsSettings``)."""
     for node in cls.body:
-        target = node.targets[0] if isinstance(node, ast.Assign) and len(node.targets) == 1 else getattr(node, "target", None)
+        target = (
+            node.targets[0]
+            if isinstance(node, ast.Assign) and len(node.targets) == 1
+            else getattr(node, "target", None)
+        )
         value = getattr(node, "value", None)
         if isinstance(target, ast.Name) and target.id == attribute and isinstance(value, ast.Name):
             return value.id
@@ -131,6 +142,10 @@ def _declared_fields(cls: ast.ClassDef, classes: dict[str, ast.ClassDef]) -> set
         if node.name in seen:
             continue
         seen.add(node.name)
-        fields |= {item.target.id for item in node.body if isinstance(item, ast.AnnAssign) and isinstance(item.target, ast.Name)}
+        fields |= {
+            item.target.id
+            for item in node.body
+            if isinstance(item, ast.AnnAssign) and isinstance(item.target, ast.Name)
+        }
         todo += [classes[base.id] for base in node.bases if isinstance(base, ast.Name) and base.id in classes]
     return fields

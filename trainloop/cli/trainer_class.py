@@ -1,5 +1,6 @@
-"""``--trainer module:Class``: import the user's trainer class, and nothing but a clear line if
-its module cannot be used.
+"""``--trainer module:Class``.
+
+Import the user's trainer class, and nothing but a clear line if its module cannot be used.
 
 A trainer's module is the user's script, imported as a library. One that exits at import
 (``sys.exit()``, or an ``argparse`` that reads trainloop's own command line and prints its usage)
@@ -24,12 +25,17 @@ if TYPE_CHECKING:
 
 __all__ = ["load_trainer_class"]
 
-_GUARD_HINT = 'a trainer\'s module must not exit or parse the command line when imported: put that code under `if __name__ == "__main__":`'
+_GUARD_HINT = (
+    "a trainer's module must not exit or parse the command line when imported: "
+    'put that code under `if __name__ == "__main__":`'
+)
 
 
 class _HeldStream:
-    """A stand-in for stdout/stderr that holds what a module writes while it imports, and
-    passes writes through afterwards (a logging handler set up at import keeps writing here)."""
+    """A stand-in for stdout/stderr that holds what a module writes while it imports.
+
+    Afterwards it passes writes through (a logging handler set up at import keeps writing here).
+    """
 
     def __init__(self, real: IO[str]) -> None:
         self._real = real
@@ -92,7 +98,9 @@ def _import_module(module_name: str, spec: str, given_as: str) -> ModuleType:
     except SystemExit as exit_:
         said = err.last_line() or out.last_line()
         said = f", saying {said!r}" if said else ""
-        raise CliError(f"{given_as} {spec!r}: importing {module_name!r} exited (code {exit_.code!r}){said}; {_GUARD_HINT}") from None
+        raise CliError(
+            f"{given_as} {spec!r}: importing {module_name!r} exited (code {exit_.code!r}){said}; {_GUARD_HINT}"
+        ) from None
     except ModuleNotFoundError as error:
         if error.name is not None and (module_name == error.name or module_name.startswith(error.name + ".")):
             raise CliError(f"{given_as} {spec!r}: no module named {error.name!r}") from None

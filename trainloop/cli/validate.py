@@ -1,5 +1,4 @@
-"""``trainloop validate``: the checks of ``run``, then the resolved settings as JSON; builds and
-writes nothing."""
+"""``trainloop validate``: the checks of ``run``, then the resolved settings as JSON; builds and writes nothing."""
 
 from __future__ import annotations
 

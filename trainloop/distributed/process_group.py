@@ -196,7 +196,7 @@ def _default_backend(device: torch.device) -> str:
     lookup = getattr(dist, "get_default_backend_for_device", None)  # torch >= 2.7
     if lookup is not None:
         try:
-            return lookup(device)
+            return str(lookup(device))
         except (RuntimeError, ValueError):  # an accelerator without a registered backend
             return "gloo"
     return "nccl" if device.type == "cuda" else "gloo"

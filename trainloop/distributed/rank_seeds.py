@@ -1,5 +1,6 @@
-"""Seeds per rank, made explicit: the ``seed_per_rank`` offset, and the first-step check that
-warns when every rank drew the same batch.
+"""Seeds per rank, made explicit.
+
+The ``seed_per_rank`` offset, and the first-step check that warns when every rank drew the same batch.
 
 ``seed`` seeds every rank alike: right for model initialisation (every replica starts equal)
 and for a ``DistributedSampler`` (every rank must agree on the permutation it splits), wrong
@@ -29,14 +30,18 @@ class IdenticalBatchesWarning(UserWarning):
 
 
 def seed_ranks_apart(seed: int) -> None:
-    """Reseed Python's, NumPy's and torch's generators with ``seed + rank`` (after the model
-    is built, so every replica's initialisation stays the same)."""
+    """Reseed Python's, NumPy's and torch's generators with ``seed + rank``.
+
+    Called after the model is built, so every replica's initialisation stays the same.
+    """
     seed_all(seed + rank())
 
 
 def batch_digest(batch: Any) -> str:
-    """A hash of a batch's contents: tensors (copied to the CPU, once), numbers, strings, nested
-    in lists, tuples and dicts."""
+    """A hash of a batch's contents.
+
+    Tensors (copied to the CPU, once), numbers, strings, nested in lists, tuples and dicts.
+    """
     digest = hashlib.sha256()
     for leaf in _leaves(batch):
         if isinstance(leaf, torch.Tensor):
@@ -61,8 +66,10 @@ def _leaves(value: Any) -> Iterator[Any]:
 
 
 def warn_if_ranks_drew_the_same(batch: Any) -> None:
-    """Under a process group of 2+ ranks, gather a hash of each rank's first batch (one small
-    all-gather) and warn once if they are all equal. Every rank must call it."""
+    """Warn once if every rank's first batch is the same, under a process group of 2+ ranks.
+
+    Gathers a hash of each rank's first batch (one small all-gather). Every rank must call it.
+    """
     if world_size() < 2:
         return
     digests = gather_from_ranks(batch_digest(batch))

@@ -1,5 +1,7 @@
-"""This process's place among the ranks: one helper per question, each safe without a process
-group (then there is one rank, rank 0)."""
+"""This process's place among the ranks.
+
+One helper per question, each safe without a process group (then there is one rank, rank 0).
+"""
 
 from __future__ import annotations
 

@@ -1,5 +1,7 @@
-"""Switching gradient synchronisation across ranks off and on (DDP's ``no_sync``, FSDP2's
-``set_requires_gradient_sync``) without importing FSDP unless a model uses it."""
+"""Switching gradient synchronisation across ranks off and on.
+
+DDP's ``no_sync``, FSDP2's ``set_requires_gradient_sync``, without importing FSDP unless a model uses it.
+"""
 
 from __future__ import annotations
 

@@ -95,8 +95,9 @@ class BaseHook:
 
     @classmethod
     def check_together(cls, declared: Sequence[tuple[int, Any]], settings: Any) -> list[str]:
-        """What stops the run's hooks of this class from running together (two writing one
-        directory, say); called once per class that ``settings.hooks`` declares. By default nothing.
+        """What stops the run's hooks of this class from running together (two writing one directory, say).
+
+        Called once per class that ``settings.hooks`` declares. By default nothing.
 
         Args:
             declared: ``(index in settings.hooks, validated settings)`` of each hook of this class.
@@ -111,25 +112,33 @@ class BaseHook:
         """Called once in ``restoring``, after any checkpoint was loaded."""
 
     def on_before_step(self, trainer: Any) -> None:
-        """Called when a new step begins (the ``begin_step`` edge into ``accumulating``; not
-        again when the step is retried)."""
+        """Called when a new step begins (the ``begin_step`` edge into ``accumulating``).
+
+        Not called again when the step is retried.
+        """
 
     def on_before_optimizer_step(self, trainer: Any) -> None:
         """Called in ``stepping``, gradients unscaled and normalised, before clipping."""
 
     def on_after_step(self, trainer: Any) -> None:
-        """Called in ``stepping`` after the optimizer and scheduler stepped (never for an update
-        that found non-finite gradients); ``trainer.step_info`` is complete."""
+        """Called in ``stepping`` after the optimizer and scheduler stepped; ``trainer.step_info`` is complete.
+
+        Never called for an update that found non-finite gradients.
+        """
 
     def on_schedule(self, trainer: Any) -> None:
-        """Called when ``self.schedule`` is due: in ``stepping`` right after this hook's
-        ``on_after_step``; at the end of a run ended by an exit request, in ``exiting`` right
-        before its ``on_after_train``; with ``at_start``, in ``restoring`` right after its
-        ``on_before_train`` (see ``trainloop.hooks.every``)."""
+        """Called when ``self.schedule`` is due.
+
+        In ``stepping`` right after this hook's ``on_after_step``; at the end of a run ended by an exit request, in
+        ``exiting`` right before its ``on_after_train``; with ``at_start``, in ``restoring`` right after its
+        ``on_before_train`` (see ``trainloop.hooks.every``).
+        """
 
     def on_exception(self, trainer: Any, error: BaseException) -> None:
-        """Called in ``exiting`` when the run ends by an error (or an interrupt), before
-        ``on_after_train``; ``error`` is what ``train()`` re-raises afterwards."""
+        """Called in ``exiting`` when the run ends by an error (or an interrupt), before ``on_after_train``.
+
+        ``error`` is what ``train()`` re-raises afterwards.
+        """
 
     def on_after_train(self, trainer: Any) -> None:
         """Called in ``exiting``, however the run ends (after ``on_exception`` for an error)."""

@@ -145,9 +145,14 @@ class CheckpointingHook(BaseHook):
 
     @classmethod
     def check_settings(cls, declared: Any, settings: Any, trainer: Any) -> list[HookProblem]:
-        """A relative ``path`` needs a workspace; a ``load`` directory must exist (checked in a
-        single process only: under a launcher, rank 0 checks it for every rank when loading)."""
-        problems = needs_workspace(settings, declared.path, "path", f"checkpoints go to {str(declared.path)!r}, a relative path")
+        """A relative ``path`` needs a workspace.
+
+        A ``load`` directory must exist (checked in a single process only: under a launcher, rank 0 checks it for every
+        rank when loading).
+        """
+        problems = needs_workspace(
+            settings, declared.path, "path", f"checkpoints go to {str(declared.path)!r}, a relative path"
+        )
         if isinstance(declared.load, Path) and one_process() and not declared.load.expanduser().is_dir():
             problems.append(("load", f"no checkpoint directory at {str(declared.load)!r}"))
         return problems
@@ -158,7 +163,9 @@ class CheckpointingHook(BaseHook):
         problems = []
         loading = [i for i, spec in declared if spec.load is not None]
         if len(loading) > 1:
-            problems.append(f"{listed(loading)}: each would load a checkpoint into the trainer; set load to null on all but one")
+            problems.append(
+                f"{listed(loading)}: each would load a checkpoint into the trainer; set load to null on all but one"
+            )
         by_directory: dict[Path, list[int]] = {}
         for i, spec in declared:
             path = Path(spec.path).expanduser()
@@ -263,9 +270,11 @@ class CheckpointingHook(BaseHook):
             _say(trainer.logger, "Resumed from %s at step %d", directory, trainer.step)
 
     def _choose(self, trainer: TrainerView, root: Path) -> tuple[Path, dict[str, Any] | None] | None:
-        """The checkpoint to load, and its state dict if full: rank 0 lists the candidates,
-        every rank verifies their files as it reads them (a sharded one: its share; see
-        :mod:`trainloop.checkpoint.verify`); the same answer on every rank."""
+        """The checkpoint to load, and its state dict if full.
+
+        Rank 0 lists the candidates, every rank verifies their files as it reads them (a sharded one: its share; see
+        :mod:`trainloop.checkpoint.verify`); the same answer on every rank.
+        """
         from trainloop.checkpoint.saver import broadcast_from_rank_zero
         from trainloop.checkpoint.verify import open_checkpoint
 
@@ -410,8 +419,9 @@ class CheckpointingHook(BaseHook):
     # -- exiting -------------------------------------------------------------------------------
 
     def on_after_train(self, trainer: TrainerView) -> None:
-        """Wait for a save in flight; then give the exit signals back to their previous handlers;
-        warn if ``monitor`` was never logged.
+        """Wait for a save in flight.
+
+        Then give the exit signals back to their previous handlers; warn if ``monitor`` was never logged.
 
         In that order: a second SIGTERM while the exit save completes must not find the
         default handler, which would kill the process and lose the save.
@@ -446,8 +456,10 @@ class CheckpointingHook(BaseHook):
 
     @property
     def best_checkpoint(self) -> Path | None:
-        """The best checkpoint by ``monitor`` still on disk, or ``None`` (no ``keep_best``, or
-        no checkpoint scored yet)."""
+        """The best checkpoint by ``monitor`` still on disk, or ``None``.
+
+        ``None`` when there is no ``keep_best``, or no checkpoint was scored yet.
+        """
         if self._best is None or self._root is None:
             return None
         best = self._best.best
@@ -470,8 +482,10 @@ class CheckpointingHook(BaseHook):
 
 
 def _say(logger: Logger, message: str, *args: Any) -> None:
-    """Tell the user (rank 0) what the run starts from: logged at INFO when logging is
-    configured, else one line on stderr (Python shows no INFO record by default)."""
+    """Tell the user (rank 0) what the run starts from.
+
+    Logged at INFO when logging is configured, else one line on stderr (Python shows no INFO record by default).
+    """
     if not is_rank_zero():
         return
     if logger.hasHandlers():

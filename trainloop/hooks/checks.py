@@ -20,8 +20,9 @@ HookProblem = tuple[str | None, str]
 
 
 def needs_workspace(settings: Any, path: Path | None, name: str, what: str) -> list[HookProblem]:
-    """A problem if files go to ``path`` (``None``: a default under the workspace) and no
-    workspace is set while ``path`` is relative.
+    """A problem if files go to ``path`` and no workspace is set while ``path`` is relative.
+
+    ``path`` ``None`` means a default under the workspace.
 
     Args:
         settings: The run's ``TrainerSettings``.

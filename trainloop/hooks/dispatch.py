@@ -1,5 +1,7 @@
-"""Which hook methods exist, which state each runs in, and the dispatch table that calls only the
-hooks that override a method, and a hook's ``on_schedule`` only when its ``Schedule`` is due."""
+"""Which hook methods exist, which state each runs in, and the dispatch table that calls them.
+
+The table calls only the hooks that override a method, and a hook's ``on_schedule`` only when its ``Schedule`` is due.
+"""
 
 from __future__ import annotations
 
@@ -65,7 +67,9 @@ def hook_dispatch(hooks: Sequence[BaseHook]) -> dict[str, tuple[Callable[..., No
     if any(h.schedule is not None for h in hooks):
         calls = ScheduledCalls(hooks)
         dispatch.update(
-            on_before_train=(calls.before_train,), on_after_step=(calls.after_step,), on_after_train=(calls.after_train,)
+            on_before_train=(calls.before_train,),
+            on_after_step=(calls.after_step,),
+            on_after_train=(calls.after_train,),
         )
     return dispatch
 
@@ -117,7 +121,9 @@ class ScheduledCalls:
         self._next, self._epochs, self._stepped = 0, None, False
         run_length = trainer.run_length
         # Epochs matter when a schedule counts them, or when max_epochs may end the run.
-        self._watch_epochs = any(e.unit == "epochs" or (e.at_end and run_length.max_epochs is not None) for e in self._everies)
+        self._watch_epochs = any(
+            e.unit == "epochs" or (e.at_end and run_length.max_epochs is not None) for e in self._everies
+        )
         for before, at_start in self._start:
             if before is not None:
                 before(trainer)
@@ -145,8 +151,10 @@ class ScheduledCalls:
         self._next = min(upcoming, default=sys.maxsize)
 
     def after_train(self, trainer: Any) -> None:
-        """Each hook's ``on_schedule`` if the clean end of the run was not acted on, then its
-        ``on_after_train`` (also when ``on_schedule`` raised)."""
+        """Each hook's ``on_schedule`` if the clean end of the run was not acted on, then its ``on_after_train``.
+
+        ``on_after_train`` runs also when ``on_schedule`` raised.
+        """
         # Not after an error: other ranks may not reach this point, and a collective would hang.
         clean = self._stepped and trainer.error is None
         step = trainer.step
@@ -191,8 +199,10 @@ HOOK_METHODS = frozenset(HOOK_EVENTS) | {"on_schedule"} | {f"on_enter_{state.val
 
 
 def check_schedule(hook: BaseHook) -> None:
-    """Raise ``TypeError`` if ``hook`` declares a schedule without ``on_schedule``, or the reverse
-    (either half alone would silently never act)."""
+    """Raise ``TypeError`` if ``hook`` declares a schedule without ``on_schedule``, or the reverse.
+
+    Either half alone would silently never act.
+    """
     scheduled, acts = hook.schedule is not None, _overrides(hook, "on_schedule")
     if scheduled and not acts:
         raise TypeError(f"{type(hook).__name__} declares a schedule but no on_schedule() method to call when it is due")

@@ -48,7 +48,7 @@ class EmaHook(BaseHook):
             # not a device sync.
             self.ema_model = AveragedModel(
                 trainer.unwrapped_model,
-                multi_avg_fn=get_ema_multi_avg_fn(self.decay),
+                multi_avg_fn=get_ema_multi_avg_fn(self.decay),  # type: ignore[no-untyped-call]  # unannotated in torch
                 use_buffers=True,
             )
             self.ema_model.requires_grad_(False)

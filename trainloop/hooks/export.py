@@ -34,7 +34,9 @@ class ExportHook(BaseHook):
     """
 
     @validate_call
-    def __init__(self, path: Path = Path("model.safetensors"), weights: Annotated[str, Field(pattern=r"^(model|ema)$")] = "model") -> None:
+    def __init__(
+        self, path: Path = Path("model.safetensors"), weights: Annotated[str, Field(pattern=r"^(model|ema)$")] = "model"
+    ) -> None:
         self.path = path
         self.weights = weights
         self.written: Path | None = None
@@ -42,7 +44,9 @@ class ExportHook(BaseHook):
     @classmethod
     def check_settings(cls, declared: Any, settings: Any, trainer: Any) -> list[HookProblem]:
         """A relative ``path`` needs a workspace."""
-        return needs_workspace(settings, declared.path, "path", f"the weights go to {str(declared.path)!r}, a relative path")
+        return needs_workspace(
+            settings, declared.path, "path", f"the weights go to {str(declared.path)!r}, a relative path"
+        )
 
     def on_after_train(self, trainer: TrainerView) -> None:
         """Write the file, if the run reached its end."""
@@ -61,21 +65,27 @@ class ExportHook(BaseHook):
         else:
             from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
-            state = get_model_state_dict(trainer.model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+            state = get_model_state_dict(
+                trainer.model, options=StateDictOptions(full_state_dict=True, cpu_offload=True)
+            )
             if not state:  # cpu_offload leaves ranks other than 0 empty
                 return
             state = _tied_as_in(trainer, state)
         if not is_rank_zero():
             return
         target = self.path if self.path.is_absolute() or trainer.workspace is None else trainer.workspace / self.path
-        save_weights(state, target, step=trainer.step, settings_json=trainer.settings.model_dump_json(), weights=self.weights)
+        save_weights(
+            state, target, step=trainer.step, settings_json=trainer.settings.model_dump_json(), weights=self.weights
+        )
         self.written = target
         trainer.logger.info("Exported the %s weights of step %d to %s", self.weights, trainer.step, target)
 
 
-def _tied_as_in(trainer: TrainerView, state: dict) -> dict:
-    """``state`` with the model's tied keys sharing one tensor again (the gather copies them
-    apart), so the export records the tie."""
+def _tied_as_in(trainer: TrainerView, state: dict[str, Any]) -> dict[str, Any]:
+    """``state`` with the model's tied keys sharing one tensor again, so the export records the tie.
+
+    The gather copies them apart.
+    """
     from trainloop.checkpoint.weights import tied_keys
 
     for key, owner in tied_keys(trainer.model).items():

@@ -85,7 +85,9 @@ def declared_hook_lines(declared: Iterable[HookSettings | Mapping[str, Any]]) ->
             # mypy reads a class held in a variable as not Hashable (see registry._validate_spec).
             spec = hook_settings_model(cls).model_validate_json(json.dumps(entry))  # type: ignore[arg-type]
         except ValidationError as error:
-            lines.append((None, f"{shown} — {cls.__name__}, a declaration that does not validate ({error.error_count()} errors)"))
+            lines.append(
+                (None, f"{shown} — {cls.__name__}, a declaration that does not validate ({error.error_count()} errors)")
+            )
             continue
         lines.append(hook_line(spec.build(), shown))
     return lines

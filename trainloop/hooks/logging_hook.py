@@ -48,9 +48,12 @@ class LoggingHook(StatsHook):
 
 
 def with_default_logging(hooks: list[BaseHook], settings: TrainerSettings) -> list[BaseHook]:
-    """``hooks``, led by a ``LoggingHook(interval=DEFAULT_LOG_INTERVAL)`` when the run keeps a
-    ``metrics.jsonl`` (a workspace, ``metrics_file`` on) and no hook already logs the training
-    statistics: a run with a workspace records its loss and learning rate without asking."""
+    """``hooks``, led by a default ``LoggingHook`` when the run keeps a ``metrics.jsonl`` and nothing logs.
+
+    The hook is ``LoggingHook(interval=DEFAULT_LOG_INTERVAL)``, added when the run has a workspace with ``metrics_file``
+    on and no hook already logs the training statistics: a run with a workspace records its loss and learning rate
+    without asking.
+    """
     if settings.workspace is None or not settings.metrics_file or any(isinstance(h, LoggingHook) for h in hooks):
         return hooks
     # First: hooks that write records (TensorBoard, wandb) must receive its last flush.

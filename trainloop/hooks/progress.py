@@ -133,7 +133,8 @@ class ProgressHook(StatsHook):
         logger = trainer.logger
         if logger.isEnabledFor(logging.INFO):
             fmt, args = self._describe(trainer, stats)
-            logger.info("Step %d/%d: " + fmt, trainer.step, trainer.max_steps, *args)
+            fmt = "Step %d/%d: " + fmt  # a %-format with its arguments: formatted by logging, lazily
+            logger.info(fmt, trainer.step, trainer.max_steps, *args)
 
     def on_log(self, trainer: TrainerView, records: dict[str, Any]) -> None:
         """Show the latest values logged under ``show_logged`` keys in the bar, as they come."""

@@ -137,9 +137,12 @@ def _validate_spec(value: Any, info: core_schema.ValidationInfo) -> HookSettings
     if isinstance(value, BaseHook):
         # Someone coming from Lightning passes objects: they belong in build_hooks().
         declared = next((name for name, cls in HOOK_TYPES.items() if type(value) is cls), None)
-        as_data = f' (or declare it as data: a mapping with "type": "{declared}" and its parameters)' if declared else ""
+        as_data = (
+            f' (or declare it as data: a mapping with "type": "{declared}" and its parameters)' if declared else ""
+        )
         raise PydanticCustomError(
-            "hook_spec", "settings.hooks holds hooks as data, not {kind} objects: return hook objects from build_hooks(){as_data}",
+            "hook_spec",
+            "settings.hooks holds hooks as data, not {kind} objects: return hook objects from build_hooks(){as_data}",
             {"kind": type(value).__name__, "as_data": as_data},
         )
     if not isinstance(value, dict):
@@ -148,7 +151,11 @@ def _validate_spec(value: Any, info: core_schema.ValidationInfo) -> HookSettings
             {"kind": type(value).__name__},
         )
     if "type" not in value:
-        raise PydanticCustomError("hook_type_missing", 'the hook has no "type"; registered types: {known}', {"known": ", ".join(sorted(HOOK_TYPES))})
+        raise PydanticCustomError(
+            "hook_type_missing",
+            'the hook has no "type"; registered types: {known}',
+            {"known": ", ".join(sorted(HOOK_TYPES))},
+        )
     cls = HOOK_TYPES.get(value["type"]) if isinstance(value["type"], str) else None
     if cls is None:
         raise _unknown_type(value["type"])
@@ -184,7 +191,9 @@ else:
             )
 
         @classmethod
-        def __get_pydantic_json_schema__(cls, schema: core_schema.CoreSchema, handler: GetJsonSchemaHandler) -> JsonSchemaValue:
+        def __get_pydantic_json_schema__(
+            cls, schema: core_schema.CoreSchema, handler: GetJsonSchemaHandler
+        ) -> JsonSchemaValue:
             """The registered hooks' settings, told apart by ``type`` (as registered right now)."""
             models = [hook_settings_model(hook_cls) for hook_cls in HOOK_TYPES.values()]
             if not models:

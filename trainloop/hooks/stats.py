@@ -12,7 +12,7 @@ read in one batch per device and dtype.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -195,9 +195,11 @@ class StatsHook(BaseHook):
             self._max_memory = memory
 
     def on_schedule(self, trainer: TrainerView) -> None:
-        """Emit the steps since the last emission: at a multiple of ``interval``, or the last step
-        of a run that ended cleanly (never after an error: with ``sync`` the other ranks may not
-        get here, and the collective would hang)."""
+        """Emit the steps since the last emission.
+
+        At a multiple of ``interval``, or the last step of a run that ended cleanly (never after an error: with ``sync``
+        the other ranks may not get here, and the collective would hang).
+        """
         if self._steps:
             self._emit_window(trainer)
 
@@ -272,18 +274,29 @@ def _read_scalar_tensors(records: list[Mapping[str, Any]]) -> list[Mapping[str, 
     size are left in place for ``key_average`` to reject with the key's name.
     """
     found: list[torch.Tensor] = []
-
-    def collect(record: Mapping[str, Any]) -> None:
-        for value in record.values():
-            if isinstance(value, Mapping):
-                collect(value)
-            elif isinstance(value, torch.Tensor) and value.numel() == 1:
-                found.append(value)
-
     for record in records:
-        collect(record)
+        _collect_scalar_tensors(record, found)
     if not found:
         return records
+    numbers = iter(_read_together(found))
+    return [_with_numbers(record, numbers) for record in records]
+
+
+def _is_scalar_tensor(value: Any) -> bool:
+    return isinstance(value, torch.Tensor) and value.numel() == 1
+
+
+def _collect_scalar_tensors(record: Mapping[str, Any], found: list[torch.Tensor]) -> None:
+    """Append ``record``'s one-element tensors to ``found``, depth first, in the record's order."""
+    for value in record.values():
+        if isinstance(value, Mapping):
+            _collect_scalar_tensors(value, found)
+        elif _is_scalar_tensor(value):
+            found.append(value)
+
+
+def _read_together(found: list[torch.Tensor]) -> list[Any]:
+    """The numbers of ``found``, in order, read with one host sync per (device, dtype)."""
     groups: dict[tuple[torch.device, torch.dtype], list[int]] = {}
     for i, tensor in enumerate(found):
         groups.setdefault((tensor.device, tensor.dtype), []).append(i)
@@ -292,17 +305,17 @@ def _read_scalar_tensors(records: list[Mapping[str, Any]]) -> list[Mapping[str, 
         read = torch.stack([found[i].detach().reshape(()) for i in indices]).tolist()
         for i, value in zip(indices, read, strict=True):
             values[i] = value
-    numbers = iter(values)
+    return values
 
-    def replace(record: Mapping[str, Any]) -> dict[str, Any]:
-        out: dict[str, Any] = {}
-        for key, value in record.items():
-            if isinstance(value, Mapping):
-                out[key] = replace(value)
-            elif isinstance(value, torch.Tensor) and value.numel() == 1:
-                out[key] = next(numbers)
-            else:
-                out[key] = value
-        return out
 
-    return [replace(record) for record in records]
+def _with_numbers(record: Mapping[str, Any], numbers: Iterator[Any]) -> dict[str, Any]:
+    """A copy of ``record`` whose one-element tensors are the next of ``numbers``, in collection order."""
+    out: dict[str, Any] = {}
+    for key, value in record.items():
+        if isinstance(value, Mapping):
+            out[key] = _with_numbers(value, numbers)
+        elif _is_scalar_tensor(value):
+            out[key] = next(numbers)
+        else:
+            out[key] = value
+    return out

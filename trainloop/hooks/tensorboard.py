@@ -46,7 +46,9 @@ class TensorBoardHook(BaseHook):
     @classmethod
     def check_settings(cls, declared: Any, settings: Any, trainer: Any) -> list[HookProblem]:
         """Event files under a workspace need one (see ``BaseHook.check_settings``)."""
-        where = f"{str(declared.log_dir)!r}, a relative path" if declared.log_dir is not None else "<workspace>/tensorboard"
+        where = (
+            f"{str(declared.log_dir)!r}, a relative path" if declared.log_dir is not None else "<workspace>/tensorboard"
+        )
         return needs_workspace(settings, declared.log_dir, "log_dir", f"event files go to {where}")
 
     @validate_call

@@ -163,10 +163,8 @@ class ValidationHook(BaseHook):
         if logger.isEnabledFor(logging.INFO):
             shown = trainer.metrics.last  # the values just logged, as floats
             keys = [k for k in flatten_nested_dict(self.last_records, prefix=self.prefix) if k in shown]
-            logger.info(
-                "Validation at step %d: " + " ".join(["%s %.4g"] * len(keys)),
-                trainer.step, *(x for k in keys for x in (k, shown[k])),
-            )
+            fmt = "Validation at step %d: " + " ".join(["%s %.4g"] * len(keys))  # formatted by logging, lazily
+            logger.info(fmt, trainer.step, *(x for k in keys for x in (k, shown[k])))
         return self.last_records
 
     def _describe(self) -> str:

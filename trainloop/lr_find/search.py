@@ -1,5 +1,6 @@
-"""The learning-rate range test: sweep the lr exponentially over a few optimizer steps and
-suggest the one at which the loss falls fastest.
+"""The learning-rate range test.
+
+Sweep the lr exponentially over a few optimizer steps and suggest the one at which the loss falls fastest.
 
 The test (Smith, "Cyclical Learning Rates for Training Neural Networks", 2017) trains for
 ``num_iterations`` steps while the learning rate grows from ``start_lr`` to ``end_lr`` by a
@@ -78,7 +79,7 @@ class LrFindComponents:
     model: InstanceOf[nn.Module]
     optimizer: InstanceOf[torch.optim.Optimizer]
     # InstanceOf: pydantic would otherwise wrap an Iterable in a one-shot validating iterator.
-    data: InstanceOf[Iterable]
+    data: InstanceOf[Iterable[Any]]
     loss_fn: Callable[[Any], Any]
     gradient_accumulation_steps: PositiveInt = 1
     grad_clip: PositiveFloat | None = None
@@ -215,7 +216,7 @@ class _Sweep:
 
         def factor(i: int) -> float:
             # Closed form rather than repeated multiplication: lands exactly on end_lr.
-            return start_lr * span ** (min(i, last) / last) / reference_lr
+            return float(start_lr * span ** (min(i, last) / last) / reference_lr)
 
         self.factor = factor
 
@@ -330,8 +331,10 @@ def _trainer_plan(trainer: BaseTrainer) -> Iterator[tuple[StepPlan, Iterable[Any
 
 @contextlib.contextmanager
 def _random_state_kept() -> Iterator[None]:
-    """Put the global generators (Python, NumPy, torch, CUDA) back afterwards: the test draws
-    (shuffling, dropout, a seed_all), but a run started afterwards sees the same numbers."""
+    """Put the global generators (Python, NumPy, torch, CUDA) back afterwards.
+
+    The test draws (shuffling, dropout, a seed_all), but a run started afterwards sees the same numbers.
+    """
     state = get_rng_state()
     try:
         yield

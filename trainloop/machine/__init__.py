@@ -1,5 +1,7 @@
-"""The machine: its table as data (``table``), the runner (``runner``), its drawing
-(``diagram``) and the record of a run (``trace``)."""
+"""The machine: its table as data, the runner, its drawing and the record of a run.
+
+The modules: ``table`` (the transitions, pure data), ``runner``, ``diagram`` and ``trace``.
+"""
 
 from trainloop.machine.diagram import draw
 from trainloop.machine.runner import Handle, StateMachine

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 
 from trainloop.machine.table import FAIL, TRANSITIONS, State, Transition
 
@@ -47,34 +47,55 @@ def draw(
         return _label(t) if counts is None else f"{_label(t)} (n={counts.get((t.source, t.dest, t.trigger), 0)})"
 
     if format == "mermaid":
-        lines = ["stateDiagram-v2", f"    [*] --> {State.IDLE.value}"]
-        lines += [f"    {t.source.value} --> {t.dest.value}: {label(t)}" for t in table]
-        lines.append(f"    {State.EXITING.value} --> [*]")
-        for state, text in (notes or {}).items():
-            lines += [f"    note right of {state.value}", *(f"        {line}" for line in text), "    end note"]
-        return "\n".join(lines) + "\n"
+        return _mermaid(table, label, notes or {})
     if format == "dot":
-        lines = ["digraph trainloop {", "    rankdir=LR;", "    node [shape=box, style=rounded];"]
-        lines.append(f'    "{State.EXITING.value}" [peripheries=2];')
-        for t in table:
-            attributes = [f'label="{label(t)}"']
-            if t.trigger == FAIL:
-                attributes.append("style=dashed")
-            if counts is not None:
-                fired = counts.get((t.source, t.dest, t.trigger), 0)
-                if fired:
-                    # Logarithmic: a per-microstep edge must not drown the rare ones (retries, saves).
-                    attributes.append(f"penwidth={min(1.0 + 1.5 * math.log10(fired), 8.0):.2f}")
-                    color = "red" if t.trigger == FAIL else _RARE_EDGE_COLORS.get(t.dest)
-                    if color is not None:
-                        attributes.append(f"color={color}, fontcolor={color}")
-                else:
-                    attributes.append("color=gray70, fontcolor=gray55" + ("" if t.trigger == FAIL else ", style=dashed"))
-            lines.append(f'    "{t.source.value}" -> "{t.dest.value}" [{", ".join(attributes)}];')
-        for state, text in (notes or {}).items():
-            note = "".join(line.replace("\\", "\\\\").replace('"', '\\"') + "\\l" for line in text)
-            lines.append(f'    "{state.value} hooks" [shape=note, fontsize=10, label="{note}"];')
-            lines.append(f'    "{state.value}" -> "{state.value} hooks" [style=dotted, arrowhead=none];')
-        lines.append("}")
-        return "\n".join(lines) + "\n"
+        return _dot(table, label, counts, notes or {})
     raise ValueError(f"unknown diagram format {format!r}; use 'mermaid' or 'dot'")
+
+
+def _mermaid(
+    table: tuple[Transition, ...], label: Callable[[Transition], str], notes: Mapping[State, Sequence[str]]
+) -> str:
+    """The Mermaid ``stateDiagram-v2`` source of :func:`draw`."""
+    lines = ["stateDiagram-v2", f"    [*] --> {State.IDLE.value}"]
+    lines += [f"    {t.source.value} --> {t.dest.value}: {label(t)}" for t in table]
+    lines.append(f"    {State.EXITING.value} --> [*]")
+    for state, text in notes.items():
+        lines += [f"    note right of {state.value}", *(f"        {line}" for line in text), "    end note"]
+    return "\n".join(lines) + "\n"
+
+
+def _dot(
+    table: tuple[Transition, ...],
+    label: Callable[[Transition], str],
+    counts: Mapping[tuple[State, State, str], int] | None,
+    notes: Mapping[State, Sequence[str]],
+) -> str:
+    """The Graphviz DOT source of :func:`draw`."""
+    lines = ["digraph trainloop {", "    rankdir=LR;", "    node [shape=box, style=rounded];"]
+    lines.append(f'    "{State.EXITING.value}" [peripheries=2];')
+    for t in table:
+        attributes = [f'label="{label(t)}"']
+        if t.trigger == FAIL:
+            attributes.append("style=dashed")
+        if counts is not None:
+            attributes += _fired_attributes(t, counts.get((t.source, t.dest, t.trigger), 0))
+        lines.append(f'    "{t.source.value}" -> "{t.dest.value}" [{", ".join(attributes)}];')
+    for state, text in notes.items():
+        note = "".join(line.replace("\\", "\\\\").replace('"', '\\"') + "\\l" for line in text)
+        lines.append(f'    "{state.value} hooks" [shape=note, fontsize=10, label="{note}"];')
+        lines.append(f'    "{state.value}" -> "{state.value} hooks" [style=dotted, arrowhead=none];')
+    lines.append("}")
+    return "\n".join(lines) + "\n"
+
+
+def _fired_attributes(t: Transition, fired: int) -> list[str]:
+    """The DOT attributes of an edge that fired ``fired`` times in a run."""
+    if not fired:
+        return ["color=gray70, fontcolor=gray55" + ("" if t.trigger == FAIL else ", style=dashed")]
+    # Logarithmic: a per-microstep edge must not drown the rare ones (retries, saves).
+    attributes = [f"penwidth={min(1.0 + 1.5 * math.log10(fired), 8.0):.2f}"]
+    color = "red" if t.trigger == FAIL else _RARE_EDGE_COLORS.get(t.dest)
+    if color is not None:
+        attributes.append(f"color={color}, fontcolor={color}")
+    return attributes

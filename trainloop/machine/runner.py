@@ -1,5 +1,7 @@
-"""The runner of the transition table: ``transitions`` for the edges somebody listens to, a fast
-path that runs the same actions and sets the same states for the others.
+"""The runner of the transition table.
+
+``transitions`` for the edges somebody listens to, a fast path that runs the same actions and sets the same states for
+the others.
 
 A ``transitions`` trigger costs about 20 µs and the hot edges fire on every microstep, so an edge
 that no callback listens to (no entry or exit callback on its states, none on the edge) takes the
@@ -54,8 +56,10 @@ class _Model:
 
 
 class _ActingState(_LibraryState):
-    """A ``transitions`` state that runs the entering edge's action before its entry callbacks,
-    as the fast path does: both paths are then one machine."""
+    """A ``transitions`` state that runs the entering edge's action before its entry callbacks, as the fast path does.
+
+    Both paths are then one machine.
+    """
 
     def enter(self, event_data: Any) -> None:
         action = getattr(event_data.transition, "action", None)

@@ -77,8 +77,10 @@ class Trace(deque[TraceEntry]):
 
 
 def start_run_record(settings: TrainerSettings) -> Trace | None:
-    """Write the resolved settings to ``<workspace>/settings.json`` (rank 0), and open the trace
-    (``<workspace>/trace.jsonl`` when there is a workspace) if ``settings.trace`` is on."""
+    """Write the resolved settings to ``<workspace>/settings.json`` (rank 0), and open the trace.
+
+    The trace (``<workspace>/trace.jsonl`` when there is a workspace) is opened if ``settings.trace`` is on.
+    """
     workspace = settings.workspace if is_rank_zero() else None
     if workspace is not None:
         workspace.mkdir(parents=True, exist_ok=True)
@@ -104,7 +106,13 @@ def read_trace(path: Path | str) -> list[TraceEntry]:
             try:
                 row = json.loads(line)
                 entries.append(
-                    TraceEntry(float(row["time"]), int(row["step"]), State(row["source"]), State(row["dest"]), str(row["trigger"]))
+                    TraceEntry(
+                        float(row["time"]),
+                        int(row["step"]),
+                        State(row["source"]),
+                        State(row["dest"]),
+                        str(row["trigger"]),
+                    )
                 )
             except (ValueError, KeyError, TypeError) as error:
                 raise ValueError(f"{path}:{number}: not a trace entry ({error})") from None

@@ -1,6 +1,8 @@
-"""``trainloop report``: one self-contained HTML page about a run's workspace (``page``), its metric
-charts (``charts``) and the machine drawn with Graphviz where it is installed (``graphviz``); the
-metrics a run logged (``metrics.jsonl``) read back with ``read_metrics``."""
+"""``trainloop report``: one self-contained HTML page about a run's workspace.
+
+The page (``page``), its metric charts (``charts``) and the machine drawn with Graphviz where it is installed
+(``graphviz``); the metrics a run logged (``metrics.jsonl``) read back with ``read_metrics``.
+"""
 
 from trainloop.metrics import read_metrics
 from trainloop.report.page import ReportError, build_report, write_report

@@ -70,7 +70,14 @@ def metric_chart(title: str, curves: Mapping[str, list[tuple[int, float]]], best
             points = _thin(points)
             steps = [s for s, _ in points]
             values = [v for _, v in points]
-            axes.plot(steps, values, label=_literal(label), linewidth=1.3, marker="o" if len(points) <= 30 else None, markersize=3)
+            axes.plot(
+                steps,
+                values,
+                label=_literal(label),
+                linewidth=1.3,
+                marker="o" if len(points) <= 30 else None,
+                markersize=3,
+            )
             finite = [v for v in values if math.isfinite(v)]
             log_scale = log_scale and bool(finite) and min(finite) > 0 and max(finite) / min(finite) > 100
         if log_scale:  # a loss falling by orders of magnitude reads better on a log axis

@@ -31,21 +31,25 @@ __all__ = ["ReportError", "build_report", "machine_svg", "write_report"]
 REPORT_FILE = "report.html"
 
 _STYLE = """
-body { font: 14px/1.45 system-ui, -apple-system, "Segoe UI", sans-serif; color: #1f2328; margin: 0; background: #f6f8fa; }
+body { font: 14px/1.45 system-ui, -apple-system, "Segoe UI", sans-serif; color: #1f2328; margin: 0;
+       background: #f6f8fa; }
 main { max-width: 1180px; margin: 0 auto; padding: 24px; }
-h1 { font-size: 24px; margin: 0 0 4px; } h2 { font-size: 18px; margin: 28px 0 10px; border-bottom: 1px solid #d0d7de; padding-bottom: 4px; }
+h1 { font-size: 24px; margin: 0 0 4px; }
+h2 { font-size: 18px; margin: 28px 0 10px; border-bottom: 1px solid #d0d7de; padding-bottom: 4px; }
 h3 { font-size: 15px; margin: 16px 0 6px; }
 .muted { color: #656d76; } .card { background: #fff; border: 1px solid #d0d7de; border-radius: 6px; padding: 12px; }
 .grid { display: grid; grid-template-columns: repeat(auto-fill, minmax(360px, 1fr)); gap: 12px; }
 .grid svg, .diagram svg { max-width: 100%; height: auto; }
 .diagram { overflow-x: auto; text-align: center; }
-table { border-collapse: collapse; background: #fff; } td, th { border: 1px solid #d0d7de; padding: 3px 10px; text-align: left; }
+table { border-collapse: collapse; background: #fff; }
+td, th { border: 1px solid #d0d7de; padding: 3px 10px; text-align: left; }
 td.num { text-align: right; font-variant-numeric: tabular-nums; }
 .bar { background: #54aeff; height: 10px; border-radius: 2px; }
 .best { background: #dafbe1; font-weight: 600; } .bad { color: #cf222e; }
 .stats { display: flex; gap: 12px; flex-wrap: wrap; } .stats .card { min-width: 130px; }
 .stats b { display: block; font-size: 20px; }
-pre { background: #fff; border: 1px solid #d0d7de; border-radius: 6px; padding: 10px; overflow-x: auto; font-size: 12px; }
+pre { background: #fff; border: 1px solid #d0d7de; border-radius: 6px; padding: 10px; overflow-x: auto;
+      font-size: 12px; }
 """
 
 
@@ -76,7 +80,9 @@ def build_report(workspace: Path) -> str:
     """
     settings_file = workspace / "settings.json"
     if not settings_file.is_file():
-        raise ReportError(f"{workspace}: no settings.json, so no run was recorded there (a run writes it in its workspace)")
+        raise ReportError(
+            f"{workspace}: no settings.json, so no run was recorded there (a run writes it in its workspace)"
+        )
     try:
         settings = json.loads(settings_file.read_text(encoding="utf-8"))
         metrics = read_metrics(workspace / METRICS_FILE) if (workspace / METRICS_FILE).is_file() else None
@@ -95,7 +101,8 @@ def build_report(workspace: Path) -> str:
     runs = _checked_runs(read_runs(workspace), workspace / RUNS_FILE, notes)
     parts = [
         f"<h1>Run report: {_e(workspace.resolve().name)}</h1>",
-        f'<p class="muted">{_e(str(workspace))} · generated {datetime.now(UTC).strftime("%Y-%m-%d %H:%M UTC")} by trainloop</p>',
+        f'<p class="muted">{_e(str(workspace))} · generated '
+        f'{datetime.now(UTC).strftime("%Y-%m-%d %H:%M UTC")} by trainloop</p>',
         *(f'<p class="bad">{_e(note)}</p>' for note in notes),
         _overview(metrics or [], summary, runs, checkpoints),
         "<h2>The machine</h2>",
@@ -133,12 +140,18 @@ def _overview(metrics: list[dict[str, Any]], summary: TraceSummary | None, runs:
             cards.append((f"last {key}{_window(metrics) if key == 'loss' else ''}", f"{value:.4g}"))
     cards.append(("retries", "not traced" if retries is None else str(retries)))
     cards.append(("checkpoints", str(len(checkpoints))))
-    return '<div class="stats">' + "".join(f'<div class="card"><span class="muted">{_e(k)}</span><b>{_e(v)}</b></div>' for k, v in cards) + "</div>"
+    return (
+        '<div class="stats">'
+        + "".join(f'<div class="card"><span class="muted">{_e(k)}</span><b>{_e(v)}</b></div>' for k, v in cards)
+        + "</div>"
+    )
 
 
 def _window(metrics: list[dict[str, Any]]) -> str:
-    """The steps the last logged training loss averages (a ``LoggingHook`` logs the mean over
-    the steps since its previous record), as a label: `` (mean of steps 391-400)``."""
+    """The steps the last logged training loss averages, as a label: `` (mean of steps 391-400)``.
+
+    A ``LoggingHook`` logs the mean over the steps since its previous record.
+    """
     steps = [int(r["step"]) for r in metrics if "loss" in r]
     if not steps:
         return ""
@@ -157,7 +170,10 @@ def _charts(metrics: list[dict[str, Any]] | None, best_step: int | None) -> str:
     for group, curves in group_metrics(metrics).items():
         for key, points in curves.items():
             chart = metric_chart(key, {key: points}, best_step if group == "val" else None)
-            out.append(f'<div class="card" title="{_e(chart.title)}"><span class="muted">{_e(group_title(group))}</span>{chart.svg}</div>')
+            out.append(
+                f'<div class="card" title="{_e(chart.title)}">'
+                f'<span class="muted">{_e(group_title(group))}</span>{chart.svg}</div>'
+            )
     out.append("</div>")
     return "\n".join(out)
 
@@ -179,14 +195,19 @@ def machine_svg(counts: Mapping[tuple[State, State, str], int] | None = None) ->
 
 
 def _drawn_table(counts: Mapping[tuple[State, State, str], int] | None) -> list[Transition]:
-    return [t for t in TRANSITIONS if t.trigger != "fail" or (counts is not None and counts.get((t.source, t.dest, t.trigger), 0))]
+    return [
+        t
+        for t in TRANSITIONS
+        if t.trigger != "fail" or (counts is not None and counts.get((t.source, t.dest, t.trigger), 0))
+    ]
 
 
 def _machine(summary: TraceSummary | None) -> str:
     counts = summary.counts if summary is not None else None
     note = (
         "Edge width grows with how often an edge fired in this workspace's runs; grey dashed edges never fired; "
-        "<code>fail</code> edges (an error in any state ends the run in <code>exiting</code>) are shown only where one fired."
+        "<code>fail</code> edges (an error in any state ends the run in <code>exiting</code>) "
+        "are shown only where one fired."
         if counts is not None
         else 'No trace.jsonl here (run with <code>"trace": true</code> to weigh the edges); <code>fail</code> edges, '
         "from every state to <code>exiting</code> on an error, are left out."
@@ -210,7 +231,10 @@ def _hooks(settings: Mapping[str, Any]) -> str:
     """The hooks ``settings.json`` declares, each beside the state it acts in, with its schedule."""
     declared = [hook for hook in settings.get("hooks") or [] if isinstance(hook, Mapping)]
     if not declared:
-        return '<p class="muted">No hooks declared in settings.json (hooks built in code by <code>build_hooks()</code> are not recorded there).</p>'
+        return (
+            '<p class="muted">No hooks declared in settings.json '
+            "(hooks built in code by <code>build_hooks()</code> are not recorded there).</p>"
+        )
     from trainloop.hooks.listing import declared_hook_lines
 
     rows = "".join(
@@ -234,7 +258,8 @@ def _time_per_state(summary: TraceSummary | None) -> str:
         entered = sum(n for (_, dest, _), n in summary.counts.items() if dest is state)
         rows.append(
             f'<tr><td>{state.value}</td><td class="num">{seconds:.3f} s</td><td class="num">{share:.1f}%</td>'
-            f'<td class="num">{entered}</td><td style="width:240px"><div class="bar" style="width:{share:.1f}%"></div></td></tr>'
+            f'<td class="num">{entered}</td><td style="width:240px">'
+            f'<div class="bar" style="width:{share:.1f}%"></div></td></tr>'
         )
     retries = _fired(summary, lambda t: t.dest is State.RETRYING)
     saves = _fired(summary, lambda t: t.dest is State.CHECKPOINTING)
@@ -267,13 +292,20 @@ def _checked_runs(runs: list[dict[str, Any]], path: Path, notes: list[str]) -> l
     """The runs whose fields are what trainloop writes; a note per run left out."""
     kept = []
     for number, run in enumerate(runs, 1):
-        wrong: list[str] = [k for k in ("step", "epoch", "exit_code") if k in run and not (isinstance(run[k], int) and not isinstance(run[k], bool))]
+        wrong: list[str] = [
+            k
+            for k in ("step", "epoch", "exit_code")
+            if k in run and not (isinstance(run[k], int) and not isinstance(run[k], bool))
+        ]
         if "time" in run and not _is_number(run["time"]):
             wrong.append("time")
         if run.get("error") is not None and not isinstance(run["error"], str):
             wrong.append("error")
         if wrong:
-            notes.append(f"{path.name}: run {number}: {wrong[0]} is {_short(run[wrong[0]])}, not what trainloop writes; run left out")
+            notes.append(
+                f"{path.name}: run {number}: {wrong[0]} is {_short(run[wrong[0]])}, "
+                "not what trainloop writes; run left out"
+            )
             continue
         kept.append(run)
     return kept
@@ -307,7 +339,11 @@ def _runs(runs: list[dict[str, Any]]) -> str:
             f'<td class="num">{run.get("epoch")}</td><td class="{"bad" if error or code else ""}">'
             f"{_e(error or ended)}</td></tr>"
         )
-    return "<table><tr><th>run</th><th>ended (UTC)</th><th>step</th><th>epochs</th><th>how it ended</th></tr>" + "".join(rows) + "</table>"
+    return (
+        "<table><tr><th>run</th><th>ended (UTC)</th><th>step</th><th>epochs</th><th>how it ended</th></tr>"
+        + "".join(rows)
+        + "</table>"
+    )
 
 
 def _checkpoints(workspace: Path, settings: Mapping[str, Any], notes: list[str]) -> list[dict[str, Any]]:
@@ -327,7 +363,9 @@ def _checkpoints(workspace: Path, settings: Mapping[str, Any], notes: list[str])
         scores: dict[str, Any] = found_scores if isinstance(found_scores, dict) else {}
         for name, score in scores.items():
             if score is not None and not _is_number(score):
-                notes.append(f"{root / BEST_FILE}: the score of checkpoint {name} is {_short(score)}, not a number; left out")
+                notes.append(
+                    f"{root / BEST_FILE}: the score of checkpoint {name} is {_short(score)}, not a number; left out"
+                )
         latest = (root / LATEST).resolve().name if (root / LATEST).exists() else None
         for step in checkpoint_steps(root):
             metadata = _read_json(root / str(step) / "metadata.json")
@@ -349,7 +387,8 @@ def _checkpoint_table(checkpoints: list[dict[str, Any]]) -> str:
         marks = ", ".join(m for m, on in (("best", c["best"]), ("latest", c["latest"])) if on)
         score = "" if c["score"] is None else f"{c['score']:.4g}"
         rows.append(
-            f'<tr class="{"best" if c["best"] else ""}"><td>{_e(str(c["root"]))}/{c["step"]}</td><td class="num">{c["step"]}</td>'
+            f'<tr class="{"best" if c["best"] else ""}"><td>{_e(str(c["root"]))}/{c["step"]}</td>'
+            f'<td class="num">{c["step"]}</td>'
             f'<td>{_e(c["time"])}</td><td class="num">{score}</td><td>{marks}</td></tr>'
         )
     head = f"<th>{_e(monitor)}</th>" if monitor else "<th>score</th>"

@@ -1,8 +1,9 @@
-"""The run's declaration: the settings model (``model``), where values come from (``sources``:
-defaults < file < ``TRAINLOOP_*`` environment < ``--set``), how errors are worded (``errors``),
-the optimizer and schedule declarations (``optimizer``, ``schedule``), the field types
-(``types``) and the checks across settings, trainer and hooks made before anything runs
-(``preflight``)."""
+"""The run's declaration: the settings, where their values come from, and the checks made before anything runs.
+
+The settings model (``model``), where values come from (``sources``: defaults < file < ``TRAINLOOP_*`` environment <
+``--set``), how errors are worded (``errors``), the optimizer and schedule declarations (``optimizer``, ``schedule``),
+the field types (``types``) and the checks across settings, trainer and hooks made before anything runs (``preflight``).
+"""
 
 from trainloop.settings.model import TrainerSettings
 from trainloop.settings.sources import SettingsFileError

@@ -217,5 +217,8 @@ class TrainerSettings(BaseModel):
     def json_schema(cls) -> dict[str, Any]:
         """The JSON Schema of these settings, hooks included; files may carry ``"$schema"``."""
         schema = cls.model_json_schema()
-        schema["properties"] = {"$schema": {"type": "string", "description": "The schema of this file."}, **schema["properties"]}
+        schema["properties"] = {
+            "$schema": {"type": "string", "description": "The schema of this file."},
+            **schema["properties"],
+        }
         return schema

@@ -37,7 +37,13 @@ from pydantic import (
 )
 from torch import nn
 
-from trainloop.settings.schedule import LR_SCHEDULES, LrScheduleSettings, build_lr_scheduler, describe_schedule_change, lr_factor
+from trainloop.settings.schedule import (
+    LR_SCHEDULES,
+    LrScheduleSettings,
+    build_lr_scheduler,
+    describe_schedule_change,
+    lr_factor,
+)
 from trainloop.settings.types import StrictBool
 
 __all__ = [
@@ -95,6 +101,13 @@ _NORM_TYPES: tuple[type[nn.Module], ...] = (
     nn.LazyInstanceNorm3d,
 )
 _EMBEDDING_TYPES: tuple[type[nn.Module], ...] = (nn.Embedding, nn.EmbeddingBag)
+# Compared with ``is``, in this order: a constructor's scalar annotation and its strict settings type.
+_STRICT_SCALARS: tuple[tuple[type, Any], ...] = (
+    (float, _StrictFloat),
+    (bool, StrictBool),
+    (int, _StrictInt),
+    (str, _StrictStr),
+)
 
 
 def _settings_type(annotation: Any) -> Any:
@@ -103,14 +116,9 @@ def _settings_type(annotation: Any) -> Any:
     Tensors are dropped from unions (``lr: float | Tensor`` becomes a strict float): a settings
     file holds numbers. Containers stay lax so a JSON/YAML list is taken for a tuple.
     """
-    if annotation is float:
-        return _StrictFloat
-    if annotation is bool:
-        return StrictBool
-    if annotation is int:
-        return _StrictInt
-    if annotation is str:
-        return _StrictStr
+    for python_type, strict in _STRICT_SCALARS:
+        if annotation is python_type:
+            return strict
     if annotation is None or annotation is type(None):
         return type(None)
     origin = typing.get_origin(annotation)
@@ -118,19 +126,29 @@ def _settings_type(annotation: Any) -> Any:
     if origin is Literal:
         return annotation
     if origin in (Union, types.UnionType):
-        mapped = [_settings_type(arg) for arg in args if arg is not torch.Tensor]
-        if not mapped or any(m is None for m in mapped):
-            return None
-        return mapped[0] if len(mapped) == 1 else Union[tuple(mapped)]  # noqa: UP007
+        return _settings_union(args)
     if origin is tuple:
-        if len(args) == 2 and args[1] is Ellipsis:
-            item = _settings_type(args[0])
-            return None if item is None else tuple[item, ...]  # type: ignore[valid-type]
-        mapped = [_settings_type(arg) for arg in args]
-        if not mapped or any(m is None for m in mapped):
-            return None
-        return tuple[tuple(mapped)]  # type: ignore[misc]
+        return _settings_tuple(args)
     return None
+
+
+def _settings_union(args: tuple[Any, ...]) -> Any:
+    """The settings type of a union of ``args`` (tensors dropped), or ``None`` if a member has none."""
+    mapped = [_settings_type(arg) for arg in args if arg is not torch.Tensor]
+    if not mapped or any(m is None for m in mapped):
+        return None
+    return mapped[0] if len(mapped) == 1 else Union[tuple(mapped)]  # noqa: UP007
+
+
+def _settings_tuple(args: tuple[Any, ...]) -> Any:
+    """The settings type of ``tuple[args]``, or ``None`` if an item has none."""
+    if len(args) == 2 and args[1] is Ellipsis:
+        item = _settings_type(args[0])
+        return None if item is None else tuple[item, ...]  # type: ignore[valid-type]
+    mapped = [_settings_type(arg) for arg in args]
+    if not mapped or any(m is None for m in mapped):
+        return None
+    return tuple[tuple(mapped)]  # type: ignore[misc]
 
 
 def _argument_descriptions(cls: type) -> dict[str, str]:
@@ -199,11 +217,14 @@ class _OptimizerArgs(BaseModel):
 
     @classmethod
     def _optimizer_name(cls) -> str:
-        return typing.get_args(cls.model_fields["name"].annotation)[0]
+        name: str = typing.get_args(cls.model_fields["name"].annotation)[0]
+        return name
 
     def kwargs(self) -> dict[str, Any]:
         """The optimizer constructor's keyword arguments (every declared argument)."""
-        return {name: getattr(self, name) for name in type(self).model_fields if name not in ("name", "no_weight_decay")}
+        return {
+            name: getattr(self, name) for name in type(self).model_fields if name not in ("name", "no_weight_decay")
+        }
 
 
 class _DecayOptimizerArgs(_OptimizerArgs):
@@ -231,8 +252,10 @@ def _constructor_error(cls: type[torch.optim.Optimizer], kwargs: dict[str, Any])
 
 @cache
 def _optimizer_args_model(name: str) -> type[_OptimizerArgs] | None:
-    """The settings model of one optimizer, derived from its constructor; ``None`` if its
-    required arguments cannot be declared as data."""
+    """The settings model of one optimizer, derived from its constructor.
+
+    ``None`` if its required arguments cannot be declared as data.
+    """
     cls = OPTIMIZERS[name]
     init = inspect.unwrap(cls.__init__)
     signature = inspect.signature(init)

@@ -53,7 +53,9 @@ if TYPE_CHECKING:
 __all__ = ["PreflightError", "check", "checked", "preflight"]
 
 #: The settings that passed the preflight in this context, with the trainer class they passed with.
-_PASSED: ContextVar[tuple[TrainerSettings, type[TrainerContract]] | None] = ContextVar("trainloop_preflight_passed", default=None)
+_PASSED: ContextVar[tuple[TrainerSettings, type[TrainerContract]] | None] = ContextVar(
+    "trainloop_preflight_passed", default=None
+)
 
 
 class PreflightError(ValueError):
@@ -100,8 +102,9 @@ def preflight(
 
 
 def check(trainer: TrainerContract) -> None:
-    """``preflight`` of a trainer about to train, unless its settings passed it with its class
-    in this context already (see ``checked``).
+    """``preflight`` of a trainer about to train, unless it passed already.
+
+    Skipped when its settings passed it with its class in this context already (see ``checked``).
 
     Raises:
         PreflightError: A problem was found; nothing was built or written.
@@ -116,9 +119,11 @@ def check(trainer: TrainerContract) -> None:
 
 @contextmanager
 def checked(settings: TrainerSettings, trainer_class: type[TrainerContract]) -> Iterator[None]:
-    """Within the block, ``check`` passes a ``trainer_class`` trainer of exactly ``settings``
-    without running the preflight again: the caller ran it (with the class; an instance's
-    attributes add to what the class has, never take away) and found nothing."""
+    """Within the block, ``check`` passes a ``trainer_class`` trainer of exactly ``settings`` at once.
+
+    It does not run the preflight again: the caller ran it (with the class; an instance's attributes add to what the
+    class has, never take away) and found nothing.
+    """
     token = _PASSED.set((settings, trainer_class))
     try:
         yield
@@ -133,14 +138,18 @@ def _class_of(trainer: type[TrainerContract] | TrainerContract) -> type[TrainerC
     return trainer if isinstance(trainer, type) else type(trainer)
 
 
-def _contract(settings: TrainerSettings, trainer: type[TrainerContract] | TrainerContract) -> list[tuple[tuple[Key, ...], str]]:
+def _contract(
+    settings: TrainerSettings, trainer: type[TrainerContract] | TrainerContract
+) -> list[tuple[tuple[Key, ...], str]]:
     cls = _class_of(trainer)
     missing = cls.missing_methods()
     problems: list[tuple[tuple[Key, ...], str]] = [
         ((), f"{cls.__name__} must implement {name}()") for name in missing if name != "build_optimizer"
     ]
     if settings.optimizer is None and "build_optimizer" in missing:
-        problems.append((("optimizer",), f"optimizer: none declared, and {cls.__name__} does not implement build_optimizer()"))
+        problems.append(
+            (("optimizer",), f"optimizer: none declared, and {cls.__name__} does not implement build_optimizer()")
+        )
     return problems
 
 
@@ -150,8 +159,11 @@ def _contract(settings: TrainerSettings, trainer: type[TrainerContract] | Traine
 def _declared_hooks(
     settings: TrainerSettings, trainer: type[TrainerContract] | TrainerContract | None
 ) -> list[tuple[tuple[Key, ...], str]]:
-    """Each declared hook's class: its methods, its ``check_settings`` of each hook it is
-    declared as, and its ``check_together`` of them all (once per class)."""
+    """Each declared hook's class.
+
+    Its methods, its ``check_settings`` of each hook it is declared as, and its ``check_together`` of them all (once per
+    class).
+    """
     problems: list[tuple[tuple[Key, ...], str]] = []
     by_class: dict[type[BaseHook], list[tuple[int, HookSettings]]] = {}
     for i, spec in enumerate(settings.hooks):
@@ -181,7 +193,9 @@ def _combinations(settings: TrainerSettings) -> list[tuple[tuple[Key, ...], str]
             by_state_key.setdefault(spec.name or cls.default_name(), []).append(i)
     for key, indices in by_state_key.items():
         if len(indices) > 1:
-            problems.append((("hooks",), f"{listed(indices)}: both save their state under the name {key!r}; give each a \"name\""))
+            problems.append(
+                (("hooks",), f'{listed(indices)}: both save their state under the name {key!r}; give each a "name"')
+            )
     by_signal: dict[signal.Signals, list[int]] = {}
     for i, spec in enumerate(settings.hooks):
         if "exit_signals" not in spec.model_fields_set:
@@ -190,7 +204,9 @@ def _combinations(settings: TrainerSettings) -> list[tuple[tuple[Key, ...], str]
             by_signal.setdefault(as_signal(sig), []).append(i)
     for sig, indices in by_signal.items():
         if len(indices) > 1:
-            problems.append((("hooks",), f"{listed(indices)}: each catches {sig.name}, and a process has one handler per signal"))
+            problems.append(
+                (("hooks",), f"{listed(indices)}: each catches {sig.name}, and a process has one handler per signal")
+            )
     return problems
 
 

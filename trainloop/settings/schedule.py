@@ -79,7 +79,9 @@ class LrScheduleSettings(BaseModel):
         if self.final_lr is not None and self.final_lr_ratio is not None:
             raise ValueError("give final_lr or final_lr_ratio, not both")
         if self.decay_steps is not None and self.warmup_steps is not None and self.decay_steps <= self.warmup_steps:
-            raise ValueError(f"decay_steps ({self.decay_steps}) must be greater than warmup_steps ({self.warmup_steps})")
+            raise ValueError(
+                f"decay_steps ({self.decay_steps}) must be greater than warmup_steps ({self.warmup_steps})"
+            )
         return self
 
     def warmup_steps_for(self, max_steps: int) -> int:
@@ -190,7 +192,9 @@ def describe_schedule_change(saved: Mapping[str, Any], settings: Any, step: int)
             f"lr_schedule {then_schedule}: the schedule follows this run's settings from step {step + 2}."
         )
     now = lr_factor(schedule, settings.max_steps)
-    shown_then = {k: v for k, v in then_schedule.items() if v is not None} if isinstance(then_schedule, dict) else then_schedule
+    shown_then = (
+        {k: v for k, v in then_schedule.items() if v is not None} if isinstance(then_schedule, dict) else then_schedule
+    )
     text = (
         f"lr_schedule: resuming after step {step} with max_steps {settings.max_steps} and lr_schedule "
         f"{schedule.model_dump(exclude_none=True)}, where the checkpoint's run had max_steps {then_steps} and "

@@ -24,8 +24,9 @@ Key = str | int
 
 
 class SettingsFileError(ValueError):
-    """Settings could not be read or did not validate; the message names the file, variable or
-    override, and every offending field, one line per problem.
+    """Settings could not be read or did not validate.
+
+    The message names the file, variable or override, and every offending field, one line per problem.
 
     Attributes:
         problems: The lines of the message, one per problem.
@@ -52,8 +53,11 @@ class SettingsInput:
     default_source: str = "settings"
 
     def source_of(self, path: tuple[Key, ...]) -> str:
-        """Where the value at ``path`` came from: the layer that set it or the nearest mapping
-        around it, and every layer that set something inside it (``"run.yaml, TRAINLOOP_X__Y"``)."""
+        """Where the value at ``path`` came from.
+
+        The layer that set it or the nearest mapping around it, and every layer that set something inside it
+        (``"run.yaml, TRAINLOOP_X__Y"``).
+        """
         found = self.default_source
         if not path:  # about the settings as a whole: the file, if any
             return found
@@ -61,7 +65,9 @@ class SettingsInput:
             if path[:end] in self.sources:
                 found = self.sources[path[:end]]
                 break
-        inside = [source for known, source in self.sources.items() if len(known) > len(path) and known[: len(path)] == path]
+        inside = [
+            source for known, source in self.sources.items() if len(known) > len(path) and known[: len(path)] == path
+        ]
         return ", ".join(dict.fromkeys([found, *inside]))
 
     def set(self, keys: list[str], value: Any, source: str) -> None:
@@ -112,7 +118,9 @@ def _list_index(items: list[Any], key: str, source: str, where: str) -> int:
         if int(key) < len(items):
             return int(key)
         raise SettingsFileError(f"{source}: {where}.{key} is not an item of a {len(items)}-item list")
-    matches = [i for i, item in enumerate(items) if isinstance(item, dict) and str(item.get("type", "")).lower() == key.lower()]
+    matches = [
+        i for i, item in enumerate(items) if isinstance(item, dict) and str(item.get("type", "")).lower() == key.lower()
+    ]
     if len(matches) == 1:
         return matches[0]
     types = [str(item.get("type")) for item in items if isinstance(item, dict)]
