@@ -43,6 +43,7 @@ if TYPE_CHECKING:  # what type checkers and editors see; at run time each name i
     from trainloop.settings.preflight import PreflightError
     from trainloop.step import StepInfo
     from trainloop.trainer import BaseTrainer, LossNoneWarning
+    from trainloop.workspace import WorkspaceBusyError
 
 _moved.install()
 
@@ -76,6 +77,7 @@ _EXPORTS: dict[str, str] = {
     "TrainerSettings": "trainloop.settings.model",
     "PreflightError": "trainloop.settings.preflight",
     "StepInfo": "trainloop.step",
+    "WorkspaceBusyError": "trainloop.workspace",
     "BaseTrainer": "trainloop.trainer",
     "LossNoneWarning": "trainloop.trainer",
 }
@@ -114,6 +116,7 @@ __all__ = [
     "DataExhaustedError",
     "LossNoneWarning",
     "PreflightError",
+    "WorkspaceBusyError",
     # helpers the seed taught at the top level
     "lr_find",
     "map_nested_tensor",

@@ -163,7 +163,7 @@ def test_inspect_the_latest_checkpoint_of_a_root(trained, after_run):
     assert "lr scheduler: yes (last_epoch=6" in out
     assert "grad scaler:  disabled" in out
     assert "rng state:    saved for 1 rank(s): numpy, python, torch" in out
-    assert "data loader:  no position saved" in out
+    assert "data loader:  position saved for 1 rank(s)" in out  # a plain DataLoader's sampler position
     assert '"nan_at_steps": [' in out
     assert '"seed": 3' in out  # the settings it was made with
     assert result.stderr == ""

@@ -19,7 +19,7 @@ from torch.utils.data import DataLoader
 from trainloop.data_position import InexactResumeWarning
 from trainloop.hooks.checkpointing import CheckpointingHook, read_checkpoint
 
-CHILD = Path(__file__).resolve().parent / "support" / "resume_child.py"
+CHILD = Path(__file__).resolve().parents[1] / "support" / "resume_child.py"
 TIMEOUT = 240
 MAX_STEPS = 17
 # 5 batches per epoch: a SIGTERM as step 7 begins (batch 2 of epoch 1); with accumulation 3, a

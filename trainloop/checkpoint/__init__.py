@@ -6,6 +6,7 @@ they also serve tools that inspect or convert checkpoints. ``metadata.json`` and
 """
 
 from trainloop.checkpoint.errors import CheckpointError, CheckpointSaveError
+from trainloop.checkpoint.export import export_checkpoint, save_weights
 from trainloop.checkpoint.files import (
     LATEST,
     checkpoint_format,
@@ -15,6 +16,7 @@ from trainloop.checkpoint.files import (
     write_checkpoint,
 )
 from trainloop.checkpoint.manifest import MANIFEST, METADATA, read_metadata, verify_checkpoint
+from trainloop.checkpoint.weights import load_weights, read_weights
 
 __all__ = [
     "LATEST",
@@ -24,9 +26,13 @@ __all__ = [
     "CheckpointSaveError",
     "checkpoint_format",
     "checkpoint_steps",
+    "export_checkpoint",
     "latest_checkpoint",
+    "load_weights",
     "read_checkpoint",
     "read_metadata",
+    "read_weights",
+    "save_weights",
     "verify_checkpoint",
     "write_checkpoint",
 ]

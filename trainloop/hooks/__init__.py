@@ -22,8 +22,10 @@ from trainloop.hooks.stats import StatsHook, TrainingStats
 from trainloop.hooks.tensorboard import TensorBoardHook
 from trainloop.hooks.validation import ValidationHook
 from trainloop.hooks.wandb import WandbHook
+from trainloop.run_state import TrainerView
 
 __all__ = [
+    "TrainerView",
     "HOOK_EVENTS",
     "HOOK_TYPES",
     "BaseHook",

@@ -153,18 +153,30 @@ class ScheduledCalls:
     def after_train(self, trainer: Any) -> None:
         """Each hook's ``on_schedule`` if the clean end of the run was not acted on, then its ``on_after_train``.
 
-        ``on_after_train`` runs also when ``on_schedule`` raised.
+        Every hook's end runs even when another's raised (each may have something to give back,
+        such as signal handlers); then the first error is raised, the later ones noted on it.
         """
         # Not after an error: other ranks may not reach this point, and a collective would hang.
         clean = self._stepped and trainer.error is None
         step = trainer.step
+        errors: list[BaseException] = []
         for every, act, after in self._end:
-            try:
-                if clean and every is not None and every.due_at_end(step):
-                    act(trainer)
-            finally:
-                if after is not None:
-                    after(trainer)
+            if clean and every is not None and every.due_at_end(step):
+                _call_collecting(act, trainer, errors)
+            if after is not None:
+                _call_collecting(after, trainer, errors)
+        if errors:
+            for later in errors[1:]:
+                errors[0].add_note(f"At the end of the run another hook raised {type(later).__name__}: {later}")
+            raise errors[0]
+
+
+def _call_collecting(fn: Callable[[Any], Any], trainer: Any, errors: list[BaseException]) -> None:
+    """Call ``fn(trainer)``; what it raises is added to ``errors`` instead."""
+    try:
+        fn(trainer)
+    except BaseException as error:  # noqa: BLE001 - collected: the caller raises the first
+        errors.append(error)
 
 
 def check_hooks(hooks: list[BaseHook]) -> None:
