@@ -148,3 +148,20 @@ def test_no_module_below_the_trainer_imports_it():
                 if any(n == "trainloop.trainer" for n in names):
                     offenders.append(str(file.relative_to(ROOT)))
     assert offenders == []
+
+
+def test_epoch_reads_the_epoch_the_run_draws_from_while_it_runs():
+    # A Lightning user reads trainer.epoch in a hook as the epoch in progress (0-based).
+    seen: list[tuple[int, int]] = []
+
+    class EpochRecorder(BaseHook):
+        def on_after_step(self, trainer):
+            seen.append((trainer.step, trainer.epoch))
+
+    trainer = TinyTrainer(max_epochs=2, hooks=[EpochRecorder()])
+    assert trainer.epoch == 0  # before the run: the epoch it would start in
+    result = trainer.train()
+    assert seen[0] == (1, 0)
+    assert sorted({epoch for _, epoch in seen}) == [0, 1]  # both epochs seen while running
+    assert seen[-1][1] == trainer.epoch == 1  # 0-based; the result counts completed epochs
+    assert result.epoch == 2

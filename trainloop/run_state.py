@@ -76,6 +76,11 @@ class RunState:
     restored_position: dict[str, Any] | None = None
     error: BaseException | None = None
 
+    @property
+    def current_epoch(self) -> int:
+        """The epoch the run draws from now (0-based): the data iterator's while it exists, else ``epoch``."""
+        return self.data.epoch if self.data is not None else self.epoch
+
 
 T = TypeVar("T")
 
@@ -90,13 +95,15 @@ class RunValue(Generic[T]):
         instead: What to call instead of assigning it.
     """
 
-    def __init__(self, doc: str, instead: str) -> None:
+    def __init__(self, doc: str, instead: str, source: str | None = None) -> None:
         self.__doc__ = doc
         self.instead = instead
+        self.source = source
 
     def __set_name__(self, owner: type, name: str) -> None:
-        """Learn the attribute's name."""
+        """Learn the attribute's name (and read the run state's attribute of that name, unless ``source``)."""
         self.name = name
+        self.source = self.source or name
 
     @overload
     def __get__(self, trainer: None, owner: type) -> RunValue[T]: ...
@@ -106,7 +113,7 @@ class RunValue(Generic[T]):
         """The loop's value (the descriptor itself on the class)."""
         if trainer is None:
             return self
-        value: T = getattr(trainer.loop.run_state, self.name)
+        value: T = getattr(trainer.loop.run_state, self.source)  # type: ignore[arg-type]
         return value
 
     def __set__(self, trainer: Any, value: NoReturn) -> NoReturn:

@@ -81,9 +81,11 @@ class BaseTrainer:
         "to end the run, call trainer.request_exit()",
     )
     epoch: RunValue[int] = RunValue(
-        "The epoch the run resumed in; once the run has exited, the epoch its data ended in "
-        "(``run_length.epochs_completed`` counts full passes while it runs).",
+        "The epoch the run draws its batches from (0-based): the one it resumed in before the data "
+        "iterator exists, the one its data ended in once the run has exited "
+        "(``run_length.epochs_completed`` counts full passes).",
         "restore a state with trainer.load_state_dict(), or end the run with trainer.request_exit()",
+        source="current_epoch",
     )
     step_info: RunValue[StepInfo] = RunValue(
         "What the step in progress did (see ``StepInfo``); a hook may add records to it.",
