@@ -155,6 +155,28 @@ def test_old_module_paths_import_with_a_warning_naming_the_new_one():
         assert messages == [f"{old} moved to {MOVED_MODULES[old]}; import it from there"], old
 
 
+def test_a_script_using_old_paths_is_told_once_at_its_own_lines(tmp_path):
+    # Python's default filter shows DeprecationWarnings attributed to __main__ only: each warning
+    # must name the script's line, once, whichever way the old path is reached.
+    script = tmp_path / "old.py"
+    script.write_text(
+        "from trainloop import TRANSITIONS\n"
+        "import trainloop.limits\n"
+        "from trainloop.hooks.base import HOOK_EVENTS\n"
+        "import trainloop\n"
+        "trainloop.key_average\n"
+    )
+    result = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, check=True, cwd=ROOT)
+    told = [line for line in result.stderr.splitlines() if "DeprecationWarning" in line]
+    assert told == [
+        f"{script}:1: DeprecationWarning: trainloop.TRANSITIONS moved to trainloop.machine.TRANSITIONS; import it from there",
+        f"{script}:2: DeprecationWarning: trainloop.limits moved to trainloop.run_length; import it from there",
+        f"{script}:3: DeprecationWarning: trainloop.hooks.base.HOOK_EVENTS moved to "
+        "trainloop.hooks.dispatch.HOOK_EVENTS; import it from there",
+        f"{script}:5: DeprecationWarning: trainloop.key_average moved to trainloop.utils.key_average; import it from there",
+    ]
+
+
 def test_the_namespaces_import_without_warnings():
     code = "import warnings\nwarnings.simplefilter('error')\nimport " + ", ".join(NAMESPACES)
     subprocess.run([sys.executable, "-c", code], check=True, cwd=ROOT)

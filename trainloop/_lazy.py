@@ -35,7 +35,9 @@ def lazy_exports(
         module = exports.get(name)
         if module is None:
             if fallback is not None:
-                return fallback(name)
+                value = fallback(name)
+                namespace[name] = value  # `from package import name` asks twice: answer (and warn) once
+                return value
             raise AttributeError(f"module {package!r} has no attribute {name!r}")
         value = getattr(importlib.import_module(module), name)
         namespace[name] = value

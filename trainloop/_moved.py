@@ -63,8 +63,23 @@ MOVED_NAMES: dict[str, dict[str, str]] = {
 }
 
 
+_OURS = (__file__.rsplit("_moved.py", 1)[0] + "_lazy.py", __file__, "<frozen importlib")
+
+
 def _warn(old: str, new: str) -> None:
-    warnings.warn(f"{old} moved to {new}; import it from there", DeprecationWarning, stacklevel=3)
+    """Warn that ``old`` moved, at the user's line.
+
+    The line is the first frame outside this machinery and the import system, so Python's default
+    filter (which shows the warnings of ``__main__``) shows it, once.
+    """
+    frame = sys._getframe(1)
+    while frame.f_back is not None and frame.f_code.co_filename.startswith(_OURS):
+        frame = frame.f_back
+    registry = frame.f_globals.setdefault("__warningregistry__", {})
+    warnings.warn_explicit(
+        f"{old} moved to {new}; import it from there", DeprecationWarning, frame.f_code.co_filename,
+        frame.f_lineno, module=frame.f_globals.get("__name__", "<unknown>"), registry=registry,
+    )
 
 
 def moved_names(module: str) -> Callable[[str], Any]:
