@@ -19,6 +19,7 @@ from trainloop import TrainerSettings
 from trainloop.checkpoint.export import export_checkpoint, settings_hash
 from trainloop.hooks.checkpointing import CheckpointingHook
 from trainloop.hooks.ema import EmaHook
+from trainloop.hooks.export import ExportHook
 from trainloop.version import __version__
 
 
@@ -102,3 +103,20 @@ def test_the_end_of_run_export_is_declared_in_settings_and_skipped_on_an_early_e
     stopped = StopAtOnce(TrainerSettings.model_validate({**settings, "workspace": str(tmp_path / "stopped")}))
     stopped.train()
     assert not (tmp_path / "stopped" / "final.safetensors").exists()
+
+
+@pytest.mark.parametrize(("output", "said"), [("", "is empty"), (".", "is a directory"), ("outdir", "is a directory")])
+def test_an_unusable_output_is_a_usage_error_and_writes_nothing(tmp_path, output, said):
+    (tmp_path / "outdir").mkdir()
+    before = sorted(p.name for p in tmp_path.rglob("*"))
+    result = Cli("export", "ws", "--output", output, cwd=tmp_path, env=cli_env()).result()
+    assert result.returncode == 2
+    assert result.stderr == f"trainloop export: error: --output {output!r} {said}: give the .safetensors file to write\n"
+    assert sorted(p.name for p in tmp_path.rglob("*")) == before
+
+
+def test_ema_weights_without_an_ema_hook_fail_before_the_first_step(tmp_path):
+    trainer = TinyTrainer(max_steps=3, workspace=tmp_path / "ws", hooks=[ExportHook(weights="ema")], metrics_file=False)
+    with pytest.raises(ValueError, match="ExportHook weights='ema' needs exactly one EmaHook, found 0"):
+        trainer.train()
+    assert trainer.step == 0  # refused before training, not after it

@@ -167,3 +167,23 @@ def test_reading_names_what_is_wrong(tmp_path):
     pretrain(tmp_path)
     with pytest.raises(CheckpointError, match=r"weights='ema': no EMA hook state \(found: none\)"):
         read_weights(tmp_path / "pre", "ema")
+
+
+@pytest.mark.parametrize(
+    ("declared", "line"),
+    [
+        ({"init_from": ""}, "init_from: an empty path"),
+        ({"init_from": {"path": ""}}, "init_from.path: an empty path"),
+        ({"hooks": [{"type": "export", "path": ""}]}, "hooks[0].path: an empty path"),
+    ],
+)
+def test_what_run_would_refuse_late_validate_refuses_first(tmp_path, declared, line):
+    # Each of these used to pass `validate`, then fail `run` after training (or after writing the workspace).
+    (tmp_path / "run.json").write_text(json.dumps({"max_steps": 2, "workspace": "ws", **declared}))
+    runs = [Cli(command, "run.json", "--trainer", "cli_trainers:CliTrainer", cwd=tmp_path, env=cli_env()) for command in ("run", "validate")]
+    for command, process in zip(("run", "validate"), runs, strict=True):
+        result = process.result()
+        assert result.returncode == 2, result.stderr
+        (said,) = result.stderr.splitlines()
+        assert said.startswith(f"trainloop {command}: error: run.json: {line}"), said
+    assert [p.name for p in tmp_path.iterdir()] == ["run.json"]

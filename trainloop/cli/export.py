@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+from pathlib import Path
 
 from trainloop.checkpoint.errors import CheckpointError
 from trainloop.checkpoint.export import export_checkpoint
@@ -19,7 +20,11 @@ __all__ = ["command"]
 
 
 def command(args: argparse.Namespace) -> int:
-    """Write the file, or say in one line why not."""
+    """Write the file, or say in one line why not (a bad ``--output`` before anything is read)."""
+    output = Path(args.output)
+    if not args.output.strip() or output.is_dir():
+        what = "is empty" if not args.output.strip() else "is a directory"
+        raise CliError(f"--output {args.output!r} {what}: give the .safetensors file to write")
     try:
         metadata = export_checkpoint(args.checkpoint, args.output, args.weights)
     except CheckpointError as error:

@@ -11,8 +11,10 @@ from trainloop.distributed.ranks import is_rank_zero
 from trainloop.hooks.base import BaseHook
 from trainloop.hooks.checks import HookProblem, needs_workspace
 from trainloop.hooks.registry import register_hook
+from trainloop.settings.types import NonEmptyPath
 
 if TYPE_CHECKING:
+    from trainloop.hooks.ema import EmaHook
     from trainloop.run_state import TrainerView
 
 __all__ = ["ExportHook"]
@@ -35,7 +37,9 @@ class ExportHook(BaseHook):
 
     @validate_call
     def __init__(
-        self, path: Path = Path("model.safetensors"), weights: Annotated[str, Field(pattern=r"^(model|ema)$")] = "model"
+        self,
+        path: NonEmptyPath = Path("model.safetensors"),
+        weights: Annotated[str, Field(pattern=r"^(model|ema)$")] = "model",
     ) -> None:
         self.path = path
         self.weights = weights
@@ -43,10 +47,35 @@ class ExportHook(BaseHook):
 
     @classmethod
     def check_settings(cls, declared: Any, settings: Any, trainer: Any) -> list[HookProblem]:
-        """A relative ``path`` needs a workspace."""
-        return needs_workspace(
+        """A relative ``path`` needs a workspace; ``weights="ema"`` needs an EMA hook.
+
+        The EMA hook may be declared in ``settings.hooks`` or built by the trainer's
+        ``build_hooks()``, which is not called here: a trainer that overrides it is trusted.
+        """
+        problems = needs_workspace(
             settings, declared.path, "path", f"the weights go to {str(declared.path)!r}, a relative path"
         )
+        if declared.weights == "ema" and not any(spec.type == "ema" for spec in settings.hooks):
+            trainer_class = trainer if isinstance(trainer, type) else type(trainer)
+            build_hooks = getattr(trainer_class, "build_hooks", None)
+            builds_hooks = trainer is not None and getattr(build_hooks, "__qualname__", "") != "BaseTrainer.build_hooks"
+            if not builds_hooks:
+                problems.append(("weights", "'ema' needs an EMA hook, and settings.hooks declares none"))
+        return problems
+
+    def on_before_train(self, trainer: TrainerView) -> None:
+        """Refuse ``weights="ema"`` without exactly one EMA hook now, not after the run trained."""
+        if self.weights == "ema":
+            self._ema_hook(trainer)
+
+    def _ema_hook(self, trainer: TrainerView) -> EmaHook:
+        """The run's one EMA hook."""
+        from trainloop.hooks.ema import EmaHook
+
+        averaged = [hook for hook in trainer.hooks if isinstance(hook, EmaHook)]
+        if len(averaged) != 1:
+            raise ValueError(f"ExportHook weights='ema' needs exactly one EmaHook, found {len(averaged)}")
+        return averaged[0]
 
     def on_after_train(self, trainer: TrainerView) -> None:
         """Write the file, if the run reached its end."""
@@ -56,12 +85,7 @@ class ExportHook(BaseHook):
         from trainloop.checkpoint.export import save_weights
 
         if self.weights == "ema":
-            from trainloop.hooks.ema import EmaHook
-
-            averaged = [hook for hook in trainer.hooks if isinstance(hook, EmaHook) and hook.ema_model is not None]
-            if len(averaged) != 1:
-                raise ValueError(f"ExportHook weights='ema' needs exactly one EmaHook, found {len(averaged)}")
-            state = averaged[0].ema_model.module.state_dict()  # type: ignore[union-attr]
+            state = self._ema_hook(trainer).ema_model.module.state_dict()  # type: ignore[union-attr]
         else:
             from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 

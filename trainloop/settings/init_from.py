@@ -10,7 +10,7 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from trainloop.settings.types import StrictBool
+from trainloop.settings.types import NonEmptyPath, StrictBool
 
 __all__ = ["InitFromSettings"]
 
@@ -24,7 +24,7 @@ class InitFromSettings(BaseModel):
 
     model_config = ConfigDict(frozen=True, extra="forbid", use_attribute_docstrings=True)
 
-    path: Path
+    path: NonEmptyPath
     """A trainloop checkpoint directory (full or sharded), a checkpoints root or a workspace
     (its latest checkpoint is used), or a ``.safetensors`` / ``.pt`` state-dict file."""
     weights: str = Field(default="model", min_length=1)
