@@ -120,3 +120,18 @@ def test_ema_weights_without_an_ema_hook_fail_before_the_first_step(tmp_path):
     with pytest.raises(ValueError, match="ExportHook weights='ema' needs exactly one EmaHook, found 0"):
         trainer.train()
     assert trainer.step == 0  # refused before training, not after it
+
+
+def test_the_preflight_refuses_ema_weights_when_no_ema_hook_is_declared_or_built(tmp_path):
+    from trainloop import BaseTrainer
+    from trainloop.settings.preflight import preflight
+
+    class Declares(BaseTrainer):  # builds no hooks in code: only settings.hooks can give the EMA hook
+        build_data_loader = build_model = forward = TinyTrainer.build_data_loader
+
+    export = {"type": "export", "weights": "ema"}
+    alone = TrainerSettings(max_steps=2, workspace=tmp_path, optimizer={"name": "SGD", "lr": 0.1}, hooks=[export])
+    assert preflight(alone, Declares) == ["hooks[0].weights: 'ema' needs an EMA hook, and settings.hooks declares none"]
+    with_ema = alone.model_copy(update={"hooks": TrainerSettings(hooks=[{"type": "ema"}, export], max_steps=2).hooks})
+    assert preflight(with_ema, Declares) == []
+    assert preflight(alone, TinyTrainer) == []  # it overrides build_hooks: trusted, and checked before step 1
