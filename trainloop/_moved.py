@@ -43,7 +43,7 @@ MOVED_MODULES: dict[str, str] = {
 MOVED_NAMES: dict[str, dict[str, str]] = {
     "trainloop.hooks.checkpointing": dict.fromkeys(
         (
-            "LATEST", "CheckpointError", "CheckpointSaveError", "checkpoint_steps", "latest_checkpoint",
+            "LATEST", "CheckpointError", "checkpoint_steps", "latest_checkpoint",
             "read_checkpoint", "write_checkpoint",
         ),
         "trainloop.checkpoint",
