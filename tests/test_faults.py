@@ -17,12 +17,8 @@ from tiny_trainer import TinyTrainer, make_data
 from torch.utils.data import DataLoader
 
 from trainloop import BaseHook, DataExhaustedError, Loss, State
-from trainloop.hooks.checkpointing import (
-    CheckpointingHook,
-    checkpoint_steps,
-    latest_checkpoint,
-    read_checkpoint,
-)
+from trainloop.checkpoint import checkpoint_steps, latest_checkpoint, read_checkpoint
+from trainloop.hooks.checkpointing import CheckpointingHook
 from trainloop.hooks.logging_hook import LoggingHook
 from trainloop.hooks.stats import StatsHook
 from trainloop.utils import key_average

@@ -41,6 +41,13 @@ MOVED_MODULES: dict[str, str] = {
 
 #: Per module that still exists: names it no longer defines -> the module that does.
 MOVED_NAMES: dict[str, dict[str, str]] = {
+    "trainloop.hooks.checkpointing": dict.fromkeys(
+        (
+            "LATEST", "CheckpointError", "checkpoint_steps", "latest_checkpoint",
+            "read_checkpoint", "write_checkpoint",
+        ),
+        "trainloop.checkpoint",
+    ),
     "trainloop.hooks.base": dict.fromkeys(
         ("HOOK_EVENTS", "HOOK_METHODS", "check_hook_methods", "check_hooks", "hook_dispatch", "state_entry_methods"),
         "trainloop.hooks.dispatch",

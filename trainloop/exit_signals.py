@@ -15,9 +15,11 @@ import signal
 import threading
 import time
 from types import FrameType
-from typing import Any
+from typing import Annotated, Any
 
-__all__ = ["DEFAULT_EXIT_SIGNALS", "ExitSignals", "as_signal"]
+from pydantic import AfterValidator, Field, StrictInt, StrictStr
+
+__all__ = ["DEFAULT_EXIT_SIGNALS", "ExitCode", "ExitSignal", "ExitSignals", "as_signal"]
 
 DEFAULT_EXIT_SIGNALS = ("SIGTERM", "SIGUSR1", "SIGINT")
 """What a ``CheckpointingHook`` catches unless told otherwise."""
@@ -104,3 +106,14 @@ class ExitSignals:
             self._logger.error("Second Ctrl-C: exiting at once, without the exit checkpoint")
             raise KeyboardInterrupt
         # A repeated SIGTERM (a scheduler, torchrun) must not cut the exit save short.
+
+
+def _signal_name(value: str | int) -> str:
+    return as_signal(value).name
+
+
+ExitSignal = Annotated[StrictStr | StrictInt, AfterValidator(_signal_name)]
+"""A signal name (``"SIGTERM"``, ``"TERM"``) or number, validated into its canonical name
+(``"SIGTERM"``), so declared settings and the defaults compare and round-trip alike."""
+ExitCode = Annotated[int, Field(ge=0, le=255, strict=True)]
+"""An exit code a signal exit ends with."""

@@ -23,6 +23,7 @@ from pydantic import ValidationError
 from tiny_trainer import TinyTrainer
 from torch import nn
 
+from trainloop.checkpoint import read_checkpoint
 from trainloop.distributed import (
     DistributedContext,
     FSDPOptions,
@@ -36,7 +37,6 @@ from trainloop.distributed import (
     world_size,
     wrap_model,
 )
-from trainloop.hooks.checkpointing import read_checkpoint
 
 WORLD = 2
 TORCHRUN_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")

@@ -19,12 +19,8 @@ from helper_hooks import CaptureHook, CounterHook, SignalAtStep
 from tiny_trainer import TinyTrainer
 
 from trainloop import BaseHook
-from trainloop.checkpoint import checkpoint_format, read_metadata, verify_checkpoint
-from trainloop.hooks.checkpointing import (
-    CheckpointingHook,
-    checkpoint_steps,
-    read_checkpoint,
-)
+from trainloop.checkpoint import checkpoint_format, checkpoint_steps, read_checkpoint, read_metadata, verify_checkpoint
+from trainloop.hooks.checkpointing import CheckpointingHook
 
 FORMATS = ["full", "sharded"]
 WORLD = 2

@@ -29,16 +29,17 @@ from tiny_trainer import TinyTrainer
 
 import trainloop
 from trainloop import BaseHook
-from trainloop.checkpoint import read_metadata, verify_checkpoint
-from trainloop.checkpoint.manifest import write_manifest
-from trainloop.hooks.checkpointing import (
+from trainloop.checkpoint import (
     CheckpointError,
-    CheckpointingHook,
     CheckpointSaveError,
     checkpoint_steps,
     latest_checkpoint,
     read_checkpoint,
+    read_metadata,
+    verify_checkpoint,
 )
+from trainloop.checkpoint.manifest import write_manifest
+from trainloop.hooks.checkpointing import CheckpointingHook
 
 FORMATS = ["full", "sharded"]
 

@@ -15,7 +15,8 @@ import pytest
 from checkpoint_child import Child
 from tiny_trainer import TinyTrainer
 
-from trainloop.hooks.checkpointing import CheckpointingHook, checkpoint_steps, read_checkpoint
+from trainloop.checkpoint import checkpoint_steps, read_checkpoint
+from trainloop.hooks.checkpointing import CheckpointingHook
 
 #: name: (first signal, whether the exit save runs in the background)
 CASES = {

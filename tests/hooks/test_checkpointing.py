@@ -22,14 +22,9 @@ from pydantic import ValidationError
 from tiny_trainer import TinyTrainer
 
 from trainloop import BaseHook
+from trainloop.checkpoint import CheckpointError, checkpoint_steps, latest_checkpoint, read_checkpoint
 from trainloop.checkpoint.manifest import write_manifest
-from trainloop.hooks.checkpointing import (
-    CheckpointError,
-    CheckpointingHook,
-    checkpoint_steps,
-    latest_checkpoint,
-    read_checkpoint,
-)
+from trainloop.hooks.checkpointing import CheckpointingHook
 from trainloop.hooks.registry import HOOK_TYPES, hook_settings_model
 
 # -- helpers ---------------------------------------------------------------------------------

@@ -16,8 +16,9 @@ from child_process import ChildProcess
 from tiny_trainer import TinyTrainer, make_data
 from torch.utils.data import DataLoader
 
+from trainloop.checkpoint import read_checkpoint
 from trainloop.data_position import InexactResumeWarning
-from trainloop.hooks.checkpointing import CheckpointingHook, read_checkpoint
+from trainloop.hooks.checkpointing import CheckpointingHook
 
 CHILD = Path(__file__).resolve().parents[1] / "support" / "resume_child.py"
 TIMEOUT = 240

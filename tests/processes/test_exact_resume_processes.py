@@ -24,11 +24,7 @@ from child_process import ChildProcess
 from ddp_worker import free_port
 
 from trainloop import State
-from trainloop.hooks.checkpointing import (
-    checkpoint_steps,
-    latest_checkpoint,
-    read_checkpoint,
-)
+from trainloop.checkpoint import checkpoint_steps, latest_checkpoint, read_checkpoint
 
 pytest.importorskip("torchdata.stateful_dataloader")
 pytestmark = pytest.mark.filterwarnings("ignore:'set_vital' is deprecated:UserWarning")

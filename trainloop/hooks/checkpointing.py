@@ -6,33 +6,26 @@ its reading and writing functions are re-exported here.
 
 from __future__ import annotations
 
-import dataclasses
 import signal
-import sys
 import time
 import warnings
-from collections.abc import Iterator, Sequence
-from contextlib import contextmanager, nullcontext
+from collections.abc import Sequence
+from contextlib import nullcontext
 from logging import Logger
 from pathlib import Path
-from typing import TYPE_CHECKING, Annotated, Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
-from pydantic import AfterValidator, Field, StrictInt, StrictStr, validate_call
+from pydantic import validate_call
 
-from trainloop.checkpoint.atomic import clean_leftovers, remove_directory, wait_for_removals
+from trainloop._moved import moved_names
+from trainloop.checkpoint.atomic import wait_for_removals
 from trainloop.checkpoint.best import BestCheckpoints, Monitor, check_best
-from trainloop.checkpoint.errors import CheckpointError, CheckpointSaveError
-from trainloop.checkpoint.files import (
-    LATEST,
-    checkpoint_candidates,
-    checkpoint_steps,
-    latest_checkpoint,
-    read_checkpoint,
-    write_checkpoint,
-)
+from trainloop.checkpoint.errors import CheckpointSaveError
 from trainloop.checkpoint.manifest import make_metadata
+from trainloop.checkpoint.resume import load_checkpoint, say, sharded_state_dict
+from trainloop.checkpoint.retention import prune
 from trainloop.distributed.ranks import is_rank_zero
-from trainloop.exit_signals import DEFAULT_EXIT_SIGNALS, ExitSignals, as_signal
+from trainloop.exit_signals import DEFAULT_EXIT_SIGNALS, ExitCode, ExitSignal, ExitSignals, as_signal
 from trainloop.hooks.base import BaseHook
 from trainloop.hooks.checks import HookProblem, listed, needs_workspace, one_process
 from trainloop.hooks.early_stopping import MonitorNotFoundWarning
@@ -45,26 +38,10 @@ if TYPE_CHECKING:
     from trainloop.checkpoint.saver import CheckpointSaver
     from trainloop.run_state import TrainerView
 
-__all__ = [
-    "LATEST",
-    "CheckpointError",
-    "CheckpointSaveError",
-    "CheckpointingHook",
-    "checkpoint_steps",
-    "latest_checkpoint",
-    "read_checkpoint",
-    "write_checkpoint",
-]
+__all__ = ["CheckpointingHook"]
 
-
-def _signal_name(value: str | int) -> str:
-    return as_signal(value).name
-
-
-ExitSignal = Annotated[StrictStr | StrictInt, AfterValidator(_signal_name)]
-"""A signal name (``"SIGTERM"``, ``"TERM"``) or number, validated into its canonical name
-(``"SIGTERM"``), so declared settings and the defaults compare and round-trip alike."""
-ExitCode = Annotated[int, Field(ge=0, le=255, strict=True)]
+# The checkpoint helpers this module once re-exported (see trainloop._moved).
+__getattr__ = moved_names(__name__)
 
 
 @register_hook("checkpointing")
@@ -83,17 +60,13 @@ class CheckpointingHook(BaseHook):
     ``<path>/latest`` points at the newest checkpoint once it is complete.
 
     With ``keep_best`` and ``monitor``, each checkpoint saved at a step where ``monitor`` was
-    logged (by a ``ValidationHook`` evaluating at the steps that are saved, for example) is
-    scored by it; the ``keep_best`` best are never pruned, ``<path>/best.json`` records the
-    scores, and ``best_checkpoint`` (and ``RunResult.best_checkpoint``) points at the best. A
-    ``monitor`` that is never logged is a ``MonitorNotFoundWarning`` at the end of the run,
-    with the closest keys that were.
+    logged is scored by it; the ``keep_best`` best are never pruned, ``<path>/best.json``
+    records the scores, and ``best_checkpoint`` points at the best. A ``monitor`` never logged
+    is a ``MonitorNotFoundWarning`` at the end of the run, naming the closest keys that were.
 
-    Under ``torch.distributed``, with ``format="full"`` every rank builds the state dict and
-    rank 0 writes it (under FSDP, give the trainer full-state-dict options); with
-    ``format="sharded"`` every rank writes its own shard through ``torch.distributed.checkpoint``
-    (the natural choice for FSDP), and such a checkpoint resumes on another number of ranks.
-    A checkpoint is loaded in its own format, whatever ``format`` says.
+    Under FSDP, ``format="sharded"`` is the natural choice (``"full"`` needs full-state-dict
+    options); a sharded checkpoint resumes on another number of ranks, and a checkpoint is
+    loaded in its own format, whatever ``format`` says.
 
     Args:
         interval: Save every ``interval`` steps (or epochs, see ``unit``).
@@ -227,11 +200,9 @@ class CheckpointingHook(BaseHook):
         self._exit_asked = False
         self._metrics: dict[str, Any] = {}
         self._first_step = 0  # the step this run started from
-        self.resumed_complete = False
-        """Whether the last run resumed a run that had already completed (and so trained nothing)."""
+        self.resumed_complete = False  # the last run resumed a completed run (and so trained nothing)
         self._saver: CheckpointSaver | None = None
 
-    # -- restoring -----------------------------------------------------------------------------
 
     def on_enter_restoring(self, trainer: TrainerView) -> None:
         """Load the checkpoint ``load`` names, if any, into the trainer."""
@@ -248,56 +219,19 @@ class CheckpointingHook(BaseHook):
         self.resumed_complete = False
         if self.load is None:
             return
-        chosen = self._choose(trainer, root)
-        if chosen is None:
-            _say(trainer.logger, "No checkpoint in %s: starting from scratch", root)
+        directory = load_checkpoint(trainer, root, self.load)
+        if directory is None:
+            say(trainer.logger, "No checkpoint in %s: starting from scratch", root)
             return
-        directory, state_dict = chosen
-        trainer.logger.info("Loading checkpoint %s", directory)
-        if state_dict is not None:  # a full checkpoint, read and verified by _choose
-            trainer.load_state_dict(state_dict)
-        else:
-            from trainloop.checkpoint.sharded import load_sharded
-
-            with _sharded_state_dict(trainer):
-                trainer.load_state_dict(load_sharded(directory, trainer.state_dict()))
         planned = trainer.run_length.planned_steps
         self.resumed_complete = planned is not None and trainer.step >= planned
         if self.resumed_complete:
-            _say(trainer.logger, "Resumed from %s at step %d: the run is already complete (%d steps); nothing to train",
-                 directory, trainer.step, planned)
+            say(
+                trainer.logger, "Resumed from %s at step %d: the run is already complete (%d steps); nothing to train",
+                directory, trainer.step, planned,
+            )
         else:
-            _say(trainer.logger, "Resumed from %s at step %d", directory, trainer.step)
-
-    def _choose(self, trainer: TrainerView, root: Path) -> tuple[Path, dict[str, Any] | None] | None:
-        """The checkpoint to load, and its state dict if full.
-
-        Rank 0 lists the candidates, every rank verifies their files as it reads them (a sharded one: its share; see
-        :mod:`trainloop.checkpoint.verify`); the same answer on every rank.
-        """
-        from trainloop.checkpoint.saver import broadcast_from_rank_zero
-        from trainloop.checkpoint.verify import open_checkpoint
-
-        candidates: list[Path] | None = None
-        error: BaseException | None = None
-        if is_rank_zero():
-            try:
-                if isinstance(self.load, Path):
-                    found = self.load.expanduser()
-                    if not found.is_dir():
-                        raise FileNotFoundError(
-                            f"CheckpointingHook load={str(self.load)!r}: no checkpoint directory at {found}"
-                        )
-                    candidates = [found]
-                else:  # "latest"
-                    clean_leftovers(root, trainer.logger)
-                    candidates = checkpoint_candidates(root, trainer.logger)
-            except OSError as failure:
-                error = failure
-        error = broadcast_from_rank_zero(error)
-        if error is not None:
-            raise error
-        return open_checkpoint(candidates, explicit=isinstance(self.load, Path), log=trainer.logger)
+            say(trainer.logger, "Resumed from %s at step %d", directory, trainer.step)
 
     def on_before_train(self, trainer: TrainerView) -> None:
         """Ask for a save at the end of the run, and install the exit-signal handlers."""
@@ -368,7 +302,7 @@ class CheckpointingHook(BaseHook):
             time.sleep(self.exit_wait)
         if self.async_save:
             self._settle(trainer, agree=True)  # one save in flight at most
-        with _sharded_state_dict(trainer) if self.format == "sharded" else nullcontext():
+        with sharded_state_dict(trainer) if self.format == "sharded" else nullcontext():
             state_dict = trainer.state_dict()  # on every rank: collectives gather and shard
         training_state = state_dict["training_state"]
         metadata = make_metadata(training_state["step"], training_state["epoch"], self.format, self._metrics)
@@ -398,25 +332,11 @@ class CheckpointingHook(BaseHook):
             self._report(trainer, self._saver.settle(agree))
 
     def _prune(self, root: Path, newest: int, logger: Logger) -> None:
-        earlier = [step for step in checkpoint_steps(root) if step != newest]
-        recent = set(earlier[-self.keep_previous :]) if self.keep_previous else set()
         best = self._best.kept() if self._best is not None else set()
-        for step in earlier:
-            if step in recent or step in best or self._is_kept(step):
-                continue
-            path = root / str(step)
-
-            def report(error: OSError, path: Path = path) -> None:
-                logger.warning("Could not remove old checkpoint %s: %s", path, error)
-
-            try:
-                remove_directory(path, background=report)  # gone from its name now, deleted off the training thread
-            except OSError as error:
-                report(error)
+        prune(root, newest, self.keep_previous, lambda step: step in best or self._is_kept(step), logger)
         if self._best is not None:
             self._best.write(root)  # after pruning: it lists the checkpoints still there
 
-    # -- exiting -------------------------------------------------------------------------------
 
     def on_after_train(self, trainer: TrainerView) -> None:
         """Wait for a save in flight.
@@ -452,7 +372,6 @@ class CheckpointingHook(BaseHook):
             return
         self._report(trainer, error)
 
-    # -- helpers -------------------------------------------------------------------------------
 
     @property
     def best_checkpoint(self) -> Path | None:
@@ -479,35 +398,3 @@ class CheckpointingHook(BaseHook):
                 "workspace; set the trainer's workspace or give an absolute path"
             )
         return trainer.workspace / self.path
-
-
-def _say(logger: Logger, message: str, *args: Any) -> None:
-    """Tell the user (rank 0) what the run starts from.
-
-    Logged at INFO when logging is configured, else one line on stderr (Python shows no INFO record by default).
-    """
-    if not is_rank_zero():
-        return
-    if logger.hasHandlers():
-        logger.info(message, *args)
-    else:
-        print(f"trainloop: {message % args}", file=sys.stderr, flush=True)
-
-
-@contextmanager
-def _sharded_state_dict(trainer: TrainerView) -> Iterator[None]:
-    """Make ``trainer.state_dict()`` and ``load_state_dict()`` keep each rank's shards.
-
-    The trainer's own options may ask for full tensors (for full checkpoints); DCP needs the
-    sharded form, so the other options are kept and these two switched off for the moment.
-    """
-    from torch.distributed.checkpoint.state_dict import StateDictOptions
-
-    saved = trainer.state_dict_options
-    trainer.state_dict_options = dataclasses.replace(
-        saved or StateDictOptions(), full_state_dict=False, cpu_offload=False, broadcast_from_rank0=False
-    )
-    try:
-        yield
-    finally:
-        trainer.state_dict_options = saved

@@ -24,34 +24,12 @@ from trainloop.machine.diagram import draw
 from trainloop.machine.table import TRANSITIONS, State, Transition
 from trainloop.machine.trace import TraceSummary, read_trace, summarize_trace
 from trainloop.metrics import METRICS_FILE, read_metrics
+from trainloop.report.style import STYLE
 from trainloop.result import RUNS_FILE, read_runs
 
 __all__ = ["ReportError", "build_report", "machine_svg", "write_report"]
 
 REPORT_FILE = "report.html"
-
-_STYLE = """
-body { font: 14px/1.45 system-ui, -apple-system, "Segoe UI", sans-serif; color: #1f2328; margin: 0;
-       background: #f6f8fa; }
-main { max-width: 1180px; margin: 0 auto; padding: 24px; }
-h1 { font-size: 24px; margin: 0 0 4px; }
-h2 { font-size: 18px; margin: 28px 0 10px; border-bottom: 1px solid #d0d7de; padding-bottom: 4px; }
-h3 { font-size: 15px; margin: 16px 0 6px; }
-.muted { color: #656d76; } .card { background: #fff; border: 1px solid #d0d7de; border-radius: 6px; padding: 12px; }
-.grid { display: grid; grid-template-columns: repeat(auto-fill, minmax(360px, 1fr)); gap: 12px; }
-.grid svg, .diagram svg { max-width: 100%; height: auto; }
-.diagram { overflow-x: auto; text-align: center; }
-table { border-collapse: collapse; background: #fff; }
-td, th { border: 1px solid #d0d7de; padding: 3px 10px; text-align: left; }
-td.num { text-align: right; font-variant-numeric: tabular-nums; }
-.bar { background: #54aeff; height: 10px; border-radius: 2px; }
-.best { background: #dafbe1; font-weight: 600; } .bad { color: #cf222e; }
-.stats { display: flex; gap: 12px; flex-wrap: wrap; } .stats .card { min-width: 130px; }
-.stats b { display: block; font-size: 20px; }
-pre { background: #fff; border: 1px solid #d0d7de; border-radius: 6px; padding: 10px; overflow-x: auto;
-      font-size: 12px; }
-"""
-
 
 class ReportError(ValueError):
     """The workspace cannot be reported on; the message names the path."""
@@ -121,7 +99,7 @@ def build_report(workspace: Path) -> str:
     body = "\n".join(parts)
     return (
         '<!DOCTYPE html>\n<html lang="en"><head><meta charset="utf-8">'
-        f"<title>trainloop report: {_e(workspace.resolve().name)}</title><style>{_STYLE}</style></head>"
+        f"<title>trainloop report: {_e(workspace.resolve().name)}</title><style>{STYLE}</style></head>"
         f"<body><main>\n{body}\n</main></body></html>\n"
     )
 
