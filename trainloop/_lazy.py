@@ -35,9 +35,7 @@ def lazy_exports(
         module = exports.get(name)
         if module is None:
             if fallback is not None:
-                value = fallback(name)
-                namespace[name] = value  # `from package import name` asks twice: answer (and warn) once
-                return value
+                return fallback(name)  # not cached: a moved name warns at each place that uses it
             raise AttributeError(f"module {package!r} has no attribute {name!r}")
         value = getattr(importlib.import_module(module), name)
         namespace[name] = value

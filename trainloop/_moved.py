@@ -96,8 +96,11 @@ def moved_names(module: str) -> Callable[[str], Any]:
     def __getattr__(name: str) -> Any:
         if name not in moved:
             raise AttributeError(f"module {module!r} has no attribute {name!r}")
+        value = getattr(importlib.import_module(moved[name]), name)
+        # Warned after the import: importing (torch...) may change the warning filters, which
+        # resets the registry that shows a warning once per line.
         _warn(f"{module}.{name}", f"{moved[name]}.{name}")
-        return getattr(importlib.import_module(moved[name]), name)
+        return value
 
     return __getattr__
 
