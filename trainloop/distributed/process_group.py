@@ -1,17 +1,7 @@
-"""Opt-in ``torch.distributed`` helpers for the user's own set-up (the trainer wraps nothing).
+"""The process group: joining it under ``torchrun`` (``init_distributed``), the device, leaving it.
 
-A script launched by ``torchrun`` joins the process group, wraps its model and trains::
-
-    with init_distributed() as ctx:          # rank, world_size, local_rank, device
-        MyTrainer(max_steps=1000, device=str(ctx.device)).train()
-
-    class MyTrainer(BaseTrainer):
-        def build_model(self):
-            return wrap_model(Net().to(self.device), "fsdp", shard_modules=(Block,))
-
-Run alone (no ``torchrun`` environment), the same script trains in one process: the context
-is a no-op, and ``wrap_model(..., "auto")`` returns the model unchanged. This module is the
-process group's part: joining it, the device, leaving it (``trainloop.distributed.wrap`` wraps).
+Run alone (no ``torchrun`` environment), ``init_distributed()`` is a no-op context, so the same
+script trains in one process; the package docstring (``trainloop.distributed``) shows a script.
 """
 
 from __future__ import annotations
