@@ -77,3 +77,15 @@ def test_turned_off_in_settings_from_the_environment(tmp_path):
     assert (tmp_path / "settings.json").exists()
     assert not (tmp_path / "metrics.jsonl").exists()
     assert TrainerSettings.load(env={"TRAINLOOP_MAX_STEPS": "2"}).metrics_file is True
+
+
+def test_a_fresh_run_keeps_an_earlier_runs_records_beside_its_own(tmp_path, caplog):
+    # No checkpoints: the second run starts fresh in the same workspace, and must not lose the first's records.
+    TinyTrainer(max_steps=3, hooks=[LoggingHook(interval=1)], workspace=tmp_path).train()
+    first = read_metrics(tmp_path / "metrics.jsonl")
+    TinyTrainer(max_steps=2, hooks=[LoggingHook(interval=1)], workspace=tmp_path).train()
+    assert read_metrics(tmp_path / "metrics.1.jsonl") == first
+    assert [r["step"] for r in read_metrics(tmp_path / "metrics.jsonl")] == [1, 2]
+    assert "kept as metrics.1.jsonl" in caplog.text
+    TinyTrainer(max_steps=1, hooks=[LoggingHook(interval=1)], workspace=tmp_path).train()
+    assert [r["step"] for r in read_metrics(tmp_path / "metrics.2.jsonl")] == [1, 2]  # the next free number

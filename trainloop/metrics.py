@@ -4,12 +4,15 @@ Each call becomes one flat record: ``{"step": 100, "time": 1700000000.0, "loss":
 "val/accuracy": 0.97, ...}`` (nested keys joined with ``/``, values as floats, NaN and infinities
 as ``null`` since JSON has none). ``step`` and ``time`` are reserved names. A resumed run first
 drops the records of steps after the checkpoint it resumed from, so the file holds each step
-once, as the run that finished it logged it.
+once, as the run that finished it logged it. A fresh run (nothing resumed) in a workspace whose
+file holds an earlier run's records keeps them: the file is renamed ``metrics.1.jsonl`` (the next
+free number) and a warning says so, before the new run starts its own ``metrics.jsonl``.
 """
 
 from __future__ import annotations
 
 import json
+import logging
 import math
 import time
 from collections.abc import Mapping
@@ -50,7 +53,9 @@ class MetricsLog:
         """
         self.close()
         path.parent.mkdir(parents=True, exist_ok=True)
-        if path.exists():
+        if resumed_step == 0 and path.exists() and path.stat().st_size > 0:
+            _keep_earlier_run(path)
+        elif path.exists():
             kept = [r for r in read_metrics(path) if r["step"] <= resumed_step]
             tmp = path.with_name(f".{path.name}.tmp")
             tmp.write_text("".join(_line(r) for r in kept), encoding="utf-8")
@@ -85,6 +90,17 @@ class MetricsLog:
         if self._file is not None:
             self._file.close()
             self._file = None
+
+
+def _keep_earlier_run(path: Path) -> None:
+    """Rename an earlier run's ``metrics.jsonl`` to the next free ``metrics.<n>.jsonl``, saying so."""
+    number = 1
+    while (kept := path.with_name(f"{path.stem}.{number}{path.suffix}")).exists():
+        number += 1
+    path.replace(kept)
+    logging.getLogger("trainloop").warning(
+        "%s held the records of an earlier run that this fresh run does not continue: kept as %s", path, kept.name
+    )
 
 
 def _line(row: Mapping[str, Any]) -> str:
