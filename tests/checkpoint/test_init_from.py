@@ -164,6 +164,9 @@ def test_reading_names_what_is_wrong(tmp_path):
     torch.save([1, 2], tmp_path / "list.pt")
     with pytest.raises(CheckpointError, match=r"list.pt: not a state dict"):
         read_weights(tmp_path / "list.pt")
+    (tmp_path / "text.pt").write_text("hello")  # torch's own error is a bare "101"
+    with pytest.raises(CheckpointError, match=r"text.pt: cannot load: not a file torch.save wrote, or damaged \(KeyError"):
+        read_weights(tmp_path / "text.pt")
     pretrain(tmp_path)
     with pytest.raises(CheckpointError, match=r"weights='ema': no EMA hook state \(found: none\)"):
         read_weights(tmp_path / "pre", "ema")
@@ -175,6 +178,8 @@ def test_reading_names_what_is_wrong(tmp_path):
         ({"init_from": ""}, "init_from: an empty path"),
         ({"init_from": {"path": ""}}, "init_from.path: an empty path"),
         ({"hooks": [{"type": "export", "path": ""}]}, "hooks[0].path: an empty path"),
+        # A union of "latest" and a path: the path's own refusal, not "should be 'latest' or an empty path".
+        ({"hooks": [{"type": "checkpointing", "interval": 1, "load": ""}]}, "hooks[0].load: an empty path; give a"),
     ],
 )
 def test_what_run_would_refuse_late_validate_refuses_first(tmp_path, declared, line):
@@ -187,3 +192,21 @@ def test_what_run_would_refuse_late_validate_refuses_first(tmp_path, declared, l
         (said,) = result.stderr.splitlines()
         assert said.startswith(f"trainloop {command}: error: run.json: {line}"), said
     assert [p.name for p in tmp_path.iterdir()] == ["run.json"]
+
+
+def test_averaged_weights_a_source_lacks_are_refused_before_anything_is_built(tmp_path):
+    pretrain(tmp_path)  # a full checkpoint without an EMA hook
+    save_file(weights_of(TinyTrainer(max_steps=1).build_model()), tmp_path / "plain.safetensors")
+    for source, said in [
+        ("pre", "init_from.weights: weights='ema', but "),
+        ("plain.safetensors", "init_from.weights: weights='ema' needs a checkpoint; 'plain.safetensors' is a weights"),
+    ]:
+        settings = {"max_steps": 2, "workspace": "ws", "init_from": {"path": source, "weights": "ema"}}
+        (tmp_path / "run.json").write_text(json.dumps(settings))
+        result = Cli("run", "run.json", "--trainer", "cli_trainers:CliTrainer", cwd=tmp_path, env=cli_env()).result()
+        assert result.returncode == 2, result.stderr
+        (line,) = result.stderr.splitlines()
+        assert line.startswith(f"trainloop run: error: run.json: {said}"), line
+        assert not (tmp_path / "ws").exists()
+        if source == "pre":
+            assert line.endswith("holds no such averaged weights (its hook entries: none)"), line

@@ -419,6 +419,24 @@ def test_usage_errors_exit_2(capsys):
         assert "usage: trainloop" in capsys.readouterr().err
 
 
+@pytest.mark.parametrize(
+    ("argv", "line"),
+    [
+        (["validate", ""], "trainloop validate: error: argument SETTINGS_FILE: an empty path"),
+        (["report", " "], "trainloop report: error: argument WORKSPACE: an empty path"),
+        (["inspect", ""], "trainloop inspect: error: argument CHECKPOINT_DIR: an empty path"),
+        (["export", "ws", "--output", ""], "trainloop export: error: argument --output/-o: an empty path"),
+    ],
+)
+def test_an_empty_path_argument_is_named_not_read_as_the_current_directory(capsys, tmp_path, monkeypatch, argv, line):
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(SystemExit) as exit:
+        main(argv)
+    assert exit.value.code == 2
+    assert capsys.readouterr().err.splitlines()[-1] == line
+    assert list(tmp_path.iterdir()) == []
+
+
 # -- schema ------------------------------------------------------------------------------------
 
 

@@ -1,9 +1,10 @@
 """BaseHook: the one hook mechanism: known method names only, dispatch to the hooks that care."""
 
 import pytest
+from pydantic import ValidationError
 from tiny_trainer import TinyTrainer
 
-from trainloop import BaseHook, State
+from trainloop import BaseHook, CheckpointingHook, State
 from trainloop.hooks.dispatch import HOOK_METHODS, hook_dispatch
 
 
@@ -48,3 +49,13 @@ def test_dispatch_lists_only_the_hooks_that_override_a_method():
     assert dispatch["on_after_step"] == (a.on_after_step,)
     assert dispatch["on_before_step"] == ()
     assert dispatch["on_exception"] == ()
+
+
+def test_a_misspelt_keyword_of_a_hook_says_what_was_meant_once():
+    with pytest.raises(ValidationError) as info:
+        CheckpointingHook(intervl=3)
+    assert [e["msg"] for e in info.value.errors()] == ["unknown argument 'intervl'; did you mean 'interval'?"]
+    with pytest.raises(ValidationError, match=r"unknown argument 'bogus'; its arguments are interval, keep_previous"):
+        CheckpointingHook(interval=3, bogus=1)
+    with pytest.raises(ValidationError, match="valid integer"):  # other errors keep pydantic's words
+        CheckpointingHook(interval="x")

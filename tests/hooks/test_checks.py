@@ -130,3 +130,20 @@ def test_plain_train_asks_the_hook_once_and_refuses_before_writing(tmp_path, cou
         TinyTrainer(settings).train()
     assert info.value.problems == ["hooks[0].limit: must be positive"]
     assert not (tmp_path / "ws").exists()
+
+
+@pytest.mark.parametrize("answer", ["must be positive", [("limit",)], None])
+def test_a_check_that_answers_in_the_wrong_shape_is_named(tmp_path, answer):
+    @register_hook("misshapen")
+    class Misshapen(BaseHook):
+        @classmethod
+        def check_settings(cls, declared, settings, trainer):
+            return answer
+
+    try:
+        settings = TrainerSettings(max_steps=1, workspace=tmp_path / "ws", hooks=[{"type": "misshapen"}])
+        with pytest.raises(TypeError, match=r"Misshapen.check_settings returned .*: it must return a list of"):
+            TinyTrainer(settings).train()
+        assert not (tmp_path / "ws").exists()
+    finally:
+        unregister_hook("misshapen")

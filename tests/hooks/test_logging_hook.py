@@ -108,3 +108,21 @@ def test_bad_parameters_are_named(kwargs, name):
 def test_unknown_parameter_is_rejected():
     with pytest.raises(ValidationError, match="every"):
         LoggingHook(every=3)
+
+
+def test_graph_with_settings_shows_the_logging_hook_a_run_adds_by_itself(tmp_path):
+    import json
+
+    from cli_process import Cli, cli_env
+
+    declared = {"max_steps": 4, "workspace": "ws", "hooks": [{"type": "checkpointing", "interval": 2}]}
+    (tmp_path / "adds.json").write_text(json.dumps(declared))
+    (tmp_path / "declares.json").write_text(json.dumps({**declared, "hooks": [{"type": "logging", "interval": 5}]}))
+    (tmp_path / "no_file.json").write_text(json.dumps({**declared, "metrics_file": False}))
+    runs = {name: Cli("graph", "--settings", f"{name}.json", cwd=tmp_path, env=cli_env()) for name in ("adds", "declares", "no_file")}
+    shown = {name: process.result().stdout for name, process in runs.items()}
+    assert "logging (added by default) — LoggingHook, after stepping, every 10 steps and at the end" in shown["adds"]
+    assert "added by default" not in shown["declares"]
+    assert "logging — LoggingHook, after stepping, every 5 steps" in shown["declares"]
+    assert "LoggingHook" not in shown["no_file"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["adds.json", "declares.json", "no_file.json"]  # drew only

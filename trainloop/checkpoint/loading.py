@@ -70,7 +70,9 @@ def refused_or_corrupt(what: str, error: BaseException) -> CheckpointError:
             f"{what}: refused to load: it holds objects other than tensors and plain "
             f"containers, and unpickling them could run code ({refused})"
         )
-    return CheckpointError(f"{what}: cannot load: {error}")
+    # torch's own words can be a bare "101" (a KeyError from its unpickler): say what it means.
+    said = f"{type(error).__name__}: {error}"
+    return CheckpointError(f"{what}: cannot load: not a file torch.save wrote, or damaged ({said})")
 
 
 def _refusal(error: BaseException) -> str | None:

@@ -31,7 +31,7 @@ if TYPE_CHECKING:
     from trainloop.run_state import TrainerView
     from trainloop.settings.init_from import InitFromSettings
 
-__all__ = ["Weights", "find_checkpoint", "init_from", "load_weights", "read_weights", "tied_keys"]
+__all__ = ["Weights", "find_checkpoint", "init_from", "load_weights", "read_weights", "tied_keys", "weights_problem"]
 
 _MODEL_FILE = "model.pt"
 _REST = "training_state"
@@ -76,6 +76,30 @@ def find_checkpoint(path: Path) -> Path:
     raise CheckpointError(
         f"{path}: not a checkpoint directory, nor a checkpoints root or workspace with a complete checkpoint"
     )
+
+
+def weights_problem(path: Path, weights: str) -> str | None:
+    """Why ``read_weights(path, weights)`` would fail, where the files' names tell (no tensor is read).
+
+    A weights file holds only a model; a full checkpoint's averaged weights are an entry file
+    beside ``model.pt`` (a sharded checkpoint's entries are inside its shards: ``None``, told
+    when it is read).
+    """
+    if weights == "model":
+        return None
+    if path.is_file():
+        return f"weights={weights!r} needs a checkpoint; {str(path)!r} is a weights file (it holds one model)"
+    try:
+        directory = find_checkpoint(path)
+    except CheckpointError:
+        return None  # said when it is read, with the reason
+    if checkpoint_format(directory) == "sharded":
+        return None
+    entries = sorted(p.stem for p in directory.glob("*.pt") if p.stem not in ("model", _REST))
+    if (weights == "ema" and entries) or weights in entries:
+        return None
+    listed = ", ".join(entries) or "none"
+    return f"weights={weights!r}, but {str(directory)!r} holds no such averaged weights (its hook entries: {listed})"
 
 
 def read_weights(path: str | Path, weights: str = "model") -> Weights:

@@ -38,9 +38,18 @@ COMMANDS = ("run", "validate", "schema", "graph", "inspect", "report", "export")
 """The subcommands; each is the module ``trainloop.cli.<name>``, whose ``command(args)`` runs it."""
 
 
+def path_text(text: str) -> str:
+    """A path argument as given; an empty one is a usage error (``Path("")`` would be the current directory)."""
+    if not text.strip():
+        raise argparse.ArgumentTypeError("an empty path")
+    return text
+
+
 def _settings_args(sub: argparse.ArgumentParser) -> None:
     """The arguments ``run`` and ``validate`` share: the file, the trainer, the overrides."""
-    sub.add_argument("settings_file", metavar="SETTINGS_FILE", help="a .json, .yaml/.yml or .toml settings file")
+    sub.add_argument(
+        "settings_file", type=path_text, metavar="SETTINGS_FILE", help="a .json, .yaml/.yml or .toml settings file"
+    )
     sub.add_argument(
         "--trainer", metavar="MODULE:CLASS",
         help="the BaseTrainer subclass (its settings_class validates the settings); default: the settings' trainer key",
@@ -82,7 +91,7 @@ def _build_parser() -> argparse.ArgumentParser:
     schema = commands.add_parser(
         "schema", help="print the settings' JSON Schema", description="Print or write the settings' JSON Schema."
     )
-    schema.add_argument("--output", metavar="PATH", help="write it here instead of stdout")
+    schema.add_argument("--output", type=path_text, metavar="PATH", help="write it here instead of stdout")
     schema.add_argument("--trainer", metavar="MODULE:CLASS", help="the schema of this trainer's settings_class")
 
     graph = commands.add_parser(
@@ -92,9 +101,12 @@ def _build_parser() -> argparse.ArgumentParser:
     )
     graph.add_argument("--format", default="mermaid", choices=["mermaid", "dot", "svg", "png"],
                        help="mermaid or dot source text, or svg/png rendered by Graphviz's dot (default: mermaid)")
-    graph.add_argument("--trace", metavar="WORKSPACE_OR_TRACE_FILE", help="a run's workspace or its trace.jsonl")
+    graph.add_argument(
+        "--trace", type=path_text, metavar="WORKSPACE_OR_TRACE_FILE", help="a run's workspace or its trace.jsonl"
+    )
     graph.add_argument(
         "--settings",
+        type=path_text,
         metavar="SETTINGS_FILE",
         help="show the hooks this settings file declares beside the states they act in, with their schedules",
     )
@@ -103,14 +115,14 @@ def _build_parser() -> argparse.ArgumentParser:
         metavar="MODULE:CLASS",
         help="with --settings: the trainer whose settings_class validates them (default: the settings' trainer key)",
     )
-    graph.add_argument("--output", metavar="PATH", help="write it here instead of stdout")
+    graph.add_argument("--output", type=path_text, metavar="PATH", help="write it here instead of stdout")
 
     inspect = commands.add_parser(
         "inspect", help="show what a checkpoint holds",
         description="Show what a checkpoint holds. Give a checkpoint directory, a checkpoints root "
         "(its latest is shown) or a workspace with a checkpoints/ directory.",
     )
-    inspect.add_argument("checkpoint", metavar="CHECKPOINT_DIR")
+    inspect.add_argument("checkpoint", type=path_text, metavar="CHECKPOINT_DIR")
     inspect.add_argument("--json", action="store_true", help="print the report as JSON")
 
     report = commands.add_parser(
@@ -118,8 +130,10 @@ def _build_parser() -> argparse.ArgumentParser:
         description="Write one self-contained HTML page about a run: settings, metric curves, the machine "
         "weighted by its trace, time per state, runs, checkpoints (best marked).",
     )
-    report.add_argument("workspace", metavar="WORKSPACE", help="the run's workspace directory")
-    report.add_argument("--output", metavar="PATH", help="where to write it (default: WORKSPACE/report.html)")
+    report.add_argument("workspace", type=path_text, metavar="WORKSPACE", help="the run's workspace directory")
+    report.add_argument(
+        "--output", type=path_text, metavar="PATH", help="where to write it (default: WORKSPACE/report.html)"
+    )
 
     export = commands.add_parser(
         "export", help="write a checkpoint's weights to one .safetensors file",
@@ -127,8 +141,10 @@ def _build_parser() -> argparse.ArgumentParser:
         ".safetensors file: clean keys, tied weights included, metadata with the step, the settings' hash "
         "and the trainloop version. Give a checkpoint directory, a checkpoints root or a workspace (its latest).",
     )
-    export.add_argument("checkpoint", metavar="CHECKPOINT")
-    export.add_argument("--output", "-o", required=True, metavar="PATH", help="the .safetensors file to write")
+    export.add_argument("checkpoint", type=path_text, metavar="CHECKPOINT")
+    export.add_argument(
+        "--output", "-o", type=path_text, required=True, metavar="PATH", help="the .safetensors file to write"
+    )
     export.add_argument("--weights", default="model", metavar="WHICH",
                         help='"model" (default), "ema", or the name of the EMA hook whose weights to export')
     assert tuple(commands.choices) == COMMANDS

@@ -62,7 +62,8 @@ def _hook_notes(settings_file: str, trainer_spec: str | None) -> dict[State, lis
     Raises:
         CliError: The file cannot be read or does not validate, or the trainer cannot be used.
     """
-    from trainloop.hooks.listing import declared_hook_lines, hook_notes
+    from trainloop.hooks.listing import declared_hook_lines, hook_line, hook_notes
+    from trainloop.hooks.logging_hook import with_default_logging
 
     try:
         found = read_settings_input(settings_file, os.environ, [])
@@ -76,7 +77,12 @@ def _hook_notes(settings_file: str, trainer_spec: str | None) -> dict[State, lis
         settings = settings_class.validate_input(found)
     except SettingsFileError as error:
         raise CliError(str(error)) from None
-    return hook_notes(declared_hook_lines(settings.hooks))
+    lines = declared_hook_lines(settings.hooks)
+    # The LoggingHook a run adds by itself (a workspace with metrics.jsonl, nothing declared logs) acts too.
+    declared = [entry.build() for entry in settings.hooks]
+    added = with_default_logging(declared, settings)[: -len(declared) or None]  # the one LoggingHook, or none
+    lines = [hook_line(hook, "logging (added by default)") for hook in added] + lines
+    return hook_notes(lines)
 
 
 def _trace_file(path: str) -> Path:

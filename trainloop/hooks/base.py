@@ -2,9 +2,15 @@
 
 from __future__ import annotations
 
+import difflib
+import functools
+import inspect
 import re
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
+
+from pydantic import ValidationError
+from pydantic_core import InitErrorDetails, PydanticCustomError
 
 from trainloop._moved import moved_names
 from trainloop.hooks.every import Schedule
@@ -48,6 +54,12 @@ class BaseHook:
 
     _name: str | None = None
     schedule: Schedule | None = None
+
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        init = cls.__dict__.get("__init__")
+        if init is not None and hasattr(init, "raw_function"):  # checked by pydantic's validate_call
+            cls.__init__ = _misspelt_arguments_named(init)  # type: ignore[method-assign]
 
     @property
     def name(self) -> str:
@@ -154,3 +166,45 @@ class BaseHook:
 
     def on_load_state_dict(self, trainer: Any, state_dict: dict[str, Any]) -> None:
         """Restore this hook's state from a trainer ``state_dict``."""
+
+
+def _misspelt_arguments_named(init: Callable[..., None]) -> Callable[..., None]:
+    """``init`` whose pydantic error names a misspelt keyword's likely meaning.
+
+    ``CheckpointingHook(intervl=3)`` then says ``unknown argument 'intervl'; did you mean
+    'interval'?`` once, instead of pydantic's two errors (an unexpected keyword and a missing
+    argument). The error stays a ``pydantic.ValidationError``.
+    """
+    parameters = [p for p in inspect.signature(init.raw_function).parameters if p != "self"]  # type: ignore[attr-defined]
+
+    @functools.wraps(init)
+    def checked_init(self: Any, *args: Any, **kwargs: Any) -> None:
+        try:
+            init(self, *args, **kwargs)
+        except ValidationError as error:
+            if not any(item["type"] == "unexpected_keyword_argument" for item in error.errors()):
+                raise
+            raise _in_our_words(error, parameters) from None
+
+    return checked_init
+
+
+def _in_our_words(error: ValidationError, parameters: list[str]) -> ValidationError:
+    items = error.errors(include_url=False)
+    meant: set[str] = set()
+    details: list[InitErrorDetails] = []
+    for item in items:
+        if item["type"] == "unexpected_keyword_argument":
+            name = str(item["loc"][-1])
+            close = difflib.get_close_matches(name, parameters, n=1, cutoff=0.6)
+            meant.update(close)
+            hint = f"; did you mean {close[0]!r}?" if close else f"; its arguments are {', '.join(parameters)}"
+            text = f"unknown argument {name!r}{hint}"
+            item = {**item, "type": PydanticCustomError("unknown_argument", "{text}", {"text": text})}  # type: ignore[typeddict-item]
+        details.append(item)  # type: ignore[arg-type]
+    # The argument a misspelt keyword meant is "missing" only because of the misspelling: one error says both.
+    details = [d for d in details if not (d["type"] == "missing_argument" and d["loc"][-1] in meant)]
+    try:
+        return ValidationError.from_exception_data(error.title, details)
+    except KeyError:  # an error type pydantic cannot build again (path_type): keep its own words
+        return error

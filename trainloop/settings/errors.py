@@ -151,7 +151,10 @@ def describe_validation_error(error: ValidationError, found: SettingsInput, cls:
             lines.append(f"{where}: {_unknown_field(cls, found.data, path)}")
             continue
         messages: list[str] = []
-        for item in items:
+        # A union branch whose own check refused the value (an empty path) says more than the
+        # other branches' "Input should be ...": keep only such messages when there are some.
+        refused = [item for item in items if item["type"] == "value_error"]
+        for item in refused or items:
             message = _message(item)
             if messages and message.startswith("Input should be ") and messages[0].startswith("Input should be "):
                 message = message.removeprefix("Input should be ")

@@ -37,6 +37,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from trainloop.checkpoint.weights import weights_problem
 from trainloop.exit_signals import as_signal
 from trainloop.hooks.base import BaseHook
 from trainloop.hooks.checks import listed, one_process
@@ -173,12 +174,28 @@ def _declared_hooks(
             check_hook_methods(cls)
         except TypeError as error:
             problems.append((("hooks", i), f"{field_path(('hooks', i))}: {error}"))
-        for name, message in cls.check_settings(spec, settings, trainer):
+        for name, message in _pairs(cls, cls.check_settings(spec, settings, trainer)):
             path: tuple[Key, ...] = ("hooks", i, name) if name else ("hooks", i)
             problems.append((path, f"{field_path(path)}: {message}"))
     for cls, declared in by_class.items():
-        problems += [(("hooks",), message) for message in cls.check_together(declared, settings)]
+        found = cls.check_together(declared, settings)
+        if not isinstance(found, list) or not all(isinstance(m, str) for m in found):
+            raise TypeError(f"{cls.__qualname__}.check_together returned {found!r}: it must return a list of messages")
+        problems += [(("hooks",), message) for message in found]
     return problems
+
+
+def _pairs(cls: type[BaseHook], found: object) -> list[tuple[str | None, str]]:
+    """``check_settings``'s answer, checked: a hook author's mistake is named, not a traceback of ours."""
+    if isinstance(found, list) and all(
+        isinstance(p, tuple) and len(p) == 2 and isinstance(p[0], (str, type(None))) and isinstance(p[1], str)
+        for p in found
+    ):
+        return found
+    raise TypeError(
+        f"{cls.__qualname__}.check_settings returned {found!r}: it must return a list of (field name or None, "
+        "message) pairs"
+    )
 
 
 # -- hooks together, and the machine -----------------------------------------------------------
@@ -238,9 +255,13 @@ def _workspace_paths(settings: TrainerSettings) -> list[tuple[tuple[Key, ...], s
 def _init_from(settings: TrainerSettings) -> list[tuple[tuple[Key, ...], str]]:
     spec = settings.init_from
     # Every rank reads the weights itself, so every rank may check that they are there.
-    if spec is None or spec.path.expanduser().exists():
+    if spec is None:
         return []
-    return [(("init_from", "path"), f"init_from.path: no checkpoint or weights file at {str(spec.path)!r}")]
+    path = spec.path.expanduser()
+    if not path.exists():
+        return [(("init_from", "path"), f"init_from.path: no checkpoint or weights file at {str(spec.path)!r}")]
+    problem = weights_problem(path, spec.weights)
+    return [] if problem is None else [(("init_from", "weights"), f"init_from.weights: {problem}")]
 
 
 def _device(settings: TrainerSettings) -> list[tuple[tuple[Key, ...], str]]:
