@@ -63,6 +63,7 @@ class Loop:
         self.kind: RunKind = "train"
         self.weights_source = WeightsSource()  # where a run that trains nothing takes its weights
         self.done = False  # a run that trains nothing: its one pass is done
+        self.restoring = False  # a run that trains nothing got past building (bad input fails before)
         self.schedules = ScheduledCalls(())
         self.built_hooks: tuple[BaseHook, ...] = ()  # all of them, also those a run that trains nothing leaves out
         self.machine = StateMachine(
@@ -201,6 +202,7 @@ class Loop:
     def restore_weights(self) -> None:
         """The work of ``restoring`` in a run that trains nothing: the model's weights, then the validations' checks."""
         t, run = self.trainer, self.run_state
+        self.restoring = True
         found = restore_weights(t, self.built_hooks, self.weights_source)
         run.step = found.step if found is not None and found.step is not None else 0
         if found is None:

@@ -379,7 +379,9 @@ class BaseTrainer:
         try:
             self._loop.run(kind, source)
         finally:
-            self.result = finish_run(self, kind)  # also appended to <workspace>/runs.jsonl
+            # Also appended to <workspace>/runs.jsonl; a run that trains nothing and failed while building was
+            # refused (no validation, say), not run.
+            self.result = finish_run(self, kind, record=kind == "train" or self._loop.restoring)
 
     @classmethod
     def missing_methods(cls) -> list[str]:
