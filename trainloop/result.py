@@ -97,13 +97,15 @@ def _reran_complete(trainer: TrainerView, result: RunResult) -> bool:
     return resumed_complete and result.exit_code == 0 and result.error is None
 
 
-def finish_run(trainer: TrainerView, kind: RunKind = "train", record: bool = True) -> RunResult:
-    """The result of ``trainer``'s run of ``kind``; with ``record``, appended to ``<workspace>/runs.jsonl`` on rank 0."""
+def finish_run(trainer: TrainerView, kind: RunKind = "train", write: bool = True) -> RunResult:
+    """The result of ``trainer``'s run of ``kind``; with ``write``, appended to ``<workspace>/runs.jsonl`` (rank 0)."""
     from trainloop.distributed.ranks import is_rank_zero
 
     result = run_result(trainer, kind)
     workspace = trainer.settings.workspace
-    if record and workspace is not None and is_rank_zero() and workspace.is_dir() and not _reran_complete(trainer, result):
+    written = write and workspace is not None and is_rank_zero() and workspace.is_dir()
+    if written and not _reran_complete(trainer, result):
+        assert workspace is not None
         record = {
             "time": time.time(),
             "kind": kind,

@@ -381,7 +381,7 @@ class BaseTrainer:
         finally:
             # Also appended to <workspace>/runs.jsonl; a run that trains nothing and failed while building was
             # refused (no validation, say), not run.
-            self.result = finish_run(self, kind, record=kind == "train" or self._loop.restoring)
+            self.result = finish_run(self, kind, write=kind == "train" or self._loop.restoring)
 
     @classmethod
     def missing_methods(cls) -> list[str]:
