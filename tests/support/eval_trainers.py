@@ -50,6 +50,9 @@ class EvalTrainer(CliTrainer):
             torch.distributed.all_reduce(totals)
         return {"loss": (totals[0] / totals[1]).item(), "count": totals[1].item()}
 
+    def build_hooks(self):
+        return [*super().build_hooks(), *self._hooks]  # the declared ones, and those given in Python
+
     def forward(self, batch):
         if self.step == self.settings.signal_at_step and self.step_info.non_finite_grad_retries == 0:
             os.kill(os.getpid(), signal.SIGTERM)  # recorded by the handler; the step goes on
