@@ -67,7 +67,8 @@ def test_evaluate_errors_are_one_line_and_write_nothing(tmp_path):
         assert result.returncode == code, (name, result.stderr[-3000:])
         assert result.stdout == ""
         errors = [line for line in result.stderr.splitlines() if line.startswith("trainloop evaluate: error:")]
-        assert len(errors) == 1 and needle in errors[0], (name, result.stderr[-3000:])
+        assert len(errors) == 1, (name, result.stderr[-3000:])
+        assert needle in errors[0], (name, result.stderr[-3000:])
         assert "Traceback" not in result.stderr
         assert sorted(p.name for p in (tmp_path / name).iterdir()) == ["run.json"], name  # nothing written
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 
+import pytest
 from eval_trainers import EvalTrainer
 from helper_hooks import ExitAt
 
@@ -93,10 +94,9 @@ def test_an_exit_request_with_a_code_leaves_without_validating():
                 trainer.request_exit(7)
 
     trainer = EvalTrainer(max_steps=10, trace=True, hooks=[ValidationHook("val_metrics", interval=1), ExitWithCode(3)])
-    try:
+    with pytest.raises(SystemExit) as exit:
         trainer.train()
-    except SystemExit as exit:
-        assert exit.code == 7
+    assert exit.value.code == 7
     assert validating_visits(trainer) == [1, 2]
 
 

@@ -11,8 +11,8 @@ import sys
 from pathlib import Path
 
 from eval_trainers import EvalTrainer
-from torch.utils.data import DataLoader, DistributedSampler
 from tiny_trainer import make_data
+from torch.utils.data import DataLoader, DistributedSampler
 
 from trainloop.distributed import init_distributed, wrap_model
 from trainloop.hooks.checkpointing import CheckpointingHook
