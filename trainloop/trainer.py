@@ -343,12 +343,9 @@ class BaseTrainer:
     def evaluate(self, checkpoint: str | Path | None = "latest", weights: str = "model") -> dict[str, float]:
         """Run every validation hook once on restored weights, and return their metrics.
 
-        The path is ``building -> restoring -> validating -> exiting``: the components and hooks
-        are built as for training; ``restoring`` loads the model's weights alone; every hook with a
-        ``validating`` schedule (``ValidationHook``) runs once, in hook order; nothing else runs.
-        Nothing is written but the run's line in ``<workspace>/runs.jsonl`` (``"kind": "evaluate"``):
-        not into the checkpoint directory, not ``metrics.jsonl``; no workspace lock is taken, so a
-        training run may go on beside it. Under a process group every rank takes part, as in training.
+        ``building -> restoring -> validating -> exiting``: built as for training, the model's weights
+        alone restored, each ``ValidationHook`` run once (no other hook runs), on every rank. Writes
+        nothing but its line in ``runs.jsonl``, takes no workspace lock (see ``trainloop.evaluation``).
 
         Args:
             checkpoint: ``"latest"``: the run's latest complete checkpoint (an error if there is
@@ -379,8 +376,7 @@ class BaseTrainer:
         try:
             self._loop.run(kind, source)
         finally:
-            # Also appended to <workspace>/runs.jsonl; a run that trains nothing and failed while building was
-            # refused (no validation, say), not run.
+            # A run that trains nothing and failed while building was refused (no validation), not run.
             self.result = finish_run(self, kind, write=kind == "train" or self._loop.restoring)
 
     @classmethod

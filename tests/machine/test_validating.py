@@ -110,3 +110,17 @@ def test_early_stopping_on_the_fresh_metric_ends_the_run_at_that_step():
     result = trainer.train()
     assert result.step == 3  # no improvement at 2 and 3: stopped right after validating step 3
     assert edges(trainer)[-1] == (State.VALIDATING, State.EXITING, 3)
+
+
+def test_graph_of_a_trace_counts_the_validations_and_their_time(tmp_path, capsys):
+    from cli_process import call
+
+    hooks = [ValidationHook("val_metrics", interval=2, at_start=True)]
+    EvalTrainer(max_steps=4, workspace=tmp_path, trace=True, hooks=hooks).train()
+    code, out, err = call(capsys, "graph", "--trace", tmp_path)
+    assert code == 0, err
+    assert "    restoring --> validating: validate [validation_due] (n=1)\n" in out
+    assert "    stepping --> validating: validate [validation_due] (n=2)\n" in out
+    assert "    validating --> exiting: finish [should_exit] (n=1)\n" in out
+    assert "checkpoints: 0, validations: 3" in err
+    assert any(line.split()[0] == "validating" for line in err.splitlines()[1:])
