@@ -98,7 +98,10 @@ class ValidationHook(BaseHook):
         if name in _RUNS:
             return [("evaluate", f"{cls_name}.{name}() is a run of the trainer, not a validation method: {_RENAME}")]
         if found is _MISSING:
-            methods = [m for m in dir(trainer) if not m.startswith("_") and callable(getattr(trainer, m, None))]
+            methods = [
+                m for m in dir(trainer)
+                if not m.startswith("_") and m not in _RUNS and callable(getattr(trainer, m, None))
+            ]  # never suggest a run (evaluate) for a misspelt validation method
             close = difflib.get_close_matches(name, methods, n=1)
             hint = f" (did you mean {close[0]!r}?)" if close else ""
             return [("evaluate", f"{cls_name} has no method {name!r}{hint}")]
