@@ -106,12 +106,21 @@ def hooked_trainer_loop(steps: int, batches: list) -> float:
     return trainer_loop(steps, batches, hooks=hooks, logger=logger)
 
 
+def validated_trainer_loop(steps: int, batches: list) -> float:
+    """``trainer_loop`` with a ``ValidationHook`` that is never due in the run: what ``validation_due`` costs."""
+    from trainloop.hooks.validation import ValidationHook
+
+    hooks = [ValidationHook(lambda t: {"loss": 0.0}, interval=10**9, at_last_step=False)]
+    return trainer_loop(steps, batches, hooks=hooks)
+
+
 CONFIGS: dict[str, Callable[[int, list], float]] = {
     "raw loop again (noise floor)": raw_loop,
     "trainer (defaults: non-finite check on)": lambda n, b: trainer_loop(n, b),
     "trainer (non-finite check off)": lambda n, b: trainer_loop(n, b, detect_non_finite_grads=False),
     "trainer (trace on)": lambda n, b: trainer_loop(n, b, trace=True),
     "trainer + progress + logging hooks (interval 100)": hooked_trainer_loop,
+    "trainer + validation hook (never due)": validated_trainer_loop,
 }
 
 

@@ -61,8 +61,9 @@ def hook_states() -> str:
         where = f"`{state.value}`" if state else f"when `trainer.{event.removeprefix('on_')}()` is called"
         rows.append(f"| `{event}` | {where} |")
     rows.append(
-        "| `on_schedule` | when the hook's `schedule` is due: `stepping` (after its `on_after_step`); "
-        "`exiting` for the last step of a run ended by an exit request; `restoring` with `at_start` |"
+        "| `on_schedule` | when the hook's `schedule` is due: `stepping` (after its `on_after_step`), "
+        "`exiting` for the last step of a run ended by an exit request, `restoring` with `at_start`; "
+        "a schedule of `state=\"validating\"` (`ValidationHook`'s): always in `validating` |"
     )
     rows.append("| `on_enter_<state>` | on entering `<state>` |")
     return "\n".join(rows)

@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING, Any, ClassVar
 import torch
 from torch import nn
 
+from trainloop.evaluation import WeightsSource
 from trainloop.hooks.base import BaseHook
 from trainloop.loop import Loop
 from trainloop.machine.runner import Handle
@@ -22,7 +23,7 @@ from trainloop.machine.table import State
 from trainloop.machine.trace import Trace
 from trainloop.metrics import MetricsLog
 from trainloop.nested import Records
-from trainloop.result import RunResult, finish_run
+from trainloop.result import RunKind, RunResult, finish_run
 from trainloop.run_length import RunLength
 from trainloop.run_state import EARLY_COMPONENTS, Built, RunState, RunValue
 from trainloop.settings import optimizer as components
@@ -66,6 +67,15 @@ class BaseTrainer:
     """
 
     settings_class: ClassVar[type[TrainerSettings]] = TrainerSettings
+
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        """Refuse a subclass that overrides ``evaluate``: the run would silently be the user's method."""
+        super().__init_subclass__(**kwargs)
+        if "evaluate" in vars(cls):
+            raise TypeError(
+                f"{cls.__name__}.evaluate overrides BaseTrainer.evaluate(), the evaluate run: rename your "
+                "validation method (e.g. val_metrics) and point ValidationHook(evaluate=...) at the new name"
+            )
 
     # Built in ``building``, in this order, by the ``build_*`` methods; the loop holds them.
     data_loader: Built[Iterable[Any]] = Built()
@@ -323,16 +333,51 @@ class BaseTrainer:
                 was written.
         """
         preflight.check(self)  # before anything is built or written: see trainloop.settings.preflight
-        if self.state is not State.IDLE:
-            raise RuntimeError(f"train() runs once per trainer; this one is in state {self.state.value!r}")
         with hold_run_workspace(self.settings.workspace, self.logger):  # one run per workspace
-            try:
-                self._loop.run()
-            finally:
-                self.result = finish_run(self)  # also appended to <workspace>/runs.jsonl
+            self._run_machine("train")
         if self.exit_code is not None:
             raise SystemExit(self.exit_code)
+        assert self.result is not None
         return self.result
+
+    def evaluate(self, checkpoint: str | Path | None = "latest", weights: str = "model") -> dict[str, float]:
+        """Run every validation hook once on restored weights, and return their metrics.
+
+        ``building -> restoring -> validating -> exiting``: built as for training, the model's weights
+        alone restored, each ``ValidationHook`` run once (no other hook runs), on every rank. Writes
+        nothing but its line in ``runs.jsonl``, takes no workspace lock (see ``trainloop.evaluation``).
+
+        Args:
+            checkpoint: ``"latest"``: the run's latest complete checkpoint (an error if there is
+                none); a checkpoint directory, full or sharded, or a checkpoints root; ``None``:
+                the model as built (``settings.init_from`` applied).
+            weights: ``"model"``, ``"ema"`` (the EMA hook's averaged weights) or the name of the
+                EMA hook whose weights to take.
+
+        Returns:
+            The metrics as logged, flattened (``{"val/loss": 0.31}``); also in ``trainer.result``
+            (``kind="evaluate"``, ``step``: the checkpoint's).
+
+        Raises:
+            trainloop.evaluation.EvaluateError: No ValidationHook, or no such checkpoint directory.
+            trainloop.checkpoint.errors.CheckpointError: No checkpoint to restore, or one that
+                cannot be read or does not fit the model.
+        """
+        source = WeightsSource.of(checkpoint, weights)
+        preflight.check(self)
+        self._run_machine("evaluate", source)
+        assert self.result is not None
+        return dict(self.result.metrics)
+
+    def _run_machine(self, kind: RunKind, source: WeightsSource | None = None) -> None:
+        """Run the machine once, for a run of ``kind``; the result is kept in ``self.result``."""
+        if self.state is not State.IDLE:
+            raise RuntimeError(f"a trainer runs once; this one is in state {self.state.value!r}")
+        try:
+            self._loop.run(kind, source)
+        finally:
+            # A run that trains nothing and failed while building was refused (no validation), not run.
+            self.result = finish_run(self, kind, write=kind == "train" or self._loop.restoring)
 
     @classmethod
     def missing_methods(cls) -> list[str]:

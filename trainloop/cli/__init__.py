@@ -1,8 +1,9 @@
-"""The ``trainloop`` command line: run, validate, schema, graph, inspect, report, export.
+"""The ``trainloop`` command line: run, evaluate, validate, schema, graph, inspect, report, export.
 
 ::
 
     trainloop run run.yaml [--trainer train:MyTrainer] [--set max_steps=100 ...]
+    trainloop evaluate run.yaml [--checkpoint latest|DIR|none] [--weights ema] [--trainer ...] [--set ...]
     trainloop validate run.yaml [--trainer train:MyTrainer] [--set ...]
     trainloop schema [--trainer train:MyTrainer] [--output schema.json]
     trainloop graph [--format mermaid|dot|svg|png] [--trace runs/exp1]
@@ -11,7 +12,7 @@
     trainloop report runs/exp1 [--output report.html]
     trainloop export runs/exp1/checkpoints --output model.safetensors [--weights ema]
 
-``run`` and ``validate`` take the trainer from ``--trainer`` or else the settings' ``trainer`` key.
+``run``, ``evaluate`` and ``validate`` take the trainer from ``--trainer`` or else the settings' ``trainer`` key.
 
 Exit codes: 0 success; 1 a file cannot be used (a missing or corrupt checkpoint or trace, no
 Graphviz); 2 a usage error (invalid settings, a preflight problem, a trainer that cannot be
@@ -34,7 +35,7 @@ from trainloop.cli.errors import PROG, CliError
 
 __all__ = ["COMMANDS", "CliError", "main"]
 
-COMMANDS = ("run", "validate", "schema", "graph", "inspect", "report", "export")
+COMMANDS = ("run", "evaluate", "validate", "schema", "graph", "inspect", "report", "export")
 """The subcommands; each is the module ``trainloop.cli.<name>``, whose ``command(args)`` runs it."""
 
 
@@ -61,6 +62,13 @@ def _settings_args(sub: argparse.ArgumentParser) -> None:
     )
 
 
+def _log_level_arg(sub: argparse.ArgumentParser) -> None:
+    sub.add_argument(
+        "--log-level", default="info", choices=["debug", "info", "warning", "error"],
+        help="log level on stderr, unless the trainer's module configured logging (default: info)",
+    )
+
+
 def _build_parser() -> argparse.ArgumentParser:
     """The ``trainloop`` argument parser and its subcommands."""
     parser = argparse.ArgumentParser(
@@ -76,10 +84,24 @@ def _build_parser() -> argparse.ArgumentParser:
         "trainer (the preflight), then train. A problem exits 2 before anything is written.",
     )
     _settings_args(run)
-    run.add_argument(
-        "--log-level", default="info", choices=["debug", "info", "warning", "error"],
-        help="log level on stderr, unless the trainer's module configured logging (default: info)",
+    _log_level_arg(run)
+
+    evaluate = commands.add_parser(
+        "evaluate", help="run every validation once on a checkpoint's weights; print the metrics as JSON",
+        description="Check the settings as `run` does, build the trainer, restore the model's weights (the run's "
+        "latest checkpoint by default), run every ValidationHook once and print the metrics as one JSON object on "
+        "stdout (logs on stderr). Writes nothing into the checkpoint directory; the path is building -> restoring "
+        "-> validating -> exiting.",
     )
+    _settings_args(evaluate)
+    evaluate.add_argument(
+        "--checkpoint", default="latest", metavar="latest|DIR|none",
+        help="latest (default): the run's latest complete checkpoint, an error if there is none; DIR: a checkpoint "
+        "directory, full or sharded, or a checkpoints root; none: the model as built (init_from applied)",
+    )
+    evaluate.add_argument("--weights", default="model", metavar="WHICH",
+                          help='"model" (default), "ema", or the name of the EMA hook whose weights to evaluate')
+    _log_level_arg(evaluate)
 
     validate = commands.add_parser(
         "validate", help="print the resolved settings, or what is wrong with them",

@@ -104,16 +104,17 @@ def _trace_file(path: str) -> Path:
 
 
 def _describe_trace(path: Path, summary: TraceSummary) -> str:
-    """A short, human summary of a trace: steps, rare events, and time per state."""
+    """A short, human summary of a trace: steps, rare events (validations too), and time per state."""
     total = sum(summary.seconds_in_state.values())
     fired = sum(summary.counts.values())
     retries = sum(n for (_, dest, _), n in summary.counts.items() if dest is State.RETRYING)
     saves = sum(n for (_, dest, _), n in summary.counts.items() if dest is State.CHECKPOINTING)
+    validations = sum(n for (_, dest, _), n in summary.counts.items() if dest is State.VALIDATING)
     failures = [source.value for (source, _, trigger), n in summary.counts.items() if trigger == "fail" and n]
     runs_text = f" in {summary.runs} runs" if summary.runs > 1 else ""
     lines = [
         f"{path}: {summary.steps} steps{runs_text}, {fired} transitions, {total:.3f} s traced; "
-        f"retries: {retries}, checkpoints: {saves}"
+        f"retries: {retries}, checkpoints: {saves}, validations: {validations}"
         + (f"; ended by an error in {', '.join(failures)}" if failures else "")
     ]
     for state, seconds in sorted(summary.seconds_in_state.items(), key=lambda item: -item[1]):

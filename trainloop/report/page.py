@@ -312,13 +312,14 @@ def _runs(runs: list[dict[str, Any]]) -> str:
                 pass
         error = run.get("error")
         when = datetime.fromtimestamp(float(run.get("time", 0)), UTC).strftime("%Y-%m-%d %H:%M:%S")
+        kind = str(run.get("kind", "train"))  # a line without it: a training run's, written before runs had kinds
         rows.append(
-            f'<tr><td class="num">{number}</td><td>{when}</td><td class="num">{run.get("step")}</td>'
+            f'<tr><td class="num">{number}</td><td>{_e(kind)}</td><td>{when}</td><td class="num">{run.get("step")}</td>'
             f'<td class="num">{run.get("epoch")}</td><td class="{"bad" if error or code else ""}">'
             f"{_e(error or ended)}</td></tr>"
         )
     return (
-        "<table><tr><th>run</th><th>ended (UTC)</th><th>step</th><th>epochs</th><th>how it ended</th></tr>"
+        "<table><tr><th>run</th><th>kind</th><th>ended (UTC)</th><th>step</th><th>epochs</th><th>how it ended</th></tr>"
         + "".join(rows)
         + "</table>"
     )
