@@ -153,7 +153,7 @@ def _read(
         return read_full(files.directory, listing)
     share = hash_shares(listing, world)[this_rank]
     logger.debug(
-        "Rank %d hashes %d of the %d files of %s: %s", this_rank, len(share), len(listing), files.directory, share
+        "Rank %d hashed %d of the %d files of %s: %s", this_rank, len(share), len(listing), files.directory, share
     )
     for rel in share:
         files.contents(rel)  # read, checked, and kept for DCP to read from
