@@ -71,7 +71,12 @@ def timed_on_all(fn: Callable[[], Any]) -> float:
     return float(took)
 
 
-def one_round(scratch: Path, model: nn.parallel.DistributedDataParallel, optimizer: torch.optim.Optimizer, out: dict[str, list[float]]) -> None:
+def one_round(
+    scratch: Path,
+    model: nn.parallel.DistributedDataParallel,
+    optimizer: torch.optim.Optimizer,
+    out: dict[str, list[float]],
+) -> None:
     rank = dist.get_rank()
     logger = logging.getLogger("bench")
     plain, full, sharded = scratch / "plain", scratch / "full", scratch / "sharded"
@@ -102,13 +107,15 @@ def one_round(scratch: Path, model: nn.parallel.DistributedDataParallel, optimiz
 
     def full_resume() -> None:
         chosen = open_checkpoint([full / "1"], explicit=True)
-        assert chosen is not None and isinstance(chosen[1], dict)
+        assert chosen is not None
+        assert isinstance(chosen[1], dict)
         loaded = chosen[1]
         _load_model_and_optimizer(shim, loaded["model"], loaded["training_state"]["optimizer"])  # type: ignore[arg-type]
 
     def sharded_resume() -> None:
         chosen = open_checkpoint([sharded / "1"], explicit=True)
-        assert chosen is not None and isinstance(chosen[1], VerifiedFiles)
+        assert chosen is not None
+        assert isinstance(chosen[1], VerifiedFiles)
         try:
             loaded = load_sharded(sharded / "1", state_dict(model, optimizer, sharded=True), chosen[1])
         finally:
@@ -167,7 +174,8 @@ def agreement_round(steps: int, out: dict[str, list[float]]) -> None:
         if agreement is not None:
             agreement.close()
         out.setdefault(f"agreement {name}: ms per step", []).append((time.process_time() - start) / steps * 1e3)
-        out.setdefault(f"agreement {name}: collectives per step", []).append(agreement.started / steps if agreement else 0.0)
+        collectives = agreement.started / steps if agreement is not None else 0.0
+        out.setdefault(f"agreement {name}: collectives per step", []).append(collectives)
 
 
 def worker(rank: int, world: int, port: int, args: argparse.Namespace, scratch: str, queue: Any) -> None:
