@@ -277,7 +277,8 @@ class BaseTrainer:
         """Ask the run to end cleanly at the end of the current step.
 
         Under a process group the ranks agree first (see ``ExitAgreement``):
-        all of them stop after the same step, one step after the first request.
+        all of them stop after the same step, a little after the first request (about 0.1 s,
+        or one step if steps are longer, without a collective on every step).
 
         Args:
             exit_code: If given, ``train()`` raises ``SystemExit(exit_code)`` once ``exiting``

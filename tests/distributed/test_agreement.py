@@ -1,4 +1,17 @@
+"""Exit agreement: a request holds at once alone; across ranks, without a collective per step."""
+
+import torch
+import torch.multiprocessing as mp
+from ddp_worker import collectives_per_step, exit_agreement, free_port
+
 from trainloop.distributed.agreement import ExitAgreement
+
+WORLD = 2
+
+
+def run(fn, tmp_path, *args):
+    mp.spawn(fn, args=(WORLD, free_port(), str(tmp_path), *args), nprocs=WORLD, join=True)
+    return [torch.load(tmp_path / f"rank{r}.pt", weights_only=True) for r in range(WORLD)]
 
 
 def test_without_a_process_group_a_request_holds_at_once():
@@ -7,5 +20,30 @@ def test_without_a_process_group_a_request_holds_at_once():
     assert agreement.settle(0) == 0
     assert agreement.settle(144) == 144
     agreement.close()  # nothing in flight: a no-op
-# The multi-rank behaviour (agreed one step later on every rank) runs for real in
-# tests/distributed/test_trainer_ddp.py with two gloo processes.
+
+
+def test_an_exit_request_on_one_rank_stops_every_rank_after_the_same_step(tmp_path):
+    results = run(exit_agreement, tmp_path)
+    # Requested after step 3 on rank 1 alone. Agreements start at steps 1, 2, 4, ... at the
+    # most (never more steps apart than the run has steps), each read one step later: the
+    # request is agreed at step 3's or step 4's, so both ranks stop after step 4 or 5.
+    assert results[0] == results[1], results
+    assert results[0]["code"] == 143
+    assert results[0]["state"] == "exiting"
+    assert results[0]["step"] in (4, 5)
+
+
+def test_a_multi_rank_run_does_not_do_a_collective_on_every_step(tmp_path):
+    """Two DDP ranks on gloo, 400 tiny steps, every torch.distributed collective counted."""
+    steps = 400
+    results = run(collectives_per_step, tmp_path, steps)
+    for result in results:
+        assert result["step"] == steps
+        calls = result["calls"]
+        # The agreements start at steps 1, 2, 4, 8, ... then about every 0.1 s: a tiny step takes
+        # a few milliseconds, so a few dozen at most (it was one on every step: 400).
+        assert sum(calls.values()) <= steps // 4, calls
+        # never more than one on a step (the first also checks once that the ranks' batches differ)
+        assert max(n for step, n in calls.items() if step > 1) == 1, calls
+        assert {1, 2} <= set(calls)  # the first agreements: requests early in a run are quick
+    assert results[0]["calls"] == results[1]["calls"]  # every rank agrees at the same steps

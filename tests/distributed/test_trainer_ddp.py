@@ -31,14 +31,6 @@ def test_loss_none_warns_under_ddp(tmp_path):
     assert run(ddp_loss_none, tmp_path) == [["LossNoneWarning"]] * WORLD
 
 
-def test_an_exit_request_on_one_rank_stops_every_rank_after_the_same_step(tmp_path):
-    from ddp_worker import exit_agreement
-
-    results = run(exit_agreement, tmp_path)
-    # Requested after step 3 on rank 1; agreed without blocking, one step later, on both ranks.
-    assert results == [{"step": 4, "code": 143, "state": "exiting"}] * WORLD
-
-
 def test_loss_sum_count_is_normalised_over_all_ranks_tokens(tmp_path):
     from ddp_worker import ddp_token_loss
     from token_data import mean_over_tokens_trainer, model_params, sequences, stack

@@ -54,12 +54,15 @@ def reads_during(fn, directory: Path) -> Counter[str]:
     return opened
 
 
-def test_a_resumed_run_reads_every_checkpoint_file_once(tmp_path):
+@pytest.mark.parametrize("format", ["full", "sharded"])
+def test_a_resumed_run_reads_every_checkpoint_file_once(tmp_path, format):
     torch.manual_seed(0)
-    AdamTrainer(max_steps=4, workspace=tmp_path, hooks=[CheckpointingHook(interval=4)]).train()
+    AdamTrainer(max_steps=4, workspace=tmp_path, hooks=[CheckpointingHook(interval=4, format=format)]).train()
     checkpoint = tmp_path / "checkpoints" / "4"
     files = sorted(str(p.relative_to(checkpoint)) for p in checkpoint.rglob("*") if p.is_file())
-    resumed = AdamTrainer(max_steps=4, workspace=tmp_path, hooks=[CheckpointingHook(interval=4)])
+    if format == "sharded":
+        assert any(name.startswith("sharded/") and name.endswith(".distcp") for name in files), files
+    resumed = AdamTrainer(max_steps=4, workspace=tmp_path, hooks=[CheckpointingHook(interval=4, format=format)])
     opened = reads_during(resumed.train, checkpoint)
     assert resumed.step == 4  # it resumed (max_steps reached: nothing more to train)
     assert sorted(opened) == files, opened  # every file was read (so verified)...

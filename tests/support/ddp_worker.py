@@ -121,6 +121,35 @@ def exit_agreement(rank: int, world_size: int, port: int, out: str) -> None:
         destroy(barrier=sys.exc_info()[0] is None)  # wait for every rank: a clean gloo exit
 
 
+COLLECTIVES = ("all_reduce", "all_gather", "all_gather_object", "broadcast", "broadcast_object_list", "barrier")
+
+
+def collectives_per_step(rank: int, world_size: int, port: int, out: str, steps: int) -> None:
+    """Train DDP for ``steps`` steps counting torch.distributed's collectives called on each step.
+
+    Every collective function of ``COLLECTIVES`` is wrapped in this process (DDP's gradient
+    all-reduce runs inside its C++ reducer and is not counted); each call is booked on the step
+    in progress, and the counts per step are saved.
+    """
+    init(rank, world_size, port)
+    calls: dict[int, int] = {}
+    trainer = DDPTrainer(max_steps=steps)
+    for name in COLLECTIVES:
+        real = getattr(dist, name)
+
+        def counted(*args, _real=real, **kwargs):  # _real bound now: not the loop's last value
+            calls[trainer.step] = calls.get(trainer.step, 0) + 1
+            return _real(*args, **kwargs)
+
+        setattr(dist, name, counted)
+
+    try:
+        trainer.train()
+        torch.save({"calls": calls, "step": trainer.step}, os.path.join(out, f"rank{rank}.pt"))
+    finally:
+        destroy(barrier=sys.exc_info()[0] is None)  # wait for every rank: a clean gloo exit
+
+
 def ddp_token_loss(rank: int, world_size: int, port: int, out: str) -> None:
     """Loss(sum, count) under DDP: each rank's microsteps hold different numbers of tokens."""
     from token_data import TokenTrainer, sequences

@@ -8,6 +8,7 @@ it; a full checkpoint's files are verified in the same read (:func:`load_verifie
 from __future__ import annotations
 
 import mmap
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
@@ -16,7 +17,7 @@ import torch
 from trainloop.checkpoint.errors import CheckpointError
 from trainloop.checkpoint.hashing import BufferReader, FileDigest, read_verified
 
-__all__ = ["SHARDED_DIR", "UnloadableError", "load_file", "load_verified", "refused_or_corrupt"]
+__all__ = ["SHARDED_DIR", "UnloadableError", "VerifiedFiles", "load_file", "load_verified", "refused_or_corrupt"]
 
 SHARDED_DIR = "sharded"
 """The ``torch.distributed.checkpoint`` directory inside a sharded checkpoint."""
@@ -53,13 +54,69 @@ def load_verified(path: Path, expected: FileDigest) -> Any:
     """
     contents = read_verified(path, expected)
     try:
+        return _load_contents(path, contents)
+    finally:
+        if isinstance(contents, mmap.mmap):
+            contents.close()
+
+
+def _load_contents(path: Path, contents: mmap.mmap | bytes) -> Any:
+    try:
         with BufferReader(contents) as reader:
             return torch.load(reader, map_location="cpu", weights_only=True)  # type: ignore[arg-type]  # copies out of the mapping
     except Exception as error:
         raise UnloadableError(str(refused_or_corrupt(str(path), error))) from error
-    finally:
-        if isinstance(contents, mmap.mmap):
-            contents.close()
+
+
+class VerifiedFiles:
+    """The files of one checkpoint, each opened once and checked against its manifest as it is read.
+
+    A file is read (mapped and hashed: see :func:`~trainloop.checkpoint.hashing.read_verified`) the
+    first time it is asked for and kept mapped until :meth:`close`, so what verification read is
+    what loading reads, out of memory: no file is opened twice. A sharded resume verifies each
+    rank's share up front through it, then DCP reads its pieces through it.
+
+    Args:
+        directory: The checkpoint directory.
+        listing: Its manifest's entries, by path relative to ``directory``.
+    """
+
+    def __init__(self, directory: Path, listing: Mapping[str, FileDigest]) -> None:
+        self.directory = directory
+        self._listing = listing
+        self._contents: dict[str, mmap.mmap | bytes] = {}
+
+    def contents(self, rel: str) -> mmap.mmap | bytes:
+        """The verified contents of ``rel`` (read and checked the first time).
+
+        Raises:
+            CheckpointError: ``rel`` is not in the manifest, or is missing, truncated or corrupt.
+        """
+        if rel not in self._contents:
+            if rel not in self._listing:
+                raise CheckpointError(f"{self.directory / rel}: cannot load: not listed in the checkpoint's manifest")
+            self._contents[rel] = read_verified(self.directory / rel, self._listing[rel])
+        return self._contents[rel]
+
+    def open(self, rel: str) -> BufferReader:
+        """A stream over the verified contents of ``rel``."""
+        return BufferReader(self.contents(rel))
+
+    def load(self, rel: str) -> Any:
+        """``torch.load(weights_only=True)`` of the verified contents of ``rel``.
+
+        Raises:
+            CheckpointError: As :meth:`contents`.
+            UnloadableError: It matches its manifest, but torch cannot load it or refused what it holds.
+        """
+        return _load_contents(self.directory / rel, self.contents(rel))
+
+    def close(self) -> None:
+        """Let every mapping go."""
+        for contents in self._contents.values():
+            if isinstance(contents, mmap.mmap):
+                contents.close()
+        self._contents.clear()
 
 
 def refused_or_corrupt(what: str, error: BaseException) -> CheckpointError:

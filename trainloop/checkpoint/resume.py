@@ -18,6 +18,7 @@ from trainloop.checkpoint.files import checkpoint_candidates
 from trainloop.distributed.ranks import is_rank_zero
 
 if TYPE_CHECKING:
+    from trainloop.checkpoint.loading import VerifiedFiles
     from trainloop.run_state import TrainerView
 
 __all__ = ["choose_checkpoint", "load_checkpoint", "say", "sharded_state_dict"]
@@ -32,20 +33,25 @@ def load_checkpoint(trainer: TrainerView, root: Path, load: Path | str) -> Path 
     chosen = choose_checkpoint(trainer, root, load)
     if chosen is None:
         return None
-    directory, state_dict = chosen
+    directory, state = chosen
     trainer.logger.info("Loading checkpoint %s", directory)
-    if state_dict is not None:  # a full checkpoint, read and verified by choose_checkpoint
-        trainer.load_state_dict(state_dict)
-    else:
-        from trainloop.checkpoint.sharded import load_sharded
+    if isinstance(state, dict):  # a full checkpoint, read and verified by choose_checkpoint
+        trainer.load_state_dict(state)
+        return directory
+    from trainloop.checkpoint.sharded import load_sharded
 
+    try:  # DCP reads through the files: this rank's share verified already, the rest as read
         with sharded_state_dict(trainer):
-            trainer.load_state_dict(load_sharded(directory, trainer.state_dict()))
+            trainer.load_state_dict(load_sharded(directory, trainer.state_dict(), state))
+    finally:
+        state.close()
     return directory
 
 
-def choose_checkpoint(trainer: TrainerView, root: Path, load: Path | str) -> tuple[Path, dict[str, Any] | None] | None:
-    """The checkpoint to load, and its state dict if full.
+def choose_checkpoint(
+    trainer: TrainerView, root: Path, load: Path | str
+) -> tuple[Path, dict[str, Any] | VerifiedFiles] | None:
+    """The checkpoint to load: its state dict if full, its files (this rank's share verified) if sharded.
 
     Rank 0 lists the candidates, every rank verifies their files as it reads them (a sharded one: its share; see
     :mod:`trainloop.checkpoint.verify`); the same answer on every rank.

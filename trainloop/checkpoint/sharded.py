@@ -40,7 +40,7 @@ from torch.distributed.checkpoint.state_dict_loader import load as dcp_load
 
 from trainloop.checkpoint.errors import CheckpointError
 from trainloop.checkpoint.hashing import FileDigest, HashingWriter
-from trainloop.checkpoint.loading import SHARDED_DIR, load_file, refused_or_corrupt
+from trainloop.checkpoint.loading import SHARDED_DIR, VerifiedFiles, load_file, refused_or_corrupt
 from trainloop.distributed.ranks import in_process_group
 
 __all__ = [
@@ -174,22 +174,29 @@ def quiet_single_process() -> Iterator[None]:
         yield
 
 
-def load_sharded(directory: Path, template: dict[str, Any]) -> dict[str, Any]:
+def load_sharded(directory: Path, template: dict[str, Any], files: VerifiedFiles | None = None) -> dict[str, Any]:
     """Load a sharded checkpoint into ``template``, a trainer's ``state_dict()`` (all ranks).
 
     DCP fills the template's tensors in place (each rank reading the pieces of its shards). A
     hook whose state the checkpoint lacks keeps no entry, so the hook sees it missing.
+
+    Args:
+        directory: The checkpoint.
+        template: What to load into.
+        files: Read every file through these (each opened once, verified as it is read, the
+            ones verified already read out of memory); unverified reads if ``None``.
 
     Raises:
         CheckpointError: A file is corrupt or refused, or the checkpoint does not hold what the
             template needs (another model); the message names the checkpoint.
     """
     sharded, _ = split_state(template)
-    reader = _SafeReader(directory / SHARDED_DIR)
+    reader = _SafeReader(directory / SHARDED_DIR, files)
     saved = {path[0] for path in _planner_paths(reader.read_metadata()).values()}
     sharded = {key: value for key, value in sharded.items() if key in saved or key == "model"}
     _dcp_load(directory, sharded, reader, not in_process_group())
-    return join_state(sharded, load_file(directory / REST_FILE))
+    rest = files.load(REST_FILE) if files is not None else load_file(directory / REST_FILE)
+    return join_state(sharded, rest)
 
 
 def read_sharded(directory: Path) -> dict[str, Any]:
@@ -284,17 +291,46 @@ class _IndexUnpickler(pickle.Unpickler):
         raise _Refused(f"{module}.{name} is not part of a checkpoint index")
 
 
+class _VerifiedFileSystem(FileSystem):
+    """DCP's local file system read through :class:`VerifiedFiles`: each file opened once, verified."""
+
+    def __init__(self, files: VerifiedFiles) -> None:
+        super().__init__()
+        self.files = files
+
+    @contextmanager
+    def create_stream(self, path: str | os.PathLike[str], mode: str) -> Iterator[io.IOBase]:
+        if mode != "rb":
+            raise ValueError(f"{path}: a checkpoint being loaded is read only")
+        with self.files.open(Path(path).relative_to(self.files.directory).as_posix()) as stream:
+            yield stream
+
+
 class _SafeReader(FileSystemReader):
-    """DCP's file reader, unpickling the index only into DCP's own classes."""
+    """DCP's file reader, unpickling the index only into DCP's own classes.
+
+    Given :class:`VerifiedFiles`, it reads every file through them (and the index once).
+    """
+
+    def __init__(self, path: Path, files: VerifiedFiles | None = None) -> None:
+        super().__init__(path)
+        if files is not None:
+            self.fs = _VerifiedFileSystem(files)
+        self._metadata: Metadata | None = None
 
     def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
         rank = kwargs.get("rank")
+        if rank is None and self._metadata is not None:  # DCP asks again: the same index, not read again
+            self._metadata.storage_meta.load_id = self.load_id  # type: ignore[union-attr]
+            return self._metadata
         path = Path(self.path) / (".metadata" if rank is None else f"__{rank}.metadata")
         try:
-            with open(path, "rb") as file:
+            with self.fs.create_stream(path, "rb") as file:
                 metadata = _IndexUnpickler(file).load()
         except FileNotFoundError:
             raise CheckpointError(f"{path.parent} is not a complete checkpoint: missing {path.name}") from None
+        except CheckpointError:
+            raise  # read through VerifiedFiles: missing or corrupt, said so
         except _Refused as error:
             raise CheckpointError(f"{path}: refused to load: unpickling it could run code ({error})") from None
         except Exception as error:
@@ -304,4 +340,6 @@ class _SafeReader(FileSystemReader):
         storage_meta = getattr(metadata, "storage_meta", None) or StorageMeta()
         storage_meta.load_id = self.load_id
         metadata.storage_meta = storage_meta
+        if rank is None:
+            self._metadata = metadata
         return metadata

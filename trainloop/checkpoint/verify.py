@@ -2,7 +2,9 @@
 
 A full checkpoint is verified while it is loaded: every rank loads all of it anyway, so each
 checks every file as it reads it (:func:`open_checkpoint`), and nothing is read twice. For a
-sharded one, the files are hashed by shares, as follows.
+sharded one, the files are hashed by shares, as follows; when it is to be loaded, each rank
+keeps the files it hashed mapped and DCP reads through them (:class:`VerifiedFiles`), any other
+file being verified as DCP reads it: each rank opens each file once.
 
 Rank 0 lists the candidates (the one ``latest`` points at, then the others from the highest
 step down) and checks each one's listing against its manifest: names and sizes, no reading.
@@ -27,8 +29,8 @@ from typing import Any
 
 from trainloop.checkpoint.errors import CheckpointError
 from trainloop.checkpoint.files import read_full
-from trainloop.checkpoint.loading import SHARDED_DIR, UnloadableError
-from trainloop.checkpoint.manifest import FileDigest, check_hashes, check_listing
+from trainloop.checkpoint.loading import SHARDED_DIR, UnloadableError, VerifiedFiles
+from trainloop.checkpoint.manifest import FileDigest, check_listing
 from trainloop.checkpoint.saver import agree_on_error, broadcast_from_rank_zero
 from trainloop.distributed.ranks import rank, world_size
 
@@ -80,22 +82,24 @@ def choose_checkpoint(candidates: list[Path] | None, explicit: bool, log: loggin
             raises; the message names the file).
     """
     chosen = _choose(candidates, explicit, log, read=False)
+    if chosen is not None and isinstance(chosen[1], VerifiedFiles):
+        chosen[1].close()
     return chosen[0] if chosen is not None else None
 
 
 def open_checkpoint(
     candidates: list[Path] | None, explicit: bool, log: logging.Logger | None = None
-) -> tuple[Path, dict[str, Any] | None] | None:
-    """:func:`choose_checkpoint`, reading a full checkpoint in the same pass that verifies it.
+) -> tuple[Path, dict[str, Any] | VerifiedFiles] | None:
+    """:func:`choose_checkpoint`, reading the checkpoint in the same pass that verifies it.
 
     Every rank loads the whole of a full checkpoint, so every rank reads each file once,
     checks it against the manifest as it reads it, and keeps what it loaded: no file is read
-    twice. A sharded checkpoint's files are hashed by shares as in :func:`choose_checkpoint`
-    (DCP then reads each rank's pieces).
+    twice. A sharded checkpoint's files are hashed by shares as in :func:`choose_checkpoint`,
+    each rank keeping its share mapped for DCP to read its pieces from (the caller closes them).
 
     Returns:
-        The checkpoint and, for a full one, its state dict (``None`` for a sharded one); ``None``
-        if no candidate is intact.
+        The checkpoint and, for a full one, its state dict (for a sharded one, its files, the
+        share this rank verified held in memory); ``None`` if no candidate is intact.
 
     Raises:
         CheckpointError: As :func:`choose_checkpoint`; or a file matches the manifest but
@@ -107,7 +111,7 @@ def open_checkpoint(
 
 def _choose(
     candidates: list[Path] | None, explicit: bool, log: logging.Logger | None, read: bool
-) -> tuple[Path, dict[str, Any] | None] | None:
+) -> tuple[Path, dict[str, Any] | VerifiedFiles] | None:
     log = log or logger
     candidates = broadcast_from_rank_zero(candidates)
     this_rank, world = rank(), world_size()
@@ -120,31 +124,37 @@ def _choose(
                 listing = refused
         listing = broadcast_from_rank_zero(listing)
         error: BaseException | None = listing if isinstance(listing, CheckpointError) else None
-        state: dict[str, Any] | None = None
+        state: dict[str, Any] | VerifiedFiles | None = None
         if error is None:
             assert isinstance(listing, dict)
+            files = VerifiedFiles(candidate, listing)
             try:
-                if read and not any(rel.startswith(f"{SHARDED_DIR}/") for rel in listing):
-                    state = read_full(candidate, listing)
-                else:
-                    share = hash_shares(listing, world)[this_rank]
-                    logger.debug(
-                        "Rank %d hashed %d of the %d files of %s: %s",
-                        this_rank,
-                        len(share),
-                        len(listing),
-                        candidate,
-                        share,
-                    )
-                    check_hashes(candidate, listing, share)
+                state = _read(files, listing, read, this_rank, world)
             except (CheckpointError, OSError) as failure:
                 error = failure if isinstance(failure, CheckpointError) else CheckpointError(f"{candidate}: {failure}")
             error = agree_on_error(error)
-        if error is None:
-            return candidate, state
+            if error is None:
+                assert state is not None
+                return candidate, state
+            files.close()
         del state  # a rank that read it fine lets it go: another rank found it bad
         if explicit or isinstance(error, UnloadableError):
             raise error  # a file the manifest vouches for but torch refuses: not to be skipped
         if this_rank == 0:
             log.warning("Skipping checkpoint %s, which is incomplete or corrupt: %s", candidate, error)
     return None
+
+
+def _read(
+    files: VerifiedFiles, listing: dict[str, FileDigest], read: bool, this_rank: int, world: int
+) -> dict[str, Any] | VerifiedFiles:
+    """A full checkpoint's state dict (``read``), else ``files`` with this rank's share verified and kept."""
+    if read and not any(rel.startswith(f"{SHARDED_DIR}/") for rel in listing):
+        return read_full(files.directory, listing)
+    share = hash_shares(listing, world)[this_rank]
+    logger.debug(
+        "Rank %d hashed %d of the %d files of %s: %s", this_rank, len(share), len(listing), files.directory, share
+    )
+    for rel in share:
+        files.contents(rel)  # read, checked, and kept for DCP to read from
+    return files

@@ -85,7 +85,7 @@ class CheckpointingHook(BaseHook):
             must exist and be complete, else an error names the bad file), or ``None`` (start
             fresh).
         exit_signals: Signals (names or numbers) that end the run cleanly: the current step
-            finishes (under a process group, the next one: the step all ranks agree on), is
+            finishes (under a process group, the step all ranks agree on, a little later), is
             saved, and ``train()`` raises ``SystemExit(exit_code)``. By default SIGTERM
             (preemption; what torchrun forwards), SIGUSR1 (``sbatch --signal=USR1@90``) and
             SIGINT (Ctrl-C: 130); a Ctrl-C after the first signal exits at once, without the
