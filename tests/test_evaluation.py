@@ -132,3 +132,9 @@ def test_runs_jsonl_lines_name_their_kind(tmp_path):
     lines = [json.loads(line) for line in (tmp_path / "ws" / "runs.jsonl").read_text().splitlines()]
     assert [(line["kind"], line["step"], line["exit_code"]) for line in lines] == [("train", 6, 0), ("evaluate", 6, 0)]
     assert os.path.getsize(tmp_path / "ws" / "runs.jsonl") > 0
+
+
+def test_a_trainer_that_trained_does_not_evaluate_too(tmp_path):
+    trainer, _ = trained(tmp_path)
+    with pytest.raises(RuntimeError, match=r"evaluate\(\) runs once per trainer .*state 'exiting': make a new trainer"):
+        trainer.evaluate()

@@ -132,7 +132,8 @@ class Loop:
             # Only the validations take part: no other hook loads, saves or watches a run that trains nothing.
             self.built_hooks = tuple(hooks)
             hooks = [h for h in hooks if h.schedule is not None and h.schedule.state == "validating"]
-            check_validations(hooks, type(t).__name__)
+            if self.kind == "evaluate":
+                check_validations(hooks, type(t).__name__)
         run.hooks = tuple(hooks)
         self.schedules = ScheduledCalls(hooks)
         run.dispatch = hook_dispatch(hooks, self.schedules)
