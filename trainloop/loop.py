@@ -29,6 +29,7 @@ from trainloop.machine.runner import StateMachine
 from trainloop.machine.table import State
 from trainloop.machine.trace import start_run_record
 from trainloop.metrics import METRICS_FILE
+from trainloop.predict.run import PredictRun
 from trainloop.requests import RunRequests
 from trainloop.rng import seed_all, set_rng_state
 from trainloop.run_state import RunState
@@ -55,10 +56,12 @@ class Loop:
         self.applied = True  # whether the last optimizer update was applied
         self.loss_scale = 0.0  # fp16: GradScaler's scale after the last refused update
         self.runner: StepRunner | None = None
+        self.predict_run: PredictRun | None = None  # a predict run's work (trainer.predict() sets it)
         self.step_start = 0.0
         self.machine = StateMachine(
             conditions={
                 "should_exit": self.should_exit,
+                "predicting_run": lambda: self.predict_run is not None,
                 "microsteps_remain": self.microsteps_remain,
                 "grads_non_finite": self.grads_non_finite,
                 "checkpoint_due": self.checkpoint_due,
@@ -79,6 +82,8 @@ class Loop:
             State.RETRYING: self.retry,
             State.CHECKPOINTING: self.checkpoint,
         }
+        if self.predict_run is not None:
+            work = self.predict_run.work()
         machine.trace = start_run_record(trainer.settings)
         try:
             state = machine.advance()
@@ -320,6 +325,8 @@ class Loop:
 
     def should_exit(self) -> bool:
         """Whether the run ends: an agreed exit request, or the run length reached."""
+        if self.predict_run is not None:  # a predict run's length is its data's
+            return self.requests.exit_agreed
         return self.requests.exit_agreed or self.trainer.run_length.reached(self.run_state.step)
 
     def microsteps_remain(self) -> bool:

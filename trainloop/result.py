@@ -2,10 +2,11 @@
 
 Each run that has a workspace appends its outcome (rank 0)::
 
-    {"time": 1700000000.0, "step": 400, "epoch": 7, "exit_code": 0, "error": null,
+    {"time": 1700000000.0, "kind": "train", "step": 400, "epoch": 7, "exit_code": 0, "error": null,
      "best_checkpoint": "runs/digits/checkpoints/400"}
 
-so a report shows how each run of a workspace ended (a signal's exit code, an error).
+so a report shows how each run of a workspace ended (a signal's exit code, an error), and which
+were evaluate or predict runs (``"kind"``; a line without it is a training run's).
 """
 
 from __future__ import annotations
@@ -14,16 +15,20 @@ import json
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Literal
 
 from trainloop.json_files import append_line, strict_json
 
 if TYPE_CHECKING:
     from trainloop.run_state import TrainerView
 
-__all__ = ["RUNS_FILE", "RunResult", "finish_run", "read_runs", "run_result"]
+__all__ = ["RUNS_FILE", "RunKind", "RunResult", "finish_run", "read_runs", "run_result"]
 
 RUNS_FILE = "runs.jsonl"
+
+RunKind = Literal["train", "evaluate", "predict"]
+"""What a run does: ``train()``, ``evaluate()`` (building, restoring, validating, exiting) or
+predict (building, restoring, predicting, exiting)."""
 
 
 @dataclass(frozen=True)
@@ -45,6 +50,7 @@ class RunResult:
         history: Every ``trainer.log`` call of this run as a flat record with ``step`` and
             ``time`` (the workspace's ``metrics.jsonl`` holds the resumed runs' too).
         error: ``"TypeName: message"`` of the error that ended the run, else ``None``.
+        kind: ``"train"``, ``"evaluate"`` or ``"predict"``: which of the trainer's runs it was.
     """
 
     step: int
@@ -54,9 +60,10 @@ class RunResult:
     best_checkpoint: Path | None = None
     history: list[dict[str, Any]] = field(default_factory=list, repr=False)
     error: str | None = None
+    kind: RunKind = "train"
 
 
-def run_result(trainer: TrainerView) -> RunResult:
+def run_result(trainer: TrainerView, kind: RunKind = "train") -> RunResult:
     """The result of ``trainer``'s run, read once it has exited."""
     best = None
     for hook in trainer.hooks:
@@ -77,6 +84,7 @@ def run_result(trainer: TrainerView) -> RunResult:
         best_checkpoint=best,
         history=list(trainer.metrics.history),
         error=None if error is None else f"{type(error).__name__}: {error}"[:500],
+        kind=kind,
     )
 
 
@@ -89,15 +97,16 @@ def _reran_complete(trainer: TrainerView, result: RunResult) -> bool:
     return resumed_complete and result.exit_code == 0 and result.error is None
 
 
-def finish_run(trainer: TrainerView) -> RunResult:
-    """The result of ``trainer``'s run; appended to ``<workspace>/runs.jsonl`` on rank 0."""
+def finish_run(trainer: TrainerView, kind: RunKind = "train") -> RunResult:
+    """The result of ``trainer``'s run of ``kind``; appended to ``<workspace>/runs.jsonl`` on rank 0."""
     from trainloop.distributed.ranks import is_rank_zero
 
-    result = run_result(trainer)
+    result = run_result(trainer, kind)
     workspace = trainer.settings.workspace
     if workspace is not None and is_rank_zero() and workspace.is_dir() and not _reran_complete(trainer, result):
         record = {
             "time": time.time(),
+            "kind": kind,
             "step": result.step,
             "epoch": result.epoch,
             "exit_code": result.exit_code,

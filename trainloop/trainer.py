@@ -22,7 +22,9 @@ from trainloop.machine.table import State
 from trainloop.machine.trace import Trace
 from trainloop.metrics import MetricsLog
 from trainloop.nested import Records
-from trainloop.result import RunResult, finish_run
+from trainloop.predict.files import predictions_path
+from trainloop.predict.run import PredictRequest, PredictRun
+from trainloop.result import RunKind, RunResult, finish_run
 from trainloop.run_length import RunLength
 from trainloop.run_state import EARLY_COMPONENTS, Built, RunState, RunValue
 from trainloop.settings import optimizer as components
@@ -193,6 +195,31 @@ class BaseTrainer:
         """
         raise NotImplementedError(f"{type(self).__name__} must implement forward()")
 
+    def build_predict_data_loader(self) -> Iterable[Any]:
+        """Return the data ``predict()`` runs ``predict_step`` over.
+
+        A ``DataLoader`` over a map-style dataset gives each item's place: under several ranks it
+        needs a ``DistributedSampler`` (shuffled or not; its padding is dropped); in one process any
+        iterable does, its items written in the order it yields them. Not overridden, a predict
+        run is refused before anything is built: there is no implicit fallback, so to predict the
+        validation data, return its loader here.
+        """
+        raise NotImplementedError(f"{type(self).__name__} must implement build_predict_data_loader() to predict")
+
+    def predict_step(self, batch: Any) -> torch.Tensor | dict[str, torch.Tensor]:
+        """Compute the outputs of one batch of the predict data (optional: predict runs only).
+
+        It runs with the model in eval mode, under ``torch.no_grad()`` and ``self.autocast()``.
+
+        Args:
+            batch: A batch drawn from ``build_predict_data_loader()``'s data.
+
+        Returns:
+            A tensor, or a dict of str to tensors, whose first dimension is the batch's items
+            (saved under ``"predictions"`` for a tensor, under its keys for a dict).
+        """
+        raise NotImplementedError(f"{type(self).__name__} must implement predict_step() to predict")
+
     # -- the machine, seen from outside --------------------------------------------------------
 
     @property
@@ -323,25 +350,78 @@ class BaseTrainer:
                 was written.
         """
         preflight.check(self)  # before anything is built or written: see trainloop.settings.preflight
+        self._run_machine("train")
+        assert self.result is not None
+        return self.result
+
+    def predict(
+        self, checkpoint: str | Path | None = None, weights: str = "model", output: str | Path | None = None
+    ) -> dict[str, torch.Tensor]:
+        """Predict every item of ``build_predict_data_loader()``'s data once, and write the outputs in dataset order.
+
+        The machine runs ``building -> restoring -> predicting -> exiting``: building builds the
+        predict data and the model only (no training data, optimizer or hooks); restoring loads
+        the weights; predicting runs ``predict_step`` on every batch (eval mode, no grad, the
+        trainer's autocast; a progress bar on rank 0), gathers the outputs of every rank, drops a
+        ``DistributedSampler``'s padding and puts item ``i`` of the dataset at row ``i`` (see
+        ``trainloop.predict``). Rank 0 writes them to one file, atomically, replacing an existing
+        one. Nothing is written into the checkpoint directory or ``metrics.jsonl``; the run is
+        recorded in ``runs.jsonl`` (``"kind": "predict"``) and ``trainer.result``.
+
+        Args:
+            checkpoint: ``None``: the model as built (with ``settings.init_from``'s weights if
+                declared); ``"latest"``: the workspace's latest checkpoint; or a checkpoint
+                directory, full or sharded (or a checkpoints root, or a workspace).
+            weights: ``"model"``, ``"ema"`` (the one EMA hook's averaged weights) or the name of
+                the EMA hook whose weights to use.
+            output: The file to write, ``.safetensors`` or ``.pt``/``.pth``; by default
+                ``<workspace>/predictions.safetensors`` (nothing is written without a workspace).
+
+        Returns:
+            The outputs by name (``"predictions"`` when ``predict_step`` returns one tensor),
+            row ``i`` being item ``i`` of the dataset, on every rank (CPU tensors).
+
+        Raises:
+            ValueError: ``output`` is not a ``.safetensors`` or ``.pt`` file; nothing was built.
+            trainloop.settings.preflight.PreflightError: The trainer cannot predict (no
+                ``predict_step`` or ``build_predict_data_loader``) or the settings cannot run.
+            trainloop.checkpoint.CheckpointError: The checkpoint is missing, corrupt or lacks the weights.
+            trainloop.predict.outputs.PredictionError: ``predict_step`` returned something else
+                than a tensor or a dict of tensors per item; the error names the batch.
+            trainloop.predict.order.PredictDataError: The data cannot give every item once in a known order.
+        """
+        request = PredictRequest(checkpoint, weights, predictions_path(output, self.workspace))
+        preflight.check(self, kind="predict")
+        self._loop.predict_run = PredictRun(self, self._run.built, request)
+        self._run_machine("predict")
+        return self._loop.predict_run.outputs
+
+    def _run_machine(self, kind: RunKind) -> None:
+        """Run the machine once from ``idle`` to ``exiting``, holding the workspace; record the run."""
         if self.state is not State.IDLE:
-            raise RuntimeError(f"train() runs once per trainer; this one is in state {self.state.value!r}")
+            raise RuntimeError(f"{kind}() runs once per trainer; this one is in state {self.state.value!r}")
         with hold_run_workspace(self.settings.workspace, self.logger):  # one run per workspace
             try:
                 self._loop.run()
             finally:
-                self.result = finish_run(self)  # also appended to <workspace>/runs.jsonl
+                self.result = finish_run(self, kind)  # also appended to <workspace>/runs.jsonl
         if self.exit_code is not None:
             raise SystemExit(self.exit_code)
-        return self.result
 
     @classmethod
-    def missing_methods(cls) -> list[str]:
+    def missing_methods(cls, kind: str = "train") -> list[str]:
         """The methods of the user's contract this class leaves to ``BaseTrainer``'s stubs.
 
         ``build_optimizer`` is listed when not overridden, though ``settings.optimizer`` can
         stand in for it (the preflight decides).
+
+        Args:
+            kind: The run whose methods to list (``"train"``; a ``"predict"`` run needs ``build_model``,
+                ``build_predict_data_loader`` and ``predict_step`` only).
         """
-        required = ("build_data_loader", "build_model", "forward", "build_optimizer")
+        required: tuple[str, ...] = ("build_data_loader", "build_model", "forward", "build_optimizer")
+        if kind == "predict":
+            required = ("build_model", "build_predict_data_loader", "predict_step")
         return [name for name in required if getattr(cls, name) is getattr(BaseTrainer, name)]
 
     # -- state -----------------------------------------------------------------------------

@@ -35,6 +35,10 @@ class State(str, Enum):
     them, reset the step's records, count the retry."""
     CHECKPOINTING = "checkpointing"
     """A save is due; hooks write it."""
+    PREDICTING = "predicting"
+    """A predict run's work, once: ``predict_step`` over the predict data in eval mode, under
+    ``torch.no_grad()`` and the trainer's autocast; the outputs gathered from every rank, each item
+    once, in dataset order, and written to one file (see ``trainloop.predict``)."""
     EXITING = "exiting"
     """``on_after_train``, data iterator closed. Final."""
 
@@ -76,6 +80,7 @@ TRANSITIONS: tuple[Transition, ...] = (
     Transition("start", _S.IDLE, _S.BUILDING),
     Transition("restore", _S.BUILDING, _S.RESTORING),
     Transition("finish", _S.RESTORING, _S.EXITING, "should_exit"),
+    Transition("predict", _S.RESTORING, _S.PREDICTING, "predicting_run"),
     Transition("begin_step", _S.RESTORING, _S.ACCUMULATING, action="begin_step"),
     Transition("accumulate", _S.ACCUMULATING, _S.ACCUMULATING, "microsteps_remain"),
     Transition("update", _S.ACCUMULATING, _S.STEPPING),
@@ -86,6 +91,7 @@ TRANSITIONS: tuple[Transition, ...] = (
     Transition("redo_step", _S.RETRYING, _S.ACCUMULATING, action="redo_step"),
     Transition("finish", _S.CHECKPOINTING, _S.EXITING, "should_exit"),
     Transition("begin_step", _S.CHECKPOINTING, _S.ACCUMULATING, action="begin_step"),
+    Transition("finish", _S.PREDICTING, _S.EXITING),
     # An error (or an interrupt) anywhere ends the run through ``exiting``.
     *(Transition("fail", s, _S.EXITING) for s in _S if s not in (_S.IDLE, _S.EXITING)),
 )

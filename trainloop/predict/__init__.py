@@ -1,0 +1,8 @@
+"""Predict runs: ``predict_step`` over the predict data, every item once, in dataset order, in one file.
+
+``trainer.predict()`` and ``trainloop predict`` run the machine ``building -> restoring ->
+predicting -> exiting``. The modules: ``outputs`` (what ``predict_step`` may return, kept per
+batch), ``order`` (each item's dataset index, from the loader's sampler), ``files`` (the
+``.safetensors`` or ``.pt`` file) and ``run`` (the work of ``predicting``); the gathering across
+ranks is ``trainloop.distributed.gather``'s.
+"""
