@@ -355,7 +355,7 @@ class BaseTrainer:
         return self.result
 
     def predict(
-        self, checkpoint: str | Path | None = None, weights: str = "model", output: str | Path | None = None
+        self, checkpoint: str | Path | None = "latest", weights: str = "model", output: str | Path | None = None
     ) -> dict[str, torch.Tensor]:
         """Predict every item of ``build_predict_data_loader()``'s data once, and write the outputs in dataset order.
 
@@ -369,9 +369,9 @@ class BaseTrainer:
         recorded in ``runs.jsonl`` (``"kind": "predict"``) and ``trainer.result``.
 
         Args:
-            checkpoint: ``None``: the model as built (with ``settings.init_from``'s weights if
-                declared); ``"latest"``: the workspace's latest checkpoint; or a checkpoint
-                directory, full or sharded (or a checkpoints root, or a workspace).
+            checkpoint: ``"latest"``: the run's latest checkpoint (as ``evaluate()``); a
+                checkpoint directory, full or sharded (or a checkpoints root, or a workspace);
+                ``None``: the model as built (with ``settings.init_from``'s weights if declared).
             weights: ``"model"``, ``"ema"`` (the one EMA hook's averaged weights) or the name of
                 the EMA hook whose weights to use.
             output: The file to write, ``.safetensors`` or ``.pt``/``.pth``; by default

@@ -1,4 +1,4 @@
-"""The ``trainloop`` command line: run, validate, schema, graph, inspect, report, export.
+"""The ``trainloop`` command line: run, validate, schema, graph, inspect, report, export, predict.
 
 ::
 
@@ -10,8 +10,9 @@
     trainloop inspect runs/exp1/checkpoints
     trainloop report runs/exp1 [--output report.html]
     trainloop export runs/exp1/checkpoints --output model.safetensors [--weights ema]
+    trainloop predict run.yaml [--checkpoint latest|none|DIR] [--weights ema] [--output preds.pt]
 
-``run`` and ``validate`` take the trainer from ``--trainer`` or else the settings' ``trainer`` key.
+``run``, ``validate`` and ``predict`` take the trainer from ``--trainer`` or else the settings' ``trainer`` key.
 
 Exit codes: 0 success; 1 a file cannot be used (a missing or corrupt checkpoint or trace, no
 Graphviz); 2 a usage error (invalid settings, a preflight problem, a trainer that cannot be
@@ -34,12 +35,12 @@ from trainloop.cli.errors import PROG, CliError
 
 __all__ = ["COMMANDS", "CliError", "main"]
 
-COMMANDS = ("run", "validate", "schema", "graph", "inspect", "report", "export")
+COMMANDS = ("run", "validate", "schema", "graph", "inspect", "report", "export", "predict")
 """The subcommands; each is the module ``trainloop.cli.<name>``, whose ``command(args)`` runs it."""
 
 
 def _settings_args(sub: argparse.ArgumentParser) -> None:
-    """The arguments ``run`` and ``validate`` share: the file, the trainer, the overrides."""
+    """The arguments ``run``, ``validate`` and ``predict`` share: the file, the trainer, the overrides."""
     sub.add_argument("settings_file", metavar="SETTINGS_FILE", help="a .json, .yaml/.yml or .toml settings file")
     sub.add_argument(
         "--trainer", metavar="MODULE:CLASS",
@@ -131,6 +132,26 @@ def _build_parser() -> argparse.ArgumentParser:
     export.add_argument("--output", "-o", required=True, metavar="PATH", help="the .safetensors file to write")
     export.add_argument("--weights", default="model", metavar="WHICH",
                         help='"model" (default), "ema", or the name of the EMA hook whose weights to export')
+    predict = commands.add_parser(
+        "predict", help="predict every item of the trainer's predict data and write them to one file",
+        description="Validate the settings as `run` does, restore the model, run the trainer's predict_step over "
+        "build_predict_data_loader()'s data and write every item's outputs once, in dataset order (gathered from "
+        "every rank, a DistributedSampler's padding dropped), to one .safetensors or .pt file.",
+    )
+    _settings_args(predict)
+    predict.add_argument(
+        "--checkpoint", default="latest", metavar="latest|none|DIR",
+        help="the weights: the run's latest checkpoint (default), a checkpoint directory (full or sharded), "
+        "or none (the model as built, settings.init_from applied)",
+    )
+    predict.add_argument("--weights", default="model", metavar="WHICH",
+                         help='"model" (default), "ema", or the name of the EMA hook whose weights to use')
+    predict.add_argument("--output", "-o", metavar="PATH",
+                         help="the .safetensors or .pt file to write (default: WORKSPACE/predictions.safetensors)")
+    predict.add_argument(
+        "--log-level", default="info", choices=["debug", "info", "warning", "error"],
+        help="log level on stderr, unless the trainer's module configured logging (default: info)",
+    )
     assert tuple(commands.choices) == COMMANDS
     return parser
 

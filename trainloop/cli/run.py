@@ -12,14 +12,14 @@ from trainloop.cli.settings import checked_settings
 from trainloop.settings.preflight import checked
 from trainloop.workspace import WorkspaceBusyError
 
-__all__ = ["command"]
+__all__ = ["command", "configure_logging"]
 
 
 def command(args: argparse.Namespace) -> int:
     """Train with the settings ``args`` name; a problem is a ``CliError`` before anything is written."""
     settings, trainer_class = checked_settings(args, trainer_required=True)
     assert trainer_class is not None  # required above
-    _configure_logging(args.log_level)
+    configure_logging(args.log_level)
     try:
         # A signal exit raises SystemExit(code) from train(): it propagates as the exit code.
         with checked(settings, trainer_class):  # the preflight above ran: train() does not repeat it
@@ -32,7 +32,7 @@ def command(args: argparse.Namespace) -> int:
     return 0
 
 
-def _configure_logging(level: str) -> None:
+def configure_logging(level: str) -> None:
     """Send log records to stderr at ``level`` unless the user's code configured logging."""
     if logging.getLogger().handlers or logging.getLogger("trainloop").handlers:
         return
