@@ -350,7 +350,8 @@ class BaseTrainer:
                 was written.
         """
         preflight.check(self)  # before anything is built or written: see trainloop.settings.preflight
-        self._run_machine("train")
+        with hold_run_workspace(self.settings.workspace, self.logger):  # one run per workspace
+            self._run_machine("train")
         assert self.result is not None
         return self.result
 
@@ -366,7 +367,8 @@ class BaseTrainer:
         ``DistributedSampler``'s padding and puts item ``i`` of the dataset at row ``i`` (see
         ``trainloop.predict``). Rank 0 writes them to one file, atomically, replacing an existing
         one. Nothing is written into the checkpoint directory or ``metrics.jsonl``; the run is
-        recorded in ``runs.jsonl`` (``"kind": "predict"``) and ``trainer.result``.
+        recorded in ``runs.jsonl`` (``"kind": "predict"``) and ``trainer.result``. It takes no
+        workspace lock: a training run may go on beside it (predicting from its latest checkpoint).
 
         Args:
             checkpoint: ``"latest"``: the run's latest checkpoint (as ``evaluate()``); a
@@ -397,14 +399,13 @@ class BaseTrainer:
         return self._loop.predict_run.outputs
 
     def _run_machine(self, kind: RunKind) -> None:
-        """Run the machine once from ``idle`` to ``exiting``, holding the workspace; record the run."""
+        """Run the machine once from ``idle`` to ``exiting``; record the run."""
         if self.state is not State.IDLE:
             raise RuntimeError(f"{kind}() runs once per trainer; this one is in state {self.state.value!r}")
-        with hold_run_workspace(self.settings.workspace, self.logger):  # one run per workspace
-            try:
-                self._loop.run()
-            finally:
-                self.result = finish_run(self, kind)  # also appended to <workspace>/runs.jsonl
+        try:
+            self._loop.run()
+        finally:
+            self.result = finish_run(self, kind)  # also appended to <workspace>/runs.jsonl
         if self.exit_code is not None:
             raise SystemExit(self.exit_code)
 

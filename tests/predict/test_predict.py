@@ -57,7 +57,9 @@ def test_predict_latest_writes_every_item_once_in_order_and_records_the_run(tmp_
         assert torch.equal(written[name], outputs[name])
     with safe_open(str(ws / "predictions.safetensors"), framework="pt") as opened:
         metadata = opened.metadata()
-    assert metadata["items"] == "13" and metadata["step"] == "6" and metadata["weights"] == "model"
+    assert metadata["items"] == "13"
+    assert metadata["step"] == "6"
+    assert metadata["weights"] == "model"
     assert metadata["checkpoint"] == str(ws / "checkpoints" / "6")
     # The path through the machine, traced like any run.
     assert [(e.source, e.dest, e.trigger) for e in trainer.trace] == [
@@ -66,13 +68,15 @@ def test_predict_latest_writes_every_item_once_in_order_and_records_the_run(tmp_
         (State.RESTORING, State.PREDICTING, "predict"),
         (State.PREDICTING, State.EXITING, "finish"),
     ]
-    assert trainer.result.kind == "predict" and trainer.result.exit_code == 0
+    assert trainer.result.kind == "predict"
+    assert trainer.result.exit_code == 0
     assert [run["kind"] for run in read_runs(ws)] == ["train", "predict"]
     # Nothing written into the checkpoints, metrics.jsonl kept.
     assert files(ws / "checkpoints") == checkpoints
     assert (ws / "metrics.jsonl").read_bytes() == metrics
     # Built for prediction only: no optimizer, no training data, no hooks.
-    assert "optimizer" not in trainer.loop.run_state.built and trainer.hooks == ()
+    assert "optimizer" not in trainer.loop.run_state.built
+    assert trainer.hooks == ()
 
 
 @pytest.mark.parametrize("format", ["full", "sharded"])
@@ -117,7 +121,9 @@ def test_a_predict_step_returning_something_else_fails_naming_the_batch_and_writ
     with pytest.raises(PredictionError, match=rf"PredictTrainer.predict_step\(\) {what} for batch 2: it must return a tensor"):
         trainer.predict(checkpoint=None)
     assert not (tmp_path / "predictions.safetensors").exists()
-    assert trainer.state is State.EXITING and trainer.result.exit_code == 1 and trainer.result.kind == "predict"
+    assert trainer.state is State.EXITING
+    assert trainer.result.exit_code == 1
+    assert trainer.result.kind == "predict"
 
 
 @pytest.mark.parametrize(
@@ -149,7 +155,8 @@ def test_a_trainer_without_predict_step_is_refused_before_anything_is_built(tmp_
     trainer = TinyTrainer(max_steps=1, workspace=tmp_path / "ws")
     with pytest.raises(PreflightError, match=r"TinyTrainer must implement build_predict_data_loader\(\)\nTinyTrainer must implement predict_step\(\)"):
         trainer.predict(checkpoint=None)
-    assert trainer.state is State.IDLE and not (tmp_path / "ws").exists()
+    assert trainer.state is State.IDLE
+    assert not (tmp_path / "ws").exists()
 
 
 @pytest.mark.parametrize("output", ["p.json", "", "."])
@@ -157,7 +164,8 @@ def test_a_bad_output_is_refused_before_anything_is_built(tmp_path, output):
     trainer = PredictTrainer(max_steps=1, workspace=tmp_path / "ws")
     with pytest.raises(ValueError, match="give a .safetensors or .pt file|give a file ending in"):
         trainer.predict(checkpoint=None, output=output)
-    assert trainer.state is State.IDLE and not (tmp_path / "ws").exists()
+    assert trainer.state is State.IDLE
+    assert not (tmp_path / "ws").exists()
 
 
 def test_a_shuffling_loader_in_one_process_is_written_in_the_order_it_yields():
@@ -176,5 +184,6 @@ def test_item_order_refuses_what_cannot_give_every_item_once():
     with pytest.raises(PredictDataError, match="drop_last=True: it leaves out the last 2 of its 10 items"):
         item_order(DataLoader(data, batch_size=4, drop_last=True), rank=0, world_size=1)
     order = item_order(DataLoader(data, batch_size=4), rank=0, world_size=1)
-    assert order.length == 10 and torch.equal(order.indices, torch.arange(10))
+    assert order.length == 10
+    assert torch.equal(order.indices, torch.arange(10))
     assert item_order(iter([1, 2]), rank=0, world_size=1).indices is None

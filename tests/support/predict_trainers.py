@@ -13,7 +13,7 @@ from tiny_trainer import TinyTrainer, make_data
 from torch.utils.data import DataLoader, DistributedSampler
 
 from trainloop import TrainerSettings
-from trainloop.distributed import world_size
+from trainloop.distributed import init_distributed, world_size, wrap_model
 
 
 class PredictSettings(TrainerSettings):
@@ -58,3 +58,17 @@ class PredictTrainer(TinyTrainer):
         if returns == "dict" or batch_index < self.settings.wrong_at_batch:
             return {"y": y, "x": x}
         return [y] if returns == "list" else None
+
+
+class TorchrunPredictTrainer(PredictTrainer):
+    """PredictTrainer that joins torchrun's process group when constructed, its model wrapped in DDP.
+
+    ``trainloop predict ... --trainer predict_trainers:TorchrunPredictTrainer`` under ``torchrun``.
+    """
+
+    def __init__(self, settings: PredictSettings | None = None, /, **kwargs):
+        init_distributed()  # the group lives as long as the process (torchrun's workers exit after the command)
+        super().__init__(settings, **kwargs)
+
+    def build_model(self):
+        return wrap_model(super().build_model())

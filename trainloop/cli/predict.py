@@ -23,7 +23,6 @@ from trainloop.predict.files import predictions_path
 from trainloop.predict.order import PredictDataError
 from trainloop.predict.outputs import PredictionError
 from trainloop.settings.preflight import checked
-from trainloop.workspace import WorkspaceBusyError
 
 __all__ = ["command"]
 
@@ -43,8 +42,6 @@ def command(args: argparse.Namespace) -> int:
     try:
         with checked(settings, trainer_class):  # the preflight above ran: predict() does not repeat it
             outputs = trainer_class(settings).predict(checkpoint, args.weights, output)
-    except WorkspaceBusyError as error:
-        raise CliError(str(error)) from None
     except (CheckpointError, PredictionError, PredictDataError, GatherError) as error:
         raise CliError(str(error), FAILURE) from None
     except KeyboardInterrupt:
