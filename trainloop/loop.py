@@ -21,7 +21,8 @@ from trainloop.checkpoint.weights import init_from
 from trainloop.data import EpochIterator
 from trainloop.distributed.rank_seeds import seed_ranks_apart, warn_if_ranks_drew_the_same
 from trainloop.distributed.ranks import is_rank_zero, world_size
-from trainloop.hooks.dispatch import check_hooks, hook_dispatch, state_entry_methods
+from trainloop.evaluation import WeightsSource, check_validations, restore_weights
+from trainloop.hooks.dispatch import ScheduledCalls, check_hooks, hook_dispatch, state_entry_methods
 from trainloop.hooks.logging_hook import with_default_logging
 from trainloop.hooks.registry import build_declared_hooks
 from trainloop.loss import Loss
@@ -31,11 +32,14 @@ from trainloop.machine.trace import start_run_record
 from trainloop.metrics import METRICS_FILE
 from trainloop.predict.run import PredictRun
 from trainloop.requests import RunRequests
+from trainloop.retries import raise_if_no_retries_left
 from trainloop.rng import seed_all, set_rng_state
 from trainloop.run_state import RunState
 from trainloop.step import StepInfo, StepPlan, StepRunner
 
 if TYPE_CHECKING:
+    from trainloop.hooks.base import BaseHook
+    from trainloop.result import RunKind
     from trainloop.run_state import TrainerContract
 
 __all__ = ["Loop", "trainer_step_plan"]
@@ -58,12 +62,18 @@ class Loop:
         self.runner: StepRunner | None = None
         self.predict_run: PredictRun | None = None  # a predict run's work (trainer.predict() sets it)
         self.step_start = 0.0
+        self.kind: RunKind = "train"
+        self.weights_source = WeightsSource()  # where a run that trains nothing takes its weights
+        self.done = False  # a run that trains nothing: its one pass is done
+        self.schedules = ScheduledCalls(())
+        self.built_hooks: tuple[BaseHook, ...] = ()  # all of them, also those a run that trains nothing leaves out
         self.machine = StateMachine(
             conditions={
                 "should_exit": self.should_exit,
-                "predicting_run": lambda: self.predict_run is not None,
+                "predicting_run": lambda: self.kind == "predict",
                 "microsteps_remain": self.microsteps_remain,
                 "grads_non_finite": self.grads_non_finite,
+                "validation_due": self.validation_due,
                 "checkpoint_due": self.checkpoint_due,
             },
             actions={"begin_step": self.begin_step, "redo_step": self.redo_step},
@@ -71,20 +81,32 @@ class Loop:
             step=lambda: self.run_state.step,
         )
 
-    def run(self) -> None:
-        """Advance the machine and do each state's work until ``exiting``; see ``train()``."""
+    def run(self, kind: RunKind = "train", source: WeightsSource | None = None) -> None:
+        """Advance the machine and do each state's work until ``exiting``; see ``train()`` and the other runs.
+
+        Args:
+            kind: What the run does: ``"train"``, ``"evaluate"`` (a path through ``validating``) or
+                ``"predict"`` (through ``predicting``: ``predict_run``'s work).
+            source: Where a run that trains nothing takes the model's weights from.
+        """
         machine, trainer = self.machine, self.trainer
+        self.kind, self.done = kind, False
+        if source is not None:
+            self.weights_source = source
         work: dict[State, Callable[[], None]] = {
             State.BUILDING: self.build,
-            State.RESTORING: self.restore,
+            State.RESTORING: self.restore if kind == "train" else self.restore_weights,
             State.ACCUMULATING: self.accumulate,
             State.STEPPING: self.update,
             State.RETRYING: self.retry,
+            State.VALIDATING: self.validate,
             State.CHECKPOINTING: self.checkpoint,
         }
-        if self.predict_run is not None:
+        if kind == "predict":
+            assert self.predict_run is not None  # trainer.predict() set it
             work = self.predict_run.work()
-        machine.trace = start_run_record(trainer.settings)
+        # A run that trains nothing records no settings.json and no trace file: the training run's stand.
+        machine.trace = start_run_record(trainer.settings, write=kind == "train")
         try:
             state = machine.advance()
             while state is not State.EXITING:
@@ -112,8 +134,14 @@ class Loop:
         self.build_components()
         hooks = with_default_logging(build_declared_hooks(t.settings.hooks, t.build_hooks()), t.settings)
         check_hooks(hooks)
+        if self.kind != "train":
+            # Only the validations take part: no other hook loads, saves or watches a run that trains nothing.
+            self.built_hooks = tuple(hooks)
+            hooks = [h for h in hooks if h.schedule is not None and h.schedule.state == "validating"]
+            check_validations(hooks, type(t).__name__)
         run.hooks = tuple(hooks)
-        run.dispatch = hook_dispatch(hooks)
+        self.schedules = ScheduledCalls(hooks)
+        run.dispatch = hook_dispatch(hooks, self.schedules)
         for hook in hooks:
             for state, method in state_entry_methods(hook):
                 self.machine.on_enter(state, method)
@@ -177,6 +205,19 @@ class Loop:
         t.model.train()
         t.optimizer.zero_grad()
 
+    def restore_weights(self) -> None:
+        """The work of ``restoring`` in a run that trains nothing: the model's weights, then the validations' checks."""
+        t, run = self.trainer, self.run_state
+        found = restore_weights(t, self.built_hooks, self.weights_source)
+        run.step = found.step if found is not None and found.step is not None else 0
+        if found is None:
+            init_from(t)  # the model as built: a fine-tune's starting weights, if declared
+        for fn in run.dispatch["on_before_train"]:
+            fn(t)
+        self.requests.open()  # the validations may request (an exit); the ranks agree as in training
+        if self.kind == "evaluate":
+            self.schedules.queue_every_validation()
+
     def step_plan(self) -> StepPlan:
         """Everything the hot loop would otherwise look up per microstep, resolved once."""
         t = self.trainer
@@ -211,42 +252,26 @@ class Loop:
         if t.settings.grad_clip is not None:
             run.step_info.grad_norm = runner.grad_norm  # type: ignore[union-attr]
         if not self.applied:
-            self._raise_if_no_retries_left()
+            self.loss_scale = raise_if_no_retries_left(t, self.retries)
             return
         run.step_info.step_time = perf_counter() - self.step_start
         for fn in run.dispatch["on_after_step"]:
             fn(t)
-        self.requests.settle()
+        self.settle()
 
-    def _raise_if_no_retries_left(self) -> None:
-        t = self.trainer
-        declared = t.settings.max_non_finite_grad_retries
-        if t.grad_scaler.is_enabled():
-            # fp16: GradScaler refuses updates while it finds its scale; a floor on the scale,
-            # not a count, tells that from gradients non-finite at any scale (fairseq, DeepSpeed).
-            # Reading the scale is one more host sync, on refused updates only.
-            self.loss_scale = scale = t.grad_scaler.get_scale()
-            floor = t.settings.min_loss_scale
-            if scale < floor:
-                raise RuntimeError(
-                    f"non-finite gradients at step {t.step} after {self.retries} retries: under fp16 "
-                    f"the loss scale fell to {scale:g}, below min_loss_scale={floor:g}, so the "
-                    "gradients are non-finite at any scale (a NaN or inf in the loss or the model?)"
-                )
-            if declared is None or self.retries < declared:
-                return
-        elif self.retries < (declared or 0):
-            return
-        if not declared:
-            raise RuntimeError(
-                f"non-finite gradients at step {t.step}; max_non_finite_grad_retries is "
-                f"{declared}, so the step is not retried"
-            )
-        note = f"; the loss scale is now {self.loss_scale:g}" if t.grad_scaler.is_enabled() else ""
-        raise RuntimeError(
-            f"non-finite gradients at step {t.step} after {self.retries} retries "
-            f"(max_non_finite_grad_retries={declared}){note}"
-        )
+    def settle(self) -> None:
+        """Settle the requests; when the ranks first agree to exit, queue what the end of the run validates."""
+        agreed = self.requests.exit_agreed
+        self.requests.settle()
+        if self.requests.exit_agreed and not agreed and self.kind == "train":
+            self.schedules.exit_agreed(self.trainer)
+
+    def validate(self) -> None:
+        """The work of ``validating``: every validation due, in hook order; then their requests (an exit)."""
+        while self.schedules.validations:
+            self.schedules.run_validations(self.trainer)
+            self.settle()  # early stopping on the fresh metric ends the run now, not a step later
+        self.done = self.kind != "train"
 
     def retry(self) -> None:
         """The work of ``retrying``: drop the step whose gradients were not finite."""
@@ -324,9 +349,9 @@ class Loop:
     # -- the policies --------------------------------------------------------------------------
 
     def should_exit(self) -> bool:
-        """Whether the run ends: an agreed exit request, or the run length reached."""
-        if self.predict_run is not None:  # a predict run's length is its data's
-            return self.requests.exit_agreed
+        """Whether the run ends: an agreed exit request, or the run length reached; a run that trains nothing: done."""
+        if self.kind != "train":
+            return self.done
         return self.requests.exit_agreed or self.trainer.run_length.reached(self.run_state.step)
 
     def microsteps_remain(self) -> bool:
@@ -336,6 +361,10 @@ class Loop:
     def grads_non_finite(self) -> bool:
         """Whether the last update found non-finite gradients and was skipped."""
         return not self.applied
+
+    def validation_due(self) -> bool:
+        """Whether a validation is due now (queued by its schedule, or by an evaluate run)."""
+        return bool(self.schedules.validations)
 
     def checkpoint_due(self) -> bool:
         """Whether a checkpoint is due at this step."""

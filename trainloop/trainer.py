@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING, Any, ClassVar
 import torch
 from torch import nn
 
+from trainloop.evaluation import WeightsSource
 from trainloop.hooks.base import BaseHook
 from trainloop.loop import Loop
 from trainloop.machine.runner import Handle
@@ -23,7 +24,7 @@ from trainloop.machine.trace import Trace
 from trainloop.metrics import MetricsLog
 from trainloop.nested import Records
 from trainloop.predict.files import predictions_path
-from trainloop.predict.run import PredictRequest, PredictRun
+from trainloop.predict.run import PredictRun
 from trainloop.result import RunKind, RunResult, finish_run
 from trainloop.run_length import RunLength
 from trainloop.run_state import EARLY_COMPONENTS, Built, RunState, RunValue
@@ -68,6 +69,15 @@ class BaseTrainer:
     """
 
     settings_class: ClassVar[type[TrainerSettings]] = TrainerSettings
+
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        """Refuse a subclass that overrides ``evaluate``: the run would silently be the user's method."""
+        super().__init_subclass__(**kwargs)
+        if "evaluate" in vars(cls):
+            raise TypeError(
+                f"{cls.__name__}.evaluate overrides BaseTrainer.evaluate(), the evaluate run: rename your "
+                "validation method (e.g. val_metrics) and point ValidationHook(evaluate=...) at the new name"
+            )
 
     # Built in ``building``, in this order, by the ``build_*`` methods; the loop holds them.
     data_loader: Built[Iterable[Any]] = Built()
@@ -352,8 +362,42 @@ class BaseTrainer:
         preflight.check(self)  # before anything is built or written: see trainloop.settings.preflight
         with hold_run_workspace(self.settings.workspace, self.logger):  # one run per workspace
             self._run_machine("train")
+        if self.exit_code is not None:
+            raise SystemExit(self.exit_code)
         assert self.result is not None
         return self.result
+
+    def evaluate(self, checkpoint: str | Path | None = "latest", weights: str = "model") -> dict[str, float]:
+        """Run every validation hook once on restored weights, and return their metrics.
+
+        The path is ``building -> restoring -> validating -> exiting``: the components and hooks
+        are built as for training; ``restoring`` loads the model's weights alone; every hook with a
+        ``validating`` schedule (``ValidationHook``) runs once, in hook order; nothing else runs.
+        Nothing is written but the run's line in ``<workspace>/runs.jsonl`` (``"kind": "evaluate"``):
+        not into the checkpoint directory, not ``metrics.jsonl``; no workspace lock is taken, so a
+        training run may go on beside it. Under a process group every rank takes part, as in training.
+
+        Args:
+            checkpoint: ``"latest"``: the run's latest complete checkpoint (an error if there is
+                none); a checkpoint directory, full or sharded, or a checkpoints root; ``None``:
+                the model as built (``settings.init_from`` applied).
+            weights: ``"model"``, ``"ema"`` (the EMA hook's averaged weights) or the name of the
+                EMA hook whose weights to take.
+
+        Returns:
+            The metrics as logged, flattened (``{"val/loss": 0.31}``); also in ``trainer.result``
+            (``kind="evaluate"``, ``step``: the checkpoint's).
+
+        Raises:
+            trainloop.evaluation.EvaluateError: No ValidationHook, or no such checkpoint directory.
+            trainloop.checkpoint.errors.CheckpointError: No checkpoint to restore, or one that
+                cannot be read or does not fit the model.
+        """
+        source = WeightsSource.of(checkpoint, weights)
+        preflight.check(self)
+        self._run_machine("evaluate", source)
+        assert self.result is not None
+        return dict(self.result.metrics)
 
     def predict(
         self, checkpoint: str | Path | None = "latest", weights: str = "model", output: str | Path | None = None
@@ -385,6 +429,7 @@ class BaseTrainer:
 
         Raises:
             ValueError: ``output`` is not a ``.safetensors`` or ``.pt`` file; nothing was built.
+            trainloop.evaluation.EvaluateError: No such checkpoint directory; nothing was built.
             trainloop.settings.preflight.PreflightError: The trainer cannot predict (no
                 ``predict_step`` or ``build_predict_data_loader``) or the settings cannot run.
             trainloop.checkpoint.CheckpointError: The checkpoint is missing, corrupt or lacks the weights.
@@ -392,22 +437,21 @@ class BaseTrainer:
                 than a tensor or a dict of tensors per item; the error names the batch.
             trainloop.predict.order.PredictDataError: The data cannot give every item once in a known order.
         """
-        request = PredictRequest(checkpoint, weights, predictions_path(output, self.workspace))
+        source = WeightsSource.of(checkpoint, weights)
+        path = predictions_path(output, self.workspace)
         preflight.check(self, kind="predict")
-        self._loop.predict_run = PredictRun(self, self._run.built, request)
-        self._run_machine("predict")
-        return self._loop.predict_run.outputs
+        self._loop.predict_run = predict_run = PredictRun(self, self._run, source, path)
+        self._run_machine("predict", source)
+        return predict_run.outputs
 
-    def _run_machine(self, kind: RunKind) -> None:
-        """Run the machine once from ``idle`` to ``exiting``; record the run."""
+    def _run_machine(self, kind: RunKind, source: WeightsSource | None = None) -> None:
+        """Run the machine once, for a run of ``kind``; the result is kept in ``self.result``."""
         if self.state is not State.IDLE:
-            raise RuntimeError(f"{kind}() runs once per trainer; this one is in state {self.state.value!r}")
+            raise RuntimeError(f"a trainer runs once; this one is in state {self.state.value!r}")
         try:
-            self._loop.run()
+            self._loop.run(kind, source)
         finally:
             self.result = finish_run(self, kind)  # also appended to <workspace>/runs.jsonl
-        if self.exit_code is not None:
-            raise SystemExit(self.exit_code)
 
     @classmethod
     def missing_methods(cls, kind: str = "train") -> list[str]:

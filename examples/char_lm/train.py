@@ -223,7 +223,7 @@ class CharLMTrainer(BaseTrainer):
         mask = mask.flatten()
         return ((losses * mask).sum() / mask.sum()).item() / math.log(2)
 
-    def evaluate(self) -> dict[str, float]:
+    def val_metrics(self) -> dict[str, float]:
         """The training model's validation bits per character (the ValidationHook calls it)."""
         bpc = self.bits_per_char(self.model)
         self.logger.info("Step %d: validation %.3f bits per character", self.step, bpc)

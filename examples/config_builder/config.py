@@ -35,7 +35,7 @@ config = {
         },
         "hooks": [
             {"type": "progress", "interval": 50},
-            {"type": "validation", "evaluate": "evaluate", "interval": 100},
+            {"type": "validation", "evaluate": "val_metrics", "interval": 100},
             {"type": "checkpointing", "interval": 200, "keep_previous": 1, "exit_signals": ["SIGTERM", "SIGINT"]},
         ],
     },

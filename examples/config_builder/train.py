@@ -161,7 +161,7 @@ class DigitsTrainer(BaseTrainer):
         return loss, {"accuracy": (logits.argmax(1) == y).float().mean()}
 
     @torch.no_grad()
-    def evaluate(self) -> dict[str, float]:
+    def val_metrics(self) -> dict[str, float]:
         """Validation loss and accuracy over the held-out digits."""
         x, y = (t.to(self.device) for t in self.data.val_set.tensors)
         logits = self.model(x)
@@ -197,7 +197,7 @@ def main(argv: list[str]) -> float:
     overrides = [arg for arg in argv if "=" in arg]
     trainer = build_trainer(sources, overrides)
     trainer.train()
-    metrics = trainer.evaluate()
+    metrics = trainer.val_metrics()  # the trained model, in this process
     print(f"validation accuracy {metrics['accuracy']:.4f} (loss {metrics['loss']:.4f}) after {trainer.step} steps")
     return metrics["accuracy"]
 

@@ -74,7 +74,7 @@ class DigitsTrainer(BaseTrainer):
         return loss, {"accuracy": (logits.argmax(1) == y).float().mean()}
 
     @torch.no_grad()
-    def evaluate(self) -> dict[str, float]:
+    def val_metrics(self) -> dict[str, float]:
         """Validation loss and accuracy over the held-out 20%."""
         x, y = (t.to(self.device) for t in self.val_set.tensors)
         logits = self.model(x)
@@ -90,10 +90,13 @@ def main(argv: list[str]) -> float:
     settings = DigitsSettings.from_file(path)
     trainer = DigitsTrainer(settings)
     result = trainer.train()
-    metrics = trainer.evaluate()  # also when resumed with nothing left to train
-    print(f"validation accuracy {metrics['accuracy']:.4f} (loss {metrics['loss']:.4f}) after {result.step} steps")
+    # An evaluate run: the latest checkpoint's weights, every validation once (also when resumed
+    # with nothing left to train); `trainloop evaluate settings.json --trainer train:DigitsTrainer` does the same.
+    metrics = DigitsTrainer(settings).evaluate()
+    accuracy, loss = metrics["val/accuracy"], metrics["val/loss"]
+    print(f"validation accuracy {accuracy:.4f} (loss {loss:.4f}) after {result.step} steps")
     print(f"best checkpoint: {result.best_checkpoint}; report: trainloop report {settings.workspace}")
-    return metrics["accuracy"]
+    return accuracy
 
 
 if __name__ == "__main__":

@@ -163,7 +163,7 @@ def test_a_hook_object_in_settings_says_where_objects_go():
     from trainloop import ValidationHook
 
     with pytest.raises(ValueError) as info:
-        TrainerSettings(max_steps=2, hooks=[ValidationHook(evaluate="evaluate", interval=2)])
+        TrainerSettings(max_steps=2, hooks=[ValidationHook(evaluate="val_metrics", interval=2)])
     message = str(info.value)
     assert "settings.hooks holds hooks as data, not ValidationHook objects: return hook objects from build_hooks()" in message
     assert '"type": "validation"' in message

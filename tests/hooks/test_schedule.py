@@ -111,7 +111,11 @@ def test_half_a_declaration_is_an_error_when_the_hooks_are_built():
 def test_built_in_periodic_hooks_declare_their_schedules_from_their_settings():
     assert CheckpointingHook(interval=1000).schedule == Schedule(1000)
     assert CheckpointingHook(interval=2, unit="epochs").schedule == Schedule(2, "epochs")
-    assert ValidationHook("evaluate", interval=5, at_last_step=False).schedule == Schedule(5, at_end=False)
+    validating = Schedule(5, at_end=False, state="validating", at_exit_signal=False)
+    assert ValidationHook("val_metrics", interval=5, at_last_step=False).schedule == validating
+    assert ValidationHook("val_metrics", interval=5, at_start=True, on_exit_signal="validate").schedule == Schedule(
+        5, at_start=True, state="validating", at_exit_signal=True
+    )
     assert LoggingHook(interval=7).schedule == Schedule(7)
     assert ProgressHook().schedule == Schedule(1)
 
@@ -130,7 +134,10 @@ def test_a_schedule_in_words(schedule, words):
     assert schedule.describe() == words
 
 
-@pytest.mark.parametrize(("kwargs", "message"), [({"every": 0}, "n >= 1"), ({"every": 2, "unit": "hours"}, "'hours'")])
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [({"every": 0}, "n >= 1"), ({"every": 2, "unit": "hours"}, "'hours'"), ({"every": 2, "state": "exiting"}, "'exiting'")],
+)
 def test_a_bad_schedule_is_an_error(kwargs, message):
     with pytest.raises(ValueError, match=message):
         Schedule(**kwargs)
@@ -140,13 +147,13 @@ SETTINGS = {
     "max_steps": 4,
     "hooks": [
         {"type": "checkpointing", "interval": 1000},
-        {"type": "validation", "evaluate": "evaluate", "interval": 2, "unit": "epochs", "at_last_step": False},
+        {"type": "validation", "evaluate": "val_metrics", "interval": 2, "unit": "epochs", "at_last_step": False},
         {"type": "ema"},
     ],
 }
 LINES = [
     "checkpointing — CheckpointingHook, after stepping, every 1000 steps and at the end",
-    "validation — ValidationHook, after stepping, every 2 epochs",
+    "validation — ValidationHook, in validating, every 2 epochs",
     "ema — EmaHook, after stepping, every step",
 ]
 
@@ -160,7 +167,9 @@ def test_graph_with_settings_shows_each_hook_beside_its_state_with_its_schedule(
         assert line in result.stdout
     if format == "mermaid":
         notes = result.stdout.split("note right of stepping\n", 1)[1].split("    end note", 1)[0]
-        assert [line.strip() for line in notes.splitlines()] == LINES
+        assert [line.strip() for line in notes.splitlines()] == [LINES[0], LINES[2]]
+        notes = result.stdout.split("note right of validating\n", 1)[1].split("    end note", 1)[0]
+        assert [line.strip() for line in notes.splitlines()] == [LINES[1]]
 
 
 def test_graph_with_settings_that_do_not_validate_exits_2_naming_the_field(tmp_path):
@@ -178,7 +187,7 @@ def test_the_report_lists_the_declared_hooks_with_their_schedules(tmp_path):
     settings = TrainerSettings.model_validate({**SETTINGS, "workspace": str(workspace)})
 
     class WithEvaluate(TinyTrainer):
-        def evaluate(self):
+        def val_metrics(self):
             return {"loss": 1.0}
 
     WithEvaluate(settings).train()
@@ -192,3 +201,4 @@ def test_the_report_lists_the_declared_hooks_with_their_schedules(tmp_path):
     for line in LINES:
         assert f"<td>{line}</td>" in page
     assert "<td>stepping</td><td>checkpointing — CheckpointingHook" in page
+    assert "<td>validating</td><td>validation — ValidationHook" in page

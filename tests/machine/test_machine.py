@@ -9,7 +9,10 @@ class Policies:
     """Settable answers for the table's conditions."""
 
     def __init__(self):
-        self.values = {"should_exit": False, "microsteps_remain": False, "grads_non_finite": False, "checkpoint_due": False}
+        self.values = {
+            "should_exit": False, "microsteps_remain": False, "grads_non_finite": False, "validation_due": False,
+            "checkpoint_due": False,
+        }
         self.step = 0
 
     def conditions(self):
@@ -67,7 +70,8 @@ def test_policies_pick_the_edge_in_table_order_and_actions_run_on_their_edges():
     assert machine.advance() is State.ACCUMULATING
     assert p.done == [("begin_step", 1), ("redo_step", 1)]  # a redone step is not counted
     assert machine.advance() is State.STEPPING
-    p.values["grads_non_finite"] = False
+    p.values.update(grads_non_finite=False, validation_due=True)
+    assert machine.advance() is State.VALIDATING  # a due validation comes before a save: keep-best sees it
     assert machine.advance() is State.CHECKPOINTING  # a due save comes before exit
     assert machine.advance() is State.EXITING
     with pytest.raises(RuntimeError, match="no transition leaves state 'exiting'"):
@@ -76,12 +80,33 @@ def test_policies_pick_the_edge_in_table_order_and_actions_run_on_their_edges():
 
 def test_every_decision_after_an_update_leaves_from_stepping():
     decisions = {t.dest for t in TRANSITIONS if t.source is State.STEPPING and t.trigger != "fail"}
-    assert decisions == {State.RETRYING, State.CHECKPOINTING, State.EXITING, State.ACCUMULATING}
+    assert decisions == {State.RETRYING, State.VALIDATING, State.CHECKPOINTING, State.EXITING, State.ACCUMULATING}
+    after_validating = [(t.dest, t.condition) for t in TRANSITIONS if t.source is State.VALIDATING and t.trigger != "fail"]
+    assert after_validating == [
+        (State.CHECKPOINTING, "checkpoint_due"), (State.EXITING, "should_exit"), (State.ACCUMULATING, None)
+    ]
     # accumulating only loops or goes to the update; nothing else decides there.
     assert {(t.dest, t.condition) for t in TRANSITIONS if t.source is State.ACCUMULATING and t.trigger != "fail"} == {
         (State.ACCUMULATING, "microsteps_remain"), (State.STEPPING, None)
     }
     assert {t.action for t in TRANSITIONS if t.dest is State.ACCUMULATING} == {"begin_step", "redo_step", None}
+
+
+def test_validating_at_the_start_then_the_first_step_or_the_end():
+    machine, p, _ = make_machine()
+    machine.advance(), machine.advance()
+    p.values["validation_due"] = True
+    assert machine.advance() is State.VALIDATING  # restoring -> validating (at_start, or an evaluate run)
+    p.values["validation_due"] = False
+    assert machine.advance() is State.ACCUMULATING
+    assert p.done == [("begin_step", 1)]  # the first step begins on the edge out of validating
+    machine, p, _ = make_machine()
+    machine.advance(), machine.advance()
+    p.values.update(validation_due=True)
+    machine.advance()
+    p.values.update(validation_due=False, should_exit=True)
+    assert machine.advance() is State.EXITING  # an evaluate run: building, restoring, validating, exiting
+    assert p.done == []
 
 
 def test_restoring_at_max_steps_goes_straight_to_exiting():

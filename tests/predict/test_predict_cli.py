@@ -63,5 +63,5 @@ def test_refusals_before_anything_is_built(tmp_path, capsys, trained):
     assert_one_clean_error(err, "the settings have no workspace: give --output FILE")
     code, _, err = call(capsys, "predict", "predict.json", "--checkpoint", "nowhere")
     assert code == 1
-    assert_one_clean_error(err, "nowhere: no such file or directory")
+    assert_one_clean_error(err, "checkpoint nowhere: no such directory")
     assert sorted(p.name for p in trained.iterdir()) == before or "predictions.safetensors" not in {p.name for p in trained.iterdir()}

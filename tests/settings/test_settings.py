@@ -190,7 +190,7 @@ def test_settings_round_trip_through_json():
         max_steps=10, grad_clip=1.0, workspace="runs/a", seed=3,
         optimizer={"name": "AdamW", "lr": 1e-3, "betas": [0.9, 0.95], "no_weight_decay": ["bias", "norm"]},
         lr_schedule={"name": "cosine", "warmup_ratio": 0.1},
-        hooks=[{"type": "checkpointing", "interval": 5}, {"type": "validation", "evaluate": "evaluate", "interval": 2}],
+        hooks=[{"type": "checkpointing", "interval": 5}, {"type": "validation", "evaluate": "val_metrics", "interval": 2}],
     )
     assert TrainerSettings.model_validate_json(settings.model_dump_json()) == settings
 

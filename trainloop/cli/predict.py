@@ -19,6 +19,7 @@ from trainloop.cli.errors import FAILURE, PROG, CliError
 from trainloop.cli.run import configure_logging
 from trainloop.cli.settings import checked_settings
 from trainloop.distributed.gather import GatherError
+from trainloop.evaluation import EvaluateError
 from trainloop.predict.files import predictions_path
 from trainloop.predict.order import PredictDataError
 from trainloop.predict.outputs import PredictionError
@@ -42,7 +43,7 @@ def command(args: argparse.Namespace) -> int:
     try:
         with checked(settings, trainer_class):  # the preflight above ran: predict() does not repeat it
             outputs = trainer_class(settings).predict(checkpoint, args.weights, output)
-    except (CheckpointError, PredictionError, PredictDataError, GatherError) as error:
+    except (CheckpointError, EvaluateError, PredictionError, PredictDataError, GatherError) as error:
         raise CliError(str(error), FAILURE) from None
     except KeyboardInterrupt:
         print(f"{PROG}: interrupted", file=sys.stderr)

@@ -56,16 +56,19 @@ def _overrides(hook: BaseHook, method: str) -> bool:
     return getattr(type(hook), method) is not getattr(BaseHook, method)
 
 
-def hook_dispatch(hooks: Sequence[BaseHook]) -> dict[str, tuple[Callable[..., None], ...]]:
+def hook_dispatch(
+    hooks: Sequence[BaseHook], calls: ScheduledCalls | None = None
+) -> dict[str, tuple[Callable[..., None], ...]]:
     """Per event, the bound methods of the hooks that override it, in hook order.
 
     Built once, so a step pays only for the hooks that act on it. When a hook declares a
     ``schedule``, ``on_before_train``, ``on_after_step`` and ``on_after_train`` are each one call
-    of a ``ScheduledCalls``, which also calls ``on_schedule`` when due, in hook order.
+    of a ``ScheduledCalls`` (``calls``, or a new one), which also calls (or, for a ``validating``
+    schedule, queues) ``on_schedule`` when due, in hook order.
     """
     dispatch = {event: tuple(getattr(h, event) for h in hooks if _overrides(h, event)) for event in HOOK_EVENTS}
     if any(h.schedule is not None for h in hooks):
-        calls = ScheduledCalls(hooks)
+        calls = calls if calls is not None else ScheduledCalls(hooks)
         dispatch.update(
             on_before_train=(calls.before_train,),
             on_after_step=(calls.after_step,),
@@ -74,41 +77,57 @@ def hook_dispatch(hooks: Sequence[BaseHook]) -> dict[str, tuple[Callable[..., No
     return dispatch
 
 
+_Act = Callable[[Any], Any]
+
+
 class ScheduledCalls:
     """The calls around the hooks' schedules in one run: the one every(n) rule, applied once.
 
     Each hook's ``on_schedule`` follows its own ``on_before_train`` (``at_start``),
     ``on_after_step`` (when due) or precedes its ``on_after_train`` (``at_end``, after an exit
-    request), so the hooks keep their order. A step on which no schedule is due costs a
-    comparison (and, when epochs matter, reading the epochs completed) besides the hooks'
-    own ``on_after_step``: the next step anything can be due at is worked out when something was.
+    request), so the hooks keep their order. A schedule of ``state="validating"`` is queued in
+    ``validations`` instead, for the machine to run in ``validating`` (``run_validations``); the
+    end of a run ended by an exit request is queued when the loop learns of it
+    (``exit_agreed``). A step on which no schedule is due costs a comparison (and, when epochs
+    matter, reading the epochs completed) besides the hooks' own ``on_after_step``: the next
+    step anything can be due at is worked out when something was.
 
     Args:
         hooks: The run's hooks, in order.
+
+    Attributes:
+        validations: The ``validating`` schedules' ``on_schedule`` calls due now, in hook order.
     """
 
     def __init__(self, hooks: Sequence[BaseHook]) -> None:
-        rows = []
+        rows: list[tuple[BaseHook, Every | None]] = []
         for hook in hooks:
             schedule = hook.schedule
             every = Every(schedule.every, schedule.unit, schedule.at_end) if schedule is not None else None
             rows.append((hook, every))
         self._everies = [every for _, every in rows if every is not None]
         self._by_steps = [every for every in self._everies if every.unit == "steps"]
+        validating = {id(h) for h, _ in rows if h.schedule is not None and h.schedule.state == "validating"}
         self._start = tuple(
             (h.on_before_train if _overrides(h, "on_before_train") else None,
-             h.on_schedule if h.schedule is not None and h.schedule.at_start else None)
+             h.on_schedule if h.schedule is not None and h.schedule.at_start else None, id(h) in validating)
             for h, _ in rows
         )
         self._plain = tuple(h.on_after_step for h, _ in rows if _overrides(h, "on_after_step"))
         self._step = tuple(
-            (h.on_after_step if _overrides(h, "on_after_step") else None, every, h.on_schedule)
+            (h.on_after_step if _overrides(h, "on_after_step") else None, every, h.on_schedule, id(h) in validating)
             for h, every in rows if every is not None or _overrides(h, "on_after_step")
         )
         self._end = tuple(
-            (every, h.on_schedule, h.on_after_train if _overrides(h, "on_after_train") else None)
+            (every if id(h) not in validating else None, h.on_schedule, _at_exit_signal(h),
+             h.on_after_train if _overrides(h, "on_after_train") else None)
             for h, every in rows if every is not None or _overrides(h, "on_after_train")
         )
+        # The validating schedules: (every, on_schedule, acted on after an exit signal), in hook order.
+        self._validating = tuple(
+            (every, h.on_schedule, _at_exit_signal(h)) for h, every in rows if every is not None and id(h) in validating
+        )
+        self.validations: list[_Act] = []
         self._next = 0  # the first step at which something may be due
         self._epochs: int | None = None  # epochs completed when something was last worked out
         self._watch_epochs = False
@@ -119,19 +138,22 @@ class ScheduledCalls:
         for every in self._everies:
             every.start()
         self._next, self._epochs, self._stepped = 0, None, False
+        self.validations.clear()
         run_length = trainer.run_length
         # Epochs matter when a schedule counts them, or when max_epochs may end the run.
         self._watch_epochs = any(
             e.unit == "epochs" or (e.at_end and run_length.max_epochs is not None) for e in self._everies
         )
-        for before, at_start in self._start:
+        for before, at_start, validates in self._start:
             if before is not None:
                 before(trainer)
-            if at_start is not None:
+            if at_start is not None and validates:
+                self.validations.append(at_start)
+            elif at_start is not None:
                 at_start(trainer)
 
     def after_step(self, trainer: Any) -> None:
-        """Each hook's ``on_after_step``, then its ``on_schedule`` if due after this step."""
+        """Each hook's ``on_after_step``, then its ``on_schedule`` if due after this step (or queue it)."""
         step = trainer.step
         if step < self._next and (not self._watch_epochs or trainer.run_length.epochs_completed == self._epochs):
             for fn in self._plain:  # nothing due: the hooks' own methods only
@@ -140,28 +162,61 @@ class ScheduledCalls:
         run_length = trainer.run_length
         epochs, at_start, last = run_length.epochs_completed, run_length.epochs_at_start, run_length.reached(step)
         self._epochs, self._stepped = epochs, True
-        for after, every, act in self._step:
+        for after, every, act, validates in self._step:
             if after is not None:
                 after(trainer)
-            if every is not None and every.due(step, epochs, at_start, last):
+            if every is None or not every.due(step, epochs, at_start, last):
+                continue
+            if validates:
+                self.validations.append(act)
+            else:
                 act(trainer)
         upcoming = [every.next_step(step) for every in self._by_steps]
         if run_length.max_steps is not None and any(e.at_end for e in self._everies):
             upcoming.append(run_length.max_steps)
         self._next = min(upcoming, default=sys.maxsize)
 
+    def exit_agreed(self, trainer: Any) -> None:
+        """The run ends after this step by an exit request: queue the validations its end is due.
+
+        After an exit signal (an exit request with an exit code) the run leaves fast: the
+        validations due at this step are dropped, and none is queued for the end, except those
+        whose schedule says ``at_exit_signal``.
+        """
+        signal = trainer.exit_code is not None
+        keep = {_key(act) for _, act, at_signal in self._validating if at_signal or not signal}
+        # Bound methods are made anew on each access: compare the functions and their hooks.
+        self.validations[:] = [fn for fn in self.validations if _key(fn) in keep]
+        if not self._stepped:  # no step ran (or none was looked at): nothing ended to validate
+            return
+        queued = {_key(fn) for fn in self.validations}
+        for every, act, _ in self._validating:
+            if _key(act) in keep and _key(act) not in queued and every.due_at_end(trainer.step):
+                self.validations.append(act)
+
+    def queue_every_validation(self) -> None:
+        """Queue every ``validating`` schedule's ``on_schedule`` once, in hook order (an evaluate run)."""
+        self.validations[:] = [act for _, act, _ in self._validating]
+
+    def run_validations(self, trainer: Any) -> None:
+        """Run the queued validations, in order (the work of ``validating``)."""
+        while self.validations:
+            self.validations.pop(0)(trainer)
+
     def after_train(self, trainer: Any) -> None:
         """Each hook's ``on_schedule`` if the clean end of the run was not acted on, then its ``on_after_train``.
 
         Every hook's end runs even when another's raised (each may have something to give back,
         such as signal handlers); then the first error is raised, the later ones noted on it.
+        The ``validating`` schedules' end was queued by ``exit_agreed`` and ran in ``validating``.
         """
         # Not after an error: other ranks may not reach this point, and a collective would hang.
         clean = self._stepped and trainer.error is None
+        signal = trainer.exit_code is not None
         step = trainer.step
         errors: list[BaseException] = []
-        for every, act, after in self._end:
-            if clean and every is not None and every.due_at_end(step):
+        for every, act, at_signal, after in self._end:
+            if clean and every is not None and (at_signal or not signal) and every.due_at_end(step):
                 _call_collecting(act, trainer, errors)
             if after is not None:
                 _call_collecting(after, trainer, errors)
@@ -169,6 +224,15 @@ class ScheduledCalls:
             for later in errors[1:]:
                 errors[0].add_note(f"At the end of the run another hook raised {type(later).__name__}: {later}")
             raise errors[0]
+
+
+def _at_exit_signal(hook: BaseHook) -> bool:
+    return hook.schedule is None or hook.schedule.at_exit_signal
+
+
+def _key(fn: Any) -> int:
+    """One number per hook method, the same for every bound method made of it."""
+    return id(getattr(fn, "__self__", fn))
 
 
 def _call_collecting(fn: Callable[[Any], Any], trainer: Any, errors: list[BaseException]) -> None:

@@ -13,6 +13,12 @@ rule and calls ``on_schedule`` only when it is due:
   ``on_after_train``; a run that ends by an error is not acted on (other ranks may not get there);
 - with ``at_start``, once in ``restoring``, right after the hook's own ``on_before_train``.
 
+A schedule declared ``state="validating"`` (``ValidationHook``'s) is not acted on in place: each
+time it is due, the machine enters ``validating`` and acts there (after ``restoring`` for
+``at_start``; before ``exiting`` for the end of a run ended by an exit request), so its time is
+its own in traces and reports. A run that ends on an exit signal (an exit request with an exit
+code) is not acted on at its end, nor at its last step, unless ``at_exit_signal``.
+
 ``Every`` is the rule's bookkeeping for one schedule over one run: pure arithmetic on the numbers
 the dispatcher gives it, so it can be tested, and skipped on steps where nothing is due.
 """
@@ -22,9 +28,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Literal
 
-__all__ = ["Every", "Schedule", "Unit"]
+__all__ = ["Every", "Schedule", "ScheduleState", "Unit"]
 
 Unit = Literal["steps", "epochs"]
+ScheduleState = Literal["stepping", "validating"]
 
 
 @dataclass(frozen=True)
@@ -36,7 +43,12 @@ class Schedule:
         unit: ``"steps"``, or ``"epochs"``: act after the step in which every ``every``-th
             epoch's last batch is drawn.
         at_end: Also act after the last step of a run that ends cleanly, when not just acted on.
-        at_start: Also act once before the first step (in ``restoring``).
+        at_start: Also act once before the first step (in ``restoring``, or in ``validating``
+            right after it).
+        state: Where ``on_schedule`` runs: ``"stepping"`` (right after the hook's
+            ``on_after_step``) or ``"validating"`` (the machine enters that state to run it).
+        at_exit_signal: Whether a run ending on an exit signal (an exit request with an exit
+            code) is still acted on: at its last step, and at its end. ``False`` leaves fast.
 
     Raises:
         ValueError: ``every`` is less than 1, or ``unit`` is neither ``"steps"`` nor ``"epochs"``.
@@ -46,12 +58,16 @@ class Schedule:
     unit: Unit = "steps"
     at_end: bool = True
     at_start: bool = False
+    state: ScheduleState = "stepping"
+    at_exit_signal: bool = True
 
     def __post_init__(self) -> None:
         if self.every < 1:
             raise ValueError(f"every(n) needs n >= 1, got {self.every}")
         if self.unit not in ("steps", "epochs"):
             raise ValueError(f"a schedule's unit is 'steps' or 'epochs', got {self.unit!r}")
+        if self.state not in ("stepping", "validating"):
+            raise ValueError(f"a schedule's state is 'stepping' or 'validating', got {self.state!r}")
 
     def describe(self) -> str:
         """The schedule in words: ``every 1000 steps and at the end``, ``at the start and every epoch``."""

@@ -28,31 +28,43 @@ __all__ = ["ValidationHook"]
 MethodName = Annotated[str, Field(pattern=r"^[A-Za-z_][A-Za-z0-9_]*$")]
 
 _MISSING = object()
+#: The trainer's own runs: a validation method by one of these names would call a run inside a run.
+_RUNS = ("train", "evaluate")
+_RENAME = "name your validation method otherwise (e.g. val_metrics) and point evaluate at it"
 
 
 @register_hook("validation")
 class ValidationHook(BaseHook):
     """Run an evaluation every ``interval`` steps (or epochs) and log what it returns under ``prefix``.
 
-    Evaluations follow the hook's ``schedule``, the ``every(n)`` rule (``trainloop.hooks.every``):
-    after every ``interval``-th step (or epoch), and after the last step of a run that ends
-    cleanly (``at_last_step``). The
-    evaluation runs after the step's optimizer update, with the model in eval mode, under
-    ``torch.no_grad()`` and the trainer's autocast (``settings.mixed_precision`` on
-    ``trainer.device``); on a run ended early by an exit request it runs in ``exiting``, before
-    this hook's ``on_after_train`` (put this hook before the hooks that write logged records,
-    which close there). Afterwards
-    every submodule gets back the train/eval mode it had, also when the evaluation raises. The
-    returned records are logged with ``trainer.log({prefix: records})``, so an
-    ``EarlyStoppingHook`` can monitor e.g. ``"val/loss"``, kept in ``last_records``, and shown
-    as a line on ``trainer.logger`` at INFO
-    (``Validation at step 100: val/loss 0.3120 val/accuracy 0.9583``).
+    Evaluations follow the hook's ``schedule``, the ``every(n)`` rule (``trainloop.hooks.every``),
+    and each runs in the machine's ``validating`` state, so its time is its own in traces and
+    reports: after every ``interval``-th step (or epoch), once at the start of the run when
+    ``at_start`` (after ``restoring``, before the first step), and after the last step of a run
+    that ends cleanly (``at_last_step``: ``max_steps`` or ``max_epochs`` reached, or an exit
+    request without an exit code, such as ``EarlyStoppingHook``'s). From ``validating`` the
+    machine goes on to ``checkpointing`` (so a keep-best checkpoint is judged on the fresh
+    metric), to ``exiting``, or to the next step. Several validation hooks may be due at once:
+    they run in hook order, in one visit.
+
+    After an exit signal (a ``CheckpointingHook``'s SIGTERM/SIGUSR1/SIGINT, which requests an exit
+    with an exit code) the run saves and exits without validating, also when a validation was
+    due at that step: the grace period a scheduler gives before SIGKILL is for the save.
+    ``on_exit_signal="validate"`` validates first.
+
+    The evaluation runs with the model in eval mode, under ``torch.no_grad()`` and the trainer's
+    autocast (``settings.mixed_precision`` on ``trainer.device``). Afterwards every submodule
+    gets back the train/eval mode it had, also when the evaluation raises. The returned records
+    are logged with ``trainer.log({prefix: records})``, so an ``EarlyStoppingHook`` can monitor
+    e.g. ``"val/loss"``, kept in ``last_records``, and shown as a line on ``trainer.logger`` at
+    INFO (``Validation at step 100: val/loss 0.3120 val/accuracy 0.9583``). ``trainer.evaluate()``
+    (``trainloop evaluate``) runs every validation hook once on restored weights.
 
     In Python ``evaluate`` may be any callable; in a settings file it is the name of a trainer
-    method::
+    method (any name but ``evaluate``, which is the trainer's evaluate run)::
 
         ValidationHook(lambda trainer: {"loss": compute_val_loss(trainer.model)}, interval=500)
-        {"type": "validation", "evaluate": "validate", "interval": 500}   # calls trainer.validate()
+        {"type": "validation", "evaluate": "val_metrics", "interval": 500}   # trainer.val_metrics()
 
     Every rank runs the evaluation, so it may use collectives (e.g. to average a metric).
 
@@ -63,6 +75,10 @@ class ValidationHook(BaseHook):
         interval: Evaluate after every ``interval``-th step (or epoch, see ``unit``).
         at_last_step: Also evaluate after the last step of a run that ends cleanly (``max_steps``
             or ``max_epochs`` reached, or an exit request) when it was not just evaluated.
+        at_start: Also evaluate once before the first step (``restoring -> validating``), also
+            when the run resumes.
+        on_exit_signal: ``"skip"``: after an exit signal the run saves and exits without this
+            evaluation; ``"validate"``: it evaluates the last step first.
         unit: ``"steps"`` or ``"epochs"``: what ``interval`` counts.
         prefix: The top-level key the records are logged under.
 
@@ -79,6 +95,8 @@ class ValidationHook(BaseHook):
             return []
         found = getattr(trainer, name, _MISSING)
         cls_name = (trainer if isinstance(trainer, type) else type(trainer)).__name__
+        if name in _RUNS:
+            return [("evaluate", f"{cls_name}.{name}() is a run of the trainer, not a validation method: {_RENAME}")]
         if found is _MISSING:
             methods = [m for m in dir(trainer) if not m.startswith("_") and callable(getattr(trainer, m, None))]
             close = difflib.get_close_matches(name, methods, n=1)
@@ -98,12 +116,19 @@ class ValidationHook(BaseHook):
         at_last_step: StrictBool = True,
         prefix: Annotated[str, Field(min_length=1)] = "val",
         unit: Literal["steps", "epochs"] = "steps",
+        at_start: StrictBool = False,
+        on_exit_signal: Literal["skip", "validate"] = "skip",
     ) -> None:
         self.evaluate = evaluate
         self.interval = interval
         self.unit = unit
-        self.schedule = Schedule(interval, unit, at_end=at_last_step)
+        self.schedule = Schedule(
+            interval, unit, at_end=at_last_step, at_start=at_start, state="validating",
+            at_exit_signal=on_exit_signal == "validate",
+        )
         self.at_last_step = at_last_step
+        self.at_start = at_start
+        self.on_exit_signal = on_exit_signal
         self.prefix = prefix
         self.last_records: Records | None = None
         self.last_step: int | None = None
@@ -113,10 +138,15 @@ class ValidationHook(BaseHook):
 
         Raises:
             AttributeError: The trainer has no attribute of that name.
-            TypeError: The attribute is not callable.
+            TypeError: The attribute is not callable, or is one of the trainer's runs (``evaluate``).
         """
         if not isinstance(self.evaluate, str):
             return
+        if self.evaluate in _RUNS:
+            raise TypeError(
+                f"{type(self).__name__}(evaluate={self.evaluate!r}): trainer.{self.evaluate}() is a run of the "
+                f"trainer, not a validation method: {_RENAME}"
+            )
         method = getattr(trainer, self.evaluate, _MISSING)
         if method is _MISSING:
             raise AttributeError(
@@ -131,7 +161,7 @@ class ValidationHook(BaseHook):
             )
 
     def on_schedule(self, trainer: TrainerView) -> None:
-        """Evaluate: the schedule is due (a step that is not due never calls the hook)."""
+        """Evaluate, in ``validating``: the schedule is due (a step that is not due never calls the hook)."""
         self.run(trainer)
 
     def run(self, trainer: TrainerView) -> Records:

@@ -11,7 +11,7 @@ __all__ = ["draw"]
 
 
 # Edges into these states are rare and telling: coloured in a drawing of a run that took them.
-_RARE_EDGE_COLORS = {State.RETRYING: "darkorange", State.CHECKPOINTING: "royalblue"}
+_RARE_EDGE_COLORS = {State.RETRYING: "darkorange", State.VALIDATING: "seagreen", State.CHECKPOINTING: "royalblue"}
 
 
 def _label(t: Transition) -> str:
@@ -34,7 +34,7 @@ def draw(
         counts: How often each edge ``(source, dest, trigger)`` fired in a run (e.g.
             ``summarize_trace(...).counts``). Each edge's label then ends with ``(n=<count>)``;
             in DOT the line's width grows with the count, an edge that never fired is grey and
-            dashed, and fired edges into ``retrying``, ``checkpointing`` (and ``fail``) are coloured.
+            dashed, and fired edges into ``retrying``, ``validating``, ``checkpointing`` (and ``fail``) are coloured.
         notes: Lines to write beside a state, such as the hooks that act in it with their
             schedules (``trainloop.hooks.listing``).
 

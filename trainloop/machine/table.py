@@ -35,6 +35,11 @@ class State(str, Enum):
     them, reset the step's records, count the retry."""
     CHECKPOINTING = "checkpointing"
     """A save is due; hooks write it."""
+    VALIDATING = "validating"
+    """One or more validations are due (a ``ValidationHook``'s schedule after an applied update,
+    ``at_start`` after ``restoring``, the last step of a run that ends cleanly; never after an
+    exit signal unless the hook asks), or the run is an evaluate run: each due validation runs
+    and logs its metrics here, so its time is its own."""
     PREDICTING = "predicting"
     """A predict run's work, once: ``predict_step`` over the predict data in eval mode, under
     ``torch.no_grad()`` and the trainer's autocast; the outputs gathered from every rank, each item
@@ -80,17 +85,22 @@ TRANSITIONS: tuple[Transition, ...] = (
     Transition("start", _S.IDLE, _S.BUILDING),
     Transition("restore", _S.BUILDING, _S.RESTORING),
     Transition("finish", _S.RESTORING, _S.EXITING, "should_exit"),
+    Transition("validate", _S.RESTORING, _S.VALIDATING, "validation_due"),
     Transition("predict", _S.RESTORING, _S.PREDICTING, "predicting_run"),
     Transition("begin_step", _S.RESTORING, _S.ACCUMULATING, action="begin_step"),
     Transition("accumulate", _S.ACCUMULATING, _S.ACCUMULATING, "microsteps_remain"),
     Transition("update", _S.ACCUMULATING, _S.STEPPING),
     Transition("retry", _S.STEPPING, _S.RETRYING, "grads_non_finite"),
+    Transition("validate", _S.STEPPING, _S.VALIDATING, "validation_due"),
     Transition("checkpoint", _S.STEPPING, _S.CHECKPOINTING, "checkpoint_due"),
     Transition("finish", _S.STEPPING, _S.EXITING, "should_exit"),
     Transition("begin_step", _S.STEPPING, _S.ACCUMULATING, action="begin_step"),
     Transition("redo_step", _S.RETRYING, _S.ACCUMULATING, action="redo_step"),
     Transition("finish", _S.CHECKPOINTING, _S.EXITING, "should_exit"),
     Transition("begin_step", _S.CHECKPOINTING, _S.ACCUMULATING, action="begin_step"),
+    Transition("checkpoint", _S.VALIDATING, _S.CHECKPOINTING, "checkpoint_due"),
+    Transition("finish", _S.VALIDATING, _S.EXITING, "should_exit"),
+    Transition("begin_step", _S.VALIDATING, _S.ACCUMULATING, action="begin_step"),
     Transition("finish", _S.PREDICTING, _S.EXITING),
     # An error (or an interrupt) anywhere ends the run through ``exiting``.
     *(Transition("fail", s, _S.EXITING) for s in _S if s not in (_S.IDLE, _S.EXITING)),

@@ -76,12 +76,13 @@ class Trace(deque[TraceEntry]):
             self._file = None
 
 
-def start_run_record(settings: TrainerSettings) -> Trace | None:
+def start_run_record(settings: TrainerSettings, write: bool = True) -> Trace | None:
     """Write the resolved settings to ``<workspace>/settings.json`` (rank 0), and open the trace.
 
     The trace (``<workspace>/trace.jsonl`` when there is a workspace) is opened if ``settings.trace`` is on.
+    Without ``write`` (a run that trains nothing), nothing is written: the trace is kept in memory only.
     """
-    workspace = settings.workspace if is_rank_zero() else None
+    workspace = settings.workspace if is_rank_zero() and write else None
     if workspace is not None:
         workspace.mkdir(parents=True, exist_ok=True)
         tmp = workspace / ".settings.json.tmp"

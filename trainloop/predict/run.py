@@ -10,17 +10,16 @@ from __future__ import annotations
 import sys
 from collections.abc import Callable, Iterable, Iterator, Sized
 from contextlib import nullcontext
-from dataclasses import dataclass
 from pathlib import Path
 from time import perf_counter
 from typing import TYPE_CHECKING, Any
 
 import torch
 
-from trainloop.checkpoint.errors import CheckpointError
-from trainloop.checkpoint.weights import Weights, init_from, load_weights, read_weights
+from trainloop.checkpoint.weights import init_from
 from trainloop.distributed.gather import gather_items
 from trainloop.distributed.ranks import is_rank_zero, rank, world_size
+from trainloop.evaluation import WeightsSource, restore_weights
 from trainloop.machine.table import State
 from trainloop.predict.files import write_predictions
 from trainloop.predict.order import item_order
@@ -29,25 +28,10 @@ from trainloop.rng import seed_all
 from trainloop.wrappers import module_modes_kept
 
 if TYPE_CHECKING:
-    from trainloop.run_state import TrainerContract
+    from trainloop.checkpoint.weights import Weights
+    from trainloop.run_state import RunState, TrainerContract
 
-__all__ = ["PredictRequest", "PredictRun", "predict_items", "restore_model"]
-
-
-@dataclass(frozen=True)
-class PredictRequest:
-    """What ``trainer.predict()`` was asked.
-
-    Attributes:
-        checkpoint: ``None`` (the model as built, or as ``settings.init_from`` gives it),
-            ``"latest"`` (the run's latest checkpoint) or a checkpoint directory, full or sharded.
-        weights: ``"model"``, ``"ema"`` or an EMA hook's name: which of the checkpoint's weights.
-        output: The file to write (``None``: none).
-    """
-
-    checkpoint: str | Path | None = None
-    weights: str = "model"
-    output: Path | None = None
+__all__ = ["PredictRun", "predict_items"]
 
 
 class PredictRun:
@@ -59,14 +43,18 @@ class PredictRun:
 
     Args:
         trainer: The trainer.
-        built: Where the built components go (the run state's ``built``: ``trainer.model`` reads it).
-        request: What was asked.
+        run_state: Its run state (the model goes into ``built``; ``step`` becomes the checkpoint's).
+        source: Where the model's weights come from.
+        output: The file to write (``None``: none).
     """
 
-    def __init__(self, trainer: TrainerContract, built: dict[str, Any], request: PredictRequest) -> None:
+    def __init__(
+        self, trainer: TrainerContract, run_state: RunState, source: WeightsSource, output: Path | None
+    ) -> None:
         self.trainer = trainer
-        self.built = built
-        self.request = request
+        self.run_state = run_state
+        self.source = source
+        self.output = output
         self.data: Iterable[Any] = ()
         self.restored: Weights | None = None
         self.outputs: dict[str, torch.Tensor] = {}
@@ -81,62 +69,27 @@ class PredictRun:
         if t.settings.seed is not None:
             seed_all(t.settings.seed)
         self.data = t.build_predict_data_loader()
-        self.built["model"] = t.build_model()
+        self.run_state.built["model"] = t.build_model()
 
     def restore(self) -> None:
-        """The work of ``restoring``: the requested checkpoint's weights into the model."""
-        self.restored = restore_model(self.trainer, self.request.checkpoint, self.request.weights)
+        """The work of ``restoring``: the weights ``source`` names (as an evaluate run restores them)."""
+        t = self.trainer
+        # No hook is built: the declared checkpointing hooks say where "latest" is.
+        roots = [spec.build() for spec in t.settings.hooks if spec.type == "checkpointing"]
+        self.restored = found = restore_weights(t, roots, self.source)
+        if found is None:
+            init_from(t)  # the model as built: a fine-tune's starting weights, if declared
+        elif found.step is not None:
+            self.run_state.step = found.step
 
     def predict(self) -> None:
         """The work of ``predicting``: see :func:`predict_items`."""
-        metadata = {"weights": self.request.weights}
+        metadata = {"weights": self.source.weights}
         if self.restored is not None:
             metadata["checkpoint"] = str(self.restored.source)
             if self.restored.step is not None:
                 metadata["step"] = str(self.restored.step)
-        self.outputs = predict_items(self.trainer, self.data, self.request.output, metadata)
-
-
-def restore_model(trainer: TrainerContract, checkpoint: str | Path | None, weights: str) -> Weights | None:
-    """Load a checkpoint's model (or EMA) weights into ``trainer.model``, or ``settings.init_from``'s.
-
-    Args:
-        trainer: The trainer, its model built.
-        checkpoint: ``None``: ``settings.init_from``'s weights if declared, else the model as
-            built; ``"latest"``: the workspace's latest checkpoint (under its checkpointing
-            hook's ``path``); else a checkpoint directory (full or sharded), checkpoints root or
-            workspace.
-        weights: ``"model"``, ``"ema"`` or an EMA hook's name.
-
-    Returns:
-        What was loaded (``None``: no checkpoint).
-
-    Raises:
-        trainloop.checkpoint.CheckpointError: The checkpoint is missing, corrupt or holds no such weights.
-    """
-    if checkpoint is None:
-        init_from(trainer)
-        return None
-    source = _latest_root(trainer) if checkpoint == "latest" else Path(checkpoint)
-    found = read_weights(source, weights)
-    load_weights(trainer.model, found.state_dict, logger=trainer.logger, source=str(found.source))
-    at = f" (step {found.step})" if found.step is not None else ""
-    trainer.logger.info("Loaded the %s weights of %s%s", weights, found.source, at)
-    return found
-
-
-def _latest_root(trainer: TrainerContract) -> Path:
-    """The checkpoints root of ``trainer``'s runs.
-
-    Its declared checkpointing hook's ``path``, else ``<workspace>/checkpoints``.
-    """
-    declared = [h for h in trainer.settings.hooks if h.type == "checkpointing"]
-    path = Path(getattr(declared[0], "path", "checkpoints")) if declared else Path("checkpoints")
-    if path.is_absolute():
-        return path
-    if trainer.workspace is None:
-        raise CheckpointError("checkpoint='latest' needs a workspace (or an absolute checkpointing path)")
-    return trainer.workspace / path
+        self.outputs = predict_items(self.trainer, self.data, self.output, metadata)
 
 
 def predict_items(

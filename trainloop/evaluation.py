@@ -1,0 +1,128 @@
+"""Runs that train nothing (``evaluate``; predict likewise): where their model's weights come from.
+
+An evaluate run is ``building -> restoring -> validating -> exiting``: the trainer builds its
+components and hooks as for training, ``restoring`` loads the model's weights alone (no
+optimizer state, no hook state, no data position) from the source a ``WeightsSource`` names,
+``validating`` runs every validation hook once, and the run exits. It writes nothing into the
+checkpoint directory, nor ``settings.json``, ``metrics.jsonl`` or ``trace.jsonl``: only its line
+in ``runs.jsonl`` (``"kind": "evaluate"``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Literal
+
+from trainloop.checkpoint.errors import CheckpointError
+
+if TYPE_CHECKING:
+    from trainloop.checkpoint.weights import Weights
+    from trainloop.hooks.base import BaseHook
+    from trainloop.run_state import TrainerView
+
+__all__ = ["EvaluateError", "WeightsSource", "check_validations", "restore_weights"]
+
+#: What ``checkpoint=`` (``--checkpoint``) takes besides a directory.
+LATEST: Literal["latest"] = "latest"
+
+
+class EvaluateError(ValueError):
+    """An evaluate run cannot start (no validation to run, a checkpoint that is not there)."""
+
+
+@dataclass(frozen=True)
+class WeightsSource:
+    """Where an evaluate (or predict) run takes the model's weights from.
+
+    Attributes:
+        checkpoint: ``"latest"``: the run's latest complete checkpoint (in its
+            ``CheckpointingHook``'s directory, else ``<workspace>/checkpoints``), an error if
+            there is none; a checkpoint directory (full or sharded), a checkpoints root or a
+            workspace (its latest); or ``None``: the model as ``build_model`` made it (with
+            ``settings.init_from`` applied).
+        weights: ``"model"``, ``"ema"`` (the one EMA hook's averaged weights in the
+            checkpoint) or the name of the EMA hook whose weights to take.
+    """
+
+    checkpoint: Literal["latest"] | Path | None = LATEST
+    weights: str = "model"
+
+    @classmethod
+    def of(cls, checkpoint: str | Path | None, weights: str = "model") -> WeightsSource:
+        """From what a user gives: ``"latest"``, a path, or ``None``; the path is checked to exist.
+
+        Raises:
+            EvaluateError: The path does not exist, or ``weights`` is given without a checkpoint.
+        """
+        if checkpoint is None:
+            if weights != "model":
+                raise EvaluateError(f"weights={weights!r} needs a checkpoint to read them from")
+            return cls(None, weights)
+        if checkpoint == LATEST:
+            return cls(LATEST, weights)
+        path = Path(checkpoint).expanduser()
+        if not path.is_dir():
+            raise EvaluateError(f"checkpoint {checkpoint}: no such directory")
+        return cls(path, weights)
+
+
+def check_validations(hooks: Sequence[BaseHook], where: str) -> None:
+    """Raise ``EvaluateError`` unless a hook validates (a schedule of ``state="validating"``).
+
+    Args:
+        hooks: The run's hooks.
+        where: Where they come from, for the message.
+    """
+    if not any(h.schedule is not None and h.schedule.state == "validating" for h in hooks):
+        raise EvaluateError(
+            f"nothing to evaluate: {where} has no ValidationHook; declare one in settings.hooks "
+            '({"type": "validation", "evaluate": "<method name>", "interval": N}) or return one from build_hooks()'
+        )
+
+
+def restore_weights(trainer: TrainerView, hooks: Sequence[BaseHook], source: WeightsSource) -> Weights | None:
+    """Load the weights ``source`` names into ``trainer.model``, on every rank; ``None``: none were named.
+
+    Args:
+        trainer: The trainer, its model built.
+        hooks: Every hook the trainer built (a ``CheckpointingHook`` says where its checkpoints are).
+        source: Where the weights come from.
+
+    Raises:
+        CheckpointError: ``"latest"`` and the run has no complete checkpoint, or the checkpoint
+            cannot be read or does not fit the model; the message names the directory.
+    """
+    from trainloop.checkpoint.weights import load_weights, read_weights
+
+    if source.checkpoint is None:
+        return None
+    path = _latest_root(trainer, hooks) if source.checkpoint == LATEST else source.checkpoint
+    found = read_weights(path, source.weights)
+    loaded = load_weights(trainer.model, found.state_dict, logger=trainer.logger, source=str(found.source))
+    at = f" (step {found.step})" if found.step is not None else ""
+    trainer.logger.info("Loaded %d %s weights from %s%s", len(loaded), source.weights, found.source, at)
+    return found
+
+
+def _latest_root(trainer: TrainerView, hooks: Sequence[BaseHook]) -> Path:
+    """The directory of the run's checkpoints, which holds a complete one.
+
+    Raises:
+        CheckpointError: There is none.
+    """
+    from trainloop.checkpoint.files import latest_checkpoint
+    from trainloop.hooks.checkpointing import CheckpointingHook
+
+    roots: list[Any] = [h.directory(trainer) for h in hooks if isinstance(h, CheckpointingHook)]
+    if not roots and trainer.workspace is not None:
+        roots = [trainer.workspace / "checkpoints"]
+    for root in roots:
+        if latest_checkpoint(root, logger=trainer.logger) is not None:
+            return Path(root)
+    where = ", ".join(str(r) for r in roots) or "no workspace and no CheckpointingHook"
+    raise CheckpointError(
+        f"no complete checkpoint to evaluate ({where}): train first, give a checkpoint directory, "
+        "or evaluate the model as built (checkpoint=None, --checkpoint none)"
+    )
