@@ -447,7 +447,7 @@ class BaseTrainer:
     def _run_machine(self, kind: RunKind, source: WeightsSource | None = None) -> None:
         """Run the machine once, for a run of ``kind``; the result is kept in ``self.result``."""
         if self.state is not State.IDLE:
-            raise RuntimeError(f"a trainer runs once; this one is in state {self.state.value!r}")
+            raise RuntimeError(f"{kind}() runs once per trainer; this one is in state {self.state.value!r}")
         try:
             self._loop.run(kind, source)
         finally:
