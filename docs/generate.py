@@ -134,6 +134,7 @@ NAMESPACES = (
     "trainloop.checkpoint",
     "trainloop.distributed",
     "trainloop.lr_find",
+    "trainloop.predict",
     "trainloop.report",
     "trainloop.utils",
 )

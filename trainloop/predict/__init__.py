@@ -6,3 +6,10 @@ batch), ``order`` (each item's dataset index, from the loader's sampler), ``file
 ``.safetensors`` or ``.pt`` file) and ``run`` (the work of ``predicting``); the gathering across
 ranks is ``trainloop.distributed.gather``'s.
 """
+
+from trainloop.distributed.gather import GatherError
+from trainloop.predict.files import DEFAULT_NAME
+from trainloop.predict.order import PredictDataError
+from trainloop.predict.outputs import PREDICTIONS_KEY, PredictionError
+
+__all__ = ["DEFAULT_NAME", "PREDICTIONS_KEY", "GatherError", "PredictDataError", "PredictionError"]
