@@ -65,3 +65,36 @@ def test_refusals_before_anything_is_built(tmp_path, capsys, trained):
     assert code == 1
     assert_one_clean_error(err, "checkpoint nowhere: no such directory")
     assert sorted(p.name for p in trained.iterdir()) == before or "predictions.safetensors" not in {p.name for p in trained.iterdir()}
+
+
+def test_a_terminal_sees_a_progress_bar(tmp_path, trained):
+    import fcntl
+    import os
+    import pty
+    import struct
+    import subprocess
+    import sys
+    import termios
+
+    from cli_process import cli_env
+
+    controller, terminal = pty.openpty()  # stderr is a terminal, as in a user's shell, 100 columns wide
+    fcntl.ioctl(terminal, termios.TIOCSWINSZ, struct.pack("HHHH", 40, 100, 0, 0))
+    process = subprocess.Popen(
+        [sys.executable, "-m", "trainloop", "predict", "predict.json", "--set", "items=9", "--output", "p.pt"],
+        cwd=tmp_path, env=cli_env(), stdout=subprocess.DEVNULL, stderr=terminal,
+    )
+    os.close(terminal)
+    seen = b""
+    while True:
+        try:
+            chunk = os.read(controller, 4096)
+        except OSError:  # the process closed the terminal
+            break
+        if not chunk:
+            break
+        seen += chunk
+    assert process.wait(timeout=180) == 0, seen.decode(errors="replace")[-2000:]
+    os.close(controller)
+    assert b"predict: 100%" in seen, seen.decode(errors="replace")
+    assert b"3/3" in seen  # 9 items, 4 per batch: 3 batches

@@ -32,20 +32,22 @@ class ItemOrder:
     """The dataset index of each item this rank will predict, in the order it will predict them.
 
     Attributes:
-        indices: This rank's dataset indices, padding included (``None``: unknown, the order the
-            loader yields is the order written).
+        indices: This rank's dataset indices, padding included.
         positions: Each of those items' position in the sampler's list over all ranks
             (``i * W + r``); positions at or beyond ``length`` are the sampler's padding.
-        length: The number of items in the dataset (``None`` when unknown).
+        length: The number of items in the dataset.
     """
 
-    indices: torch.Tensor | None = None
-    positions: torch.Tensor | None = None
-    length: int | None = None
+    indices: torch.Tensor
+    positions: torch.Tensor
+    length: int
 
 
-def item_order(loader: Iterable[Any], rank: int, world_size: int) -> ItemOrder:
+def item_order(loader: Iterable[Any], rank: int, world_size: int) -> ItemOrder | None:
     """The order in which ``loader`` hands this rank its items (see the module's docstring).
+
+    ``None`` when it is not known (one process only): the items are written in the order the
+    loader yields them.
 
     Args:
         loader: The predict data.
@@ -69,7 +71,7 @@ def item_order(loader: Iterable[Any], rank: int, world_size: int) -> ItemOrder:
         length = len(sampler.data_source)
         _refuse_a_dropped_batch(loader, length)  # type: ignore[arg-type]
         return ItemOrder(torch.arange(length), torch.arange(length), length)
-    return ItemOrder()
+    return None
 
 
 def _distributed_order(loader: DataLoader[Any], sampler: DistributedSampler[Any], rank: int, world: int) -> ItemOrder:

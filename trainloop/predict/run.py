@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import sys
 from collections.abc import Callable, Iterable, Iterator, Sized
-from contextlib import nullcontext
+from contextlib import contextmanager
 from pathlib import Path
 from time import perf_counter
 from typing import TYPE_CHECKING, Any
@@ -115,13 +115,13 @@ def predict_items(
     order = item_order(data, rank(), world_size())  # before any batch: a refusal costs nothing
     outputs = PredictionOutputs(f"{type(trainer).__name__}.predict_step()")
     start = perf_counter()
-    with module_modes_kept(trainer.model, train=False), torch.no_grad(), trainer.autocast():
-        for batch in _with_progress(data):
+    with _progress_bar(data) as bar, module_modes_kept(trainer.model, train=False), torch.no_grad(), trainer.autocast():
+        for batch in data:
             outputs.add(trainer.predict_step(batch))
+            if bar is not None:
+                bar.update()
     found = outputs.joined()
-    if order.indices is not None:
-        assert order.positions is not None
-        assert order.length is not None
+    if order is not None:
         found = gather_items(found, order.indices, order.positions, order.length)
     items = next(iter(found.values())).shape[0] if found else 0
     trainer.logger.info("Predicted %d items in %.1f s", items, perf_counter() - start)
@@ -133,20 +133,18 @@ def predict_items(
     return found
 
 
-def _with_progress(data: Iterable[Any]) -> Iterator[Any]:
-    """``data``'s batches, behind a tqdm bar on standard error on rank 0 if it is a terminal."""
-    bar: Any = nullcontext()
+@contextmanager
+def _progress_bar(data: Iterable[Any]) -> Iterator[Any]:
+    """A tqdm bar over ``data``'s batches on standard error, on rank 0 if it is a terminal; else ``None``."""
     stderr = sys.stderr
-    if is_rank_zero() and stderr is not None and stderr.isatty():
-        try:
-            from tqdm import tqdm
-        except ImportError:  # the bar is optional
-            pass
-        else:
-            total = len(data) if isinstance(data, Sized) else None
-            bar = tqdm(total=total, file=stderr, unit="batch", desc="predict", dynamic_ncols=True)
-    with bar:
-        for batch in data:
-            yield batch
-            if bar is not None and hasattr(bar, "update"):
-                bar.update()
+    if not is_rank_zero() or stderr is None or not stderr.isatty():
+        yield None
+        return
+    try:
+        from tqdm import tqdm
+    except ImportError:  # the bar is optional
+        yield None
+        return
+    total = len(data) if isinstance(data, Sized) else None
+    with tqdm(total=total, file=stderr, unit="batch", desc="predict", dynamic_ncols=True) as bar:
+        yield bar
