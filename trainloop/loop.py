@@ -85,8 +85,7 @@ class Loop:
         """Advance the machine and do each state's work until ``exiting``; see ``train()`` and the other runs.
 
         Args:
-            kind: What the run does: ``"train"``, ``"evaluate"`` (a path through ``validating``) or
-                ``"predict"`` (through ``predicting``: ``predict_run``'s work).
+            kind: ``"train"``, ``"evaluate"`` (through ``validating``) or ``"predict"`` (``predict_run``'s work).
             source: Where a run that trains nothing takes the model's weights from.
         """
         machine, trainer = self.machine, self.trainer
@@ -103,8 +102,7 @@ class Loop:
             State.CHECKPOINTING: self.checkpoint,
         }
         if kind == "predict":
-            assert self.predict_run is not None  # trainer.predict() set it
-            work = self.predict_run.work()
+            work = self.predict_run.work()  # type: ignore[union-attr]  # trainer.predict() set it
         # A run that trains nothing records no settings.json and no trace file: the training run's stand.
         machine.trace = start_run_record(trainer.settings, write=kind == "train")
         try:

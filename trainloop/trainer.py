@@ -206,20 +206,15 @@ class BaseTrainer:
         raise NotImplementedError(f"{type(self).__name__} must implement forward()")
 
     def build_predict_data_loader(self) -> Iterable[Any]:
-        """Return the data ``predict()`` runs ``predict_step`` over.
+        """Return the data ``predict()`` runs ``predict_step`` over (see docs/predict.md).
 
-        A ``DataLoader`` over a map-style dataset gives each item's place: under several ranks it
-        needs a ``DistributedSampler`` (shuffled or not; its padding is dropped); in one process any
-        iterable does, its items written in the order it yields them. Not overridden, a predict
-        run is refused before anything is built: there is no implicit fallback, so to predict the
-        validation data, return its loader here.
+        Under several ranks, a ``DataLoader`` with a ``DistributedSampler``. No implicit fallback:
+        to predict the validation data, return its loader here.
         """
         raise NotImplementedError(f"{type(self).__name__} must implement build_predict_data_loader() to predict")
 
     def predict_step(self, batch: Any) -> torch.Tensor | dict[str, torch.Tensor]:
-        """Compute the outputs of one batch of the predict data (optional: predict runs only).
-
-        It runs with the model in eval mode, under ``torch.no_grad()`` and ``self.autocast()``.
+        """Compute the outputs of one batch of the predict data (eval mode, no grad, ``self.autocast()``).
 
         Args:
             batch: A batch drawn from ``build_predict_data_loader()``'s data.
@@ -404,15 +399,11 @@ class BaseTrainer:
     ) -> dict[str, torch.Tensor]:
         """Predict every item of ``build_predict_data_loader()``'s data once, and write the outputs in dataset order.
 
-        The machine runs ``building -> restoring -> predicting -> exiting``: building builds the
-        predict data and the model only (no training data, optimizer or hooks); restoring loads
-        the weights; predicting runs ``predict_step`` on every batch (eval mode, no grad, the
-        trainer's autocast; a progress bar on rank 0), gathers the outputs of every rank, drops a
-        ``DistributedSampler``'s padding and puts item ``i`` of the dataset at row ``i`` (see
-        ``trainloop.predict``). Rank 0 writes them to one file, atomically, replacing an existing
-        one. Nothing is written into the checkpoint directory or ``metrics.jsonl``; the run is
-        recorded in ``runs.jsonl`` (``"kind": "predict"``) and ``trainer.result``. It takes no
-        workspace lock: a training run may go on beside it (predicting from its latest checkpoint).
+        The path is ``building`` (predict data and model only) ``-> restoring -> predicting -> exiting``:
+        the outputs of every rank gathered, a ``DistributedSampler``'s padding dropped, item ``i``
+        at row ``i``; rank 0 writes one file atomically, replacing an existing one. Nothing else
+        is written but the run's ``runs.jsonl`` line (``"kind": "predict"``); no workspace lock is
+        taken. See docs/predict.md.
 
         Args:
             checkpoint: ``"latest"``: the run's latest checkpoint (as ``evaluate()``); a
