@@ -135,6 +135,7 @@ NAMESPACES = (
     "trainloop.checkpoint",
     "trainloop.distributed",
     "trainloop.lr_find",
+    "trainloop.predict",
     "trainloop.report",
     "trainloop.utils",
 )

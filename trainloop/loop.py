@@ -30,6 +30,7 @@ from trainloop.machine.runner import StateMachine
 from trainloop.machine.table import State
 from trainloop.machine.trace import start_run_record
 from trainloop.metrics import METRICS_FILE
+from trainloop.predict.run import PredictRun
 from trainloop.requests import RunRequests
 from trainloop.retries import raise_if_no_retries_left
 from trainloop.rng import seed_all, set_rng_state
@@ -59,6 +60,7 @@ class Loop:
         self.applied = True  # whether the last optimizer update was applied
         self.loss_scale = 0.0  # fp16: GradScaler's scale after the last refused update
         self.runner: StepRunner | None = None
+        self.predict_run: PredictRun | None = None  # a predict run's work (trainer.predict() sets it)
         self.step_start = 0.0
         self.kind: RunKind = "train"
         self.weights_source = WeightsSource()  # where a run that trains nothing takes its weights
@@ -69,6 +71,7 @@ class Loop:
         self.machine = StateMachine(
             conditions={
                 "should_exit": self.should_exit,
+                "predicting_run": lambda: self.kind == "predict",
                 "microsteps_remain": self.microsteps_remain,
                 "grads_non_finite": self.grads_non_finite,
                 "validation_due": self.validation_due,
@@ -80,10 +83,10 @@ class Loop:
         )
 
     def run(self, kind: RunKind = "train", source: WeightsSource | None = None) -> None:
-        """Advance the machine and do each state's work until ``exiting``; see ``train()`` and ``evaluate()``.
+        """Advance the machine and do each state's work until ``exiting``; see ``train()`` and the other runs.
 
         Args:
-            kind: What the run does: ``"train"``, or ``"evaluate"`` (a path through ``validating``).
+            kind: ``"train"``, ``"evaluate"`` (through ``validating``) or ``"predict"`` (``predict_run``'s work).
             source: Where a run that trains nothing takes the model's weights from.
         """
         machine, trainer = self.machine, self.trainer
@@ -99,6 +102,8 @@ class Loop:
             State.VALIDATING: self.validate,
             State.CHECKPOINTING: self.checkpoint,
         }
+        if kind == "predict":
+            work = self.predict_run.work()  # type: ignore[union-attr]  # trainer.predict() set it
         # A run that trains nothing records no settings.json and no trace file: the training run's stand.
         machine.trace = start_run_record(trainer.settings, write=kind == "train")
         try:

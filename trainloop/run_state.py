@@ -309,6 +309,12 @@ class TrainerContract(TrainerView, Protocol):
     def forward(self, input: Any) -> tuple[torch.Tensor | None, Records]:
         """Compute the loss of one microstep's batch."""
 
+    def build_predict_data_loader(self) -> Iterable[Any]:
+        """Return the data a predict run predicts."""
+
+    def predict_step(self, batch: Any) -> torch.Tensor | dict[str, torch.Tensor]:
+        """Return one batch's outputs, one row per item."""
+
     @classmethod
-    def missing_methods(cls) -> list[str]:
+    def missing_methods(cls, kind: str = "train") -> list[str]:
         """The contract methods the class leaves unimplemented."""

@@ -23,6 +23,8 @@ from trainloop.machine.table import State
 from trainloop.machine.trace import Trace
 from trainloop.metrics import MetricsLog
 from trainloop.nested import Records
+from trainloop.predict.files import predictions_path
+from trainloop.predict.run import PredictRun
 from trainloop.result import RunKind, RunResult, finish_run
 from trainloop.run_length import RunLength
 from trainloop.run_state import EARLY_COMPONENTS, Built, RunState, RunValue
@@ -203,6 +205,26 @@ class BaseTrainer:
         """
         raise NotImplementedError(f"{type(self).__name__} must implement forward()")
 
+    def build_predict_data_loader(self) -> Iterable[Any]:
+        """Return the data ``predict()`` runs ``predict_step`` over (see docs/predict.md).
+
+        Under several ranks, a ``DataLoader`` with a ``DistributedSampler``. No implicit fallback:
+        to predict the validation data, return its loader here.
+        """
+        raise NotImplementedError(f"{type(self).__name__} must implement build_predict_data_loader() to predict")
+
+    def predict_step(self, batch: Any) -> torch.Tensor | dict[str, torch.Tensor]:
+        """Compute the outputs of one batch of the predict data (eval mode, no grad, ``self.autocast()``).
+
+        Args:
+            batch: A batch drawn from ``build_predict_data_loader()``'s data.
+
+        Returns:
+            A tensor, or a dict of str to tensors, whose first dimension is the batch's items
+            (saved under ``"predictions"`` for a tensor, under its keys for a dict).
+        """
+        raise NotImplementedError(f"{type(self).__name__} must implement predict_step() to predict")
+
     # -- the machine, seen from outside --------------------------------------------------------
 
     @property
@@ -370,12 +392,53 @@ class BaseTrainer:
         assert self.result is not None
         return dict(self.result.metrics)
 
+    def predict(
+        self, checkpoint: str | Path | None = "latest", weights: str = "model", output: str | Path | None = None
+    ) -> dict[str, torch.Tensor]:
+        """Predict every item of ``build_predict_data_loader()``'s data once, and write the outputs in dataset order.
+
+        The path is ``building`` (predict data and model only) ``-> restoring -> predicting -> exiting``:
+        the outputs of every rank gathered, a ``DistributedSampler``'s padding dropped, item ``i``
+        at row ``i``; rank 0 writes one file atomically, replacing an existing one. Nothing else
+        is written but the run's ``runs.jsonl`` line (``"kind": "predict"``); no workspace lock is
+        taken. See docs/predict.md.
+
+        Args:
+            checkpoint: ``"latest"``: the run's latest checkpoint (as ``evaluate()``); a
+                checkpoint directory, full or sharded (or a checkpoints root, or a workspace);
+                ``None``: the model as built (with ``settings.init_from``'s weights if declared).
+            weights: ``"model"``, ``"ema"`` (the one EMA hook's averaged weights) or the name of
+                the EMA hook whose weights to use.
+            output: The file to write, ``.safetensors`` or ``.pt``/``.pth``; by default
+                ``<workspace>/predictions.safetensors`` (nothing is written without a workspace).
+
+        Returns:
+            The outputs by name (``"predictions"`` when ``predict_step`` returns one tensor),
+            row ``i`` being item ``i`` of the dataset, on every rank (CPU tensors).
+
+        Raises:
+            ValueError: ``output`` is not a ``.safetensors`` or ``.pt`` file; nothing was built.
+            trainloop.evaluation.EvaluateError: No such checkpoint directory; nothing was built.
+            trainloop.settings.preflight.PreflightError: The trainer cannot predict (no
+                ``predict_step`` or ``build_predict_data_loader``) or the settings cannot run.
+            trainloop.checkpoint.CheckpointError: The checkpoint is missing, corrupt or lacks the weights.
+            trainloop.predict.outputs.PredictionError: ``predict_step`` returned something else
+                than a tensor or a dict of tensors per item; the error names the batch.
+            trainloop.predict.order.PredictDataError: The data cannot give every item once in a known order.
+        """
+        source = WeightsSource.of(checkpoint, weights)
+        path = predictions_path(output, self.workspace)
+        preflight.check(self, kind="predict")
+        self._loop.predict_run = predict_run = PredictRun(self, self._run, source, path)
+        self._run_machine("predict", source)
+        return predict_run.outputs
+
     def _run_machine(self, kind: RunKind, source: WeightsSource | None = None) -> None:
         """Run the machine once, for a run of ``kind``; the result is kept in ``self.result``."""
         if self.state is not State.IDLE:
             raise RuntimeError(
                 f"{kind}() runs once per trainer (one run of any kind: train, "
-                f"evaluate); this one is in state {self.state.value!r}: make a new trainer"
+                f"evaluate, predict); this one is in state {self.state.value!r}: make a new trainer"
             )
         try:
             self._loop.run(kind, source)
@@ -384,13 +447,19 @@ class BaseTrainer:
             self.result = finish_run(self, kind, write=kind == "train" or self._loop.restoring)
 
     @classmethod
-    def missing_methods(cls) -> list[str]:
+    def missing_methods(cls, kind: str = "train") -> list[str]:
         """The methods of the user's contract this class leaves to ``BaseTrainer``'s stubs.
 
         ``build_optimizer`` is listed when not overridden, though ``settings.optimizer`` can
         stand in for it (the preflight decides).
+
+        Args:
+            kind: The run whose methods to list (``"train"``; a ``"predict"`` run needs ``build_model``,
+                ``build_predict_data_loader`` and ``predict_step`` only).
         """
-        required = ("build_data_loader", "build_model", "forward", "build_optimizer")
+        required: tuple[str, ...] = ("build_data_loader", "build_model", "forward", "build_optimizer")
+        if kind == "predict":
+            required = ("build_model", "build_predict_data_loader", "predict_step")
         return [name for name in required if getattr(cls, name) is getattr(BaseTrainer, name)]
 
     # -- state -----------------------------------------------------------------------------

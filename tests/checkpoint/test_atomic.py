@@ -121,3 +121,22 @@ def test_clean_leftovers_restores_a_moved_aside_directory_and_removes_the_rest(t
     assert "Restored" in caplog.text
     assert str(tmp_path / "6") in caplog.text
     clean_leftovers(tmp_path / "absent", LOGGER)  # no directory: nothing to do
+
+
+def test_atomic_file_replaces_the_target_whole_or_not_at_all(tmp_path):
+    from trainloop.checkpoint.atomic import atomic_file
+
+    target = tmp_path / "sub" / "out.bin"
+    with atomic_file(target) as tmp:
+        tmp.write_bytes(b"first")
+        assert not target.exists()  # nothing under the name until the write is complete
+    assert target.read_bytes() == b"first"
+    def write_half_then_fail():
+        with atomic_file(target) as tmp:
+            tmp.write_bytes(b"half")
+            raise RuntimeError("the writer failed")
+
+    with pytest.raises(RuntimeError, match="the writer failed"):
+        write_half_then_fail()
+    assert target.read_bytes() == b"first"  # the old file, untouched
+    assert sorted(p.name for p in target.parent.iterdir()) == ["out.bin"]  # no temporary file left

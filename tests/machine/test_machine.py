@@ -11,7 +11,7 @@ class Policies:
     def __init__(self):
         self.values = {
             "should_exit": False, "microsteps_remain": False, "grads_non_finite": False, "validation_due": False,
-            "checkpoint_due": False,
+            "checkpoint_due": False, "predicting_run": False,
         }
         self.step = 0
 
@@ -107,6 +107,15 @@ def test_validating_at_the_start_then_the_first_step_or_the_end():
     p.values.update(validation_due=False, should_exit=True)
     assert machine.advance() is State.EXITING  # an evaluate run: building, restoring, validating, exiting
     assert p.done == []
+
+
+def test_a_predict_run_goes_from_restoring_through_predicting_to_exiting():
+    machine, p, _ = make_machine()
+    machine.advance(), machine.advance()
+    p.values["predicting_run"] = True
+    assert machine.advance() is State.PREDICTING
+    assert machine.advance() is State.EXITING  # unconditionally: the run's one pass is done
+    assert p.done == []  # no step begun
 
 
 def test_restoring_at_max_steps_goes_straight_to_exiting():

@@ -1,4 +1,4 @@
-"""Crash-safe directory writes: a reader sees the old directory or the complete new one.
+"""Crash-safe writes of directories and files: a reader sees the old one or the complete new one.
 
 Work in progress lives beside its target under a hidden name ``.<name>.<kind>-<hex>``:
 
@@ -25,6 +25,7 @@ from pathlib import Path
 
 __all__ = [
     "atomic_directory",
+    "atomic_file",
     "clean_leftovers",
     "discard",
     "make_temporary",
@@ -78,6 +79,24 @@ def atomic_directory(target: Path, then: Callable[[], None] | None = None) -> It
         publish(tmp, target, then)
     except BaseException:
         discard(tmp)
+        raise
+
+
+@contextmanager
+def atomic_file(target: Path) -> Iterator[Path]:
+    """Yield a temporary path to write one file at; on success it is fsynced and renamed to ``target``.
+
+    An existing ``target`` is replaced in one rename (it stays whole until then); on an exception
+    the temporary file is removed and ``target`` is untouched. The parent is created if needed.
+    """
+    target.parent.mkdir(parents=True, exist_ok=True)
+    tmp = _hidden_name(target, "tmp")
+    try:
+        yield tmp
+        _fsync(tmp)
+        os.replace(tmp, target)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
         raise
 
 

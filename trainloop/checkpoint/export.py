@@ -16,12 +16,12 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
 from collections.abc import Mapping
 from pathlib import Path
 
 import torch
 
+from trainloop.checkpoint.atomic import atomic_file
 from trainloop.checkpoint.weights import read_weights
 from trainloop.version import __version__
 
@@ -84,11 +84,8 @@ def save_weights(
     digest = settings_hash(settings_json)
     if digest is not None:
         metadata["settings_sha256"] = digest
-    output = Path(output)
-    output.parent.mkdir(parents=True, exist_ok=True)
-    tmp = output.with_name(f".{output.name}.tmp")
-    save_file(_unshared(tensors), str(tmp), metadata=metadata)
-    os.replace(tmp, output)  # never a half-written file under the name
+    with atomic_file(Path(output)) as tmp:  # never a half-written file under the name
+        save_file(_unshared(tensors), str(tmp), metadata=metadata)
     return metadata
 
 

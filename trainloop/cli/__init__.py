@@ -1,9 +1,10 @@
-"""The ``trainloop`` command line: run, evaluate, validate, schema, graph, inspect, report, export.
+"""The ``trainloop`` command line: run, evaluate, predict, validate, schema, graph, inspect, report, export.
 
 ::
 
     trainloop run run.yaml [--trainer train:MyTrainer] [--set max_steps=100 ...]
     trainloop evaluate run.yaml [--checkpoint latest|DIR|none] [--weights ema] [--trainer ...] [--set ...]
+    trainloop predict run.yaml [--checkpoint latest|DIR|none] [--weights ema] [--output preds.pt]
     trainloop validate run.yaml [--trainer train:MyTrainer] [--set ...]
     trainloop schema [--trainer train:MyTrainer] [--output schema.json]
     trainloop graph [--format mermaid|dot|svg|png] [--trace runs/exp1]
@@ -12,7 +13,8 @@
     trainloop report runs/exp1 [--output report.html]
     trainloop export runs/exp1/checkpoints --output model.safetensors [--weights ema]
 
-``run``, ``evaluate`` and ``validate`` take the trainer from ``--trainer`` or else the settings' ``trainer`` key.
+``run``, ``evaluate``, ``predict`` and ``validate`` take the trainer from ``--trainer`` or else the
+settings' ``trainer`` key.
 
 Exit codes: 0 success; 1 a file cannot be used (a missing or corrupt checkpoint or trace, no
 Graphviz); 2 a usage error (invalid settings, a preflight problem, a trainer that cannot be
@@ -35,7 +37,7 @@ from trainloop.cli.errors import PROG, CliError
 
 __all__ = ["COMMANDS", "CliError", "main"]
 
-COMMANDS = ("run", "evaluate", "validate", "schema", "graph", "inspect", "report", "export")
+COMMANDS = ("run", "evaluate", "predict", "validate", "schema", "graph", "inspect", "report", "export")
 """The subcommands; each is the module ``trainloop.cli.<name>``, whose ``command(args)`` runs it."""
 
 
@@ -47,7 +49,7 @@ def path_text(text: str) -> str:
 
 
 def _settings_args(sub: argparse.ArgumentParser) -> None:
-    """The arguments ``run`` and ``validate`` share: the file, the trainer, the overrides."""
+    """The arguments ``run``, ``evaluate``, ``predict`` and ``validate`` share: the file, the trainer, the overrides."""
     sub.add_argument(
         "settings_file", type=path_text, metavar="SETTINGS_FILE", help="a .json, .yaml/.yml or .toml settings file"
     )
@@ -67,6 +69,17 @@ def _log_level_arg(sub: argparse.ArgumentParser) -> None:
         "--log-level", default="info", choices=["debug", "info", "warning", "error"],
         help="log level on stderr, unless the trainer's module configured logging (default: info)",
     )
+
+
+def _weights_args(sub: argparse.ArgumentParser, verb: str) -> None:
+    """The weights ``evaluate`` and ``predict`` restore: which checkpoint, model or EMA."""
+    sub.add_argument(
+        "--checkpoint", default="latest", metavar="latest|DIR|none",
+        help="latest (default): the run's latest complete checkpoint, an error if there is none; DIR: a checkpoint "
+        "directory, full or sharded, or a checkpoints root; none: the model as built (init_from applied)",
+    )
+    sub.add_argument("--weights", default="model", metavar="WHICH",
+                     help=f'"model" (default), "ema", or the name of the EMA hook whose weights to {verb}')
 
 
 def _build_parser() -> argparse.ArgumentParser:
@@ -94,14 +107,20 @@ def _build_parser() -> argparse.ArgumentParser:
         "-> validating -> exiting.",
     )
     _settings_args(evaluate)
-    evaluate.add_argument(
-        "--checkpoint", default="latest", metavar="latest|DIR|none",
-        help="latest (default): the run's latest complete checkpoint, an error if there is none; DIR: a checkpoint "
-        "directory, full or sharded, or a checkpoints root; none: the model as built (init_from applied)",
-    )
-    evaluate.add_argument("--weights", default="model", metavar="WHICH",
-                          help='"model" (default), "ema", or the name of the EMA hook whose weights to evaluate')
+    _weights_args(evaluate, "evaluate")
     _log_level_arg(evaluate)
+
+    predict = commands.add_parser(
+        "predict", help="predict every item of the trainer's predict data and write them to one file",
+        description="Validate the settings as `run` does, restore the model, run the trainer's predict_step over "
+        "build_predict_data_loader()'s data and write every item's outputs once, in dataset order (gathered from "
+        "every rank, a DistributedSampler's padding dropped), to one .safetensors or .pt file.",
+    )
+    _settings_args(predict)
+    _weights_args(predict, "use")
+    predict.add_argument("--output", "-o", type=path_text, metavar="PATH",
+                         help="the .safetensors or .pt file to write (default: WORKSPACE/predictions.safetensors)")
+    _log_level_arg(predict)
 
     validate = commands.add_parser(
         "validate", help="print the resolved settings, or what is wrong with them",

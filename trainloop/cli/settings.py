@@ -1,4 +1,4 @@
-"""The settings ``run`` and ``validate`` check.
+"""The settings ``run``, ``validate`` and ``predict`` check.
 
 The file < ``TRAINLOOP_*`` environment < ``--set``, validated by the trainer's settings class, then preflighted.
 """
@@ -13,6 +13,7 @@ from pathlib import Path
 
 from trainloop.cli.errors import CliError
 from trainloop.cli.trainer_class import load_trainer_class
+from trainloop.result import RunKind
 from trainloop.settings.model import SettingsFileError, TrainerSettings
 from trainloop.settings.preflight import preflight
 from trainloop.settings.sources import SettingsInput, read_settings_input
@@ -29,13 +30,14 @@ def settings_class_for(trainer_spec: str | None) -> type[TrainerSettings]:
 
 
 def checked_settings(
-    args: argparse.Namespace, trainer_required: bool
+    args: argparse.Namespace, trainer_required: bool, kind: RunKind = "train"
 ) -> tuple[TrainerSettings, type[BaseTrainer] | None]:
     """Resolve, validate and preflight the settings ``args`` name, with the trainer they name.
 
     The layers are defaults < the file < ``TRAINLOOP_*`` environment < ``--set``. The trainer
     is ``--trainer``, else the settings' ``trainer`` key; its ``settings_class`` validates them,
-    and ``trainloop.settings.preflight`` checks them against it. Nothing is built or written.
+    and ``trainloop.settings.preflight`` checks them against it for a run of ``kind``
+    (``"train"``, ``"predict"``). Nothing is built or written.
 
     Raises:
         CliError: Any problem, one line each, naming the file, variable or override and field.
@@ -64,7 +66,7 @@ def checked_settings(
         raise CliError("\n".join([*error.problems, *([hint] if hint else [])])) from None
     if trainer_class is None and trainer_required:
         raise no_trainer
-    problems = preflight(settings, trainer_class, source_of=found.source_of)
+    problems = preflight(settings, trainer_class, source_of=found.source_of, kind=kind)
     if problems:
         raise CliError("\n".join(problems))
     return settings, trainer_class

@@ -40,6 +40,10 @@ class State(str, Enum):
     ``at_start`` after ``restoring``, the last step of a run that ends cleanly; never after an
     exit signal unless the hook asks), or the run is an evaluate run: each due validation runs
     and logs its metrics here, so its time is its own."""
+    PREDICTING = "predicting"
+    """A predict run's work, once: ``predict_step`` over the predict data in eval mode, under
+    ``torch.no_grad()`` and the trainer's autocast; the outputs gathered from every rank, each item
+    once, in dataset order, and written to one file (see ``trainloop.predict``)."""
     EXITING = "exiting"
     """``on_after_train``, data iterator closed. Final."""
 
@@ -82,6 +86,7 @@ TRANSITIONS: tuple[Transition, ...] = (
     Transition("restore", _S.BUILDING, _S.RESTORING),
     Transition("finish", _S.RESTORING, _S.EXITING, "should_exit"),
     Transition("validate", _S.RESTORING, _S.VALIDATING, "validation_due"),
+    Transition("predict", _S.RESTORING, _S.PREDICTING, "predicting_run"),
     Transition("begin_step", _S.RESTORING, _S.ACCUMULATING, action="begin_step"),
     Transition("accumulate", _S.ACCUMULATING, _S.ACCUMULATING, "microsteps_remain"),
     Transition("update", _S.ACCUMULATING, _S.STEPPING),
@@ -96,6 +101,7 @@ TRANSITIONS: tuple[Transition, ...] = (
     Transition("checkpoint", _S.VALIDATING, _S.CHECKPOINTING, "checkpoint_due"),
     Transition("finish", _S.VALIDATING, _S.EXITING, "should_exit"),
     Transition("begin_step", _S.VALIDATING, _S.ACCUMULATING, action="begin_step"),
+    Transition("finish", _S.PREDICTING, _S.EXITING),
     # An error (or an interrupt) anywhere ends the run through ``exiting``.
     *(Transition("fail", s, _S.EXITING) for s in _S if s not in (_S.IDLE, _S.EXITING)),
 )

@@ -48,6 +48,7 @@ from trainloop.settings.sources import Key
 from trainloop.workspace import path_problem
 
 if TYPE_CHECKING:
+    from trainloop.result import RunKind
     from trainloop.run_state import TrainerContract
     from trainloop.settings.model import TrainerSettings
 
@@ -75,6 +76,7 @@ def preflight(
     settings: TrainerSettings,
     trainer: type[TrainerContract] | TrainerContract | None = None,
     source_of: Callable[[tuple[Key, ...]], str] | None = None,
+    kind: RunKind = "train",
 ) -> list[str]:
     """What stops ``settings`` from running, found without building or writing anything.
 
@@ -84,6 +86,7 @@ def preflight(
             run them; ``None`` checks the settings alone.
         source_of: Where the value at a path came from (``SettingsInput.source_of``); when
             given, each line begins with it (``run.yaml: ``, ``--set hooks.0.evaluate=x: ``).
+        kind: The run the trainer will do: its contract methods differ (``missing_methods``).
 
     Returns:
         One line per problem (empty: nothing found), each naming the field as a settings file
@@ -91,7 +94,7 @@ def preflight(
     """
     problems: list[tuple[tuple[Key, ...], str]] = []
     if trainer is not None:
-        problems += _contract(settings, trainer)
+        problems += _contract(settings, trainer, kind)
     problems += _declared_hooks(settings, trainer)
     problems += _combinations(settings)
     problems += _workspace_paths(settings)
@@ -102,8 +105,8 @@ def preflight(
     return [f"{source_of(path)}: {line}" for path, line in problems]
 
 
-def check(trainer: TrainerContract) -> None:
-    """``preflight`` of a trainer about to train, unless it passed already.
+def check(trainer: TrainerContract, kind: RunKind = "train") -> None:
+    """``preflight`` of a trainer about to run (``kind``), unless it passed already.
 
     Skipped when its settings passed it with its class in this context already (see ``checked``).
 
@@ -113,7 +116,7 @@ def check(trainer: TrainerContract) -> None:
     passed = _PASSED.get()
     if passed is not None and passed[0] is trainer.settings and passed[1] is type(trainer):
         return
-    problems = preflight(trainer.settings, trainer)
+    problems = preflight(trainer.settings, trainer, kind=kind)
     if problems:
         raise PreflightError(problems)
 
@@ -140,10 +143,10 @@ def _class_of(trainer: type[TrainerContract] | TrainerContract) -> type[TrainerC
 
 
 def _contract(
-    settings: TrainerSettings, trainer: type[TrainerContract] | TrainerContract
+    settings: TrainerSettings, trainer: type[TrainerContract] | TrainerContract, kind: RunKind
 ) -> list[tuple[tuple[Key, ...], str]]:
     cls = _class_of(trainer)
-    missing = cls.missing_methods()
+    missing = cls.missing_methods(kind)
     problems: list[tuple[tuple[Key, ...], str]] = [
         ((), f"{cls.__name__} must implement {name}()") for name in missing if name != "build_optimizer"
     ]
