@@ -17,11 +17,12 @@ import logging
 import statistics
 import time
 from collections.abc import Callable
+from pathlib import Path
 
 import torch
 from torch import nn
 
-from trainloop import BaseTrainer, State
+from trainloop import BaseHook, BaseTrainer, State
 
 BATCHES = 64
 
@@ -106,12 +107,39 @@ def hooked_trainer_loop(steps: int, batches: list) -> float:
     return trainer_loop(steps, batches, hooks=hooks, logger=logger)
 
 
+def profiled_trainer_loop(steps: int, batches: list) -> float:
+    """``trainer_loop`` with a ``ProfilerHook`` whose window (steps 1-2) is over: the ``steps`` after it are timed.
+
+    What the profiler costs a run once its traces are written; the mark is a hook's ``on_before_step``.
+    """
+    import tempfile
+
+    from trainloop.hooks.profiler import ProfilerHook
+
+    class StartAfterWindow(BaseHook):
+        def __init__(self, marks: dict[str, float]) -> None:
+            self.marks = marks
+
+        def on_before_step(self, trainer: BaseTrainer) -> None:
+            if trainer.step == 3:
+                self.marks["start"] = time.process_time()
+
+    marks: dict[str, float] = {}
+    with tempfile.TemporaryDirectory() as traces:
+        hooks = [ProfilerHook(wait=0, warmup=1, active=1, trace_dir=Path(traces), top=0), StartAfterWindow(marks)]
+        trainer = BenchTrainer(max_steps=steps + 2, hooks=hooks, logger=logging.getLogger("benchmarks.overhead.quiet"))
+        trainer.on_enter(State.EXITING, lambda t: marks.setdefault("end", time.process_time()))
+        trainer.train()
+    return marks["end"] - marks["start"]
+
+
 CONFIGS: dict[str, Callable[[int, list], float]] = {
     "raw loop again (noise floor)": raw_loop,
     "trainer (defaults: non-finite check on)": lambda n, b: trainer_loop(n, b),
     "trainer (non-finite check off)": lambda n, b: trainer_loop(n, b, detect_non_finite_grads=False),
     "trainer (trace on)": lambda n, b: trainer_loop(n, b, trace=True),
     "trainer + progress + logging hooks (interval 100)": hooked_trainer_loop,
+    "trainer + profiler hook, its window over": profiled_trainer_loop,
 }
 
 

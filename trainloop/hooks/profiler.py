@@ -158,7 +158,10 @@ class ProfilerHook(BaseHook):
         if self._profiler is None:
             self._profiler = self._start(trainer)
         else:
-            self._profiler.step()  # may write a window (on_trace_ready)
+            with warnings.catch_warnings():
+                # Said when a second cycle begins: each cycle is written by itself, as meant here.
+                warnings.filterwarnings("ignore", "Warning: Profiler clears events at the end of each cycle")
+                self._profiler.step()  # may write a window (on_trace_ready)
         if self._profiler.current_action in _RECORDING and self._recording_from is None:
             self._recording_from = trainer.step + 1
         if self.repeat and self._profiler.step_num >= (self.wait + self.warmup + self.active) * self.repeat:
