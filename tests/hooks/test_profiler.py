@@ -151,7 +151,8 @@ def test_after_the_window_no_range_is_opened_and_the_profiler_is_off(profiled):
     _, _, probe, _ = profiled
     counts = {step: n for step, (n, _) in probe.after_step.items()}
     enabled = {step: on for step, (_, on) in probe.after_step.items()}
-    assert counts[3] > counts[2] > 0 and counts[4] > counts[3]
+    assert counts[3] > counts[2] > 0
+    assert counts[4] > counts[3]
     assert counts[5] - counts[4] == 1  # step 4's checkpointing, opened after its on_after_step
     assert counts[6] == counts[5]  # step 6: nothing
     assert (enabled[3], enabled[4], enabled[5], enabled[6]) == (True, True, False, False)
@@ -188,7 +189,8 @@ def test_the_table_gives_each_operator_to_the_enclosing_range():
             torch.ones(3) * 2
     states = states_of(profile.events())
     assert list(states) == ["a", "b"]
-    assert "aten::add" in states["a"].ops and "aten::mul" not in states["a"].ops
+    assert "aten::add" in states["a"].ops
+    assert "aten::mul" not in states["a"].ops
     assert states["b"].ops["aten::mul"][0] == 1  # only the one inside b
     assert states["a"].entries == states["b"].entries == 1
 
@@ -270,4 +272,29 @@ def test_the_cli_runs_a_declared_profiler_and_refuses_bad_windows_with_one_line(
     lines = result.stderr.splitlines()
     at = next(i for i, text in enumerate(lines) if "Profiled steps 2-3 into " in text)
     assert lines[at].endswith("rank0.3.pt.trace.json; per state, its time and top operators:")
-    assert lines[at + 2].startswith("accumulating") and lines[at + 6].startswith("stepping")  # 3 operators each
+    assert lines[at + 2].startswith("accumulating")
+    assert lines[at + 6].startswith("stepping")
+
+
+def test_each_rank_writes_its_own_trace_under_gloo(tmp_path):
+    import torch.multiprocessing as mp
+    from ddp_worker import free_port
+    from profiler_worker import profiled_ranks
+
+    mp.spawn(profiled_ranks, args=(2, free_port(), str(tmp_path)), nprocs=2, join=True)
+    folder = tmp_path / "ws" / "profiles"
+    assert sorted(p.name for p in folder.iterdir()) == ["rank0.3.pt.trace.json", "rank1.3.pt.trace.json"]
+    for r in (0, 1):
+        assert (tmp_path / f"rank{r}.txt").read_text() == str(folder / f"rank{r}.3.pt.trace.json")
+        trace = json.loads((folder / f"rank{r}.3.pt.trace.json").read_text())
+        assert trace["distributedInfo"]["rank"] == r  # written by the profiler of that rank
+        assert trace["distributedInfo"]["world_size"] == 2
+        events = sorted((e for e in trace["traceEvents"] if e.get("ph") == "X"), key=lambda e: e["ts"])
+        ranges = named(events, "trainloop/")
+        assert [s["name"] for s in ranges] == ["trainloop/accumulating", "trainloop/stepping"] * 2
+        # DDP's gradient all-reduce is launched from backward, in accumulating (one bucket: a tiny
+        # model); stepping's is the non-finite check's agreement across ranks (trainloop.grads).
+        reduces = named(events, "c10d::allreduce_")
+        counts = [sum(encloses(r, e) for e in reduces) for r in ranges]
+        assert counts[0::2] == [1, 1]
+        assert min(counts[1::2]) >= 1

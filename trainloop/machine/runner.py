@@ -125,8 +125,19 @@ class StateMachine:
         # Per source state: (row, its policy, its action, whether a callback listens), in order.
         self._edges: dict[State, list[_Edge]] = {}
         self._refresh_listened()
-        self.trace: Trace | None = None
+        self._trace: Trace | None = None
         self._edge_watchers: tuple[Callable[[Any, Transition], Any], ...] = ()
+        self._observed = False  # a trace or an edge watcher: every edge leaves the fast path
+
+    @property
+    def trace(self) -> Trace | None:
+        """Where fired edges are recorded, or ``None``."""
+        return self._trace
+
+    @trace.setter
+    def trace(self, trace: Trace | None) -> None:
+        self._trace = trace
+        self._observed = trace is not None or bool(self._edge_watchers)
 
     @property
     def state(self) -> State:
@@ -139,7 +150,7 @@ class StateMachine:
         """Fire the first edge out of the current state whose condition holds."""
         for transition, condition, action, listened in self._edges[self.model.state]:
             if condition is None or condition():
-                if listened or self.trace is not None or self._edge_watchers:
+                if listened or self._observed:
                     self._fire(transition, action, listened)
                 else:  # the fast path, inlined: this runs on every microstep
                     self.model.state = transition.dest
@@ -155,10 +166,10 @@ class StateMachine:
             self._fire(fail, None, self._is_listened(fail))
 
     def _fire(self, transition: Transition, action: Callable[[], None] | None, listened: bool) -> None:
-        if self.trace is not None:
+        if self._trace is not None:
             # Recorded first: the time the action and the entry callbacks take (a save, a load)
             # is the new state's; the step is the one the edge leaves.
-            self.trace.record(transition, self._step())
+            self._trace.record(transition, self._step())
         for watch in self._edge_watchers:  # likewise: what follows is the new state's work
             watch(self._owner, transition)
         if listened:
@@ -207,11 +218,13 @@ class StateMachine:
         While any ``fn`` is attached every edge leaves the fast path; ``Handle.remove`` restores it.
         """
         self._edge_watchers += (fn,)
+        self._observed = True
 
         def remove() -> None:
             watchers = list(self._edge_watchers)
             watchers.remove(fn)
             self._edge_watchers = tuple(watchers)
+            self._observed = self._trace is not None or bool(watchers)
 
         return Handle(remove)
 
