@@ -127,6 +127,7 @@ def after_two_steps(steps: int, batches: list, profiler: bool = False) -> float:
 
     from trainloop.hooks.profiler import ProfilerHook
 
+    BenchTrainer.batches = batches
     marks: dict[str, float] = {}
     with tempfile.TemporaryDirectory() as traces:
         hooks: list[BaseHook] = [StartAtStep3(marks)]
