@@ -147,6 +147,26 @@ def test_each_range_encloses_its_states_operators(profiled):
     assert any(encloses(saving, e) for e in events if e is not saving and e["name"].startswith("aten::"))
 
 
+def recorded_extras(path: Path) -> tuple[bool, bool, bool]:
+    """Whether a trace holds operators' input shapes, memory events, Python stacks."""
+    events = json.loads(path.read_text())["traceEvents"]
+    shapes = all("Input Dims" in e["args"] for e in events if e.get("name") == "aten::addmm")
+    memory = any(e.get("name") == "[memory]" for e in events)
+    stacks = any(e.get("cat") == "python_function" for e in events)
+    return shapes, memory, stacks
+
+
+def test_the_declared_options_reach_torchs_profiler(profiled, tmp_path):
+    _, hook, _, _ = profiled
+    assert recorded_extras(hook.traces[0]) == (False, False, False)  # the defaults
+    declared = {"type": "profiler", "wait": 0, "active": 1, "record_shapes": True, "profile_memory": True,
+                "with_stack": True}
+    trainer = TinyTrainer(declared_settings(tmp_path, [declared], max_steps=3), logger=quiet_logger("options")[0])
+    trainer.train()
+    (hook,) = [h for h in trainer.hooks if isinstance(h, ProfilerHook)]
+    assert recorded_extras(hook.traces[0]) == (True, True, True)
+
+
 def test_after_the_window_no_range_is_opened_and_the_profiler_is_off(profiled):
     _, _, probe, _ = profiled
     counts = {step: n for step, (n, _) in probe.after_step.items()}
