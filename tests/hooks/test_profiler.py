@@ -14,7 +14,7 @@ import pytest
 import torch
 from cli_process import Cli, assert_one_clean_error, cli_env
 from helper_hooks import ExitAt
-from tiny_trainer import TinyTrainer
+from tiny_trainer import FlakyTrainer, TinyTrainer
 
 import trainloop.hooks.profiler as profiler_module
 from trainloop import BaseHook, TrainerSettings
@@ -198,6 +198,20 @@ def test_the_log_has_each_states_top_operators(profiled):
     assert "Optimizer.step#SGD.step" in sections["stepping"]
     # The same numbers the table is made from, read from the profile: the entries per state.
     assert "(in state, 4 entries)" in next(line for line in table if line.startswith("accumulating"))
+
+
+def test_a_retried_step_is_one_profiler_step_with_its_retrying_range(tmp_path):
+    # The second forward call (step 2's, no accumulation) returns NaN: step 2 is retried once.
+    settings = declared_settings(tmp_path, [{"type": "profiler", "wait": 0, "warmup": 1, "active": 2}], max_steps=4,
+                                 max_non_finite_grad_retries=1)
+    trainer = FlakyTrainer(settings, nan_at={2}, logger=quiet_logger("retry")[0])
+    trainer.train()
+    (hook,) = [h for h in trainer.hooks if isinstance(h, ProfilerHook)]
+    events = spans(hook.traces[0])
+    steps = named(events, "ProfilerStep#")
+    assert [s["name"] for s in steps] == ["ProfilerStep#1", "ProfilerStep#2"]  # steps 2 and 3
+    inside = [[r["name"].removeprefix("trainloop/") for r in named(events, "trainloop/") if encloses(s, r)] for s in steps]
+    assert inside == [["accumulating", "stepping", "retrying", "accumulating", "stepping"], ["accumulating", "stepping"]]
 
 
 def test_the_table_gives_each_operator_to_the_enclosing_range():
