@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import pytest
 from helper_hooks import ExitAt
 from tiny_trainer import FlakyTrainer
 
@@ -35,6 +36,15 @@ def test_every_edge_is_seen_before_its_action_and_the_entry_callbacks():
     done.clear()
     machine.advance()
     assert done == [("action", 2), ("entered", 2)]
+
+
+def test_a_watcher_that_cannot_take_trainer_and_transition_fails_at_registration():
+    conditions = {name: (lambda: False) for name in ("should_exit", "microsteps_remain", "grads_non_finite", "checkpoint_due")}
+    machine = StateMachine(conditions, owner=None, step=lambda: 0, actions={"begin_step": lambda: None, "redo_step": lambda: None})
+    with pytest.raises(TypeError, match=r"must accept two arguments \(trainer, transition\)"):
+        machine.on_edge(lambda trainer: None)
+    machine.advance()  # nothing was attached
+    assert machine.state is State.BUILDING
 
 
 def test_a_watcher_may_remove_itself_while_it_is_called():

@@ -217,6 +217,12 @@ class StateMachine:
         next is the work of the state entered (what a profiler range around each state needs).
         While any ``fn`` is attached every edge leaves the fast path; ``Handle.remove`` restores it.
         """
+        try:  # checked now, like the other callbacks, so a wrong one fails at registration
+            inspect.signature(fn).bind(self._owner, None)
+        except TypeError as error:
+            raise TypeError(f"edge watcher {fn!r} must accept two arguments (trainer, transition): {error}") from None
+        except ValueError:  # some builtins have no signature; let them be
+            pass
         self._edge_watchers += (fn,)
         self._observed = True
 
