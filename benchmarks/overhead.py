@@ -17,11 +17,12 @@ import logging
 import statistics
 import time
 from collections.abc import Callable
+from pathlib import Path
 
 import torch
 from torch import nn
 
-from trainloop import BaseTrainer, State
+from trainloop import BaseHook, BaseTrainer, State
 
 BATCHES = 64
 
@@ -114,6 +115,38 @@ def validated_trainer_loop(steps: int, batches: list) -> float:
     return trainer_loop(steps, batches, hooks=hooks)
 
 
+class StartAtStep3(BaseHook):
+    """Marks the CPU time at which step 3 begins (its ``on_before_step``)."""
+
+    def __init__(self, marks: dict[str, float]) -> None:
+        self.marks = marks
+
+    def on_before_step(self, trainer: BaseTrainer) -> None:
+        if trainer.step == 3:
+            self.marks["start"] = time.process_time()
+
+
+def after_two_steps(steps: int, batches: list, profiler: bool = False) -> float:
+    """Train ``steps + 2`` steps, the last ``steps`` timed; with ``profiler``, a ``ProfilerHook`` profiles steps 1-2.
+
+    The pair, side by side, is what the profiler costs a run once its window is over.
+    """
+    import tempfile
+
+    from trainloop.hooks.profiler import ProfilerHook
+
+    BenchTrainer.batches = batches
+    marks: dict[str, float] = {}
+    with tempfile.TemporaryDirectory() as traces:
+        hooks: list[BaseHook] = [StartAtStep3(marks)]
+        if profiler:
+            hooks.insert(0, ProfilerHook(wait=0, warmup=1, active=1, trace_dir=Path(traces), top=0))
+        trainer = BenchTrainer(max_steps=steps + 2, hooks=hooks, logger=logging.getLogger("benchmarks.overhead.quiet"))
+        trainer.on_enter(State.EXITING, lambda t: marks.setdefault("end", time.process_time()))
+        trainer.train()
+    return marks["end"] - marks["start"]
+
+
 CONFIGS: dict[str, Callable[[int, list], float]] = {
     "raw loop again (noise floor)": raw_loop,
     "trainer (defaults: non-finite check on)": lambda n, b: trainer_loop(n, b),
@@ -121,6 +154,8 @@ CONFIGS: dict[str, Callable[[int, list], float]] = {
     "trainer (trace on)": lambda n, b: trainer_loop(n, b, trace=True),
     "trainer + progress + logging hooks (interval 100)": hooked_trainer_loop,
     "trainer + validation hook (never due)": validated_trainer_loop,
+    "trainer from step 3 (profiler's baseline)": after_two_steps,
+    "trainer + profiler, window (1-2) over": lambda n, b: after_two_steps(n, b, profiler=True),
 }
 
 

@@ -28,6 +28,8 @@ if TYPE_CHECKING:
 
     from trainloop.data import EpochIterator
     from trainloop.hooks.base import BaseHook
+    from trainloop.machine.runner import Handle
+    from trainloop.machine.table import Transition
     from trainloop.metrics import MetricsLog
     from trainloop.nested import Records
     from trainloop.run_length import RunLength
@@ -277,6 +279,9 @@ class TrainerView(Protocol):
 
     def request_exit(self, exit_code: int | None = None) -> None:
         """Ask the run to end cleanly at the end of the current step."""
+
+    def on_edge(self, fn: Callable[[Any, Transition], Any]) -> Handle:
+        """Call ``fn(trainer, transition)`` as every edge fires, before anything it does; ``remove()`` the handle."""
 
     def state_dict(self) -> dict[str, Any]:
         """The full training state."""

@@ -19,7 +19,7 @@ from trainloop.evaluation import WeightsSource
 from trainloop.hooks.base import BaseHook
 from trainloop.loop import Loop
 from trainloop.machine.runner import Handle
-from trainloop.machine.table import State
+from trainloop.machine.table import State, Transition
 from trainloop.machine.trace import Trace
 from trainloop.metrics import MetricsLog
 from trainloop.nested import Records
@@ -272,6 +272,14 @@ class BaseTrainer:
     ) -> Handle:
         """Call ``fn(trainer)`` each time the machine moves from ``source`` to ``dest``."""
         return self._machine.on_transition(source, dest, fn)
+
+    def on_edge(self, fn: Callable[[BaseTrainer, Transition], Any]) -> Handle:
+        """Call ``fn(trainer, transition)`` as every edge fires, before anything it does (see ``StateMachine.on_edge``).
+
+        What runs from one call to the next is the entered state's work: ``ProfilerHook`` wraps each state in a range
+        this way. Every edge leaves the fast path while ``fn`` is attached; ``remove()`` the handle when done.
+        """
+        return self._machine.on_edge(fn)
 
     def diagram(self, format: str = "mermaid") -> str:
         """The machine as Mermaid (``"mermaid"``) or Graphviz DOT (``"dot"``) source text."""

@@ -16,6 +16,7 @@ from trainloop.hooks.every import Schedule
 from trainloop.hooks.export import ExportHook
 from trainloop.hooks.image_files import ImageFileLoggerHook
 from trainloop.hooks.logging_hook import LoggingHook
+from trainloop.hooks.profiler import ProfilerHook
 from trainloop.hooks.progress import ProgressHook
 from trainloop.hooks.registry import HOOK_TYPES, HookSpec, hook_settings_model, register_hook, unregister_hook
 from trainloop.hooks.stats import StatsHook, TrainingStats
@@ -38,6 +39,7 @@ __all__ = [
     "ImageFileLoggerHook",
     "LoggingHook",
     "MonitorNotFoundWarning",
+    "ProfilerHook",
     "ProgressHook",
     "Schedule",
     "StatsHook",

@@ -125,7 +125,19 @@ class StateMachine:
         # Per source state: (row, its policy, its action, whether a callback listens), in order.
         self._edges: dict[State, list[_Edge]] = {}
         self._refresh_listened()
-        self.trace: Trace | None = None
+        self._trace: Trace | None = None
+        self._edge_watchers: tuple[Callable[[Any, Transition], Any], ...] = ()
+        self._observed = False  # a trace or an edge watcher: every edge leaves the fast path
+
+    @property
+    def trace(self) -> Trace | None:
+        """Where fired edges are recorded, or ``None``."""
+        return self._trace
+
+    @trace.setter
+    def trace(self, trace: Trace | None) -> None:
+        self._trace = trace
+        self._observed = trace is not None or bool(self._edge_watchers)
 
     @property
     def state(self) -> State:
@@ -138,7 +150,7 @@ class StateMachine:
         """Fire the first edge out of the current state whose condition holds."""
         for transition, condition, action, listened in self._edges[self.model.state]:
             if condition is None or condition():
-                if listened or self.trace is not None:
+                if listened or self._observed:
                     self._fire(transition, action, listened)
                 else:  # the fast path, inlined: this runs on every microstep
                     self.model.state = transition.dest
@@ -154,10 +166,12 @@ class StateMachine:
             self._fire(fail, None, self._is_listened(fail))
 
     def _fire(self, transition: Transition, action: Callable[[], None] | None, listened: bool) -> None:
-        if self.trace is not None:
+        if self._trace is not None:
             # Recorded first: the time the action and the entry callbacks take (a save, a load)
             # is the new state's; the step is the one the edge leaves.
-            self.trace.record(transition, self._step())
+            self._trace.record(transition, self._step())
+        for watch in self._edge_watchers:  # likewise: what follows is the new state's work
+            watch(self._owner, transition)
         if listened:
             self._machine.events[transition.trigger].trigger(self.model)  # runs the action too
         else:
@@ -193,6 +207,31 @@ class StateMachine:
             self._refresh_listened()
 
         self._refresh_listened()
+        return Handle(remove)
+
+    def on_edge(self, fn: Callable[[Any, Transition], Any]) -> Handle:
+        """Call ``fn(owner, transition)`` as each edge fires, self-loops included, before anything it does.
+
+        ``fn`` runs where the trace records the edge: before the source's exit callbacks, the
+        edge's action and the destination's entry callbacks, so everything from one call to the
+        next is the work of the state entered (what a profiler range around each state needs).
+        While any ``fn`` is attached every edge leaves the fast path; ``Handle.remove`` restores it.
+        """
+        try:  # checked now, like the other callbacks, so a wrong one fails at registration
+            inspect.signature(fn).bind(self._owner, None)
+        except TypeError as error:
+            raise TypeError(f"edge watcher {fn!r} must accept two arguments (trainer, transition): {error}") from None
+        except ValueError:  # some builtins have no signature; let them be
+            pass
+        self._edge_watchers += (fn,)
+        self._observed = True
+
+        def remove() -> None:
+            watchers = list(self._edge_watchers)
+            watchers.remove(fn)
+            self._edge_watchers = tuple(watchers)
+            self._observed = self._trace is not None or bool(watchers)
+
         return Handle(remove)
 
     def _add_state_callback(self, state: State, kind: str, fn: Callable[[Any], Any]) -> Handle:
