@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 
 from trainloop.checkpoint.weights import read_weights
-from trainloop.machine.trace import read_compile_marks, read_trace
+from trainloop.machine import read_compile_marks, read_trace
 from trainloop.metrics import read_metrics
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -48,9 +48,13 @@ def test_each_compilation_is_logged_once_and_the_recompilation_names_its_reason(
     _, result = run
     compiled = [line for line in result.stderr.splitlines() if "torch.compile compiled" in line]
     recompiled = [line for line in result.stderr.splitlines() if "torch.compile recompiled" in line]
-    assert len(compiled) == 1 and "at step 1" in compiled[0] and compiled[0].startswith("INFO")
-    assert len(recompiled) == 1 and recompiled[0].startswith("WARNING")
-    assert "at step 5" in recompiled[0] and "size mismatch at index 0. expected 2, actual 3" in recompiled[0]
+    assert len(compiled) == 1
+    assert compiled[0].startswith("INFO")
+    assert "at step 1" in compiled[0]
+    assert len(recompiled) == 1
+    assert recompiled[0].startswith("WARNING")
+    assert "at step 5" in recompiled[0]
+    assert "size mismatch at index 0. expected 2, actual 3" in recompiled[0]
     assert "compiling 1 step" in next(line for line in result.stderr.splitlines() if "Step 4/8" in line)
 
 
