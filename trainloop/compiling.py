@@ -45,15 +45,6 @@ class CompileMark(NamedTuple):
         return f"torch.compile {what} {self.frames} frame(s) at step {self.step} in {self.seconds:.2f}s{why}"
 
 
-def _frames_compiled() -> int:
-    """How many frames dynamo has tried to compile so far in this process (0 while it is not loaded)."""
-    utils = sys.modules.get(_DYNAMO_UTILS)
-    if utils is None:
-        return 0
-    total: int = utils.counters["frames"]["total"]
-    return total
-
-
 class CompileWatch:
     """Tells, at the end of a step, whether ``torch.compile`` compiled during it.
 
@@ -64,6 +55,7 @@ class CompileWatch:
     def __init__(self) -> None:
         self.marks: list[CompileMark] = []
         self._frames = 0
+        self._counters: Any = None  # dynamo's counters, once it is loaded
         self._seen: Any = None  # the newest compilation record already accounted for
 
     @property
@@ -71,14 +63,25 @@ class CompileWatch:
         """How many steps recompiled a frame."""
         return sum(mark.recompilation for mark in self.marks)
 
+    def frames_compiled(self) -> int:
+        """How many frames dynamo has tried to compile so far in this process (0 while it is not loaded)."""
+        counters = self._counters
+        if counters is None:
+            utils = sys.modules.get(_DYNAMO_UTILS)
+            if utils is None:
+                return 0
+            self._counters = counters = utils.counters  # one object for the process (reset clears it)
+        total: int = counters["frames"]["total"]
+        return total
+
     def begin(self) -> None:
         """Note dynamo's frame count at the start of a step."""
-        self._frames = _frames_compiled()
+        self._frames = self.frames_compiled()
 
     def end(self, step: int, seconds: float) -> CompileMark | None:
         """The step's ``CompileMark`` if dynamo compiled since ``begin``, else ``None``."""
-        frames = _frames_compiled() - self._frames
-        if not frames:
+        frames = self.frames_compiled() - self._frames
+        if frames <= 0:  # nothing compiled (or torch._dynamo.reset() cleared the counters)
             return None
         reasons = tuple(reason for reason in self._new_records_reasons() if reason)
         mark = CompileMark(step, seconds, frames, recompilation=bool(reasons), reasons=reasons)

@@ -75,27 +75,22 @@ class ItemCount:
         self.key = key
         self._path = tuple(key.split(".")) if key else ()
         self.owner = owner
-        self.numbers = 0.0  # counts given as Python numbers
-        self.tensors: list[torch.Tensor] = []  # counts given as tensors, left on their device
-        self.seen = False  # whether any step had a count
+        self.counts: list[torch.Tensor | float] = []  # the window's counts: numbers, or tensors on their device
 
     def reset(self) -> None:
         """Start a new window."""
-        self.numbers, self.tensors, self.seen = 0.0, [], False
+        self.counts = []
 
     def add(self, info: StepInfo, step: int) -> None:
-        """Add a step's counts (no tensor is read).
+        """Add a step's counts (references: no tensor is read, nothing is summed per step).
 
         Raises:
             KeyError: ``key`` is declared and a microstep's records lack it.
         """
-        counts = info.items if self.key is None else [self._lookup(record, step) for record in info.records]
-        for count in counts:
-            if isinstance(count, torch.Tensor):
-                self.tensors.append(count)
-            else:
-                self.numbers += count
-        self.seen = self.seen or bool(counts)
+        if self.key is None:
+            self.counts.extend(info.items)
+        else:
+            self.counts.extend([self._lookup(record, step) for record in info.records])
 
     def _lookup(self, record: Mapping[str, Any], step: int) -> Any:
         value: Any = record
@@ -110,13 +105,13 @@ class ItemCount:
 
     def read(self) -> float | None:
         """The window's items (one host sync when any count is a tensor), or ``None`` if no step had a count."""
-        if not self.seen:
+        if not self.counts:
             return None
-        total = self.numbers
-        if self.tensors:
+        tensors = [t.detach().reshape(()).to(torch.float64) for t in self.counts if isinstance(t, torch.Tensor)]
+        total = float(sum(n for n in self.counts if not isinstance(n, torch.Tensor)))
+        if tensors:
             # Summed where they are, in float64 (exact for integer counts below 2**53), read once.
-            stacked = torch.stack([t.detach().reshape(()).to(torch.float64) for t in self.tensors])
-            total += stacked.sum().item()
+            total += torch.stack(tensors).sum().item()
         return total
 
 
