@@ -107,11 +107,12 @@ class ItemCount:
         """The window's items (one host sync when any count is a tensor), or ``None`` if no step had a count."""
         if not self.counts:
             return None
-        tensors = [t.detach().reshape(()).to(torch.float64) for t in self.counts if isinstance(t, torch.Tensor)]
+        tensors = [t if t.ndim == 0 else t.reshape(()) for t in self.counts if isinstance(t, torch.Tensor)]
         total = float(sum(n for n in self.counts if not isinstance(n, torch.Tensor)))
         if tensors:
-            # Summed where they are, in float64 (exact for integer counts below 2**53), read once.
-            total += torch.stack(tensors).sum().item()
+            # Two ops for the window, whatever its length: stacked where they are (dtypes promote),
+            # summed in float64 (exact for integer counts below 2**53), read once.
+            total += torch.stack(tensors).detach().sum(dtype=torch.float64).item()
         return total
 
 
