@@ -6,6 +6,11 @@ one process. Each configuration's CPU time (``time.process_time``) is divided by
 of the same round, and the median ratio over rounds is reported: this machine is noisy (±10%
 run to run), and ratios taken side by side cancel most of it.
 
+The last two configurations return ``Loss(sum, count)`` (the count a tensor, as a masked
+token count would be) with the progress and logging hooks on: one counts the items for the
+throughput as the hooks do, the other has the counting stubbed out, so their ratio is what
+counting costs.
+
 Run: ``python benchmarks/overhead.py [--steps 500] [--rounds 15]``
 """
 
@@ -14,6 +19,7 @@ from __future__ import annotations
 import argparse
 import itertools
 import logging
+import os
 import statistics
 import time
 from collections.abc import Callable
@@ -22,7 +28,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from trainloop import BaseHook, BaseTrainer, State
+from trainloop import BaseHook, BaseTrainer, Loss, State
 
 BATCHES = 64
 
@@ -56,6 +62,7 @@ class BenchTrainer(BaseTrainer):
     """The raw loop's work, as a trainer."""
 
     batches: list = []
+    count_items = False  # return Loss(sum, count) with a tensor count instead of a mean
 
     def __init__(self, *args, hooks=(), **kwargs):
         super().__init__(*args, **kwargs)
@@ -75,6 +82,9 @@ class BenchTrainer(BaseTrainer):
 
     def forward(self, batch):
         x, y = batch
+        if self.count_items:
+            count = torch.tensor(len(y))  # as a masked token count would be: a tensor
+            return Loss(nn.functional.cross_entropy(self.model(x), y, reduction="sum"), count), {}
         return nn.functional.cross_entropy(self.model(x), y), {}
 
 
@@ -90,10 +100,12 @@ def trainer_loop(steps: int, batches: list, **settings) -> float:
     return marks["end"] - marks["start"]
 
 
-def hooked_trainer_loop(steps: int, batches: list) -> float:
+def hooked_trainer_loop(steps: int, batches: list, count_items: bool = False, counting: bool = True) -> float:
     """``trainer_loop`` with ``ProgressHook(interval=100)`` and ``LoggingHook(interval=100)``.
 
-    Their lines go to a ``NullHandler`` logger so they don't flood the report.
+    Their lines go to a ``NullHandler`` logger so they don't flood the report. With
+    ``count_items``, ``forward`` returns ``Loss(sum, count)``; without ``counting``, the hooks'
+    item counting is stubbed out (the one difference between the last two configurations).
     """
     from trainloop.hooks.logging_hook import LoggingHook
     from trainloop.hooks.progress import ProgressHook
@@ -104,7 +116,14 @@ def hooked_trainer_loop(steps: int, batches: list) -> float:
         logger.propagate = False
         logger.setLevel(logging.INFO)
     hooks = [ProgressHook(interval=100), LoggingHook(interval=100)]
-    return trainer_loop(steps, batches, hooks=hooks, logger=logger)
+    if not counting:
+        for hook in hooks:
+            hook._items.add = lambda info, step: None  # type: ignore[method-assign]  # benchmark only
+    BenchTrainer.count_items = count_items
+    try:
+        return trainer_loop(steps, batches, hooks=hooks, logger=logger)
+    finally:
+        BenchTrainer.count_items = False
 
 
 def validated_trainer_loop(steps: int, batches: list) -> float:
@@ -156,6 +175,10 @@ CONFIGS: dict[str, Callable[[int, list], float]] = {
     "trainer + validation hook (never due)": validated_trainer_loop,
     "trainer from step 3 (profiler's baseline)": after_two_steps,
     "trainer + profiler, window (1-2) over": lambda n, b: after_two_steps(n, b, profiler=True),
+    "  same, Loss(sum, count), items counted": lambda n, b: hooked_trainer_loop(n, b, count_items=True),
+    "  same, Loss(sum, count), counting stubbed out": lambda n, b: hooked_trainer_loop(
+        n, b, count_items=True, counting=False
+    ),
 }
 
 
@@ -181,9 +204,14 @@ def main() -> None:
             ratios[name].append(times[name] / times["raw"])
     raw_us = statistics.median(raw_times) / args.steps * 1e6
     print(f"raw loop: {raw_us:.0f} µs/step (median of {args.rounds} rounds of {args.steps} steps)")
+    print(f"load average at the end: {' '.join(f'{x:.2f}' for x in os.getloadavg())}")
     for name, values in ratios.items():
         median = statistics.median(values)
-        print(f"{name:45s} ratio {median:.3f}  (+{(median - 1) * raw_us:.0f} µs/step)")
+        print(f"{name:50s} ratio {median:.3f}  (+{(median - 1) * raw_us:.0f} µs/step)")
+    counted = ratios["  same, Loss(sum, count), items counted"]
+    stubbed = ratios["  same, Loss(sum, count), counting stubbed out"]
+    paired = statistics.median(c / s for c, s in zip(counted, stubbed, strict=True))
+    print(f"item counting, counted / stubbed out, paired by round: ratio {paired:.3f}")
 
 
 if __name__ == "__main__":

@@ -7,11 +7,13 @@ import pytest
 import torch
 from cli_process import Cli, assert_one_clean_error
 from helper_hooks import CaptureHook
-from tiny_trainer import FlakyTrainer, TinyTrainer, make_data
+from tiny_trainer import FlakyTrainer, ItemsTrainer, TinyTrainer, make_data
 
 from trainloop import BaseHook, State
 from trainloop.checkpoint import latest_checkpoint
 from trainloop.hooks import CheckpointingHook
+from trainloop.hooks.logging_hook import LoggingHook
+from trainloop.hooks.progress import ProgressHook
 
 
 def params(trainer):
@@ -144,6 +146,7 @@ class SyncCounter:
             monkeypatch.setattr(torch.Tensor, name, counted)
 
 
+@pytest.mark.parametrize("throughput", [False, True], ids=["plain", "throughput"])
 @pytest.mark.parametrize(
     ("settings", "syncs"),
     [
@@ -155,7 +158,7 @@ class SyncCounter:
         ({"mixed_precision": "fp16", "detect_non_finite_grads": False}, 1),
     ],
 )
-def test_host_syncs_per_update(monkeypatch, settings, syncs):
+def test_host_syncs_per_update(monkeypatch, settings, syncs, throughput):
     marks = {}
 
     class Mark(BaseHook):
@@ -163,16 +166,25 @@ def test_host_syncs_per_update(monkeypatch, settings, syncs):
             if trainer.step == 2:
                 marks["start"] = counter.count
 
-        def on_after_train(self, trainer):
-            marks["end"] = counter.count
+        def on_after_step(self, trainer):
+            if trainer.step == 10:  # before the stats hooks after it read their window at the last step
+                marks["end"] = counter.count
 
     batches = [(x.unsqueeze(0), y.unsqueeze(0)) for x, y in make_data(8)]
+    # With throughput: Loss(sum, count) with a tensor count, items and records counted by the
+    # stats hooks every step, read only at their emission (here the last step, after the mark).
+    stats = [ProgressHook(interval=100, bar=False), LoggingHook(interval=100)] if throughput else []
+    trainer_class = ItemsTrainer if throughput else TinyTrainer
+    if throughput:
+        settings = {**settings, "rank_items": 1}  # no batch of one sample counts 0 items (a 0/0 gradient)
     counter = SyncCounter(monkeypatch)
     # An endless iterator: a DataLoader draws its base seed with .item() at every epoch.
-    trainer = TinyTrainer(max_steps=10, hooks=[Mark()], data=itertools.cycle(batches), trace=True, **settings)
+    trainer = trainer_class(max_steps=10, hooks=[Mark(), *stats], data=itertools.cycle(batches), trace=True, **settings)
     trainer.train()
     updates = sum(1 for e in trainer.trace if e.trigger == "update" and e.step >= 2)  # retries included
     refused = sum(1 for e in trainer.trace if e.trigger == "retry" and e.step >= 2)
     assert updates >= 9
     # A refused fp16 update also reads the loss scale, for its floor (min_loss_scale).
     assert marks["end"] - marks["start"] == syncs * updates + refused
+    if throughput:  # the counting was on: the last step's report has the items
+        assert stats[1].latest.throughput.items > 0

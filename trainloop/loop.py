@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from trainloop.checkpoint.weights import init_from
+from trainloop.compiling import CompileMark, CompileWatch
 from trainloop.data import EpochIterator
 from trainloop.distributed.rank_seeds import seed_ranks_apart, warn_if_ranks_drew_the_same
 from trainloop.distributed.ranks import is_rank_zero, world_size
@@ -68,6 +69,7 @@ class Loop:
         self.restoring = False  # a run that trains nothing got past building (bad input fails before)
         self.schedules = ScheduledCalls(())
         self.built_hooks: tuple[BaseHook, ...] = ()  # all of them, also those a run that trains nothing leaves out
+        self.compile_watch = CompileWatch()
         self.machine = StateMachine(
             conditions={
                 "should_exit": self.should_exit,
@@ -244,7 +246,11 @@ class Loop:
         if loss is None:  # the epoch ran out while forward skipped batches: the step ends
             return
         info.records.append(records)
-        info.loss.append(loss.sum.detach() / loss.count if isinstance(loss, Loss) else loss.detach())
+        if isinstance(loss, Loss):
+            info.items.append(loss.count)
+            info.loss.append(loss.sum.detach() / loss.count)
+        else:
+            info.loss.append(loss.detach())
 
     def update(self) -> None:
         """The work of ``stepping``: the optimizer update, then the step's bookkeeping."""
@@ -255,7 +261,10 @@ class Loop:
         if not self.applied:
             self.loss_scale = raise_if_no_retries_left(t, self.retries)
             return
-        run.step_info.step_time = perf_counter() - self.step_start
+        run.step_info.step_time = step_time = perf_counter() - self.step_start
+        compiled = self.compile_watch.end(run.step, step_time)
+        if compiled is not None:
+            self._note_compiled(compiled)
         for fn in run.dispatch["on_after_step"]:
             fn(t)
         self.settle()
@@ -274,6 +283,14 @@ class Loop:
             self.settle()  # early stopping on the fresh metric ends the run now, not a step later
         self.done = self.kind != "train"
 
+    def _note_compiled(self, mark: CompileMark) -> None:
+        """Mark a step that ran torch.compile's compiler: in its step info, the trace and the log (once each)."""
+        self.run_state.step_info.compiled = mark
+        if self.machine.trace is not None:
+            self.machine.trace.mark_compiled(mark)
+        log = self.trainer.logger.warning if mark.recompilation else self.trainer.logger.info
+        log("%s", mark.describe())
+
     def retry(self) -> None:
         """The work of ``retrying``: drop the step whose gradients were not finite."""
         t = self.trainer
@@ -290,7 +307,7 @@ class Loop:
             )
         t.optimizer.zero_grad()
         info = self.run_state.step_info
-        info.loss, info.records = [], []
+        info.loss, info.records, info.items = [], [], []
         info.non_finite_grad_retries = self.retries
 
     def checkpoint(self) -> None:
@@ -339,6 +356,7 @@ class Loop:
         self.retries = 0
         run.step_info = StepInfo()
         self.step_start = perf_counter()
+        self.compile_watch.begin()
         self.runner.begin()  # type: ignore[union-attr]
         for fn in run.dispatch["on_before_step"]:
             fn(self.trainer)

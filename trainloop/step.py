@@ -83,10 +83,14 @@ class StepInfo:
         loss: Each microstep's loss as a detached tensor (per item for ``Loss``); reading one is
             a host sync, so do it only on steps where you emit.
         records: Each microstep's records, as ``forward`` returned them.
+        items: Each microstep's ``Loss.count`` (an int or a tensor left on its device); empty
+            when ``forward`` returns plain losses.
         non_finite_grad_retries: How often this step was redone.
         grad_norm: The total gradient norm before clipping (a tensor), with ``grad_clip`` only.
         step_time: Seconds from the step's start to the end of its applied update.
         max_memory: The step's peak CUDA memory in GiB (``CudaMaxMemoryHook``).
+        compiled: Set when ``torch.compile`` compiled during this step (see
+            ``trainloop.compiling``): its time is not the model's.
         stats: The aggregate ``StatsHook`` published on this step, if it emitted one.
         extras: What other hooks publish for later hooks, by a name of their choosing.
     """
@@ -94,10 +98,12 @@ class StepInfo:
     data_time: list[float] = field(default_factory=list)
     loss: list[torch.Tensor] = field(default_factory=list)
     records: list[Mapping[str, Any]] = field(default_factory=list)
+    items: list[torch.Tensor | int] = field(default_factory=list)
     non_finite_grad_retries: int = 0
     grad_norm: torch.Tensor | None = None
     step_time: float | None = None
     max_memory: float | None = None
+    compiled: Any = None  # a trainloop.compiling.CompileMark
     stats: Any = None  # a trainloop.hooks.stats.TrainingStats
     extras: dict[str, Any] = field(default_factory=dict)
 

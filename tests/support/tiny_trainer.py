@@ -8,7 +8,7 @@ import torch
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
-from trainloop import BaseHook, BaseTrainer
+from trainloop import BaseHook, BaseTrainer, Loss
 
 
 def make_data(n: int = 64, seed: int = 0) -> TensorDataset:
@@ -69,3 +69,28 @@ class FlakyTrainer(TinyTrainer):
         if self.calls in self.nan_at or "all" in self.nan_at:
             loss = loss * float("nan")
         return loss, records
+
+
+class ItemsTrainer(TinyTrainer):
+    """Counts its items: ``Loss(sum, count)`` over the samples whose first feature exceeds ``-0.5``.
+
+    The count is a tensor left on the device (``mask.sum()``); the records also declare a count of
+    their own as a Python int, ``{"tokens": {"input": 4 * len(batch)}}``, to be read by key.
+    ``rank_items`` adds that many items to every count (ranks that count differently).
+    """
+
+    def __init__(self, *args, rank_items: int = 0, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.rank_items = rank_items
+
+    def forward(self, batch):
+        x, y = batch
+        mask = items_mask(x)
+        per_item = ((self.model(x.to(self.device)) - y.to(self.device)) ** 2).squeeze(1)
+        count = mask.sum() + self.rank_items
+        return Loss((per_item * mask).sum(), count), {"tokens": {"input": 4 * len(x)}}
+
+
+def items_mask(x: torch.Tensor) -> torch.Tensor:
+    """The items ``ItemsTrainer`` counts in a batch, as a 0/1 float mask."""
+    return (x[:, 0] > -0.5).float()

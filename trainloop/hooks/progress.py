@@ -15,7 +15,7 @@ from trainloop.distributed.ranks import is_rank_zero
 from trainloop.hooks.registry import register_hook
 from trainloop.hooks.stats import StatsHook, TrainingStats
 from trainloop.nested import flatten_nested_dict
-from trainloop.settings.types import NonNegativeInt, PositiveInt, StrictBool
+from trainloop.settings.types import NonNegativeInt, PositiveFloat, PositiveInt, StrictBool
 
 if TYPE_CHECKING:
     from trainloop.run_state import TrainerView
@@ -34,7 +34,10 @@ class ProgressHook(StatsHook):
 
         Step 100/10000: step 0.2500s data 0.0100s eta 6:00:00 loss 0.5234 grad_norm 2.3456 lr 1.00e-03
 
-    ``eta`` appears once ``eta_warmup`` steps have run; ``mem`` when a hook records peak
+    ``eta`` appears once ``eta_warmup`` steps have run (steps ``torch.compile`` spent compiling
+    are left out of its pace; ``compiling`` names them); ``items/s`` when the steps' items are
+    counted (``Loss.count`` or the declared ``items``; ``total items/s`` across ranks when synced,
+    ``mfu`` with ``flops_per_item`` and ``peak_flops``); ``mem`` when a hook records peak
     memory (``step_info.max_memory``, in GiB as
     ``CudaMaxMemoryHook`` records it); ``grad_norm`` when the
     trainer clips; ``retries`` when steps were retried; ``lr/<group>`` per group when the
@@ -66,6 +69,9 @@ class ProgressHook(StatsHook):
         bar: Allow the live bar on a terminal; ``False`` always logs lines.
         show_logged: Top-level keys of ``trainer.log`` records whose latest values the bar shows
             (default: ``["val"]``, a ``ValidationHook``'s results).
+        items: As ``StatsHook``: the records key of each batch's item count, or ``None`` for ``Loss.count``.
+        flops_per_item: As ``StatsHook``: the model's FLOPs per item, for FLOP/s and the MFU.
+        peak_flops: As ``StatsHook``: the device's peak FLOP/s, for the MFU.
 
     Raises:
         pydantic.ValidationError: A parameter is invalid; the error names it.
@@ -81,8 +87,13 @@ class ProgressHook(StatsHook):
         show_units: StrictBool = True,
         bar: StrictBool = True,
         show_logged: list[str] | None = None,
+        items: str | None = None,
+        flops_per_item: PositiveFloat | None = None,
+        peak_flops: PositiveFloat | None = None,
     ) -> None:
-        super().__init__(interval=interval, sync=sync)
+        super().__init__(
+            interval=interval, sync=sync, items=items, flops_per_item=flops_per_item, peak_flops=peak_flops
+        )
         self.with_records = with_records
         self.collect_records = with_records
         self.eta_warmup = eta_warmup
@@ -93,6 +104,7 @@ class ProgressHook(StatsHook):
         self._postfix = ""
         self._steps_run = 0
         self._eta_start: float | None = None
+        self._eta_excluded = (0, 0.0)  # steps spent compiling since the ETA clock started, and their time
         self._bar: Any = None
         self._cleanup = contextlib.ExitStack()
 
@@ -101,6 +113,7 @@ class ProgressHook(StatsHook):
         super().on_before_train(trainer)
         self._steps_run = 0
         self._eta_start = perf_counter() if self.eta_warmup == 0 else None
+        self._eta_excluded = (0, 0.0)
         self._bar = self._open_bar(trainer) if self.bar else None
         self._logged, self._postfix = {}, ""
         if self._bar is None:
@@ -111,6 +124,9 @@ class ProgressHook(StatsHook):
         self._steps_run += 1
         if self._steps_run == self.eta_warmup:
             self._eta_start = perf_counter()
+        elif trainer.step_info.compiled is not None and self._eta_start is not None:
+            steps, seconds = self._eta_excluded
+            self._eta_excluded = (steps + 1, seconds + (trainer.step_info.step_time or 0.0))
         super().on_after_step(trainer)
 
     def on_after_train(self, trainer: TrainerView) -> None:
@@ -168,6 +184,7 @@ class ProgressHook(StatsHook):
             args.append(stats.max_memory)
         parts.append("loss %.4f")
         args.append(stats.loss)
+        self._describe_throughput(stats, parts, args)
         if stats.grad_norm is not None:
             parts.append("grad_norm %.4f")
             args.append(stats.grad_norm)
@@ -188,11 +205,30 @@ class ProgressHook(StatsHook):
                 args += [key, value]
         return " ".join(parts), args
 
+    @staticmethod
+    def _describe_throughput(stats: TrainingStats, parts: list[str], args: list[Any]) -> None:
+        """Add the throughput and the compile marks to a report."""
+        if stats.compile_steps:
+            parts.append("compiling %d steps %.1fs" if stats.compile_steps > 1 else "compiling %d step %.1fs")
+            args += [stats.compile_steps, stats.compile_time]
+        rate = stats.throughput
+        if rate is None:
+            return
+        parts.append("items/s %.4g")
+        args.append(rate.items_per_second)
+        if rate.total_items_per_second is not None:
+            parts.append("total items/s %.4g")
+            args.append(rate.total_items_per_second)
+        if rate.mfu is not None:
+            parts.append("mfu %.2f%%")
+            args.append(100 * rate.mfu)
+
     def _eta(self, trainer: TrainerView) -> timedelta | None:
-        timed = self._steps_run - self.eta_warmup
+        excluded_steps, excluded_time = self._eta_excluded
+        timed = self._steps_run - self.eta_warmup - excluded_steps
         if self._eta_start is None or timed <= 0:
             return None
-        per_step = (perf_counter() - self._eta_start) / timed
+        per_step = (perf_counter() - self._eta_start - excluded_time) / timed
         return timedelta(seconds=round(per_step * max(self._max_steps - trainer.step, 0)))
 
     def _open_bar(self, trainer: TrainerView) -> Any:

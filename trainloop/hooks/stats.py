@@ -7,7 +7,11 @@ It is the shared core of ``LoggingHook`` and
 Cost: on a step that does not emit, the hook appends references to the step's tensors and adds
 a few floats; no tensor is read. At an emission the window's losses and gradient norms are
 reduced on their device and read together, and the tensors inside ``forward``'s records are
-read in one batch per device and dtype.
+read in one batch per device and dtype; the items the steps trained on (``trainloop.hooks.throughput``)
+are summed on their device and read once.
+
+Steps ``torch.compile`` spent compiling (``step_info.compiled``, see ``trainloop.compiling``) are
+counted apart: their time is in ``compile_time``, not in ``step_time``'s mean nor the throughput.
 """
 
 from __future__ import annotations
@@ -23,13 +27,16 @@ from trainloop.distributed.ranks import gather_from_ranks, world_size
 from trainloop.hooks.base import BaseHook
 from trainloop.hooks.every import Schedule
 from trainloop.hooks.registry import register_hook
+from trainloop.hooks.throughput import ItemCount, Throughput, combine_throughput, throughput
 from trainloop.nested import Records, key_average
-from trainloop.settings.types import PositiveInt, StrictBool
+from trainloop.settings.types import PositiveFloat, PositiveInt, StrictBool
 
 if TYPE_CHECKING:
     from trainloop.run_state import TrainerView
 
 __all__ = ["StatsHook", "TrainingStats"]
+
+_PEAK_WITHOUT_FLOPS = "peak_flops needs flops_per_item: the utilisation is the model's FLOP/s over the peak"
 
 
 @dataclass(frozen=True)
@@ -42,7 +49,8 @@ class TrainingStats:
         loss: Mean loss over every microstep of those steps (then over ranks, when synced).
         grad_norm: Mean total gradient norm, as measured before clipping; ``None`` when the
             trainer does not clip (no ``grad_clip``).
-        step_time: Mean seconds per step (``step_info.step_time``).
+        step_time: Mean seconds per step (``step_info.step_time``), steps spent compiling left
+            out (unless every step of the window compiled: then theirs).
         data_time: Mean seconds per step spent drawing batches (all microsteps of a step).
         non_finite_grad_retries: How many times these steps were retried for non-finite
             gradients (the maximum over ranks, when synced: ranks retry the same steps).
@@ -55,6 +63,12 @@ class TrainingStats:
             ``group_<i>``.
         records: ``forward``'s records averaged key by key over every microstep (then over
             ranks); empty when the hook does not collect them.
+        throughput: Items per second (``trainloop.hooks.throughput``); ``None`` when nothing
+            was counted (plain losses and no ``items`` key declared) or every step compiled.
+        compile_steps: How many of these steps ``torch.compile`` spent compiling (the most over
+            ranks, when synced).
+        compile_time: Those steps' seconds (the mean over ranks, when synced).
+        recompilations: How many of them recompiled (the most over ranks, when synced).
     """
 
     step: int
@@ -67,13 +81,19 @@ class TrainingStats:
     max_memory: float | None
     lrs: dict[str, float] = field(default_factory=dict)
     records: Records = field(default_factory=dict)
+    throughput: Throughput | None = None
+    compile_steps: int = 0
+    compile_time: float = 0.0
+    recompilations: int = 0
 
     def to_records(self) -> dict[str, Any]:
         """These statistics as nested records for ``trainer.log``.
 
         Keys: ``loss``, ``grad_norm`` (when clipping), ``lr`` (a dict by param group),
         ``step_time``, ``data_time``, ``non_finite_grad_retries``, ``max_memory`` (when
-        recorded) and ``records`` (``forward``'s averaged records, when any). Keeping the
+        recorded), ``throughput`` (``items_per_second`` and the rest of ``Throughput``, when
+        counted), ``compile_steps``, ``compile_time`` and ``recompilations`` (when a step
+        compiled) and ``records`` (``forward``'s averaged records, when any). Keeping the
         user's records under their own key means no name of theirs can collide with ours.
         """
         out: dict[str, Any] = {"loss": self.loss}
@@ -85,6 +105,12 @@ class TrainingStats:
         out["non_finite_grad_retries"] = self.non_finite_grad_retries
         if self.max_memory is not None:
             out["max_memory"] = self.max_memory
+        if self.throughput is not None:
+            out["throughput"] = self.throughput.to_records()
+        if self.compile_steps:
+            out["compile_steps"] = self.compile_steps
+            out["compile_time"] = self.compile_time
+            out["recompilations"] = self.recompilations
         if self.records:
             out["records"] = self.records
         return out
@@ -113,6 +139,11 @@ class StatsHook(BaseHook):
             rank, average the statistics across ranks (one ``all_gather_object`` per emission,
             so every rank must run this hook with the same ``interval``; with NCCL, set the
             rank's CUDA device first, as usual).
+        items: The key of ``forward``'s records that holds each batch's item count (tokens,
+            say; dotted for a nested key), or ``None`` to count ``Loss.count``.
+        flops_per_item: The model's FLOPs per item (forward and backward), to report FLOP/s.
+        peak_flops: The device's peak FLOP/s, to report the model-FLOPs utilisation (MFU);
+            needs ``flops_per_item``. No table of devices is built in: declare your device's.
 
     Attributes:
         latest: The last ``TrainingStats`` emitted, or ``None``.
@@ -126,9 +157,22 @@ class StatsHook(BaseHook):
     collect_records: bool = True
 
     @validate_call
-    def __init__(self, interval: PositiveInt = 10, sync: StrictBool = True) -> None:
+    def __init__(
+        self,
+        interval: PositiveInt = 10,
+        sync: StrictBool = True,
+        items: str | None = None,
+        flops_per_item: PositiveFloat | None = None,
+        peak_flops: PositiveFloat | None = None,
+    ) -> None:
+        if peak_flops is not None and flops_per_item is None:
+            raise ValueError(_PEAK_WITHOUT_FLOPS)
         self.interval = interval
         self.sync = sync
+        self.items = items
+        self.flops_per_item = flops_per_item
+        self.peak_flops = peak_flops
+        self._items = ItemCount(items, type(self).__name__)
         self.latest: TrainingStats | None = None
         self.schedule = Schedule(interval)
         self._max_steps = 0
@@ -141,10 +185,21 @@ class StatsHook(BaseHook):
         self._losses: list[torch.Tensor] = []
         self._grad_norms: list[torch.Tensor] = []
         self._records: list[Mapping[str, Any]] = []
-        self._step_time = 0.0
+        self._step_time = 0.0  # of the steps that did not compile
+        self._compile_steps = 0
+        self._compile_time = 0.0
+        self._recompilations = 0
+        self._items.reset()
         self._data_time = 0.0
         self._retries = 0
         self._max_memory: float | None = None
+
+    @classmethod
+    def check_settings(cls, declared: Any, settings: Any, trainer: Any) -> list[tuple[str | None, str]]:
+        """``peak_flops`` comes with ``flops_per_item`` (see ``BaseHook.check_settings``)."""
+        if getattr(declared, "peak_flops", None) is not None and getattr(declared, "flops_per_item", None) is None:
+            return [("peak_flops", _PEAK_WITHOUT_FLOPS)]
+        return []
 
     # -- collecting ------------------------------------------------------------------------
 
@@ -187,7 +242,15 @@ class StatsHook(BaseHook):
             self._grad_norms.append(grad_norm)
         if self.collect_records:
             self._records.extend(info.records)
-        self._step_time += info.step_time or 0.0
+        step_time = info.step_time or 0.0
+        compiled = info.compiled
+        if compiled is None:
+            self._step_time += step_time
+            self._items.add(info, trainer.step)
+        else:  # compiling is not the model's speed
+            self._compile_steps += 1
+            self._compile_time += step_time
+            self._recompilations += compiled.recompilation
         self._data_time += sum(info.data_time)
         self._retries += info.non_finite_grad_retries
         memory = info.max_memory
@@ -223,17 +286,22 @@ class StatsHook(BaseHook):
         else:
             loss_value, grad_norm_value = loss.item(), None
         records = key_average(_read_scalar_tensors(self._records)) if self._records else {}
+        timed = steps - self._compile_steps
         return TrainingStats(
             step=step,
             steps=steps,
             loss=loss_value,
             grad_norm=grad_norm_value,
-            step_time=self._step_time / steps,
+            step_time=self._step_time / timed if timed else self._compile_time / steps,
             data_time=self._data_time / steps,
             non_finite_grad_retries=self._retries,
             max_memory=self._max_memory,
             lrs={name: float(lr) for name, lr in zip(self._lr_names, self._lrs, strict=True)},
             records=records,
+            throughput=throughput(self._items.read(), self._step_time, self.flops_per_item, self.peak_flops),
+            compile_steps=self._compile_steps,
+            compile_time=self._compile_time,
+            recompilations=self._recompilations,
         )
 
     def emit(self, trainer: TrainerView, stats: TrainingStats) -> None:
@@ -263,6 +331,10 @@ def _combine_ranks(local: TrainingStats) -> TrainingStats:
         max_memory=max(memories) if memories else None,
         lrs=local.lrs,
         records=key_average([s.records for s in ranks]) if any(s.records for s in ranks) else {},
+        throughput=combine_throughput([s.throughput for s in ranks], local.throughput),
+        compile_steps=max(s.compile_steps for s in ranks),
+        compile_time=sum(s.compile_time for s in ranks) / n,
+        recompilations=max(s.recompilations for s in ranks),
     )
 
 

@@ -6,7 +6,7 @@ The modules: ``table`` (the transitions, pure data), ``runner``, ``diagram`` and
 from trainloop.machine.diagram import draw
 from trainloop.machine.runner import Handle, StateMachine
 from trainloop.machine.table import TRANSITIONS, State, Transition
-from trainloop.machine.trace import Trace, TraceEntry, TraceSummary, read_trace, summarize_trace
+from trainloop.machine.trace import Trace, TraceEntry, TraceSummary, read_compile_marks, read_trace, summarize_trace
 
 __all__ = [
     "TRANSITIONS",
@@ -18,6 +18,7 @@ __all__ = [
     "TraceSummary",
     "Transition",
     "draw",
+    "read_compile_marks",
     "read_trace",
     "summarize_trace",
 ]

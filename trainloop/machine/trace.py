@@ -1,15 +1,21 @@
-"""Traces: the transitions a run fired, in memory and as ``<workspace>/trace.jsonl``."""
+"""Traces: the transitions a run fired, in memory and as ``<workspace>/trace.jsonl``.
+
+The file also marks the steps ``torch.compile`` spent compiling: a line
+``{"time": ..., "step": 1, "compiled": {"seconds": ..., "frames": 1, "recompilation": false, "reasons": []}}``
+after that step's ``update`` edge. ``read_trace`` returns the transitions, ``read_compile_marks`` the marks.
+"""
 
 from __future__ import annotations
 
 import json
 import time
 from collections import Counter, deque
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import IO, TYPE_CHECKING, NamedTuple
+from typing import IO, TYPE_CHECKING, Any, NamedTuple
 
+from trainloop.compiling import CompileMark
 from trainloop.distributed.ranks import is_rank_zero
 from trainloop.json_files import open_jsonl
 from trainloop.machine.table import State, Transition
@@ -17,7 +23,15 @@ from trainloop.machine.table import State, Transition
 if TYPE_CHECKING:
     from trainloop.settings.model import TrainerSettings
 
-__all__ = ["Trace", "TraceEntry", "TraceSummary", "read_trace", "start_run_record", "summarize_trace"]
+__all__ = [
+    "Trace",
+    "TraceEntry",
+    "TraceSummary",
+    "read_compile_marks",
+    "read_trace",
+    "start_run_record",
+    "summarize_trace",
+]
 
 
 class TraceEntry(NamedTuple):
@@ -40,6 +54,9 @@ class Trace(deque[TraceEntry]):
     Args:
         path: A ``trace.jsonl`` file to append to, or ``None``.
         keep: How many of the latest entries to keep in memory.
+
+    Attributes:
+        compiled: The steps marked as spent compiling (``mark_compiled``), in order.
     """
 
     def __init__(self, path: Path | None = None, keep: int = 100_000) -> None:
@@ -47,6 +64,7 @@ class Trace(deque[TraceEntry]):
         self.path = path
         self._counts: Counter[tuple[State, State, str]] = Counter()
         self._file: IO[str] | None = None
+        self.compiled: list[CompileMark] = []
         if path is not None:
             path.parent.mkdir(parents=True, exist_ok=True)
             self._file = open_jsonl(path)  # after a cut-off line of a killed run: a fresh one
@@ -64,6 +82,19 @@ class Trace(deque[TraceEntry]):
                 f'{{"time": {entry.time!r}, "step": {entry.step}, "source": "{entry.source.value}", '
                 f'"dest": "{entry.dest.value}", "trigger": "{entry.trigger}"}}\n'
             )
+
+    def mark_compiled(self, mark: CompileMark) -> None:
+        """Mark ``mark.step`` as a step ``torch.compile`` spent compiling."""
+        self.compiled.append(mark)
+        if self._file is not None:
+            fields = {
+                "seconds": mark.seconds,
+                "frames": mark.frames,
+                "recompilation": mark.recompilation,
+                "reasons": list(mark.reasons),
+            }
+            line = {"time": time.time(), "step": mark.step, "compiled": fields}
+            self._file.write(json.dumps(line) + "\n")
 
     def counts(self) -> Counter[tuple[State, State, str]]:
         """How often each edge ``(source, dest, trigger)`` fired over the whole run."""
@@ -100,24 +131,63 @@ def read_trace(path: Path | str) -> list[TraceEntry]:
         ValueError: A line is not a trace entry; the message names the file and line.
     """
     entries = []
+    for number, row in _rows(path):
+        if "compiled" in row:  # a compile mark, not a transition
+            continue
+        try:
+            entries.append(
+                TraceEntry(
+                    float(row["time"]),
+                    int(row["step"]),
+                    State(row["source"]),
+                    State(row["dest"]),
+                    str(row["trigger"]),
+                )
+            )
+        except (ValueError, KeyError, TypeError) as error:
+            raise ValueError(f"{path}:{number}: not a trace entry ({error})") from None
+    return entries
+
+
+def read_compile_marks(path: Path | str) -> list[CompileMark]:
+    """Read back the steps a ``trace.jsonl`` marks as spent compiling.
+
+    Raises:
+        ValueError: A mark is malformed; the message names the file and line.
+    """
+    marks = []
+    for number, row in _rows(path):
+        if "compiled" not in row:
+            continue
+        try:
+            fields = row["compiled"]
+            marks.append(
+                CompileMark(
+                    int(row["step"]),
+                    float(fields["seconds"]),
+                    int(fields["frames"]),
+                    bool(fields["recompilation"]),
+                    tuple(str(reason) for reason in fields["reasons"]),
+                )
+            )
+        except (ValueError, KeyError, TypeError) as error:
+            raise ValueError(f"{path}:{number}: not a compile mark ({error})") from None
+    return marks
+
+
+def _rows(path: Path | str) -> Iterator[tuple[int, dict[str, Any]]]:
+    """The JSON objects of a ``trace.jsonl``, numbered from 1 (a line cut off by a run still writing ends it)."""
     with Path(path).open(encoding="utf-8") as lines:
         for number, line in enumerate(lines, 1):
             if not line.endswith("\n"):
                 break  # a run still writing: its last line may be cut off
             try:
                 row = json.loads(line)
-                entries.append(
-                    TraceEntry(
-                        float(row["time"]),
-                        int(row["step"]),
-                        State(row["source"]),
-                        State(row["dest"]),
-                        str(row["trigger"]),
-                    )
-                )
-            except (ValueError, KeyError, TypeError) as error:
+            except ValueError as error:
                 raise ValueError(f"{path}:{number}: not a trace entry ({error})") from None
-    return entries
+            if not isinstance(row, dict):
+                raise ValueError(f"{path}:{number}: not a trace entry (not a JSON object)")
+            yield number, row
 
 
 @dataclass(frozen=True)
