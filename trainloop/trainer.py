@@ -1,4 +1,4 @@
-"""``BaseTrainer``: the user's contract, and the machine seen from outside (callbacks, requests, diagrams).
+"""``BaseTrainer``: the user's contract (``trainloop.contract``) and the machine seen from outside.
 
 The work of each state is ``trainloop.loop``'s.
 """
@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING, Any, ClassVar
 import torch
 from torch import nn
 
+from trainloop.contract import Contract
 from trainloop.evaluation import WeightsSource
 from trainloop.hooks.base import BaseHook
 from trainloop.loop import Loop
@@ -28,7 +29,6 @@ from trainloop.predict.run import PredictRun
 from trainloop.result import RunKind, RunResult, finish_run
 from trainloop.run_length import RunLength
 from trainloop.run_state import EARLY_COMPONENTS, Built, RunState, RunValue
-from trainloop.settings import optimizer as components
 from trainloop.settings import preflight
 from trainloop.settings.model import TrainerSettings
 from trainloop.step import NO_CONTEXT, LossNoneWarning, StepInfo
@@ -43,7 +43,7 @@ __all__ = ["BaseTrainer", "ChangedSettingsWarning", "LossNoneWarning"]
 
 _PRECISIONS = {"bf16": torch.bfloat16, "fp16": torch.float16}
 
-class BaseTrainer:
+class BaseTrainer(Contract):
     """A training loop whose sequencing is an explicit state machine.
 
     Subclass it and implement ``build_data_loader``, ``build_model``,
@@ -150,80 +150,6 @@ class BaseTrainer:
         if isinstance(settings, cls) and not overrides:
             return settings
         return cls.model_validate({**settings.model_dump(), **overrides})
-
-    # -- the user's contract -------------------------------------------------------------------
-
-    def build_data_loader(self) -> Iterable[Any]:
-        """Return the training data: an infinite iterator or a re-iterable such as a DataLoader."""
-        raise NotImplementedError(f"{type(self).__name__} must implement build_data_loader()")
-
-    def build_model(self) -> nn.Module:
-        """Return the model, on its device and already wrapped (DDP, FSDP) if wanted."""
-        raise NotImplementedError(f"{type(self).__name__} must implement build_model()")
-
-    def build_optimizer(self) -> torch.optim.Optimizer:
-        """Return the optimizer of ``self.model``'s parameters.
-
-        By default, the one declared in ``settings.optimizer``.
-        """
-        if self.settings.optimizer is None:
-            raise NotImplementedError(
-                f"{type(self).__name__} must implement build_optimizer() or declare settings.optimizer"
-            )
-        return components.build_optimizer(self.settings.optimizer, self.model)
-
-    def build_lr_scheduler(self) -> torch.optim.lr_scheduler.LRScheduler | None:
-        """Return a learning-rate scheduler stepped after every optimizer step, or ``None``.
-
-        By default, the one declared in ``settings.lr_schedule``, if any.
-        """
-        if self.settings.lr_schedule is None:
-            return None
-        return components.build_lr_scheduler(self.settings.lr_schedule, self.optimizer, self.max_steps)
-
-    def build_grad_scaler(self) -> torch.amp.GradScaler:
-        """Return the gradient scaler; by default enabled for fp16 mixed precision only."""
-        return torch.amp.GradScaler(self.device.type, enabled=self.settings.mixed_precision == "fp16")
-
-    def build_hooks(self) -> list[BaseHook]:
-        """Return the hooks built in code; the run calls them, then those ``settings.hooks`` declares.
-
-        By default none. An override need not (and should not) build the declared hooks.
-        """
-        return []
-
-    def forward(self, input: Any) -> tuple[torch.Tensor | None, Records]:
-        """Compute the loss of one microstep's batch.
-
-        Args:
-            input: A batch drawn from the data loader.
-
-        Returns:
-            The scalar loss (``None`` skips this batch: no backward, and the next batch is drawn;
-            under DDP/FSDP the wrapped model must then not have been called) and a nested dict
-            of numbers for the hooks to aggregate and log.
-        """
-        raise NotImplementedError(f"{type(self).__name__} must implement forward()")
-
-    def build_predict_data_loader(self) -> Iterable[Any]:
-        """Return the data ``predict()`` runs ``predict_step`` over (see docs/predict.md).
-
-        Under several ranks, a ``DataLoader`` with a ``DistributedSampler``. No implicit fallback:
-        to predict the validation data, return its loader here.
-        """
-        raise NotImplementedError(f"{type(self).__name__} must implement build_predict_data_loader() to predict")
-
-    def predict_step(self, batch: Any) -> torch.Tensor | dict[str, torch.Tensor]:
-        """Compute the outputs of one batch of the predict data (eval mode, no grad, ``self.autocast()``).
-
-        Args:
-            batch: A batch drawn from ``build_predict_data_loader()``'s data.
-
-        Returns:
-            A tensor, or a dict of str to tensors, whose first dimension is the batch's items
-            (saved under ``"predictions"`` for a tensor, under its keys for a dict).
-        """
-        raise NotImplementedError(f"{type(self).__name__} must implement predict_step() to predict")
 
     # -- the machine, seen from outside --------------------------------------------------------
 
@@ -453,22 +379,6 @@ class BaseTrainer:
         finally:
             # A run that trains nothing and failed while building was refused (no validation), not run.
             self.result = finish_run(self, kind, write=kind == "train" or self._loop.restoring)
-
-    @classmethod
-    def missing_methods(cls, kind: str = "train") -> list[str]:
-        """The methods of the user's contract this class leaves to ``BaseTrainer``'s stubs.
-
-        ``build_optimizer`` is listed when not overridden, though ``settings.optimizer`` can
-        stand in for it (the preflight decides).
-
-        Args:
-            kind: The run whose methods to list (``"train"``; a ``"predict"`` run needs ``build_model``,
-                ``build_predict_data_loader`` and ``predict_step`` only).
-        """
-        required: tuple[str, ...] = ("build_data_loader", "build_model", "forward", "build_optimizer")
-        if kind == "predict":
-            required = ("build_model", "build_predict_data_loader", "predict_step")
-        return [name for name in required if getattr(cls, name) is getattr(BaseTrainer, name)]
 
     # -- state -----------------------------------------------------------------------------
 
