@@ -3,9 +3,11 @@
 Each run that has a workspace appends its outcome (rank 0)::
 
     {"time": 1700000000.0, "step": 400, "epoch": 7, "exit_code": 0, "error": null,
-     "best_checkpoint": "runs/digits/checkpoints/400"}
+     "best_checkpoint": "runs/digits/checkpoints/400", "started": 1699999940.0, "device": "cpu",
+     "torch": "2.5.1", "trainloop": "0.1.0"}
 
-so a report shows how each run of a workspace ended (a signal's exit code, an error).
+so a report shows how each run of a workspace ended (a signal's exit code, an error), how long it
+took, and on what.
 """
 
 from __future__ import annotations
@@ -89,8 +91,13 @@ def _reran_complete(trainer: TrainerView, result: RunResult) -> bool:
     return resumed_complete and result.exit_code == 0 and result.error is None
 
 
-def finish_run(trainer: TrainerView) -> RunResult:
-    """The result of ``trainer``'s run; appended to ``<workspace>/runs.jsonl`` on rank 0."""
+def finish_run(trainer: TrainerView, started: float | None = None) -> RunResult:
+    """The result of ``trainer``'s run; appended to ``<workspace>/runs.jsonl`` on rank 0.
+
+    Args:
+        trainer: The trainer whose run ended.
+        started: When the run started (``time.time()``), recorded beside its end.
+    """
     from trainloop.distributed.ranks import is_rank_zero
 
     result = run_result(trainer)
@@ -103,6 +110,7 @@ def finish_run(trainer: TrainerView) -> RunResult:
             "exit_code": result.exit_code,
             "error": result.error,
             "best_checkpoint": None if result.best_checkpoint is None else str(result.best_checkpoint),
+            **_environment(trainer, started),
         }
         try:
             append_line(workspace / RUNS_FILE, strict_json(record) + "\n")
@@ -110,6 +118,15 @@ def finish_run(trainer: TrainerView) -> RunResult:
             # Never in place of the error that ended the run, which is what the user needs.
             trainer.logger.error("Could not record the run in %s: %s", workspace / RUNS_FILE, error)
     return result
+
+
+def _environment(trainer: TrainerView, started: float | None) -> dict[str, Any]:
+    """When the run started, and on what: the device and the versions of torch and trainloop."""
+    import torch
+
+    from trainloop.version import __version__
+
+    return {"started": started, "device": str(trainer.device), "torch": torch.__version__, "trainloop": __version__}
 
 
 def read_runs(workspace: Path) -> list[dict[str, Any]]:

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import time
 from collections.abc import Callable, Iterable
 from logging import Logger
 from pathlib import Path
@@ -326,10 +327,11 @@ class BaseTrainer:
         if self.state is not State.IDLE:
             raise RuntimeError(f"train() runs once per trainer; this one is in state {self.state.value!r}")
         with hold_run_workspace(self.settings.workspace, self.logger):  # one run per workspace
+            started = time.time()
             try:
                 self._loop.run()
             finally:
-                self.result = finish_run(self)  # also appended to <workspace>/runs.jsonl
+                self.result = finish_run(self, started)  # also appended to <workspace>/runs.jsonl
         if self.exit_code is not None:
             raise SystemExit(self.exit_code)
         return self.result

@@ -17,6 +17,7 @@ from __future__ import annotations
 import html
 import math
 import textwrap
+from collections import Counter
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 
@@ -65,9 +66,26 @@ def _order(edges: Sequence[Transition]) -> list[State]:
     for t in edges:
         if t.dest != t.source and t.dest not in successors[t.source]:
             successors[t.source].append(t.dest)
+    back = _back_edges(list(first_seen), successors)
+    forward = {s: [d for d in dests if (s, d) not in back] for s, dests in successors.items()}
+    indegree = Counter(d for dests in forward.values() for d in dests)
+    order: list[State] = []
+    ready = [s for s in first_seen if not indegree[s]]
+    while ready:
+        last = order[-1] if order else None
+        ready.sort(key=lambda s: (last is None or s not in forward[last], first_seen[s]))
+        order.append(ready.pop(0))
+        for d in forward[order[-1]]:
+            indegree[d] -= 1
+            ready += [d] if not indegree[d] else []
+    return order
+
+
+def _back_edges(states: list[State], successors: Mapping[State, list[State]]) -> set[tuple[State, State]]:
+    """The edges a depth-first walk finds leading to a state still on its stack."""
     back: set[tuple[State, State]] = set()
     done: set[State] = set()
-    for root in first_seen:  # iterative DFS: a state on the stack reached again is a back edge
+    for root in states:
         if root in done:
             continue
         stack, on_stack = [(root, iter(successors[root]))], {root}
@@ -84,23 +102,7 @@ def _order(edges: Sequence[Transition]) -> list[State]:
                 done.add(child)
                 on_stack.add(child)
                 stack.append((child, iter(successors[child])))
-    indegree = {s: 0 for s in first_seen}
-    for s, dests in successors.items():
-        for d in dests:
-            indegree[d] += (s, d) not in back
-    order: list[State] = []
-    ready = [s for s in first_seen if indegree[s] == 0]
-    while ready:
-        last = order[-1] if order else None
-        ready.sort(key=lambda s: (last is None or s not in successors[last], first_seen[s]))
-        state = ready.pop(0)
-        order.append(state)
-        for d in successors[state]:
-            if (state, d) not in back:
-                indegree[d] -= 1
-                if indegree[d] == 0:
-                    ready.append(d)
-    return order
+    return back
 
 
 def _lanes(edges: list[tuple[Transition, int, int]]) -> dict[Transition, int]:
@@ -115,6 +117,81 @@ def _lanes(edges: list[tuple[Transition, int, int]]) -> dict[Transition, int]:
         taken[lane].append((low, high))
         lane_of[t] = lane
     return lane_of
+
+
+@dataclass
+class _Layout:
+    """Where everything goes: the rows of states, and how each edge is drawn."""
+
+    rows: dict[State, _Row]
+    straight: list[Transition]  # to the state just below
+    lane_of: dict[Transition, int]  # beside the column
+    folded: list[Transition]
+    box_x: float = 0.0
+    box_w: float = 0.0
+    label_w: float = 0.0
+    width: float = 0.0
+    bottom: float = 0.0
+    wrapped: dict[State, list[str]] = field(default_factory=dict)
+
+
+def _layout(table: Sequence[Transition], counts: Mapping[tuple[State, State, str], int],
+            notes: Mapping[State, Sequence[str]]) -> _Layout:
+    """The rows and the route of each edge (sizes come from :func:`_measure`)."""
+    folded = [t for t in table if t.trigger == FAIL and not counts.get((t.source, t.dest, t.trigger))]
+    edges = [t for t in table if t not in folded]
+    order = _order(edges or list(table))
+    index = {s: i for i, s in enumerate(order)}
+    layout = _Layout({s: _Row(s, notes=list(notes.get(s, ()))) for s in order}, [], {}, folded)
+    beside: list[tuple[Transition, int, int]] = []
+    for t in edges:
+        if t.source == t.dest:
+            layout.rows[t.source].loops.append(t)
+        elif index[t.dest] == index[t.source] + 1 and all((s.source, s.dest) != (t.source, t.dest)
+                                                           for s in layout.straight):
+            layout.straight.append(t)
+        else:
+            beside.append((t, index[t.source], index[t.dest]))
+    lanes = _lanes(beside)
+    layout.lane_of = lane_of = {t: lanes[t] for t, _, _ in beside}  # in the table's order
+    for t, _, _ in beside:
+        layout.rows[t.source].slots.append((t, True))
+        layout.rows[t.dest].slots.append((t, False))
+    for row in layout.rows.values():
+        # A lane from above ends high, nearest lane first; a lane going down starts low, farthest
+        # lane first: then no stub crosses a lane of the same state.
+        def slot_key(slot: tuple[Transition, bool], i: int = index[row.state]) -> tuple[int, int]:
+            t, leaves = slot
+            other = index[t.dest] if leaves else index[t.source]
+            return (0, lane_of[t]) if other < i else (1, -lane_of[t])
+
+        row.slots.sort(key=slot_key)
+    return layout
+
+
+def _measure(layout: _Layout, label: Callable[[Transition], str], two_lines: bool) -> None:
+    """Sizes and positions: label widths are known (monospace), note lines wrapped to fit the page."""
+    rows = layout.rows.values()
+    layout.box_w = max(_width(row.state.value) * 1.1 for row in rows) + 28
+    layout.label_w = max((_width(label(t)) for t in layout.lane_of), default=0.0) + 12
+    layout.box_x = _MARGIN + len(set(layout.lane_of.values())) * _LANE + layout.label_w
+    out_of_box = layout.box_x + layout.box_w
+    right = out_of_box
+    for row in rows:
+        text_x = _notes_x(row, label, out_of_box)
+        budget = max(30, int((_MAX_WIDTH - _MARGIN - text_x - 12) / (12 * _CHAR)))
+        lines = [piece for line in row.notes for piece in textwrap.wrap(line, budget) or [""]]
+        layout.wrapped[row.state] = lines
+        widest = max((_width(line, 12) for line in lines), default=0.0)
+        right = max(right, text_x + widest + 12 if lines else text_x - 18)
+    y = _MARGIN + 22.0  # room for the start mark
+    for row in rows:
+        row.height = max(44.0 if two_lines else 32.0, len(row.slots) * _SLOT + 12, len(row.loops) * _SLOT + 12,
+                         len(layout.wrapped[row.state]) * 16 + 12)
+        row.y = y
+        y += row.height + _GAP
+    layout.width = max(right + _MARGIN, 320.0)
+    layout.bottom = y - _GAP
 
 
 def draw_svg(
@@ -134,81 +211,34 @@ def draw_svg(
         notes: Lines to write beside a state (the hooks that act in it, with their schedules).
         seconds: Time spent in each state: a state's shade deepens with its share, which it shows.
     """
-    fired = counts or {}
-    folded = [t for t in table if t.trigger == FAIL and not fired.get((t.source, t.dest, t.trigger))]
-    edges = [t for t in table if t not in folded]
-    order = _order(edges or list(table))
-    rows = {s: _Row(s, notes=list((notes or {}).get(s, ()))) for s in order}
-    index = {s: i for i, s in enumerate(order)}
-    straight: list[Transition] = []
-    beside: list[tuple[Transition, int, int]] = []
-    for t in edges:
-        if t.source == t.dest:
-            rows[t.source].loops.append(t)
-        elif index[t.dest] == index[t.source] + 1 and not any(s.source == t.source and s.dest == t.dest for s in straight):
-            straight.append(t)
-        else:
-            beside.append((t, index[t.source], index[t.dest]))
-    lane_of = _lanes(beside)
-    for t, a, b in beside:  # each end's stub: those whose lane comes from above first, nearest lane first
-        rows[t.source].slots.append((t, True))
-        rows[t.dest].slots.append((t, False))
-    for row in rows.values():
-        i = index[row.state]
-
-        def slot_key(slot: tuple[Transition, bool], i: int = i) -> tuple[int, int]:
-            t, leaves = slot
-            other = index[t.dest] if leaves else index[t.source]
-            return (0, lane_of[t]) if other < i else (1, -lane_of[t])
-
-        row.slots.sort(key=slot_key)
-
-    box_w = max(_width(s.value, _FONT) * 1.1 for s in order) + 28
-    label_w = max((_width(label(t)) for t, _, _ in beside), default=0.0) + 12
-    box_x = _MARGIN + len(set(lane_of.values())) * _LANE + label_w
-    out_of_box = box_x + box_w
-    wrapped: dict[State, list[str]] = {}
-    right = out_of_box
-    for row in rows.values():
-        text_x = _notes_x(row, label, out_of_box)
-        budget = max(30, int((_MAX_WIDTH - _MARGIN - text_x - 12) / (12 * _CHAR)))
-        wrapped[row.state] = [piece for line in row.notes for piece in textwrap.wrap(line, budget) or [""]]
-        widest = max((_width(line, 12) for line in wrapped[row.state]), default=0.0)
-        loops = max((_width(label(t)) for t in row.loops), default=0.0)
-        right = max(right, text_x + widest + 12 if widest else out_of_box + 30 + loops)
-    y = _MARGIN + 22.0  # room for the start mark
-    for row in rows.values():
-        name_h = 44.0 if seconds else 32.0
-        row.height = max(name_h, len(row.slots) * _SLOT + 12, len(row.loops) * _SLOT + 12,
-                         len(wrapped[row.state]) * 16 + 12)
-        row.y = y
-        y += row.height + _GAP
-    width = max(right + _MARGIN, 320.0)
-    folded_lines = _folded_lines(folded, width)
-    height = y - _GAP + _MARGIN + 18 * len(folded_lines)
+    layout = _layout(table, counts or {}, notes or {})
+    _measure(layout, label, seconds is not None)
+    folded_lines = _folded_lines(layout.folded, layout.width)
+    width, height = layout.width, layout.bottom + _MARGIN + 18 * len(folded_lines)
     out = [
         f'<svg xmlns="http://www.w3.org/2000/svg" class="trainloop-machine" width="{width:.0f}" height="{height:.0f}" '
         f'viewBox="0 0 {width:.0f} {height:.0f}" font-family="DejaVu Sans Mono, Menlo, Consolas, monospace" '
         f'font-size="{_FONT}">',
         '<defs><marker id="tl-arrow" viewBox="0 0 10 10" refX="10" refY="5" markerWidth="7" markerHeight="7" '
-        'markerUnits="userSpaceOnUse" orient="auto"><path d="M0,0 L10,5 L0,10 z" fill="context-stroke"/></marker></defs>',
+        'markerUnits="userSpaceOnUse" orient="auto">'
+        '<path d="M0,0 L10,5 L0,10 z" fill="context-stroke"/></marker></defs>',
         f'<rect width="{width:.0f}" height="{height:.0f}" fill="white"/>',
     ]
-    first = rows[order[0]]
-    cx = box_x + box_w / 2
+    first = next(iter(layout.rows.values()))
+    cx, out_of_box = layout.box_x + layout.box_w / 2, layout.box_x + layout.box_w
     out.append(f'<circle cx="{cx:.1f}" cy="{first.y - 18:.1f}" r="5" fill="#1f2328"/>'
                f'<path d="M{cx:.1f},{first.y - 13:.1f} V{first.y:.1f}" stroke="#1f2328" marker-end="url(#tl-arrow)"/>')
     total = sum((seconds or {}).values()) or 1.0
-    for row in rows.values():
-        out += _state(row, box_x, box_w, (seconds or {}).get(row.state), total if seconds else None)
-        out += _loops(row, out_of_box, label, fired if counts is not None else None)
-        out += _notes(row, wrapped[row.state], _notes_x(row, label, out_of_box))
-    for t in straight:
-        out += _straight(t, rows[t.source], rows[t.dest], cx, label(t), _stroke(t, counts))
-    lane_x = {lane: box_x - label_w - _LANE * lane for lane in set(lane_of.values())}
-    for t, _, _ in beside:
-        out += _beside(t, rows, box_x, lane_x[lane_of[t]], label(t), _stroke(t, counts))
-    out += _folded(folded, folded_lines, y - _GAP + 16)
+    for row in layout.rows.values():
+        out += _state(row, layout.box_x, layout.box_w, (seconds or {}).get(row.state), total if seconds else None)
+        out += _loops(row, out_of_box, label, counts)
+        out += _notes(row, layout.wrapped[row.state], _notes_x(row, label, out_of_box))
+    for t in layout.straight:
+        out += _straight(t, layout.rows[t.source], layout.rows[t.dest], cx, label(t), _stroke(t, counts))
+    for t, lane in layout.lane_of.items():
+        lane_x = layout.box_x - layout.label_w - _LANE * lane
+        out += _beside(t, layout.rows, layout.box_x, lane_x, label(t), _stroke(t, counts))
+    out += _folded(layout.folded, folded_lines, layout.bottom + 16)
     out.append("</svg>")
     return "\n".join(out) + "\n"
 
