@@ -243,7 +243,7 @@ class BaseTrainer:
         return self._machine.on_transition(source, dest, fn)
 
     def diagram(self, format: str = "mermaid") -> str:
-        """The machine as Mermaid (``"mermaid"``) or Graphviz DOT (``"dot"``) source text."""
+        """The machine as Mermaid (``"mermaid"``) or Graphviz DOT (``"dot"``) source text, or as SVG (``"svg"``)."""
         return self._machine.diagram(format)
 
     def autocast(self) -> contextlib.AbstractContextManager[Any]:

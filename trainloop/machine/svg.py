@@ -271,7 +271,7 @@ def _e(text: str) -> str:
 def _edge(t: Transition, text: str, path: str, stroke: str, x: float, y: float, anchor: str = "start") -> list[str]:
     name = f"{t.source.value}->{t.dest.value}"
     return [
-        f'<g class="edge" data-edge="{_e(name)}:{_e(t.trigger)}"><title>{_e(name)}: {_e(text)}</title>'
+        f'<g class="edge" data-edge="{_e(f"{name}:{t.trigger}")}"><title>{_e(name)}: {_e(text)}</title>'
         f'<path d="{path}" fill="none" {stroke} marker-end="url(#tl-arrow)"/>'
         f'<text class="label" x="{x:.1f}" y="{y:.1f}" text-anchor="{anchor}" fill="#1f2328">{_e(text)}</text></g>'
     ]
@@ -355,7 +355,7 @@ def _folded(folded: list[Transition], lines: list[str], y: float) -> list[str]:
     out = ['<g class="folded">']
     out += [f'<text class="label" x="{_MARGIN}" y="{y + 18 * i + 12:.1f}" font-size="12" fill="#d1242f">{_e(line)}'
             "</text>" for i, line in enumerate(lines)]
-    out += [f'<g class="edge folded" data-edge="{_e(t.source.value)}->{_e(t.dest.value)}:{_e(t.trigger)}"></g>'
+    out += [f'<g class="edge folded" data-edge="{_e(f"{t.source.value}->{t.dest.value}:{t.trigger}")}"></g>'
             for t in folded]
     out.append("</g>")
     return out

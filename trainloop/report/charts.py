@@ -1,11 +1,13 @@
 """Metric curves of a run as SVG, drawn with matplotlib (imported only here, only when used).
 
 One chart per metric *family*: a key's family is its first segment once a leading split name is
-taken off (``train``, ``val``, ``valid``, ``validation``, ``eval``, ``test``, and the ``prefix`` of
-each declared ``ValidationHook``). So ``loss`` and ``val/loss`` share the chart ``loss``,
-``val/accuracy`` is the chart ``accuracy``, ``lr/group_0`` and ``lr/group_1`` share ``lr``, and
+taken off (``records``, under which the logging hook writes what ``forward`` returns, ``train``,
+``val``, ``valid``, ``validation``, ``eval``, ``test``, and the ``prefix`` of each declared
+``ValidationHook``). So ``loss`` and ``val/loss`` share the chart ``loss``, ``records/accuracy``
+and ``val/accuracy`` the chart ``accuracy``, ``lr/group_0`` and ``lr/group_1`` share ``lr``, and
 ``step_time`` and ``data_time`` share ``time per step (s)``. Curves can be smoothed with an
-exponential moving average (TensorBoard's, debiased), the raw values kept as a faint line.
+exponential moving average (TensorBoard's, debiased), the raw values kept as a faint line; the
+learning rate is a schedule, not noise, and is never smoothed.
 """
 
 from __future__ import annotations
@@ -15,14 +17,16 @@ import math
 from collections.abc import Iterable, Mapping
 from typing import Any, NamedTuple
 
-__all__ = ["SPLITS", "Chart", "chart_title", "family", "group_metrics", "metric_chart", "smooth"]
+__all__ = ["SPLITS", "UNSMOOTHED", "Chart", "chart_title", "family", "group_metrics", "metric_chart", "smooth"]
 
 #: Leading key segments that name a split of the data rather than a quantity.
-SPLITS = frozenset({"train", "val", "valid", "validation", "eval", "test"})
+SPLITS = frozenset({"records", "train", "val", "valid", "validation", "eval", "test"})
+_TRAINING = frozenset({"records", "train"})
 _TIME_KEYS = ("step_time", "data_time")
 _TITLES = {"time": "time per step (s)"}
 _FIRST = ("loss",)  # families shown first; then those with split keys, then the rest, time last
 _MAX_POINTS = 2000  # per curve: a long run's SVG stays small, the shape stays visible
+UNSMOOTHED = frozenset({"lr"})  # families drawn as they are: a schedule is not noise
 _MIN_SMOOTHED = 10  # a series this short (a validation every N steps) is drawn as it is
 
 
@@ -69,12 +73,15 @@ def group_metrics(
             continue
         groups.setdefault(family(key, splits), {})[key] = points
 
-    def rank(name: str) -> tuple[int, str]:
-        split = any(k.split("/", 1)[0] in splits for k in groups[name])
-        return (0 if name in _FIRST else 1 if split else 3 if name == "time" else 2), name
+    def held_out(key: str) -> bool:  # a validation's (or another evaluation's) series, not training's
+        return "/" in key and key.split("/", 1)[0] in splits - _TRAINING
 
-    # Within a chart: the training series first, then each split's.
-    return {g: dict(sorted(groups[g].items(), key=lambda kv: ("/" in kv[0], kv[0]))) for g in sorted(groups, key=rank)}
+    def rank(name: str) -> tuple[int, str]:
+        shown = 0 if name in _FIRST else 1 if any(held_out(k) for k in groups[name]) else 3 if name == "time" else 2
+        return shown, name
+
+    # Within a chart: the training series first, then the others'.
+    return {g: dict(sorted(groups[g].items(), key=lambda kv: (held_out(kv[0]), kv[0]))) for g in sorted(groups, key=rank)}
 
 
 def chart_title(name: str) -> str:
@@ -147,8 +154,7 @@ def metric_chart(
         axes.set_xlabel("step")
         axes.set_title(_literal(title), loc="left", fontsize=10, fontweight="bold")
         axes.grid(True, alpha=0.3)
-        if len(curves) > 1 or best_step is not None:
-            axes.legend(fontsize=8, frameon=False)
+        axes.legend(fontsize=8, frameon=False)  # the keys drawn, even one: the title is the family's
         buffer = io.StringIO()
         figure.savefig(buffer, format="svg")
     svg = buffer.getvalue()

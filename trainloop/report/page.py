@@ -133,12 +133,12 @@ def _charts(metrics: list[dict[str, Any]] | None, best_step: int | None, monitor
         return f'<p class="muted">No {METRICS_FILE} in this workspace (settings.metrics_file off).</p>'
     if not metrics:
         return f'<p class="muted">{METRICS_FILE} holds no records: nothing was logged.</p>'
-    from trainloop.report.charts import chart_title, family, group_metrics, metric_chart  # matplotlib: only here
+    from trainloop.report.charts import UNSMOOTHED, chart_title, family, group_metrics, metric_chart  # matplotlib
 
     marked = family(monitor, splits) if monitor else None
     how = (
         f"smoothed (exponential moving average, factor {smoothing:g}, as TensorBoard's); the raw values are the faint "
-        "lines, and series of fewer than 10 points are drawn as they are"
+        "lines; series of fewer than 10 points and the learning rate are drawn as they are"
         if smoothing
         else "not smoothed"
     )
@@ -148,7 +148,8 @@ def _charts(metrics: list[dict[str, Any]] | None, best_step: int | None, monitor
         '<div class="grid">',
     ]
     for name, curves in group_metrics(metrics, splits).items():
-        chart = metric_chart(chart_title(name), curves, best_step if name == marked else None, smoothing)
+        factor = 0.0 if name in UNSMOOTHED else smoothing
+        chart = metric_chart(chart_title(name), curves, best_step if name == marked else None, factor)
         out.append(f'<div class="card" title="{_e(chart.title)}">{chart.svg}</div>')
     out.append("</div>")
     return "\n".join(out)
