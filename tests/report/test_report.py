@@ -96,12 +96,14 @@ def test_train_and_validation_share_a_chart_and_the_best_checkpoint_is_marked_th
     page = build_report(workspace)
     loss = _card(page, "loss")
     # svg.fonttype "none": the legend is text in the SVG.
-    assert re.search(r">loss</text>", loss) and re.search(r">val/loss</text>", loss)
+    assert re.search(r">loss</text>", loss)
+    assert re.search(r">val/loss</text>", loss)
     assert "best checkpoint (8)" in loss
     assert ">val/accuracy</text>" in _card(page, "accuracy")
     assert "best checkpoint" not in _card(page, "accuracy")
     time = _card(page, "time per step (s)")
-    assert ">step_time</text>" in time and ">data_time</text>" in time
+    assert ">step_time</text>" in time
+    assert ">data_time</text>" in time
 
 
 def test_smoothing_keeps_the_raw_series_faint_and_can_be_turned_off(workspace, tmp_path):
@@ -129,7 +131,9 @@ def test_a_smoothing_outside_zero_to_one_is_one_line_and_nothing_is_written(work
     result = cli("report", str(workspace), "--output", "page.html", "--smoothing", value, cwd=tmp_path)
     assert result.returncode == 2
     (line,) = result.stderr.strip().splitlines()[-1:]
-    assert "argument --smoothing" in line and value in line and "[0, 1)" in line
+    assert "argument --smoothing" in line
+    assert value in line
+    assert "[0, 1)" in line
     assert not (tmp_path / "page.html").exists()
 
 
@@ -265,7 +269,8 @@ def test_the_page_renders_in_a_headless_browser(workspace, tmp_path):
     titles = measure_text(page.read_text(), "div.grid > div.card", tmp_path)
     assert [t["size"] > 0 and t["w"] > 400 for t in titles] == [True] * 6  # six charts, laid out, two a row
     facts = {f["text"] for f in measure_text(page.read_text(), "div.card.fact", tmp_path)}
-    assert f"torch{torch.__version__}" in facts and "devicecpu" in facts
+    assert f"torch{torch.__version__}" in facts
+    assert "devicecpu" in facts
     shot = tmp_path / "shot.png"
     result = run(["--window-size=1280,2400", f"--screenshot={shot}", page.as_uri()], tmp_path / "profile")
     assert result.returncode == 0, result.stderr[-2000:]

@@ -28,13 +28,13 @@ __all__ = ["EDGE_COLORS", "draw_svg"]
 #: Edges into these states are rare and telling: coloured in a drawing of a run that took them.
 EDGE_COLORS = {"retrying": "darkorange", "checkpointing": "royalblue"}
 
-_FONT = 13  # px: edge labels and state names (notes: 12); at or above 12 px when shown at 1000 px
-_CHAR = 0.62  # a monospace glyph's advance, in ems (DejaVu Sans Mono: 0.602)
+_FONT = 13  # px, every text: still above 12 px when the drawing is scaled to fit a 1000 px window
+_CHAR = 0.61  # a monospace glyph's advance, in ems (DejaVu Sans Mono and Menlo: 0.602)
 _SLOT = 20  # the height of one stub (an edge leaving or entering a state's side) with its label
 _GAP = 36  # between two rows: room for the label of the edge between them
 _LANE = 12  # between two lanes
 _MARGIN = 14
-_MAX_WIDTH = 900  # what a page shows unscaled (the report's column at a 1000 px window)
+_MAX_WIDTH = 960  # shown at 926 px (the report's column in a 1000 px window), 13 px text is 12.5 px
 
 
 def _width(text: str, size: float = _FONT) -> float:
@@ -48,6 +48,7 @@ class _Row:
     height: float = 0.0
     slots: list[tuple[Transition, bool]] = field(default_factory=list)  # (edge, leaves here)
     loops: list[Transition] = field(default_factory=list)
+    loop_lines: list[list[str]] = field(default_factory=list)  # each loop's label, wrapped to fit the page
     notes: list[str] = field(default_factory=list)
 
 
@@ -178,16 +179,19 @@ def _measure(layout: _Layout, label: Callable[[Transition], str], two_lines: boo
     out_of_box = layout.box_x + layout.box_w
     right = out_of_box
     for row in rows:
-        text_x = _notes_x(row, label, out_of_box)
-        budget = max(30, int((_MAX_WIDTH - _MARGIN - text_x - 12) / (12 * _CHAR)))
+        room = max(16, int((_MAX_WIDTH - _MARGIN - out_of_box - 30) / (_FONT * _CHAR)))
+        row.loop_lines = [textwrap.wrap(label(t), room, break_on_hyphens=False) for t in row.loops]
+        text_x = _notes_x(row, out_of_box)
+        budget = max(16, int((_MAX_WIDTH - _MARGIN - text_x - 12) / (_FONT * _CHAR)))
         lines = [piece for line in row.notes for piece in textwrap.wrap(line, budget) or [""]]
         layout.wrapped[row.state] = lines
-        widest = max((_width(line, 12) for line in lines), default=0.0)
+        widest = max((_width(line) for line in lines), default=0.0)
         right = max(right, text_x + widest + 12 if lines else text_x - 18)
     y = _MARGIN + 22.0  # room for the start mark
     for row in rows:
-        row.height = max(44.0 if two_lines else 32.0, len(row.slots) * _SLOT + 12, len(row.loops) * _SLOT + 12,
-                         len(layout.wrapped[row.state]) * 16 + 12)
+        loop_lines = sum(len(lines) for lines in row.loop_lines)
+        row.height = max(44.0 if two_lines else 32.0, len(row.slots) * _SLOT + 12, loop_lines * _SLOT + 12,
+                         len(layout.wrapped[row.state]) * 17 + 12)
         row.y = y
         y += row.height + _GAP
     layout.width = max(right + _MARGIN, 320.0)
@@ -231,8 +235,8 @@ def draw_svg(
     total = sum((seconds or {}).values()) or 1.0
     for row in layout.rows.values():
         out += _state(row, layout.box_x, layout.box_w, (seconds or {}).get(row.state), total if seconds else None)
-        out += _loops(row, out_of_box, label, counts)
-        out += _notes(row, layout.wrapped[row.state], _notes_x(row, label, out_of_box))
+        out += _loops(row, out_of_box, counts)
+        out += _notes(row, layout.wrapped[row.state], _notes_x(row, out_of_box))
     for t in layout.straight:
         out += _straight(t, layout.rows[t.source], layout.rows[t.dest], cx, label(t), _stroke(t, counts))
     for t, lane in layout.lane_of.items():
@@ -247,8 +251,8 @@ def _stub_y(row: _Row, slot: int) -> float:
     return row.y + 6 + (slot + 1) * _SLOT - 2
 
 
-def _notes_x(row: _Row, label: Callable[[Transition], str], out_of_box: float) -> float:
-    loops = max((_width(label(t)) for t in row.loops), default=-30.0)
+def _notes_x(row: _Row, out_of_box: float) -> float:
+    loops = max((_width(line) for lines in row.loop_lines for line in lines), default=-30.0)
     return out_of_box + 30 + loops + 18
 
 
@@ -268,12 +272,19 @@ def _e(text: str) -> str:
     return html.escape(text, quote=True)
 
 
-def _edge(t: Transition, text: str, path: str, stroke: str, x: float, y: float, anchor: str = "start") -> list[str]:
+def _edge(t: Transition, text: str | list[str], path: str, stroke: str, x: float, y: float,
+          anchor: str = "start") -> list[str]:
+    """An edge: its line and its label (lines below one another), titled with the whole label."""
     name = f"{t.source.value}->{t.dest.value}"
+    lines = [text] if isinstance(text, str) else text
+    text = " ".join(lines)
+    shown = _e(text) if len(lines) == 1 else "".join(
+        f'<tspan x="{x:.1f}" dy="{_SLOT if i else 0}">{_e(line)}</tspan>' for i, line in enumerate(lines)
+    )
     return [
         f'<g class="edge" data-edge="{_e(f"{name}:{t.trigger}")}"><title>{_e(name)}: {_e(text)}</title>'
         f'<path d="{path}" fill="none" {stroke} marker-end="url(#tl-arrow)"/>'
-        f'<text class="label" x="{x:.1f}" y="{y:.1f}" text-anchor="{anchor}" fill="#1f2328">{_e(text)}</text></g>'
+        f'<text class="label" x="{x:.1f}" y="{y:.1f}" text-anchor="{anchor}" fill="#1f2328">{shown}</text></g>'
     ]
 
 
@@ -291,7 +302,7 @@ def _state(row: _Row, x: float, w: float, seconds: float | None, total: float | 
     if total:
         time = f"{seconds or 0.0:.3g} s · {100 * share:.0f}%"
         out.append(f'<text class="label" x="{x + w / 2:.1f}" y="{middle + 14:.1f}" text-anchor="middle" '
-                   f'font-size="12" fill="#1f2328">{_e(time)}</text>')
+                   f' fill="#1f2328">{_e(time)}</text>')
     out.append("</g>")
     return out
 
@@ -303,24 +314,25 @@ def _shade(share: float) -> str:
     return "#" + "".join(f"{round(a + (b - a) * k):02x}" for a, b in zip(light, dark))
 
 
-def _loops(row: _Row, x: float, label: Callable[[Transition], str],
-           counts: Mapping[tuple[State, State, str], int] | None) -> list[str]:
+def _loops(row: _Row, x: float, counts: Mapping[tuple[State, State, str], int] | None) -> list[str]:
     out = []
-    for i, t in enumerate(row.loops):
-        y = row.y + 6 + (i + 1) * _SLOT - 8
+    slot = 0
+    for t, lines in zip(row.loops, row.loop_lines, strict=True):
+        y = row.y + 6 + (slot + 1) * _SLOT - 8
         path = f"M{x:.1f},{y - 6:.1f} C{x + 26:.1f},{y - 14:.1f} {x + 26:.1f},{y + 10:.1f} {x + 1:.1f},{y + 4:.1f}"
-        out += _edge(t, label(t), path, _stroke(t, counts), x + 30, y + 4)
+        out += _edge(t, lines, path, _stroke(t, counts), x + 30, y + 4)
+        slot += len(lines)
     return out
 
 
 def _notes(row: _Row, lines: list[str], x: float) -> list[str]:
     if not lines:
         return []
-    width = max(_width(line, 12) for line in lines) + 12
+    width = max(_width(line) for line in lines) + 12
     out = [f'<g class="notes" data-state="{_e(row.state.value)}">'
-           f'<rect x="{x:.1f}" y="{row.y:.1f}" width="{width:.1f}" height="{len(lines) * 16 + 8:.1f}" rx="4" '
+           f'<rect x="{x:.1f}" y="{row.y:.1f}" width="{width:.1f}" height="{len(lines) * 17 + 8:.1f}" rx="4" '
            'fill="#fff8c5" stroke="#d4a72c"/>']
-    out += [f'<text class="label" x="{x + 6:.1f}" y="{row.y + 18 + 16 * i:.1f}" font-size="12">{_e(line)}</text>'
+    out += [f'<text class="label" x="{x + 6:.1f}" y="{row.y + 18 + 17 * i:.1f}" >{_e(line)}</text>'
             for i, line in enumerate(lines)]
     out.append("</g>")
     return out
@@ -346,14 +358,14 @@ def _folded_lines(folded: list[Transition], width: float) -> list[str]:
     dests = sorted({t.dest.value for t in folded})
     head = f"{FAIL} (an error in any state) → {', '.join(dests)}, from: "
     text = head + ", ".join(t.source.value for t in folded)
-    return textwrap.wrap(text, max(30, int((width - 2 * _MARGIN) / (12 * _CHAR))))
+    return textwrap.wrap(text, max(30, int((width - 2 * _MARGIN) / (_FONT * _CHAR))))
 
 
 def _folded(folded: list[Transition], lines: list[str], y: float) -> list[str]:
     if not folded:
         return []
     out = ['<g class="folded">']
-    out += [f'<text class="label" x="{_MARGIN}" y="{y + 18 * i + 12:.1f}" font-size="12" fill="#d1242f">{_e(line)}'
+    out += [f'<text class="label" x="{_MARGIN}" y="{y + 18 * i + 12:.1f}" fill="#d1242f">{_e(line)}'
             "</text>" for i, line in enumerate(lines)]
     out += [f'<g class="edge folded" data-edge="{_e(f"{t.source.value}->{t.dest.value}:{t.trigger}")}"></g>'
             for t in folded]

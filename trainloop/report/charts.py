@@ -81,7 +81,9 @@ def group_metrics(
         return shown, name
 
     # Within a chart: the training series first, then the others'.
-    return {g: dict(sorted(groups[g].items(), key=lambda kv: (held_out(kv[0]), kv[0]))) for g in sorted(groups, key=rank)}
+    return {
+        g: dict(sorted(groups[g].items(), key=lambda kv: (held_out(kv[0]), kv[0]))) for g in sorted(groups, key=rank)
+    }
 
 
 def chart_title(name: str) -> str:
