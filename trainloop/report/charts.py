@@ -132,7 +132,7 @@ def metric_chart(
     from matplotlib.ticker import MaxNLocator
 
     # A salt per chart keeps the ids of several inlined SVGs apart; "none": text stays text.
-    with matplotlib.rc_context({"svg.hashsalt": f"trainloop-{title}", "svg.fonttype": "none", "font.size": 9}):
+    with matplotlib.rc_context({"svg.hashsalt": f"trainloop-{title}", "svg.fonttype": "none", "font.size": 10}):
         figure = Figure(figsize=(4.8, 2.6), layout="constrained")
         axes = figure.add_subplot()
         log_scale = True
@@ -154,9 +154,9 @@ def metric_chart(
             axes.axvline(best_step, color="#d62728", linestyle=":", linewidth=1, label=f"best checkpoint ({best_step})")
         axes.xaxis.set_major_locator(MaxNLocator(integer=True))
         axes.set_xlabel("step")
-        axes.set_title(_literal(title), loc="left", fontsize=10, fontweight="bold")
+        axes.set_title(_literal(title), loc="left", fontsize=11, fontweight="bold")
         axes.grid(True, alpha=0.3)
-        axes.legend(fontsize=8, frameon=False)  # the keys drawn, even one: the title is the family's
+        axes.legend(fontsize=10, frameon=False)  # the keys drawn, even one: the title is the family's
         buffer = io.StringIO()
         figure.savefig(buffer, format="svg")
     svg = buffer.getvalue()
