@@ -49,10 +49,10 @@ def machine_svg(
 
 def machine_section(summary: TraceSummary | None, settings: Mapping[str, Any], graphviz: bool = False) -> str:
     """The machine drawn with the run's trace and declared hooks, then the time spent per state."""
-    counts = summary.counts if summary is not None else None
-    lines = _hook_lines(settings)
     from trainloop.hooks.listing import hook_notes
 
+    counts = summary.counts if summary is not None else None
+    lines = _hook_lines(settings)
     note = (
         "Edge width grows with how often an edge fired in this workspace's runs; grey dashed edges never fired; "
         "a state's shade, its share of the run's time. <code>fail</code> edges (an error in any state ends the run "

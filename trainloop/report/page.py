@@ -1,11 +1,12 @@
 """A run's report: one self-contained HTML page made from what its workspace holds.
 
 ``trainloop report WORKSPACE`` (or ``write_report``) reads ``settings.json``, ``metrics.jsonl``,
-``trace.jsonl``, ``runs.jsonl`` and the checkpoints, and writes a page with the metric curves,
-the machine weighted by the run's trace, the declared hooks beside the states they act in with
-their schedules, the time spent per state, the retries, the runs (and
-the signals or errors that ended them) and the checkpoints, the best one marked. Everything is
-inline (SVG, CSS): the page opens anywhere, without network access.
+``trace.jsonl``, ``runs.jsonl`` and the checkpoints, and writes a page with the run facts
+(``facts``: duration, throughput, device, versions, runs by kind), the machine weighted by the
+run's trace with the declared hooks beside the states they act in (``machine``), the time spent
+per state, one chart per metric family, smoothed (``charts``), the runs (and the signals or
+errors that ended them) and the checkpoints, the best one marked. Everything is inline (SVG,
+CSS): the page opens anywhere, without network access.
 """
 
 from __future__ import annotations
