@@ -2,12 +2,12 @@
 
 Each generated part sits between ``<!-- generated: NAME -->`` and ``<!-- end generated -->``.
 ``python docs/generate.py`` rewrites them; ``python docs/generate.py --check`` exits 1 if any is
-stale, or if ``docs/img/machine.svg`` was drawn from another transition table (the test suite
-runs the check).
+stale, or if a picture drawn from the code is (the test suite runs the check).
 
-``python docs/generate.py --pictures`` also redraws the pictures (after a change to the machine's
-table, rerun it): ``docs/img/machine.svg`` from ``trainloop.machine.table.TRANSITIONS`` (needs
-Graphviz's ``dot``), and ``docs/img/report.png``, a screenshot of the digits demo's
+``docs/img/machine.svg`` is drawn from ``trainloop.machine.table.TRANSITIONS`` in Python (no
+Graphviz): ``python docs/generate.py`` redraws it, ``--check`` fails while it is stale.
+
+``python docs/generate.py --pictures`` also redraws ``docs/img/report.png``, a screenshot of the digits demo's
 ``trainloop report`` page, with ``docs/img/report.outline.json``, the page's outline that
 ``tests/docs/test_docs.py`` compares with a fresh report of the demo (needs Chromium and
 scikit-learn; the demo runs for ~15 s in a temporary directory).
@@ -15,7 +15,6 @@ scikit-learn; the demo runs for ~15 s in a temporary directory).
 
 from __future__ import annotations
 
-import hashlib
 import html
 import json
 import os
@@ -39,11 +38,6 @@ REPORT_OUTLINE = DOCS / "img" / "report.outline.json"
 
 def machine_diagram() -> str:
     return "```mermaid\n" + draw(TRANSITIONS, "mermaid") + "```"
-
-
-def machine_diagram_without_fail() -> str:
-    """The README's picture: the table without its ``fail`` edges (one from every state)."""
-    return "```mermaid\n" + draw([t for t in TRANSITIONS if t.trigger != "fail"], "mermaid") + "```"
 
 
 def transition_table() -> str:
@@ -317,7 +311,6 @@ def architecture_svg() -> str:
 GENERATORS = {
     "hooks-reference": hooks_reference,
     "machine-diagram": machine_diagram,
-    "machine-diagram-without-fail": machine_diagram_without_fail,
     "transition-table": transition_table,
     "hook-states": hook_states,
     "example-hook-schedules": example_hook_schedules,
@@ -336,30 +329,14 @@ def render(text: str) -> str:
 # -- pictures -------------------------------------------------------------------------------------
 
 
-def machine_dot() -> str:
-    """The DOT source docs/img/machine.svg is drawn from: the whole table, ``fail`` edges included."""
-    return draw(TRANSITIONS, "dot")
-
-
-def source_digest(source: str) -> str:
-    return hashlib.sha256(source.encode()).hexdigest()[:16]
+def machine_svg() -> str:
+    """docs/img/machine.svg: the whole table drawn in Python, ``fail`` edges folded into one line."""
+    return draw(TRANSITIONS, "svg")
 
 
 def machine_svg_is_current() -> bool:
-    """Whether docs/img/machine.svg records the digest of the current table's DOT source."""
-    if not MACHINE_SVG.exists():
-        return False
-    return f"<!-- trainloop machine source {source_digest(machine_dot())} -->" in MACHINE_SVG.read_text()
-
-
-def draw_machine_svg() -> None:
-    from trainloop.report.graphviz import render_dot
-
-    source = machine_dot()
-    svg = render_dot(source, "svg").decode()
-    start = svg.index("<svg")  # the digest goes after the prolog, where a comment is allowed
-    svg = svg[:start] + f"<!-- trainloop machine source {source_digest(source)} -->\n" + svg[start:]
-    MACHINE_SVG.write_text(svg)
+    """Whether docs/img/machine.svg is the drawing of the current table."""
+    return MACHINE_SVG.exists() and MACHINE_SVG.read_text() == machine_svg()
 
 
 def report_outline(page: str) -> dict[str, list[str]]:
@@ -368,7 +345,7 @@ def report_outline(page: str) -> dict[str, list[str]]:
     return {
         "sections": re.findall(r"<h[23]>(.*?)</h[23]>", page),
         "charts": re.findall(r'<div class="card" title="([^"]+)">', page),
-        "machine": sorted({html.unescape(e) for e in re.findall(r"<title>(\w+&#45;&gt;\w+)</title>", diagram)}),
+        "machine": sorted({html.unescape(e) for e in re.findall(r'<g class="edge" data-edge="([^"]+)"', diagram)}),
     }
 
 
@@ -416,20 +393,12 @@ def draw_report_picture() -> None:
 
 def main(check: bool, pictures: bool = False) -> int:
     if pictures:
-        draw_machine_svg()
         draw_report_picture()
     stale = []
     if not machine_svg_is_current():
-        if check:
-            stale.append(MACHINE_SVG.relative_to(ROOT).as_posix())
-        else:
-            from trainloop.report.graphviz import GraphvizError
-
-            try:
-                draw_machine_svg()
-            except GraphvizError as error:
-                print(f"docs/img/machine.svg is stale and cannot be redrawn: {error}")
-                return 1
+        stale.append(MACHINE_SVG.relative_to(ROOT).as_posix())
+        if not check:
+            MACHINE_SVG.write_text(machine_svg())
     if ARCHITECTURE_SVG.read_text() != architecture_svg():
         stale.append(ARCHITECTURE_SVG.relative_to(ROOT).as_posix())
         if not check:

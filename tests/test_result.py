@@ -73,3 +73,15 @@ def test_an_error_still_leaves_a_result(tmp_path):
 def test_a_clean_run_has_no_error():
     result = TinyTrainer(max_steps=2).train()
     assert (result.exit_code, result.error) == (0, None)
+
+
+def test_runs_jsonl_records_when_the_run_started_and_on_what(tmp_path):
+    import time
+
+    import trainloop
+
+    before = time.time()
+    TinyTrainer(max_steps=2, workspace=tmp_path).train()
+    (line,) = [json.loads(text) for text in (tmp_path / "runs.jsonl").read_text().splitlines()]
+    assert before <= line["started"] <= line["time"] <= time.time()
+    assert (line["device"], line["torch"], line["trainloop"]) == ("cpu", torch.__version__, trainloop.__version__)

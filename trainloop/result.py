@@ -3,10 +3,12 @@
 Each run that has a workspace appends its outcome (rank 0)::
 
     {"time": 1700000000.0, "kind": "train", "step": 400, "epoch": 7, "exit_code": 0, "error": null,
-     "best_checkpoint": "runs/digits/checkpoints/400"}
+     "best_checkpoint": "runs/digits/checkpoints/400", "started": 1699999940.0, "device": "cpu",
+     "torch": "2.5.1", "trainloop": "0.1.0"}
 
-so a report shows how each run of a workspace ended (a signal's exit code, an error), and which
-were evaluate or predict runs (``"kind"``; a line without it is a training run's).
+so a report shows how each run of a workspace ended (a signal's exit code, an error), which were
+evaluate or predict runs (``"kind"``; a line without it is a training run's), how long each took,
+and on what.
 """
 
 from __future__ import annotations
@@ -97,8 +99,17 @@ def _reran_complete(trainer: TrainerView, result: RunResult) -> bool:
     return resumed_complete and result.exit_code == 0 and result.error is None
 
 
-def finish_run(trainer: TrainerView, kind: RunKind = "train", write: bool = True) -> RunResult:
-    """The result of ``trainer``'s run of ``kind``; with ``write``, appended to ``<workspace>/runs.jsonl`` (rank 0)."""
+def finish_run(
+    trainer: TrainerView, kind: RunKind = "train", write: bool = True, started: float | None = None
+) -> RunResult:
+    """The result of ``trainer``'s run of ``kind``; with ``write``, appended to ``<workspace>/runs.jsonl`` (rank 0).
+
+    Args:
+        trainer: The trainer whose run ended.
+        kind: What the run did: train, evaluate or predict.
+        write: Whether to append the run's line (a run refused while building is not recorded).
+        started: When the run started (``time.time()``), recorded beside its end.
+    """
     from trainloop.distributed.ranks import is_rank_zero
 
     result = run_result(trainer, kind)
@@ -114,6 +125,7 @@ def finish_run(trainer: TrainerView, kind: RunKind = "train", write: bool = True
             "exit_code": result.exit_code,
             "error": result.error,
             "best_checkpoint": None if result.best_checkpoint is None else str(result.best_checkpoint),
+            **_environment(trainer, started),
         }
         try:
             append_line(workspace / RUNS_FILE, strict_json(record) + "\n")
@@ -121,6 +133,15 @@ def finish_run(trainer: TrainerView, kind: RunKind = "train", write: bool = True
             # Never in place of the error that ended the run, which is what the user needs.
             trainer.logger.error("Could not record the run in %s: %s", workspace / RUNS_FILE, error)
     return result
+
+
+def _environment(trainer: TrainerView, started: float | None) -> dict[str, Any]:
+    """When the run started, and on what: the device and the versions of torch and trainloop."""
+    import torch
+
+    from trainloop.version import __version__
+
+    return {"started": started, "device": str(trainer.device), "torch": torch.__version__, "trainloop": __version__}
 
 
 def read_runs(workspace: Path) -> list[dict[str, Any]]:

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import time
 from collections.abc import Callable, Iterable
 from logging import Logger
 from pathlib import Path
@@ -208,7 +209,7 @@ class BaseTrainer(Contract):
         return self._machine.on_edge(fn)
 
     def diagram(self, format: str = "mermaid") -> str:
-        """The machine as Mermaid (``"mermaid"``) or Graphviz DOT (``"dot"``) source text."""
+        """The machine as Mermaid (``"mermaid"``) or Graphviz DOT (``"dot"``) source text, or as SVG (``"svg"``)."""
         return self._machine.diagram(format)
 
     def autocast(self) -> contextlib.AbstractContextManager[Any]:
@@ -374,11 +375,13 @@ class BaseTrainer(Contract):
                 f"{kind}() runs once per trainer (one run of any kind: train, "
                 f"evaluate, predict); this one is in state {self.state.value!r}: make a new trainer"
             )
+        started = time.time()
         try:
             self._loop.run(kind, source)
         finally:
             # A run that trains nothing and failed while building was refused (no validation), not run.
-            self.result = finish_run(self, kind, write=kind == "train" or self._loop.restoring)
+            write = kind == "train" or self._loop.restoring
+            self.result = finish_run(self, kind, write=write, started=started)
 
     # -- state -----------------------------------------------------------------------------
 

@@ -222,8 +222,8 @@ def test_mermaid_and_dot_are_drawn_from_the_table():
         assert f"{t.source.value} --> {t.dest.value}: {label}" in mermaid
         assert f'"{t.source.value}" -> "{t.dest.value}" [label="{label}"' in dot
     assert len(mermaid.splitlines()) == len(TRANSITIONS) + 3
-    with pytest.raises(ValueError, match="unknown diagram format 'svg'"):
-        draw(format="svg")
+    with pytest.raises(ValueError, match="unknown diagram format 'png'; use 'mermaid', 'dot' or 'svg'"):
+        draw(format="png")
 
 
 def scripted_run(listen_everywhere):

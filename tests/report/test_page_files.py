@@ -53,7 +53,8 @@ def test_wrong_values_in_every_file_are_notes_on_the_page_not_a_traceback(worksp
     assert "runs.jsonl: run 2: step is null, not what trainloop writes; run left out" in page
     assert "runs.jsonl: run 3: exit_code is &quot;zero&quot;, not what trainloop writes; run left out" in page
     assert "best.json: the score of checkpoint 4 is &quot;low&quot;, not a number; left out" in page
-    assert 'title="val/cost$^$ loss"' in page  # the name is drawn as written, not as math
+    assert 'title="cost$^$ loss"' in page  # the family of val/cost$^$ loss...
+    assert ">val/cost$^$ loss</text>" in page  # ...and the key, drawn as written, not as math
 
 
 @pytest.mark.parametrize(

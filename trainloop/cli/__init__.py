@@ -82,6 +82,17 @@ def _weights_args(sub: argparse.ArgumentParser, verb: str) -> None:
                      help=f'"model" (default), "ema", or the name of the EMA hook whose weights to {verb}')
 
 
+def _smoothing(text: str) -> float:
+    """``--smoothing``: a factor in ``[0, 1)`` (the default is ``trainloop.report.page.DEFAULT_SMOOTHING``)."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number (give a factor in [0, 1); 0: none)") from None
+    if not 0.0 <= value < 1.0:
+        raise argparse.ArgumentTypeError(f"{text} is outside [0, 1) (0: none; 0.6 is TensorBoard's default)")
+    return value
+
+
 def _build_parser() -> argparse.ArgumentParser:
     """The ``trainloop`` argument parser and its subcommands."""
     parser = argparse.ArgumentParser(
@@ -175,6 +186,11 @@ def _build_parser() -> argparse.ArgumentParser:
     report.add_argument(
         "--output", type=path_text, metavar="PATH", help="where to write it (default: WORKSPACE/report.html)"
     )
+    report.add_argument(
+        "--smoothing", metavar="FACTOR", type=_smoothing, default=0.6,
+        help="the charts' exponential moving average, in [0, 1) as TensorBoard's; 0: none (default: 0.6)",
+    )
+    report.add_argument("--graphviz", action="store_true", help="draw the machine with Graphviz's dot (installed)")
 
     export = commands.add_parser(
         "export", help="write a checkpoint's weights to one .safetensors file",

@@ -1,6 +1,7 @@
 """The machine: its table as data, the runner, its drawing and the record of a run.
 
-The modules: ``table`` (the transitions, pure data), ``runner``, ``diagram`` and ``trace``.
+The modules: ``table`` (the transitions, pure data), ``runner``, ``diagram`` (Mermaid, DOT, and SVG
+drawn in Python by ``svg``) and ``trace``.
 """
 
 from trainloop.machine.diagram import draw

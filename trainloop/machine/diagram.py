@@ -1,17 +1,18 @@
-"""The machine drawn from its table: Mermaid ``stateDiagram-v2`` or Graphviz DOT source text."""
+"""The machine drawn from its table: Mermaid ``stateDiagram-v2``, Graphviz DOT source, or SVG drawn in Python."""
 
 from __future__ import annotations
 
 import math
 from collections.abc import Callable, Iterable, Mapping, Sequence
 
+from trainloop.machine.svg import EDGE_COLORS, draw_svg
 from trainloop.machine.table import FAIL, TRANSITIONS, State, Transition
 
 __all__ = ["draw"]
 
 
 # Edges into these states are rare and telling: coloured in a drawing of a run that took them.
-_RARE_EDGE_COLORS = {State.RETRYING: "darkorange", State.VALIDATING: "seagreen", State.CHECKPOINTING: "royalblue"}
+_RARE_EDGE_COLORS = {State(name): color for name, color in EDGE_COLORS.items()}
 
 
 def _label(t: Transition) -> str:
@@ -25,21 +26,26 @@ def draw(
     format: str = "mermaid",
     counts: Mapping[tuple[State, State, str], int] | None = None,
     notes: Mapping[State, Sequence[str]] | None = None,
+    seconds: Mapping[State, float] | None = None,
 ) -> str:
-    """Render a transition table as Mermaid ``stateDiagram-v2`` or Graphviz DOT source.
+    """Render a transition table as Mermaid ``stateDiagram-v2``, Graphviz DOT source or SVG.
+
+    ``"svg"`` is drawn here, in Python (``trainloop.machine.svg``): no Graphviz needed.
 
     Args:
         table: The transitions to draw.
-        format: ``"mermaid"`` or ``"dot"``.
+        format: ``"mermaid"``, ``"dot"`` or ``"svg"``.
         counts: How often each edge ``(source, dest, trigger)`` fired in a run (e.g.
             ``summarize_trace(...).counts``). Each edge's label then ends with ``(n=<count>)``;
             in DOT the line's width grows with the count, an edge that never fired is grey and
             dashed, and fired edges into ``retrying``, ``validating``, ``checkpointing`` (and ``fail``) are coloured.
         notes: Lines to write beside a state, such as the hooks that act in it with their
             schedules (``trainloop.hooks.listing``).
+        seconds: Wall time spent in each state (``summarize_trace(...).seconds_in_state``): in
+            SVG each state's shade deepens with its share of the run, which it shows.
 
     Raises:
-        ValueError: ``format`` is neither.
+        ValueError: ``format`` is none of these.
     """
     table = tuple(table)
 
@@ -50,7 +56,9 @@ def draw(
         return _mermaid(table, label, notes or {})
     if format == "dot":
         return _dot(table, label, counts, notes or {})
-    raise ValueError(f"unknown diagram format {format!r}; use 'mermaid' or 'dot'")
+    if format == "svg":
+        return draw_svg(table, label, counts, notes, seconds)
+    raise ValueError(f"unknown diagram format {format!r}; use 'mermaid', 'dot' or 'svg'")
 
 
 def _mermaid(

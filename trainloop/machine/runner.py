@@ -280,5 +280,5 @@ class StateMachine:
     # -- drawing -------------------------------------------------------------------------------
 
     def diagram(self, format: str = "mermaid") -> str:
-        """Draw the machine from its table: ``"mermaid"`` or ``"dot"`` (Graphviz) source text."""
+        """Draw the machine from its table: ``"mermaid"`` or ``"dot"`` (Graphviz) source text, or ``"svg"``."""
         return draw(self.table, format)

@@ -1,7 +1,8 @@
 """``trainloop report``: one self-contained HTML page about a run's workspace.
 
-The page (``page``), its metric charts (``charts``) and the machine drawn with Graphviz where it is installed
-(``graphviz``); the metrics a run logged (``metrics.jsonl``) read back with ``read_metrics``.
+The page (``page``), its run facts (``facts``), its metric charts, one per family (``charts``), and its
+machine section (``machine``: drawn in Python, or with Graphviz on request, ``graphviz``); the metrics a
+run logged (``metrics.jsonl``) read back with ``read_metrics``.
 """
 
 from trainloop.metrics import read_metrics

@@ -1,18 +1,18 @@
 """A run's report: one self-contained HTML page made from what its workspace holds.
 
 ``trainloop report WORKSPACE`` (or ``write_report``) reads ``settings.json``, ``metrics.jsonl``,
-``trace.jsonl``, ``runs.jsonl`` and the checkpoints, and writes a page with the metric curves,
-the machine weighted by the run's trace, the declared hooks beside the states they act in with
-their schedules, the time spent per state, the retries, the runs (and
-the signals or errors that ended them) and the checkpoints, the best one marked. Everything is
-inline (SVG, CSS): the page opens anywhere, without network access.
+``trace.jsonl``, ``runs.jsonl`` and the checkpoints, and writes a page with the run facts
+(``facts``: duration, throughput, device, versions, runs by kind), the machine weighted by the
+run's trace with the declared hooks beside the states they act in (``machine``), the time spent
+per state, one chart per metric family, smoothed (``charts``), the runs (and the signals or
+errors that ended them) and the checkpoints, the best one marked. Everything is inline (SVG,
+CSS): the page opens anywhere, without network access.
 """
 
 from __future__ import annotations
 
 import html
 import json
-import signal
 from collections.abc import Mapping
 from datetime import UTC, datetime
 from pathlib import Path
@@ -20,42 +20,65 @@ from typing import Any
 
 from trainloop.checkpoint.best import BEST_FILE, read_best
 from trainloop.checkpoint.files import LATEST, checkpoint_steps
-from trainloop.machine.diagram import draw
-from trainloop.machine.table import TRANSITIONS, State, Transition
-from trainloop.machine.trace import TraceSummary, read_trace, summarize_trace
+from trainloop.machine.trace import read_trace, summarize_trace
 from trainloop.metrics import METRICS_FILE, read_metrics
+from trainloop.report.facts import overview, runs_table
+from trainloop.report.machine import machine_section, machine_svg
 from trainloop.report.style import STYLE
 from trainloop.result import RUNS_FILE, read_runs
 
-__all__ = ["ReportError", "build_report", "machine_svg", "write_report"]
+__all__ = ["DEFAULT_SMOOTHING", "ReportError", "build_report", "machine_svg", "write_report"]
 
 REPORT_FILE = "report.html"
+#: The charts' default smoothing factor (TensorBoard's default too).
+DEFAULT_SMOOTHING = 0.6
 
 class ReportError(ValueError):
     """The workspace cannot be reported on; the message names the path."""
 
 
-def write_report(workspace: Path | str, output: Path | str | None = None) -> Path:
+def write_report(
+    workspace: Path | str,
+    output: Path | str | None = None,
+    smoothing: float = DEFAULT_SMOOTHING,
+    graphviz: bool = False,
+) -> Path:
     """Write the report of ``workspace`` to ``output`` (default ``<workspace>/report.html``).
+
+    Args:
+        workspace: The run's workspace.
+        output: Where to write the page.
+        smoothing: The charts' smoothing factor, in ``[0, 1)`` (``0``: none), as :func:`build_report`.
+        graphviz: Draw the machine with Graphviz's ``dot`` rather than in Python.
 
     Raises:
         ReportError: ``workspace`` is not a run's workspace, or a file in it is malformed.
+        trainloop.report.graphviz.GraphvizError: ``graphviz`` is set and ``dot`` is missing or failed.
         OSError: The output cannot be written.
     """
     workspace = Path(workspace)
     target = Path(output) if output is not None else workspace / REPORT_FILE
-    page = build_report(workspace)
+    page = build_report(workspace, smoothing, graphviz)
     target.write_text(page, encoding="utf-8")
     return target
 
 
-def build_report(workspace: Path) -> str:
+def build_report(workspace: Path, smoothing: float = DEFAULT_SMOOTHING, graphviz: bool = False) -> str:
     """The report page of ``workspace`` as HTML text.
 
+    Args:
+        workspace: The run's workspace.
+        smoothing: The charts' exponential-moving-average factor, in ``[0, 1)`` (TensorBoard's
+            smoothing; ``0``: none); the raw values stay as faint lines.
+        graphviz: Draw the machine with Graphviz's ``dot`` rather than in Python.
+
     Raises:
-        ReportError: ``workspace`` has no ``settings.json`` (no run recorded there), or one of
-            its files is malformed.
+        ReportError: ``workspace`` has no ``settings.json`` (no run recorded there), one of its
+            files is malformed, or ``smoothing`` is outside ``[0, 1)``.
+        trainloop.report.graphviz.GraphvizError: ``graphviz`` is set and ``dot`` is missing or failed.
     """
+    if not 0.0 <= smoothing < 1.0:
+        raise ReportError(f"smoothing {smoothing!r} is outside [0, 1): 0 draws the values as they are")
     settings_file = workspace / "settings.json"
     if not settings_file.is_file():
         raise ReportError(
@@ -82,15 +105,13 @@ def build_report(workspace: Path) -> str:
         f'<p class="muted">{_e(str(workspace))} · generated '
         f'{datetime.now(UTC).strftime("%Y-%m-%d %H:%M UTC")} by trainloop</p>',
         *(f'<p class="bad">{_e(note)}</p>' for note in notes),
-        _overview(metrics or [], summary, runs, checkpoints),
+        overview(metrics or [], summary, runs, checkpoints),
         "<h2>The machine</h2>",
-        _machine(summary),
-        _hooks(settings),
-        _time_per_state(summary),
+        machine_section(summary, settings, graphviz),
         "<h2>Metrics</h2>",
-        _charts(metrics, best_step),
+        _charts(metrics, best_step, _monitor(checkpoints), _splits(settings), smoothing),
         "<h2>Runs</h2>",
-        _runs(runs),
+        runs_table(runs),
         "<h2>Checkpoints</h2>",
         _checkpoint_table(checkpoints),
         "<h2>Settings</h2>",
@@ -107,150 +128,46 @@ def build_report(workspace: Path) -> str:
 # -- sections -------------------------------------------------------------------------------------
 
 
-def _overview(metrics: list[dict[str, Any]], summary: TraceSummary | None, runs: list[dict[str, Any]],
-              checkpoints: list[dict[str, Any]]) -> str:
-    steps = max([r["step"] for r in metrics] + [r.get("step", 0) for r in runs] + [summary.steps if summary else 0])
-    retries = _fired(summary, lambda t: t.dest is State.RETRYING) if summary else None
-    cards = [("steps", str(steps)), ("runs", str(len(runs) or (summary.runs if summary else "?")))]
-    for key in ("loss", "val/loss", "val/accuracy"):
-        value = next((r[key] for r in reversed(metrics) if key in r), None)
-        if value is not None:
-            cards.append((f"last {key}{_window(metrics) if key == 'loss' else ''}", f"{value:.4g}"))
-    cards.append(("retries", "not traced" if retries is None else str(retries)))
-    cards.append(("checkpoints", str(len(checkpoints))))
-    return (
-        '<div class="stats">'
-        + "".join(f'<div class="card"><span class="muted">{_e(k)}</span><b>{_e(v)}</b></div>' for k, v in cards)
-        + "</div>"
-    )
-
-
-def _window(metrics: list[dict[str, Any]]) -> str:
-    """The steps the last logged training loss averages, as a label: `` (mean of steps 391-400)``.
-
-    A ``LoggingHook`` logs the mean over the steps since its previous record.
-    """
-    steps = [int(r["step"]) for r in metrics if "loss" in r]
-    if not steps:
-        return ""
-    first = steps[-2] + 1 if len(steps) > 1 and steps[-2] < steps[-1] else 1
-    return f" (mean of step {steps[-1]})" if first == steps[-1] else f" (mean of steps {first}-{steps[-1]})"
-
-
-def _charts(metrics: list[dict[str, Any]] | None, best_step: int | None) -> str:
+def _charts(metrics: list[dict[str, Any]] | None, best_step: int | None, monitor: str | None,
+            splits: frozenset[str], smoothing: float) -> str:
     if metrics is None:
         return f'<p class="muted">No {METRICS_FILE} in this workspace (settings.metrics_file off).</p>'
     if not metrics:
         return f'<p class="muted">{METRICS_FILE} holds no records: nothing was logged.</p>'
-    from trainloop.report.charts import group_metrics, group_title, metric_chart  # matplotlib: only for a report
+    from trainloop.report.charts import UNSMOOTHED, chart_title, family, group_metrics, metric_chart  # matplotlib
 
-    out = ['<div class="grid">']
-    for group, curves in group_metrics(metrics).items():
-        for key, points in curves.items():
-            chart = metric_chart(key, {key: points}, best_step if group == "val" else None)
-            out.append(
-                f'<div class="card" title="{_e(chart.title)}">'
-                f'<span class="muted">{_e(group_title(group))}</span>{chart.svg}</div>'
-            )
+    marked = family(monitor, splits) if monitor else None
+    how = (
+        f"smoothed (exponential moving average, factor {smoothing:g}, as TensorBoard's); the raw values are the faint "
+        "lines; series of fewer than 10 points and the learning rate are drawn as they are"
+        if smoothing
+        else "not smoothed"
+    )
+    out = [
+        f'<p class="muted">One chart per metric family: <code>val/loss</code> beside <code>loss</code>, each split\'s '
+        f"series in its own colour. Curves {how}.</p>",
+        '<div class="grid">',
+    ]
+    for name, curves in group_metrics(metrics, splits).items():
+        factor = 0.0 if name in UNSMOOTHED else smoothing
+        chart = metric_chart(chart_title(name), curves, best_step if name == marked else None, factor)
+        out.append(f'<div class="card" title="{_e(chart.title)}">{chart.svg}</div>')
     out.append("</div>")
     return "\n".join(out)
 
 
-def machine_svg(counts: Mapping[tuple[State, State, str], int] | None = None) -> str | None:
-    """The machine drawn by Graphviz as SVG markup (``None`` when ``dot`` is not installed).
-
-    With ``counts`` (a trace's), edges are weighted by how often they fired and ``fail`` edges
-    that never fired are folded away; without, every ``fail`` edge is folded away.
-    """
-    from trainloop.report.graphviz import GraphvizError, render_dot
-
-    table = _drawn_table(counts)
-    try:
-        svg = render_dot(draw(table, "dot", counts=counts), "svg").decode("utf-8")
-    except GraphvizError:
-        return None
-    return svg[svg.index("<svg"):]
+def _monitor(checkpoints: list[dict[str, Any]]) -> str | None:
+    return next((c["monitor"] for c in checkpoints if c["monitor"]), None)
 
 
-def _drawn_table(counts: Mapping[tuple[State, State, str], int] | None) -> list[Transition]:
-    return [
-        t
-        for t in TRANSITIONS
-        if t.trigger != "fail" or (counts is not None and counts.get((t.source, t.dest, t.trigger), 0))
-    ]
+def _splits(settings: Mapping[str, Any]) -> frozenset[str]:
+    """The key prefixes that name a split: the usual ones and each declared validation's ``prefix``."""
+    from trainloop.report.charts import SPLITS
 
-
-def _machine(summary: TraceSummary | None) -> str:
-    counts = summary.counts if summary is not None else None
-    note = (
-        "Edge width grows with how often an edge fired in this workspace's runs; grey dashed edges never fired; "
-        "<code>fail</code> edges (an error in any state ends the run in <code>exiting</code>) "
-        "are shown only where one fired."
-        if counts is not None
-        else 'No trace.jsonl here (run with <code>"trace": true</code> to weigh the edges); <code>fail</code> edges, '
-        "from every state to <code>exiting</code> on an error, are left out."
-    )
-    svg = machine_svg(counts)
-    if svg is not None:
-        return f'<p class="muted">{note}</p><div class="card diagram">{svg}</div>'
-    rows = "".join(
-        f"<tr><td>{t.source.value}</td><td>{t.dest.value}</td><td>{_e(t.trigger)}</td><td>{_e(t.condition or '')}</td>"
-        f'<td class="num">{"" if counts is None else counts.get((t.source, t.dest, t.trigger), 0)}</td></tr>'
-        for t in _drawn_table(counts)
-    )
-    return (
-        f'<p class="muted">{note} Graphviz\'s <code>dot</code> is not installed, so the machine is shown as its table '
-        "(install Graphviz and run <code>trainloop report</code> again for the drawing).</p>"
-        f"<table><tr><th>from</th><th>to</th><th>trigger</th><th>condition</th><th>fired</th></tr>{rows}</table>"
-    )
-
-
-def _hooks(settings: Mapping[str, Any]) -> str:
-    """The hooks ``settings.json`` declares, each beside the state it acts in, with its schedule."""
-    declared = [hook for hook in settings.get("hooks") or [] if isinstance(hook, Mapping)]
-    if not declared:
-        return (
-            '<p class="muted">No hooks declared in settings.json '
-            "(hooks built in code by <code>build_hooks()</code> are not recorded there).</p>"
-        )
-    from trainloop.hooks.listing import declared_hook_lines
-
-    rows = "".join(
-        f"<tr><td>{_e(state.value if state is not None else 'any')}</td><td>{_e(line)}</td></tr>"
-        for state, line in declared_hook_lines(declared)
-    )
-    return (
-        '<p class="muted">The hooks settings.json declares, beside the state each acts in, with its schedule '
-        "(hooks built in code by <code>build_hooks()</code> are not recorded there).</p>"
-        f"<table><tr><th>state</th><th>hook</th></tr>{rows}</table>"
-    )
-
-
-def _time_per_state(summary: TraceSummary | None) -> str:
-    if summary is None or not summary.seconds_in_state:
-        return ""
-    total = sum(summary.seconds_in_state.values()) or 1.0
-    rows = []
-    for state, seconds in sorted(summary.seconds_in_state.items(), key=lambda item: -item[1]):
-        share = 100.0 * seconds / total
-        entered = sum(n for (_, dest, _), n in summary.counts.items() if dest is state)
-        rows.append(
-            f'<tr><td>{state.value}</td><td class="num">{seconds:.3f} s</td><td class="num">{share:.1f}%</td>'
-            f'<td class="num">{entered}</td><td style="width:240px">'
-            f'<div class="bar" style="width:{share:.1f}%"></div></td></tr>'
-        )
-    retries = _fired(summary, lambda t: t.dest is State.RETRYING)
-    saves = _fired(summary, lambda t: t.dest is State.CHECKPOINTING)
-    return (
-        "<h3>Time per state</h3><table><tr><th>state</th><th>time</th><th>share</th><th>entered</th><th></th></tr>"
-        + "".join(rows) + "</table>"
-        + f'<p>Retries (non-finite gradients): <b>{retries}</b> · checkpoints saved: <b>{saves}</b> · '
-        f"runs traced: <b>{summary.runs}</b></p>"
-    )
-
-
-def _fired(summary: TraceSummary, which: Any) -> int:
-    return sum(n for (source, dest, trigger), n in summary.counts.items() if which(Transition(trigger, source, dest)))
+    hooks = settings.get("hooks")
+    declared = [h for h in hooks if isinstance(h, Mapping)] if isinstance(hooks, list) else []
+    prefixes = {h.get("prefix") for h in declared if h.get("type") == "validation"}
+    return SPLITS | {p for p in prefixes if isinstance(p, str)}
 
 
 def _numbers_only(metrics: list[dict[str, Any]] | None, notes: list[str]) -> list[dict[str, Any]] | None:
@@ -296,33 +213,6 @@ def _is_number(value: Any) -> bool:
 def _short(value: Any) -> str:
     text = json.dumps(value)
     return text if len(text) <= 40 else text[:37] + "..."
-
-
-def _runs(runs: list[dict[str, Any]]) -> str:
-    if not runs:
-        return '<p class="muted">No runs.jsonl here (written by trainloop as each run ends).</p>'
-    rows = []
-    for number, run in enumerate(runs, 1):
-        code = int(run.get("exit_code") or 0)
-        ended = "completed" if code == 0 else f"exit code {code}"
-        if code > 128:
-            try:
-                ended = f"{signal.Signals(code - 128).name} (exit code {code})"
-            except ValueError:
-                pass
-        error = run.get("error")
-        when = datetime.fromtimestamp(float(run.get("time", 0)), UTC).strftime("%Y-%m-%d %H:%M:%S")
-        kind = str(run.get("kind", "train"))  # a line without it: a training run's, written before runs had kinds
-        rows.append(
-            f'<tr><td class="num">{number}</td><td>{_e(kind)}</td><td>{when}</td><td class="num">{run.get("step")}</td>'
-            f'<td class="num">{run.get("epoch")}</td><td class="{"bad" if error or code else ""}">'
-            f"{_e(error or ended)}</td></tr>"
-        )
-    return (
-        "<table><tr><th>run</th><th>kind</th><th>ended (UTC)</th><th>step</th><th>epochs</th><th>how it ended</th></tr>"
-        + "".join(rows)
-        + "</table>"
-    )
 
 
 def _checkpoints(workspace: Path, settings: Mapping[str, Any], notes: list[str]) -> list[dict[str, Any]]:

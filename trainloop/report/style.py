@@ -10,8 +10,8 @@ h1 { font-size: 24px; margin: 0 0 4px; }
 h2 { font-size: 18px; margin: 28px 0 10px; border-bottom: 1px solid #d0d7de; padding-bottom: 4px; }
 h3 { font-size: 15px; margin: 16px 0 6px; }
 .muted { color: #656d76; } .card { background: #fff; border: 1px solid #d0d7de; border-radius: 6px; padding: 12px; }
-.grid { display: grid; grid-template-columns: repeat(auto-fill, minmax(360px, 1fr)); gap: 12px; }
-.grid svg, .diagram svg { max-width: 100%; height: auto; }
+.grid { display: grid; grid-template-columns: repeat(auto-fill, minmax(440px, 1fr)); gap: 12px; }
+.grid svg { width: 100%; height: auto; } .diagram svg { max-width: 100%; height: auto; }
 .diagram { overflow-x: auto; text-align: center; }
 table { border-collapse: collapse; background: #fff; }
 td, th { border: 1px solid #d0d7de; padding: 3px 10px; text-align: left; }
