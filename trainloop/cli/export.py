@@ -22,9 +22,8 @@ __all__ = ["command"]
 def command(args: argparse.Namespace) -> int:
     """Write the file, or say in one line why not (a bad ``--output`` before anything is read)."""
     output = Path(args.output)
-    if not args.output.strip() or output.is_dir():
-        what = "is empty" if not args.output.strip() else "is a directory"
-        raise CliError(f"--output {args.output!r} {what}: give the .safetensors file to write")
+    if output.is_dir():  # an empty --output is refused by the parser (trainloop.cli.path_text)
+        raise CliError(f"--output {args.output!r} is a directory: give the .safetensors file to write")
     try:
         metadata = export_checkpoint(args.checkpoint, args.output, args.weights)
     except CheckpointError as error:

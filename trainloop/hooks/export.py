@@ -58,7 +58,10 @@ class ExportHook(BaseHook):
         if declared.weights == "ema" and not any(spec.type == "ema" for spec in settings.hooks):
             trainer_class = trainer if isinstance(trainer, type) else type(trainer)
             build_hooks = getattr(trainer_class, "build_hooks", None)
-            builds_hooks = trainer is not None and getattr(build_hooks, "__qualname__", "") != "BaseTrainer.build_hooks"
+            # The default (no hooks) is the contract's, in trainloop.contract: compared by name, as hooks
+            # import nothing of the trainer's.
+            default = getattr(build_hooks, "__module__", "") == "trainloop.contract"
+            builds_hooks = trainer is not None and not default
             if not builds_hooks:
                 problems.append(("weights", "'ema' needs an EMA hook, and settings.hooks declares none"))
         return problems
