@@ -75,7 +75,7 @@ def launched(tmp_path_factory: pytest.TempPathFactory) -> dict[str, tuple[Cli, P
         ), dirs["validate"]),
         "schema": (Cli("schema", cwd=dirs["schema"], script=True), dirs["schema"]),
         "nodot": (Cli(
-            "graph", "--format", "svg", "--output", "m.svg", cwd=dirs["nodot"], env=cli_env(PATH=str(dirs["nodot"] / "bin")),
+            "graph", "--format", "png", "--output", "m.png", cwd=dirs["nodot"], env=cli_env(PATH=str(dirs["nodot"] / "bin")),
         ), dirs["nodot"]),
     }
 
@@ -517,8 +517,7 @@ def test_a_resumed_runs_trace_does_not_count_the_gap_between_runs():
     assert summary.counts[(State.IDLE, State.BUILDING, "start")] == 2
 
 
-@pytest.mark.skipif(shutil.which("dot") is None, reason="Graphviz's dot is not installed")
-def test_graph_svg_with_graphviz(trained, tmp_path, capsys):
+def test_graph_svg_weighted_by_a_trace(trained, tmp_path, capsys):
     workspace, _ = trained
     output = tmp_path / "machine.svg"
     code, out, err = call(capsys, "graph", "--format", "svg", "--trace", workspace, "--output", output)
@@ -529,7 +528,7 @@ def test_graph_svg_with_graphviz(trained, tmp_path, capsys):
     assert out == ""
 
 
-def test_graph_svg_without_graphviz_says_how_to_get_it(launched):
+def test_graph_png_without_graphviz_says_how_to_get_it_and_svg_needs_none(launched):
     process, root = launched["nodot"]  # its PATH is an empty directory
     result = process.result()
     assert result.returncode == 1
@@ -537,7 +536,11 @@ def test_graph_svg_without_graphviz_says_how_to_get_it(launched):
         result.stderr, "needs Graphviz's `dot` program, which is not on PATH",
         "apt-get install graphviz", "conda install graphviz", "--format mermaid",
     )
-    assert not (root / "m.svg").exists()
+    assert not (root / "m.png").exists()
+    env = cli_env(PATH=str(root / "bin"))
+    drawn = Cli("graph", "--format", "svg", "--output", "m.svg", cwd=root, env=env).result()
+    assert drawn.returncode == 0, drawn.stderr
+    assert 'data-state="validating"' in (root / "m.svg").read_text()
 
 
 def test_a_settings_file_that_is_not_utf8_is_one_line_exit_2(tmp_path, capsys):

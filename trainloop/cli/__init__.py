@@ -152,7 +152,8 @@ def _build_parser() -> argparse.ArgumentParser:
         "with --settings, note each declared hook beside the state it acts in, with its schedule.",
     )
     graph.add_argument("--format", default="mermaid", choices=["mermaid", "dot", "svg", "png"],
-                       help="mermaid or dot source text, or svg/png rendered by Graphviz's dot (default: mermaid)")
+                       help="mermaid or dot source text, svg (drawn without Graphviz) or png (rendered by "
+                       "Graphviz's dot); default: mermaid")
     graph.add_argument(
         "--trace", type=path_text, metavar="WORKSPACE_OR_TRACE_FILE", help="a run's workspace or its trace.jsonl"
     )

@@ -31,7 +31,7 @@ _GRAPHVIZ_HINT = (
 
 def command(args: argparse.Namespace) -> int:
     """Write the machine as ``args.format``; with ``--trace``, each edge's count and a summary."""
-    binary = args.format in ("svg", "png")
+    binary = args.format == "png"  # svg is drawn in Python (trainloop.machine.svg); png needs Graphviz
     if binary:
         _find_dot(args.format)  # before reading anything: fail fast
     if args.format == "png" and args.output is None and sys.stdout.isatty():
@@ -47,7 +47,7 @@ def command(args: argparse.Namespace) -> int:
         counts = summary.counts
         sys.stderr.write(_describe_trace(path, summary))
     notes = _hook_notes(args.settings, args.trainer) if args.settings is not None else None
-    source = draw(TRANSITIONS, "mermaid" if args.format == "mermaid" else "dot", counts=counts, notes=notes)
+    source = draw(TRANSITIONS, "dot" if binary else args.format, counts=counts, notes=notes)
     write_output(args.output, _render_with_dot(source, args.format) if binary else source)
     return 0
 
