@@ -106,6 +106,8 @@ class Loop:
         }
         if kind == "predict":
             work = self.predict_run.work()  # type: ignore[union-attr]  # trainer.predict() set it
+        if kind != "train":  # past building, the run is recorded (refusals found while building are not)
+            work[State.RESTORING] = self._noting_restoring(work[State.RESTORING])
         # A run that trains nothing records no settings.json and no trace file: the training run's stand.
         machine.trace = start_run_record(trainer.settings, write=kind == "train")
         try:
@@ -210,7 +212,6 @@ class Loop:
     def restore_weights(self) -> None:
         """The work of ``restoring`` in a run that trains nothing: the model's weights, then the validations' checks."""
         t, run = self.trainer, self.run_state
-        self.restoring = True
         found = restore_weights(t, self.built_hooks, self.weights_source)
         run.step = found.step if found is not None and found.step is not None else 0
         if found is None:
@@ -220,6 +221,13 @@ class Loop:
         self.requests.open()  # the validations may request (an exit); the ranks agree as in training
         if self.kind == "evaluate":
             self.schedules.queue_every_validation()
+
+    def _noting_restoring(self, restore: Callable[[], None]) -> Callable[[], None]:
+        def noted() -> None:
+            self.restoring = True
+            restore()
+
+        return noted
 
     def step_plan(self) -> StepPlan:
         """Everything the hot loop would otherwise look up per microstep, resolved once."""

@@ -7,7 +7,9 @@ from helper_hooks import ExitAt
 from tiny_trainer import FlakyTrainer
 
 from trainloop import BaseHook, State
-from trainloop.machine import StateMachine
+from trainloop.machine import TRANSITIONS, StateMachine
+
+CONDITIONS = {t.condition for t in TRANSITIONS if t.condition is not None}  # none holds: the plainest path
 
 
 def test_every_edge_is_seen_before_its_action_and_the_entry_callbacks():
@@ -18,7 +20,7 @@ def test_every_edge_is_seen_before_its_action_and_the_entry_callbacks():
         step[0] += 1
         done.append(("action", step[0]))
 
-    conditions = {name: (lambda: False) for name in ("should_exit", "microsteps_remain", "grads_non_finite", "checkpoint_due")}
+    conditions = {name: (lambda: False) for name in CONDITIONS}
     owner = object()
     machine = StateMachine(conditions, owner=owner, step=lambda: step[0], actions={"begin_step": begin_step, "redo_step": lambda: None})
     machine.on_enter(State.ACCUMULATING, lambda o: done.append(("entered", step[0])))
@@ -39,7 +41,7 @@ def test_every_edge_is_seen_before_its_action_and_the_entry_callbacks():
 
 
 def test_a_watcher_that_cannot_take_trainer_and_transition_fails_at_registration():
-    conditions = {name: (lambda: False) for name in ("should_exit", "microsteps_remain", "grads_non_finite", "checkpoint_due")}
+    conditions = {name: (lambda: False) for name in CONDITIONS}
     machine = StateMachine(conditions, owner=None, step=lambda: 0, actions={"begin_step": lambda: None, "redo_step": lambda: None})
     with pytest.raises(TypeError, match=r"must accept two arguments \(trainer, transition\)"):
         machine.on_edge(lambda trainer: None)
@@ -48,7 +50,7 @@ def test_a_watcher_that_cannot_take_trainer_and_transition_fails_at_registration
 
 
 def test_a_watcher_may_remove_itself_while_it_is_called():
-    conditions = {name: (lambda: False) for name in ("should_exit", "microsteps_remain", "grads_non_finite", "checkpoint_due")}
+    conditions = {name: (lambda: False) for name in CONDITIONS}
     machine = StateMachine(conditions, owner=None, step=lambda: 0, actions={"begin_step": lambda: None, "redo_step": lambda: None})
     seen: list[str] = []
     handles = []

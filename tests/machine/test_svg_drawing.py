@@ -14,24 +14,24 @@ from trainloop.machine import TRANSITIONS, State, Transition, draw
 class More(str, Enum):
     """States this package's table does not have (yet): the drawing must not care."""
 
-    VALIDATING = "validating"
-    PREDICTING = "predicting"
+    TESTING = "testing"
+    EXPORTING = "exporting"
 
 
 # The table with two more states wired in, the way new states are added: edges into and out of
 # them from the middle of the loop, a skip over states, a self-loop and their fail edges.
 EXTENDED = (
     *TRANSITIONS,
-    Transition("validate", State.STEPPING, More.VALIDATING, "validation_due"),  # type: ignore[arg-type]
-    Transition("evaluate", State.RESTORING, More.VALIDATING, "evaluating"),  # type: ignore[arg-type]
-    Transition("next_batch", More.VALIDATING, More.VALIDATING, "batches_remain"),  # type: ignore[arg-type]
-    Transition("checkpoint", More.VALIDATING, State.CHECKPOINTING, "checkpoint_due"),  # type: ignore[arg-type]
-    Transition("finish", More.VALIDATING, State.EXITING, "should_exit"),  # type: ignore[arg-type]
-    Transition("begin_step", More.VALIDATING, State.ACCUMULATING, action="begin_step"),  # type: ignore[arg-type]
-    Transition("predict", State.RESTORING, More.PREDICTING, "predicting"),  # type: ignore[arg-type]
-    Transition("finish", More.PREDICTING, State.EXITING),  # type: ignore[arg-type]
-    Transition("fail", More.VALIDATING, State.EXITING),  # type: ignore[arg-type]
-    Transition("fail", More.PREDICTING, State.EXITING),  # type: ignore[arg-type]
+    Transition("test", State.STEPPING, More.TESTING, "test_due"),  # type: ignore[arg-type]
+    Transition("evaluate", State.RESTORING, More.TESTING, "evaluating"),  # type: ignore[arg-type]
+    Transition("next_batch", More.TESTING, More.TESTING, "batches_remain"),  # type: ignore[arg-type]
+    Transition("checkpoint", More.TESTING, State.CHECKPOINTING, "checkpoint_due"),  # type: ignore[arg-type]
+    Transition("finish", More.TESTING, State.EXITING, "should_exit"),  # type: ignore[arg-type]
+    Transition("begin_step", More.TESTING, State.ACCUMULATING, action="begin_step"),  # type: ignore[arg-type]
+    Transition("export", State.RESTORING, More.EXPORTING, "exporting"),  # type: ignore[arg-type]
+    Transition("finish", More.EXPORTING, State.EXITING),  # type: ignore[arg-type]
+    Transition("fail", More.TESTING, State.EXITING),  # type: ignore[arg-type]
+    Transition("fail", More.EXPORTING, State.EXITING),  # type: ignore[arg-type]
 )
 
 
@@ -54,9 +54,10 @@ def test_every_state_and_edge_of_the_table_is_drawn(table):
 def test_states_are_placed_in_the_order_a_run_reaches_them():
     svg = draw(EXTENDED, "svg")
     order = re.findall(r'<g class="state" data-state="([^"]+)"', svg)
-    assert order[:5] == ["idle", "building", "restoring", "accumulating", "stepping"]
+    assert order[:3] == ["idle", "building", "restoring"]
     assert order[-1] == "exiting"
-    assert order.index("validating") > order.index("stepping")
+    assert order.index("accumulating") < order.index("stepping") < order.index("retrying")
+    assert {"testing", "exporting"} <= set(order[3:-1])  # the new states, between the start and the end
 
 
 def test_a_fail_edge_that_fired_is_drawn_and_counts_weigh_the_edges():
