@@ -97,7 +97,7 @@ def test_without_a_checkpoint_latest_is_an_error_and_none_evaluates_the_model_as
 
 
 def test_a_missing_checkpoint_directory_and_no_validation_hook_are_clear_errors(tmp_path):
-    with pytest.raises(EvaluateError, match=r"checkpoint .*nowhere: no such directory"):
+    with pytest.raises(CheckpointError, match=r"checkpoint .*nowhere: no such directory"):
         EvalTrainer(max_steps=6).evaluate(tmp_path / "nowhere")
     with pytest.raises(EvaluateError, match="nothing to evaluate: EvalTrainer has no ValidationHook"):
         EvalTrainer(max_steps=6, workspace=tmp_path / "ws", hooks=[CheckpointingHook(interval=3)]).evaluate(None)

@@ -54,7 +54,8 @@ class WeightsSource:
         """From what a user gives: ``"latest"``, a path, or ``None``; the path is checked to exist.
 
         Raises:
-            EvaluateError: The path does not exist, or ``weights`` is given without a checkpoint.
+            EvaluateError: ``weights`` is given without a checkpoint.
+            CheckpointError: The path does not exist.
         """
         if checkpoint is None:
             if weights != "model":
@@ -64,7 +65,7 @@ class WeightsSource:
             return cls(LATEST, weights)
         path = Path(checkpoint).expanduser()
         if not path.is_dir():
-            raise EvaluateError(f"checkpoint {checkpoint}: no such directory")
+            raise CheckpointError(f"checkpoint {checkpoint}: no such directory")
         return cls(path, weights)
 
 

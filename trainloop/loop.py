@@ -224,8 +224,8 @@ class Loop:
 
     def _noting_restoring(self, restore: Callable[[], None]) -> Callable[[], None]:
         def noted() -> None:
-            self.restoring = True
             restore()
+            self.restoring = True  # restored: from here on it is a run, recorded even if it fails
 
         return noted
 

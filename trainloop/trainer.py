@@ -317,7 +317,7 @@ class BaseTrainer(Contract):
             (``kind="evaluate"``, ``step``: the checkpoint's).
 
         Raises:
-            trainloop.evaluation.EvaluateError: No ValidationHook, or no such checkpoint directory.
+            trainloop.evaluation.EvaluateError: No ValidationHook.
             trainloop.checkpoint.errors.CheckpointError: No checkpoint to restore, or one that
                 cannot be read or does not fit the model.
         """
@@ -353,7 +353,7 @@ class BaseTrainer(Contract):
 
         Raises:
             ValueError: ``output`` is not a ``.safetensors`` or ``.pt`` file; nothing was built.
-            trainloop.evaluation.EvaluateError: No such checkpoint directory; nothing was built.
+            trainloop.evaluation.EvaluateError: ``weights`` given without a checkpoint; nothing was built.
             trainloop.settings.preflight.PreflightError: The trainer cannot predict (no
                 ``predict_step`` or ``build_predict_data_loader``) or the settings cannot run.
             trainloop.checkpoint.CheckpointError: The checkpoint is missing, corrupt or lacks the weights.

@@ -140,3 +140,23 @@ def test_atomic_file_replaces_the_target_whole_or_not_at_all(tmp_path):
         write_half_then_fail()
     assert target.read_bytes() == b"first"  # the old file, untouched
     assert sorted(p.name for p in target.parent.iterdir()) == ["out.bin"]  # no temporary file left
+
+
+def test_atomic_file_gives_the_file_the_mode_a_new_file_gets_not_the_writers_private_one(tmp_path):
+    import os
+    import stat
+
+    import torch
+    from safetensors.torch import save_file
+
+    from trainloop.checkpoint.atomic import atomic_file
+
+    mask = os.umask(0o022)  # a usual umask, for a known expectation
+    try:
+        target = tmp_path / "predictions.safetensors"
+        with atomic_file(target) as tmp:
+            save_file({"x": torch.zeros(2)}, str(tmp))
+            os.chmod(tmp, 0o600)  # as a writer through a private temporary file leaves it
+        assert stat.S_IMODE(target.stat().st_mode) == 0o644
+    finally:
+        os.umask(mask)

@@ -86,6 +86,7 @@ def test_sigusr1_is_caught_by_default_saves_and_exits_138(preempted):
     assert result["code"] == 128 + signal.SIGUSR1 == 138, result["stderr"]
     assert_saved_at_exit(result)
     assert "Caught SIGUSR1 during step" in result["stderr"]
+    assert "Ctrl-C" not in result["stderr"]  # a scheduler's signal is not a keyboard's
 
 
 def test_the_first_ctrl_c_saves_and_exits_130_telling_how_to_exit_at_once(preempted):

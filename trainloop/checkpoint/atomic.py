@@ -93,6 +93,11 @@ def atomic_file(target: Path) -> Iterator[Path]:
     tmp = _hidden_name(target, "tmp")
     try:
         yield tmp
+        # A writer may have made its file private (safetensors writes 0600): give it the mode a
+        # new file gets here, so that a team's shared directory can read it.
+        mask = os.umask(0)
+        os.umask(mask)
+        os.chmod(tmp, 0o666 & ~mask)
         _fsync(tmp)
         os.replace(tmp, target)
     except BaseException:

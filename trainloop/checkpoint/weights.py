@@ -176,11 +176,16 @@ def _choose(directory: Path, weights: str, entry: Any, names: list[str]) -> dict
         state = entry(name) if name in names else None
         if isinstance(state, Mapping) and "n_averaged" in state:  # an AveragedModel's state dict
             averaged[name] = state
-    if len(averaged) != 1:
-        found = ", ".join(sorted(averaged)) or "none"
+    if not averaged:
+        what = "EMA weights" if weights == "ema" else f"averaged weights of a hook named {weights!r}"
         raise CheckpointError(
-            f"{directory}: weights={weights!r}: {'no' if not averaged else 'more than one'} EMA hook state "
-            f"(found: {found}); name the hook whose weights to take"
+            f"{directory}: weights={weights!r}: this checkpoint holds no {what} "
+            "(the run that saved it had no such EMA hook)"
+        )
+    if len(averaged) > 1:
+        raise CheckpointError(
+            f"{directory}: weights={weights!r}: more than one EMA hook's weights ({', '.join(sorted(averaged))}); "
+            "name the hook whose weights to take"
         )
     (state,) = averaged.values()
     # AveragedModel keeps the model under "module." and counts its updates in "n_averaged".

@@ -255,8 +255,9 @@ class CheckpointingHook(BaseHook):
             code = self._signals.exit_code(self.exit_code)
             trainer.logger.warning(
                 "Caught %s during step %d: the run saves and exits with code %d%s",
+                # A repeated SIGTERM never cuts the save short; only a second Ctrl-C does.
                 caught.name, step, code, " (Ctrl-C again: exit at once, without saving)"
-                if signal.SIGINT in self.exit_signals else "",
+                if caught is signal.SIGINT else "",
             )
             trainer.request_exit(code)
         if self._is_kept(step):
