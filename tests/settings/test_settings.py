@@ -294,6 +294,11 @@ def test_overrides_address_a_hook_by_its_type():
                 "run.yaml: max_step: unknown setting 'max_step'; did you mean 'max_steps'?",
             ],
         ),
+        # A required field misspelt is one mistake: the unknown key's line, not also "field required".
+        (
+            "max_steps: 5\nhooks: [{type: checkpointing, intervall: 3}]\n",
+            ["run.yaml: hooks[0].intervall: unknown setting 'intervall'; did you mean 'interval'?"],
+        ),
         (
             "max_steps: 5\noptimizer: {name: Adamw}\n",
             ["run.yaml: optimizer: unknown name 'Adamw' (did you mean 'AdamW'?); expected one of 'ASGD', 'Adadelta', "

@@ -143,6 +143,7 @@ def describe_validation_error(error: ValidationError, found: SettingsInput, cls:
     grouped: dict[tuple[Key, ...], list[ErrorDetails]] = {}
     for item in error.errors(include_url=False):
         grouped.setdefault(_user_path(tuple(item["loc"]), found.data, item["type"]), []).append(item)
+    _drop_missing_fields_a_typo_meant(grouped, cls, found.data)
     lines = []
     for path, items in grouped.items():
         where = f"{found.source_of(path)}: {field_path(path)}"
@@ -167,6 +168,21 @@ def describe_validation_error(error: ValidationError, found: SettingsInput, cls:
                 line += _number_hint(first.get("input"))
         lines.append(line)
     return lines
+
+
+def _drop_missing_fields_a_typo_meant(
+    grouped: dict[tuple[Key, ...], list[ErrorDetails]], cls: type[BaseModel], data: Any
+) -> None:
+    """Leave out "field required" where an unknown key beside it is that field misspelt: one mistake, one line."""
+    for path, items in list(grouped.items()):
+        if not path or items[0]["type"] not in _UNKNOWN_TYPES:
+            continue
+        model = _model_at(cls, data, path[:-1])
+        valid = [f for f in model.model_fields if f != "type"] if model is not None else []
+        for meant in difflib.get_close_matches(str(path[-1]), valid, n=1, cutoff=0.6):
+            missing = grouped.get((*path[:-1], meant))
+            if missing and all(item["type"] in _ABSENT_FIELD for item in missing):
+                del grouped[(*path[:-1], meant)]
 
 
 def _unknown_field(cls: type[BaseModel], data: Any, path: tuple[Key, ...]) -> str:
