@@ -6,9 +6,10 @@ from __future__ import annotations
 import json
 
 import pytest
+import xxhash
 
 from trainloop.checkpoint import MANIFEST, CheckpointError, verify_checkpoint
-from trainloop.checkpoint.manifest import FileDigest, hash_file, write_json, write_manifest
+from trainloop.checkpoint.manifest import FileDigest, write_json, write_manifest
 
 
 def test_the_manifest_lists_known_digests_and_hashes_the_other_files(tmp_path):
@@ -18,8 +19,8 @@ def test_the_manifest_lists_known_digests_and_hashes_the_other_files(tmp_path):
     write_manifest(tmp_path, known)
     files = json.loads((tmp_path / MANIFEST).read_text())["files"]
     assert files == {
-        "a.json": {"size": known["a.json"].size, "sha256": known["a.json"].sha256},
-        "sub/b.bin": {"size": 5, "sha256": hash_file(tmp_path / "sub" / "b.bin").sha256},
+        "a.json": {"size": known["a.json"].size, "xxh3_128": known["a.json"].hex},
+        "sub/b.bin": {"size": 5, "xxh3_128": xxhash.xxh3_128(b"bytes").hexdigest()},
     }
     assert verify_checkpoint(tmp_path).keys() == {"a.json", "sub/b.bin"}
 

@@ -215,7 +215,7 @@ def test_inspect_a_corrupt_latest_checkpoint_names_the_file_and_the_intact_one(t
 @pytest.mark.parametrize(
     ("layout", "message"),
     [
-        ("flipped-byte", "model.pt: cannot load: corrupt (its SHA-256 differs from its manifest's)"),
+        ("flipped-byte", "model.pt: cannot load: corrupt (its XXH3-128 checksum differs from its manifest's)"),
         ("no-training-state", "is not a complete checkpoint: missing training_state.pt"),
         ("no-manifest", "is not a complete checkpoint: it has no manifest.json"),
         ("not-a-state", "training_state.pt: not a trainloop training state (no 'step')"),

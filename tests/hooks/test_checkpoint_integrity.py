@@ -13,6 +13,7 @@ import os
 import pickle
 import random
 import resource
+import shutil
 import signal
 import subprocess
 import time
@@ -23,6 +24,7 @@ from pathlib import Path
 
 import pytest
 import torch
+import xxhash
 from checkpoint_child import BallastHook, Child
 from helper_hooks import CaptureHook
 from tiny_trainer import TinyTrainer
@@ -122,17 +124,43 @@ DAMAGES = ["truncated", "flipped", "deleted", "no manifest", "bad manifest", "ex
 
 
 @pytest.mark.parametrize("format", FORMATS)
-def test_manifest_lists_every_file_with_its_size_and_sha256(tmp_path, format):
+def test_manifest_lists_every_file_with_its_size_and_xxh3_128(tmp_path, format):
     run(tmp_path, 2, BallastHook(numel=1000), CheckpointingHook(interval=2, format=format))
     directory = tmp_path / "checkpoints" / "2"
     manifest = json.loads((directory / "manifest.json").read_text())
     on_disk = {p.relative_to(directory).as_posix(): p for p in directory.rglob("*") if p.is_file()}
-    assert manifest["manifest_version"] == 1
+    assert manifest["manifest_version"] == 2
     assert set(manifest["files"]) == set(on_disk) - {"manifest.json"}
     assert "metadata.json" in manifest["files"]
     for rel, entry in manifest["files"].items():
         data = on_disk[rel].read_bytes()
-        assert entry == {"size": len(data), "sha256": hashlib.sha256(data).hexdigest()}
+        assert entry == {"size": len(data), "xxh3_128": xxhash.xxh3_128(data).hexdigest()}
+
+
+def as_written_by_version_1(directory: Path) -> None:
+    """Rewrite ``directory``'s manifest as trainloop wrote it before XXH3-128: version 1, SHA-256 entries."""
+    manifest = json.loads((directory / "manifest.json").read_text())
+    files = {rel: {"size": entry["size"], "sha256": hashlib.sha256((directory / rel).read_bytes()).hexdigest()}
+             for rel, entry in manifest["files"].items()}
+    (directory / "manifest.json").write_text(json.dumps({"manifest_version": 1, "files": files}))
+
+
+@pytest.mark.parametrize("format", FORMATS)
+def test_a_checkpoint_with_a_sha256_manifest_still_resumes_and_is_still_checked(tmp_path, format, caplog):
+    run(tmp_path, 2, BallastHook(numel=1000), CheckpointingHook(interval=2, format=format))
+    old = tmp_path / "checkpoints" / "2"
+    as_written_by_version_1(old)
+    assert verify_checkpoint(old).keys() == set(json.loads((old / "manifest.json").read_text())["files"])
+    kept = tmp_path / "kept"
+    shutil.copytree(old, kept)  # the resumed run prunes it
+    capture = CaptureHook()
+    run(tmp_path, 3, BallastHook(numel=1000), CheckpointingHook(interval=2, format=format), capture)
+    assert started_at(capture) == 2  # resumed from the version-1 checkpoint
+    # A flipped byte in it is found by its own checksum, and named as such.
+    expected = damage(kept, "flipped")
+    with pytest.raises(CheckpointError, match="corrupt \\(its SHA-256 differs from its manifest's\\)") as caught:
+        verify_checkpoint(kept)
+    assert expected in str(caught.value)
 
 
 def test_metadata_json_holds_step_epoch_time_metrics_and_versions(tmp_path):

@@ -8,6 +8,7 @@ it; a full checkpoint's files are verified in the same read (:func:`load_verifie
 from __future__ import annotations
 
 import mmap
+import os
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -15,7 +16,7 @@ from typing import Any
 import torch
 
 from trainloop.checkpoint.errors import CheckpointError
-from trainloop.checkpoint.hashing import BufferReader, FileDigest, read_verified
+from trainloop.checkpoint.hashing import BufferReader, FileDigest, HashingReader, read_verified
 
 __all__ = ["SHARDED_DIR", "UnloadableError", "VerifiedFiles", "load_file", "load_verified", "refused_or_corrupt"]
 
@@ -44,20 +45,36 @@ def load_file(path: Path) -> Any:
 
 
 def load_verified(path: Path, expected: FileDigest) -> Any:
-    """:func:`load_file`, but the file is read once and checked while it is read, before unpickling.
+    """:func:`load_file`, but the file is checked against its manifest entry in the same read.
 
-    It is checked against its manifest entry (see :func:`~trainloop.checkpoint.hashing.read_verified`).
+    torch reads the file through a :class:`~trainloop.checkpoint.hashing.HashingReader`, which
+    hashes the bytes as they arrive; what was loaded is returned only if the whole file's
+    checksum is its manifest's. A file that fails to load is reported as corrupt if its
+    checksum differs, as unloadable otherwise.
 
     Raises:
-        CheckpointError: The file's size or SHA-256 is not its manifest's.
+        CheckpointError: The file is missing, or its size or checksum is not its manifest's.
         UnloadableError: It is, but torch cannot load it or refused what it holds.
     """
-    contents = read_verified(path, expected)
     try:
-        return _load_contents(path, contents)
-    finally:
-        if isinstance(contents, mmap.mmap):
-            contents.close()
+        file = open(path, "rb", buffering=0)  # closed below, after the digest
+    except FileNotFoundError:
+        raise CheckpointError(
+            f"{path.parent} is not a complete checkpoint: missing {path.name} (listed in its manifest)"
+        ) from None
+    with file:
+        expected.check_size(os.fstat(file.fileno()).st_size, path)
+        reader = HashingReader(file, expected.checksum)
+        try:
+            loaded, failure = torch.load(reader, map_location="cpu", weights_only=True), None  # type: ignore[arg-type]
+        except Exception as error:  # noqa: BLE001  # raised below, unless the checksum says corrupt
+            loaded, failure = None, error
+        problem = expected.differs(reader.finish(), path)
+    if problem is not None:
+        raise problem
+    if failure is not None:
+        raise UnloadableError(str(refused_or_corrupt(str(path), failure))) from failure
+    return loaded
 
 
 def _load_contents(path: Path, contents: mmap.mmap | bytes) -> Any:

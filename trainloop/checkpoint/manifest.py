@@ -6,9 +6,13 @@
      "metrics": {"train/loss": 0.25}, "trainloop_version": "0.1.0", "torch_version": "2.7.0"}
 
 ``manifest.json`` is written last, once every other file is complete, and lists each of them
-(paths relative to the checkpoint, ``/``-separated) with its size and SHA-256::
+(paths relative to the checkpoint, ``/``-separated) with its size and XXH3-128 checksum (see
+:mod:`trainloop.checkpoint.hashing`)::
 
-    {"manifest_version": 1, "files": {"model.pt": {"size": 1234, "sha256": "9f86d0..."}, ...}}
+    {"manifest_version": 2, "files": {"model.pt": {"size": 1234, "xxh3_128": "9f86d0..."}, ...}}
+
+Version 1 manifests, written before, record SHA-256 (``"sha256"``) instead; they are verified
+the same way.
 
 A checkpoint without a valid manifest, or whose files differ from it, is incomplete: a save
 that did not finish, or a file truncated or corrupted since.
@@ -16,7 +20,6 @@ that did not finish, or a file truncated or corrupted since.
 
 from __future__ import annotations
 
-import hashlib
 import json
 import math
 from collections.abc import Iterable, Mapping
@@ -27,7 +30,7 @@ from typing import Any
 import torch
 
 from trainloop.checkpoint.errors import CheckpointError
-from trainloop.checkpoint.hashing import FileDigest, HashingWriter
+from trainloop.checkpoint.hashing import CHECKSUM, CHECKSUMS, FileDigest, HashingWriter, new_hash
 from trainloop.nested import flatten_nested_dict, to_float
 from trainloop.version import __version__
 
@@ -49,7 +52,8 @@ __all__ = [
 
 MANIFEST = "manifest.json"
 METADATA = "metadata.json"
-MANIFEST_VERSION = 1
+MANIFEST_VERSION = 2
+_READABLE_VERSIONS = (1, 2)  # 1: SHA-256 entries
 
 
 def save_torch(obj: Any, path: Path) -> FileDigest:
@@ -78,14 +82,19 @@ def write_json(obj: Any, path: Path) -> FileDigest:
     data = (json.dumps(obj, indent=2, allow_nan=False) + "\n").encode("utf-8")
     with open(path, "wb") as file:
         file.write(data)
-    return FileDigest(len(data), hashlib.sha256(data).hexdigest())
+    hashing = new_hash()
+    hashing.update(data)
+    return FileDigest(len(data), hashing.hexdigest())
 
 
-def hash_file(path: Path) -> FileDigest:
-    """The size and SHA-256 of a file on disk."""
+def hash_file(path: Path, checksum: str = CHECKSUM) -> FileDigest:
+    """The size and checksum of a file on disk (the one new manifests record, unless ``checksum`` names another)."""
+    hashing = new_hash(checksum)
     with open(path, "rb") as file:
-        digest = hashlib.file_digest(file, "sha256")
-        return FileDigest(file.tell(), digest.hexdigest())
+        for chunk in iter(lambda: file.read(1 << 20), b""):
+            hashing.update(chunk)
+        size = file.tell()
+    return FileDigest(size, hashing.hexdigest(), checksum)
 
 
 def make_metadata(step: int, epoch: int, format: str, metrics: Mapping[str, Any] | None = None) -> dict[str, Any]:
@@ -135,7 +144,7 @@ def write_manifest(directory: Path, known: Mapping[str, FileDigest] | None = Non
     for rel, path in _files(directory):
         if rel != MANIFEST and rel not in known:
             known[rel] = hash_file(path)
-    files = {rel: {"size": known[rel].size, "sha256": known[rel].sha256} for rel in sorted(known)}
+    files = {rel: {"size": known[rel].size, known[rel].checksum: known[rel].hex} for rel in sorted(known)}
     write_json({"manifest_version": MANIFEST_VERSION, "files": files}, directory / MANIFEST)
 
 
@@ -196,11 +205,7 @@ def check_listing(directory: Path) -> dict[str, FileDigest]:
         path = directory / rel
         if not path.is_file():
             raise CheckpointError(f"{directory} is not a complete checkpoint: missing {rel} (listed in its manifest)")
-        size = path.stat().st_size
-        if size != digest.size:
-            raise CheckpointError(
-                f"{path}: cannot load: truncated or altered ({size} bytes; its manifest says {digest.size})"
-            )
+        digest.check_size(path.stat().st_size, path)
     for rel, path in _files(directory):
         if rel != MANIFEST and rel not in expected:
             raise CheckpointError(f"{path}: not listed in {directory / MANIFEST}; the checkpoint was altered")
@@ -211,34 +216,37 @@ def check_hashes(directory: Path, expected: Mapping[str, FileDigest], files: Ite
     """Hash ``files`` (relative paths) of ``directory`` and compare them with ``expected``.
 
     Raises:
-        CheckpointError: A file is missing or its SHA-256 differs (the message names it).
+        CheckpointError: A file is missing or its checksum differs (the message names it).
     """
     for rel in files:
         path = Path(directory) / rel
         try:
-            sha256 = hash_file(path).sha256
+            actual = hash_file(path, expected[rel].checksum)
         except FileNotFoundError:
             raise CheckpointError(
                 f"{directory} is not a complete checkpoint: missing {rel} (listed in its manifest)"
             ) from None
-        if sha256 != expected[rel].sha256:
-            raise CheckpointError(f"{path}: cannot load: corrupt (its SHA-256 differs from its manifest's)")
+        problem = expected[rel].differs(actual, path)
+        if problem is not None:
+            raise problem
 
 
 def _parse_manifest(path: Path, raw: bytes) -> dict[str, FileDigest]:
     try:
         manifest = json.loads(raw)
-        if manifest["manifest_version"] != MANIFEST_VERSION:
-            raise ValueError(f"manifest_version {manifest['manifest_version']!r} is not {MANIFEST_VERSION}")
+        version = manifest["manifest_version"]
+        if version not in _READABLE_VERSIONS:
+            raise ValueError(f"manifest_version {version!r} is not one of {_READABLE_VERSIONS}")
+        checksum = "sha256" if version == 1 else "xxh3_128"
         files = {}
         for rel, entry in manifest["files"].items():
             parts = PurePosixPath(rel).parts
             if not parts or rel.startswith("/") or ".." in parts:
                 raise ValueError(f"{rel!r} is not a path inside the checkpoint")
-            size, sha256 = entry["size"], entry["sha256"]
-            if not isinstance(size, int) or not isinstance(sha256, str):
-                raise TypeError(f"the entry of {rel!r} is not a size and a SHA-256")
-            files[rel] = FileDigest(size, sha256)
+            size, value = entry["size"], entry[checksum]
+            if not isinstance(size, int) or not isinstance(value, str):
+                raise TypeError(f"the entry of {rel!r} is not a size and a {CHECKSUMS[checksum]}")
+            files[rel] = FileDigest(size, value, checksum)
     except (ValueError, TypeError, KeyError, AttributeError) as error:
         raise CheckpointError(f"{path}: not a valid manifest ({type(error).__name__}: {error})") from None
     return files
