@@ -1,9 +1,11 @@
-"""A background save copies parameters and optimizer state off the training thread; the next
-optimizer step waits for that copy; nothing is held once the save is published."""
+"""A background save (full or sharded) copies parameters and optimizer state off the training
+thread; the next optimizer step waits for that copy; nothing is held once the save is published."""
 
 from __future__ import annotations
 
 import logging
+import threading
+from concurrent.futures import Future
 
 import pytest
 import torch
@@ -11,7 +13,7 @@ from torch import nn
 
 from trainloop.checkpoint.files import read_checkpoint
 from trainloop.checkpoint.saver import CheckpointSaver
-from trainloop.checkpoint.staging import CpuStage
+from trainloop.checkpoint.staging import CpuStage, ReusingStager, stepped_by
 
 
 def test_a_deferred_tensor_is_copied_by_finish_copy():
@@ -35,7 +37,22 @@ def test_a_deferred_tensor_changed_in_place_before_its_copy_fails_loudly():
         stage.finish_copy()
 
 
-def test_the_next_optimizer_step_waits_for_the_background_copy(tmp_path):
+def test_the_sharded_stager_copies_parameters_on_a_thread_of_its_own():
+    param, buffer = nn.Parameter(torch.ones(3)), torch.full((3,), 5.0)
+    optimizer = torch.optim.SGD([param], lr=0.1)
+    copied = threading.Event()
+    stager = ReusingStager(CpuStage(), stepped_by(optimizer), copied)
+    staged = stager.stage({"param": param, "buffer": buffer})
+    assert isinstance(staged, Future)  # DCP's writer waits for it; the loop does not
+    result = staged.result(timeout=30)
+    assert copied.is_set()
+    assert torch.equal(result["param"], torch.ones(3))
+    assert torch.equal(result["buffer"], torch.full((3,), 5.0))
+    assert result["param"].data_ptr() != param.data_ptr()  # a copy, not the live tensor
+
+
+@pytest.mark.parametrize("format", ["full", "sharded"])
+def test_the_next_optimizer_step_waits_for_the_background_copy(tmp_path, format):
     torch.manual_seed(0)
     model = nn.Linear(64, 64)
     optimizer = torch.optim.AdamW(model.parameters(), lr=0.1)
@@ -46,7 +63,7 @@ def test_the_next_optimizer_step_waits_for_the_background_copy(tmp_path):
 
     model_state, optimizer_state = get_state_dict(model, optimizer)
     before = {k: v.clone() for k, v in model.state_dict().items()}
-    saver = CheckpointSaver("full", async_save=True, logger=logging.getLogger("test"))
+    saver = CheckpointSaver(format, async_save=True, logger=logging.getLogger("test"))
     state = {"model": model_state, "training_state": {"step": 2, "epoch": 0, "optimizer": optimizer_state}}
     assert saver.save(tmp_path, 2, state, {"step": 2}, lambda _: None, optimizer) is None
     model(torch.randn(4, 64)).sum().backward()

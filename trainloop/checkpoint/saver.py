@@ -40,7 +40,7 @@ from trainloop.checkpoint.sharded import (
     unshared_storage,
     visible,
 )
-from trainloop.checkpoint.staging import CpuStage, ReusingStager, stage_to_cpu
+from trainloop.checkpoint.staging import CpuStage, ReusingStager, stage_to_cpu, stepped_by
 from trainloop.distributed.ranks import in_process_group, rank
 
 __all__ = ["CheckpointSaver", "agree_on_error", "broadcast_from_rank_zero"]
@@ -148,9 +148,9 @@ class CheckpointSaver:
             metadata: The contents of ``metadata.json``.
             published: Called on rank 0 with the checkpoint once it is in place and ``latest``
                 points at it (in the background when saving asynchronously).
-            optimizer: The run's optimizer. A background full save then copies its parameters
-                and state (which only its step changes) on the background thread, and its next
-                step waits for that copy, instead of the loop waiting for the whole copy now.
+            optimizer: The run's optimizer. A background save then copies its parameters and
+                state (which only its step changes) on a background thread, and its next step
+                waits for that copy, instead of the loop waiting for the whole copy now.
 
         Returns:
             The error of a foreground save, agreed by all ranks (``None``: saved); a background
@@ -166,7 +166,7 @@ class CheckpointSaver:
         if self.format == "full":
             _refuse_sharded_tensors(state_dict)
             return self._save_full(root, step, state_dict, metadata, published, optimizer)
-        return self._save_sharded(root, step, state_dict, metadata, published)
+        return self._save_sharded(root, step, state_dict, metadata, published, optimizer)
 
     # -- full: rank 0 writes torch.save files ------------------------------------------------
 
@@ -180,10 +180,8 @@ class CheckpointSaver:
         if self.async_save:
             if rank() == 0:
                 clean_leftovers(root, self.logger)
-                staged = self._stage.copy(state_dict, defer=_stepped_by(optimizer))
-                copied = threading.Event()
-                if optimizer is not None:
-                    self._wait_before_step(optimizer, copied)
+                defer, copied = self._defer_until_step(optimizer)
+                staged = self._stage.copy(state_dict, defer=defer)
 
                 def work() -> None:
                     try:
@@ -206,6 +204,19 @@ class CheckpointSaver:
                 error = as_save_failure(root / str(step), failure)
         return agree_on_error(error)
 
+    def _defer_until_step(
+        self, optimizer: torch.optim.Optimizer | None
+    ) -> tuple[Callable[[torch.Tensor], bool] | None, threading.Event]:
+        """Which tensors' copy can wait until ``optimizer``'s next step, and the event that step waits for.
+
+        Set the event once they are copied (also if the copy fails); without an optimizer nothing is deferred.
+        """
+        copied = threading.Event()
+        if optimizer is None:
+            return None, copied
+        self._wait_before_step(optimizer, copied)
+        return stepped_by(optimizer), copied
+
     def _wait_before_step(self, optimizer: torch.optim.Optimizer, copied: threading.Event) -> None:
         """Make ``optimizer``'s next step wait until ``copied`` (then the hook removes itself)."""
         def wait(*_: Any) -> None:
@@ -225,7 +236,8 @@ class CheckpointSaver:
     # -- sharded: every rank writes its shard, rank 0 the rest -------------------------------
 
     def _save_sharded(self, root: Path, step: int, state_dict: dict[str, Any], metadata: dict[str, Any],
-                      published: Callable[[Path], None]) -> BaseException | None:
+                      published: Callable[[Path], None],
+                      optimizer: torch.optim.Optimizer | None) -> BaseException | None:
         target = root / str(step)
         prepared: Any = None
         if rank() == 0:
@@ -257,17 +269,18 @@ class CheckpointSaver:
             self._group = dist.new_group(backend="gloo")
         staged_rest = stage_to_cpu(rest) if rank() == 0 else rest
         # Shards on an accelerator are staged by DCP itself (fresh buffers each time).
-        stager = ReusingStager(self._stage) if ReusingStager.suits(shards) else None
+        stager = ReusingStager(self._stage, *self._defer_until_step(optimizer)) if ReusingStager.suits(shards) else None
         with quiet_single_process():  # here only the staging; DCP's thread may still say it
-            # A Future, not a response with a staging future: both stagers stage at once.
-            future = cast(Future[None], dcp_async_save(shards, storage_writer=writer, process_group=self._group,
-                                                 async_stager=stager, no_dist=not in_process_group()))
+            response = dcp_async_save(shards, storage_writer=writer, process_group=self._group,
+                                      async_stager=stager, no_dist=not in_process_group())
+        # A response of two futures when the stager copies in the background (else the writing's future).
+        upload = cast(Future[None], getattr(response, "upload_completion", response))
         group = self._group
 
         def finish() -> None:
             try:
                 error = self._finish_sharded(
-                    tmp, target, seen, future.result, writer, staged_rest, metadata, published, group
+                    tmp, target, seen, upload.result, writer, staged_rest, metadata, published, group
                 )
             finally:
                 self._stage.release()  # no copy of the state is kept between saves
@@ -315,19 +328,6 @@ class CheckpointSaver:
         self.logger.info("Saved checkpoint %s", target)
         published(target)
         return None
-
-
-def _stepped_by(optimizer: torch.optim.Optimizer | None) -> Callable[[torch.Tensor], bool] | None:
-    """Whether a tensor shares memory with ``optimizer``'s parameters or state.
-
-    What only its step changes, so its copy can wait until that step.
-    """
-    if optimizer is None:
-        return None
-    tensors = [p for group in optimizer.param_groups for p in group["params"]]
-    tensors += [t for state in optimizer.state.values() for t in state.values() if isinstance(t, torch.Tensor)]
-    storages = {t.untyped_storage().data_ptr() for t in tensors}
-    return lambda tensor: tensor.untyped_storage().data_ptr() in storages
 
 
 def as_save_failure(target: Path, error: BaseException) -> CheckpointError:

@@ -5,21 +5,43 @@ changing the live tensors: so the state is first copied ("staged") to CPU memory
 that copy is written. Reusing the previous save's buffers makes the copy cheap (see
 :class:`CpuStage`). The parameters and the optimizer's state, most of a state, change only in
 the optimizer's step: their copy can be deferred to the background, the next step waiting for
-it (see :meth:`CpuStage.copy`).
+it (see :meth:`CpuStage.copy`), in both formats (:class:`ReusingStager` for DCP's sharded saves).
 """
 
 from __future__ import annotations
 
 import copy
+import threading
 from collections import OrderedDict
 from collections.abc import Callable
+from concurrent.futures import Future
 from typing import Any
 
 import torch
+from torch.distributed.checkpoint import state_dict_saver
 from torch.distributed.checkpoint.staging import AsyncStager
 from torch.distributed.tensor import DTensor
 
-__all__ = ["CpuStage", "ReusingStager", "stage_to_cpu"]
+__all__ = ["CpuStage", "ReusingStager", "stage_to_cpu", "stepped_by"]
+
+# DCP waits for a stager's Future (and answers with two futures) since it has AsyncSaveResponse.
+_DCP_TAKES_A_STAGING_FUTURE = hasattr(state_dict_saver, "AsyncSaveResponse")
+
+
+def stepped_by(optimizer: torch.optim.Optimizer) -> Callable[[torch.Tensor], bool]:
+    """Whether a tensor shares memory with ``optimizer``'s parameters or state.
+
+    What only its step changes, so its copy can wait until that step.
+    """
+    tensors = [p for group in optimizer.param_groups for p in group["params"]]
+    tensors += [t for state in optimizer.state.values() for t in state.values() if isinstance(t, torch.Tensor)]
+    storages = {_local(t).untyped_storage().data_ptr() for t in tensors}
+    return lambda tensor: _local(tensor).untyped_storage().data_ptr() in storages
+
+
+def _local(tensor: torch.Tensor) -> torch.Tensor:
+    """This rank's own tensor of a DTensor (an FSDP parameter's shard); any other tensor itself."""
+    return tensor.to_local() if isinstance(tensor, DTensor) else tensor
 
 
 def stage_to_cpu(obj: Any) -> Any:
@@ -128,21 +150,57 @@ class ReusingStager(AsyncStager):
 
     Only for states whose sharded tensors live on a CPU device mesh: ``DTensor.from_local``
     would move a staged shard back to an accelerator mesh's device.
+
+    Args:
+        stage: The buffers to copy into.
+        defer: Tensors whose copy can wait (see :meth:`CpuStage.copy`): they are copied on a
+            thread of their own while DCP's writer waits for them, and the loop goes on.
+        copied: Set once that copy is done (or failed): the optimizer's next step waits for it.
     """
 
-    _synchronize_after_execute = False  # stage() returns once the copy is complete
+    _synchronize_after_execute = False  # stage() returns once the copy is complete, or a Future of it
 
-    def __init__(self, stage: CpuStage) -> None:
+    def __init__(
+        self,
+        stage: CpuStage,
+        defer: Callable[[torch.Tensor], bool] | None = None,
+        copied: threading.Event | None = None,
+    ) -> None:
         self._stage = stage
+        self._defer = defer if _DCP_TAKES_A_STAGING_FUTURE else None
+        self._copied = copied
 
-    def stage(self, state_dict: dict[str, Any]) -> dict[str, Any]:
-        """Copy ``state_dict`` into the stage's CPU buffers, synchronously."""
-        staged: dict[str, Any] = self._stage.copy(state_dict)
-        return staged
+    def stage(self, state_dict: dict[str, Any]) -> Any:
+        """Copy ``state_dict`` into the stage's CPU buffers: the deferred tensors on a thread (then a Future)."""
+        try:
+            staged: dict[str, Any] = self._stage.copy(state_dict, defer=self._defer)
+        except BaseException:
+            self._set_copied()
+            raise
+        if self._defer is None:
+            self._set_copied()
+            return staged
+        ready: Future[dict[str, Any]] = Future()
+
+        def finish() -> None:
+            try:
+                self._stage.finish_copy()
+                ready.set_result(staged)
+            except BaseException as error:  # noqa: BLE001  # DCP's writer raises it: the save fails with it
+                ready.set_exception(error)
+            finally:
+                self._set_copied()
+
+        threading.Thread(target=finish, name="trainloop-stage", daemon=True).start()
+        return ready
+
+    def _set_copied(self) -> None:
+        if self._copied is not None:
+            self._copied.set()
 
     def synchronize_staging(self) -> None:
-        """Nothing to wait for: :meth:`stage` copied synchronously."""
-        return None  # nothing to wait for: stage() copied synchronously
+        """Nothing to wait for: :meth:`stage` copied synchronously, or returned a Future DCP waits for."""
+        return None
 
     def close(self) -> None:
         """Nothing to release: the buffers belong to the ``CpuStage``, reused by the next save."""
