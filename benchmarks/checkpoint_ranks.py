@@ -7,12 +7,15 @@ before each measurement; the time of a measurement is the slowest rank's):
 - **save**: the floor, rank 0's ``torch.save`` + fsync of the model's and the optimizer's state
   dicts (what a hand-written DDP loop does), against ``CheckpointSaver`` writing the full format
   (rank 0 writes; hashes, manifest, atomic rename, ``latest``, the ranks agreeing on the outcome)
-  and the sharded one (every rank writes its shard through DCP).
+  and the sharded one (every rank writes its shard through DCP), which is also put beside the
+  sharded format's own floor, a plain ``dcp.save`` of the same state.
 - **resume**: the floor, every rank's ``torch.load(weights_only=True)`` of both files +
   ``load_state_dict``, against trainloop's resume of the full checkpoint (every rank reads each
   file once, verified as read) and of the sharded one (each rank verifies its share and DCP
-  reads through it). Warm: the files are in the page cache (one machine, every rank reading
-  the same files: a cold read would be one rank's, the others hitting the cache).
+  reads through it), which is also put beside a plain ``dcp.load`` of the same state into the
+  live tensors (what a hand-written DCP loop does). Warm: the files are in the page cache (one
+  machine, every rank reading the same files: a cold read would be one rank's, the others
+  hitting the cache).
 - **async**: a background full save between steps: how long the loop is blocked (the save
   call, plus the next optimizer step's wait for the background copy), and rank 0's peak RSS
   above what it was before the save.
@@ -41,6 +44,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
 import torch.multiprocessing as mp
 from checkpoint_speed import PeakRss, Shim, build, fsync, rss, step
 from torch import nn
@@ -79,7 +83,7 @@ def one_round(
 ) -> None:
     rank = dist.get_rank()
     logger = logging.getLogger("bench")
-    plain, full, sharded = scratch / "plain", scratch / "full", scratch / "sharded"
+    plain, full, sharded, plain_dcp = scratch / "plain", scratch / "full", scratch / "sharded", scratch / "dcp"
     shim = Shim(model, optimizer)
 
     def plain_save() -> None:
@@ -100,6 +104,13 @@ def one_round(
     out["save: torch.save + fsync (rank 0)"].append(timed_on_all(plain_save))
     out["save: trainloop full"].append(timed_on_all(our_save(full, "full")))
     out["save: trainloop sharded"].append(timed_on_all(our_save(sharded, "sharded")))
+
+    def dcp_save() -> None:
+        shutil.rmtree(plain_dcp, ignore_errors=True)
+        dist.barrier()
+        dcp.save(state_dict(model, optimizer, sharded=True), storage_writer=dcp.FileSystemWriter(plain_dcp))
+
+    out["save: dcp.save (the sharded floor)"].append(timed_on_all(dcp_save))
 
     def plain_resume() -> None:
         model.load_state_dict(torch.load(plain / "model.pt", weights_only=True))
@@ -122,8 +133,11 @@ def one_round(
             chosen[1].close()
         _load_model_and_optimizer(shim, loaded["model"], loaded["training_state"]["optimizer"])  # type: ignore[arg-type]
 
+    def dcp_resume() -> None:
+        dcp.load(state_dict(model, optimizer, sharded=True), storage_reader=dcp.FileSystemReader(plain_dcp))
+
     for name, fn in (("torch.load + load_state_dict", plain_resume), ("trainloop full", full_resume),
-                     ("trainloop sharded", sharded_resume)):
+                     ("trainloop sharded", sharded_resume), ("dcp.load (the sharded floor)", dcp_resume)):
         fn()  # warm: into the page cache
         out[f"resume: {name}"].append(timed_on_all(fn))
 
@@ -189,7 +203,8 @@ def worker(rank: int, world: int, port: int, args: argparse.Namespace, scratch: 
     for round_ in range(args.rounds + 1):
         current: dict[str, list[float]] = {}
         for key in ("save: torch.save + fsync (rank 0)", "save: trainloop full", "save: trainloop sharded",
-                    "resume: torch.load + load_state_dict", "resume: trainloop full", "resume: trainloop sharded",
+                    "save: dcp.save (the sharded floor)", "resume: torch.load + load_state_dict",
+                    "resume: trainloop full", "resume: trainloop sharded", "resume: dcp.load (the sharded floor)",
                     "async: loop blocked", "async: rank 0 peak RSS above before (MB)"):
             current[key] = []
         one_round(Path(scratch), model, optimizer, current)
@@ -211,8 +226,14 @@ def report(world: int, results: dict[str, list[float]], load: tuple[float, float
 
     save_floor, resume_floor = "save: torch.save + fsync (rank 0)", "resume: torch.load + load_state_dict"
     print(f"\n{world} rank(s); load average {load[0]:.1f} before, {load[1]:.1f} after")
+    sharded_floors = {"save: trainloop sharded": "save: dcp.save (the sharded floor)",
+                      "resume: trainloop sharded": "resume: dcp.load (the sharded floor)"}
     for key, value in med.items():
-        if key.startswith("save:") and key != save_floor:
+        if key in sharded_floors:
+            floor = save_floor if key.startswith("save:") else resume_floor
+            print(f"  {key:45s} {value * 1e3:8.0f} ms  {ratio(key, floor)} the floor, "
+                  f"{ratio(key, sharded_floors[key])} the sharded floor")
+        elif key.startswith("save:") and key != save_floor:
             print(f"  {key:45s} {value * 1e3:8.0f} ms  {ratio(key, save_floor)} the floor")
         elif key.startswith("resume:") and key != resume_floor:
             print(f"  {key:45s} {value * 1e3:8.0f} ms  {ratio(key, resume_floor)} the floor")
