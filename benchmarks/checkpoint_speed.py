@@ -16,7 +16,8 @@ same conditions:
 - **async**: a background save (``CheckpointSaver(async_save=True)``) between training steps:
   how long the loop is blocked (the save call, plus the next optimizer step's wait for the
   background copy of parameters and optimizer state), and the process's memory (RSS) above
-  what it was before the save: its peak during the save, and what is left once it is settled.
+  what it was before the save: its peak during the save (beside a step's own peak without a
+  save: gradients and the optimizer's temporaries), and what is left once it is settled.
 
 Medians over ``--rounds`` rounds (the first round of each size is a warm-up, not counted).
 Wall-clock time; the machine's other load shows as noise, hence the pairs.
@@ -206,6 +207,11 @@ def one_round(scratch: Path, megabytes: float, results: dict[str, list[float]]) 
     shutil.rmtree(ours_root)
     step(model, optimizer)
     before = rss()
+    with PeakRss() as step_peak:  # a step's own memory (gradients, the optimizer's temporaries)
+        step(model, optimizer)
+    results["async: a step's own peak RSS above before (MB)"].append((step_peak.peak - before) / 1e6)
+    state_dict(model, optimizer)  # as before the save below (torch builds the dict's state lazily)
+    before = rss()
     with PeakRss() as peak:
         waited = saver.waited
         started = time.perf_counter()
@@ -242,7 +248,8 @@ def main() -> None:
             for round_ in range(args.rounds + 1):
                 current: dict[str, list[float]] = {key: [] for key in (
                     "disk write", "torch.save + fsync", "write_checkpoint", "async: loop blocked",
-                    "async: peak RSS above before (MB)", "async: RSS left after the save (MB)",
+                    "async: peak RSS above before (MB)", "async: a step's own peak RSS above before (MB)",
+                    "async: RSS left after the save (MB)",
                     "async: staging copy during the save (MB)", "async: staging copy kept after it (MB)")}
                 current.update({f"{n} ({t})": [] for t in ("cold", "warm") for n in (
                     "disk read", "torch.load + load_state_dict", "trainloop resume", "previous resume")})
@@ -278,7 +285,9 @@ def report(size: float, results: dict[str, list[float]]) -> None:
     print(f"  {'async save: loop blocked':<40} {1000 * blocked:>7.1f} ms   {100 * share:.1f}% of a sync save (paired)")
     print(f"  {'async save: staging copy held':<40} {med['async: staging copy during the save (MB)']:>7.0f} MB during, "
           f"{med['async: staging copy kept after it (MB)']:.0f} MB once settled")
-    print(f"  {'async save: peak RSS above before':<40} {med['async: peak RSS above before (MB)']:>7.0f} MB")
+    own = med["async: a step's own peak RSS above before (MB)"]
+    print(f"  {'async save: peak RSS above before':<40} {med['async: peak RSS above before (MB)']:>7.0f} MB "
+          f"(a step alone: {own:.0f} MB)")
     print(f"  {'async save: RSS left once settled':<40} {med['async: RSS left after the save (MB)']:>7.0f} MB")
 
 
