@@ -66,6 +66,7 @@ def new_hash(checksum: str = CHECKSUM) -> _Hash:
     """A fresh hash object for ``checksum`` (a key of :data:`CHECKSUMS`)."""
     return xxhash.xxh3_128() if checksum == "xxh3_128" else hashlib.new(checksum)
 
+
 #: Writes and reads at least this large are hashed on the helper thread; smaller ones inline
 #: (handing them over would cost more than hashing them).
 _PARALLEL_MIN = 1 << 20
