@@ -10,7 +10,7 @@ import torch
 from tiny_trainer import TinyTrainer
 
 from trainloop import BaseHook, State
-from trainloop.step import StepInfo
+from trainloop.step_info import StepInfo
 
 ROOT = Path(__file__).resolve().parents[1]
 
