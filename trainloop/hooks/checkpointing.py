@@ -242,7 +242,8 @@ class CheckpointingHook(BaseHook):
 
     def on_after_step(self, trainer: TrainerView) -> None:
         """Request a save of a kept step; after an exit signal, request the exit."""
-        self._signals.request_exit(trainer, self.exit_code)
+        if self._signals.caught is not None:  # checked here: no call on a step without a signal
+            self._signals.request_exit(trainer, self.exit_code)
         if self._is_kept(trainer.step):
             trainer.request_checkpoint()
 

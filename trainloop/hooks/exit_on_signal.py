@@ -42,7 +42,7 @@ class ExitOnSignal(ExitSignals):
             exit_code: ``"128+signal"`` or a fixed code (``CheckpointingHook(exit_code=...)``).
         """
         caught = self.caught
-        if caught is None or self.exit_asked:
+        if caught is None or self.exit_asked:  # no signal, or the exit already asked
             return
         # No request_checkpoint() here: it would hold on this rank only, and a save needs
         # every rank. The standing at-exit request saves the step all ranks agree to stop at.
