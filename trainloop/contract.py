@@ -28,6 +28,8 @@ class Contract:
     """The user's contract: what a ``BaseTrainer`` subclass implements, and the optional methods' defaults.
 
     The run calls these in ``building`` (the ``build_*`` methods) and in each microstep (``forward``).
+    What the ``build_*`` methods return, the loop holds; the trainer shows it as ``data_loader``,
+    ``model``, ``optimizer``, ``lr_scheduler`` and ``grad_scaler`` (see ``trainloop.run_state.Built``).
 
     Attributes:
         settings: The validated settings (``BaseTrainer`` sets them).

@@ -1,6 +1,7 @@
 """``BaseTrainer``: the user's contract (``trainloop.contract``) and the machine seen from outside.
 
-The work of each state is ``trainloop.loop``'s.
+The work of each state is ``trainloop.loop``'s; the run's values it shows read-only are declared
+by ``trainloop.run_state.RunAttributes``, the built components by ``Contract``.
 """
 
 from __future__ import annotations
