@@ -41,7 +41,7 @@ if TYPE_CHECKING:  # what type checkers and editors see; at run time each name i
     from trainloop.rng import seed_all
     from trainloop.settings.model import SettingsFileError, TrainerSettings
     from trainloop.settings.preflight import PreflightError
-    from trainloop.step import StepInfo
+    from trainloop.step_info import StepInfo
     from trainloop.trainer import BaseTrainer, LossNoneWarning
     from trainloop.workspace import WorkspaceBusyError
 
@@ -76,7 +76,7 @@ _EXPORTS: dict[str, str] = {
     "SettingsFileError": "trainloop.settings.model",
     "TrainerSettings": "trainloop.settings.model",
     "PreflightError": "trainloop.settings.preflight",
-    "StepInfo": "trainloop.step",
+    "StepInfo": "trainloop.step_info",
     "WorkspaceBusyError": "trainloop.workspace",
     "BaseTrainer": "trainloop.trainer",
     "LossNoneWarning": "trainloop.trainer",

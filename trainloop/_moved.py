@@ -56,6 +56,7 @@ MOVED_NAMES: dict[str, dict[str, str]] = {
         **dict.fromkeys(("Records", "to_float", "hint_for_missing_key"), "trainloop.nested"),
         **dict.fromkeys(("unwrap_model", "module_modes_kept", "is_distributed_model"), "trainloop.wrappers"),
     },
+    "trainloop.step": {"StepInfo": "trainloop.step_info"},
     # (files still uses SHARDED_DIR and load_file itself, so those import from it as before)
     "trainloop.checkpoint.files": {"refused_or_corrupt": "trainloop.checkpoint.loading"},
     # The top level keeps the user's contract; what else it exported lives in a namespace.

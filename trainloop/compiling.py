@@ -13,9 +13,14 @@ can have been compiled.
 from __future__ import annotations
 
 import sys
-from typing import Any, NamedTuple
+from typing import TYPE_CHECKING, Any, NamedTuple, Protocol
 
-__all__ = ["CompileMark", "CompileWatch"]
+if TYPE_CHECKING:
+    from logging import Logger
+
+    from trainloop.step_info import StepInfo
+
+__all__ = ["CompileMark", "CompileWatch", "note_compiled"]
 
 _DYNAMO_UTILS = "torch._dynamo.utils"
 
@@ -99,3 +104,19 @@ class CompileWatch:
         if records:
             self._seen = records[-1]
         return [getattr(record, "recompile_reason", None) for record in new]
+
+
+class _MarksCompiled(Protocol):
+    """A record of the run that marks compiling steps (a ``trainloop.machine.trace.Trace``)."""
+
+    def mark_compiled(self, mark: CompileMark) -> None:
+        """Mark ``mark.step`` as a step ``torch.compile`` spent compiling."""
+
+
+def note_compiled(mark: CompileMark, step_info: StepInfo, trace: _MarksCompiled | None, logger: Logger) -> None:
+    """Mark a step that ran torch.compile's compiler: in its step info, the trace and the log (once each)."""
+    step_info.compiled = mark
+    if trace is not None:
+        trace.mark_compiled(mark)
+    log = logger.warning if mark.recompilation else logger.info
+    log("%s", mark.describe())

@@ -14,6 +14,7 @@ import torch
 from torch import nn
 
 from trainloop.nested import Records
+from trainloop.run_state import Built
 from trainloop.settings import optimizer as components
 
 if TYPE_CHECKING:
@@ -27,6 +28,8 @@ class Contract:
     """The user's contract: what a ``BaseTrainer`` subclass implements, and the optional methods' defaults.
 
     The run calls these in ``building`` (the ``build_*`` methods) and in each microstep (``forward``).
+    What the ``build_*`` methods return, the loop holds; the trainer shows it as ``data_loader``,
+    ``model``, ``optimizer``, ``lr_scheduler`` and ``grad_scaler`` (see ``trainloop.run_state.Built``).
 
     Attributes:
         settings: The validated settings (``BaseTrainer`` sets them).
@@ -35,9 +38,15 @@ class Contract:
 
     settings: TrainerSettings
     device: torch.device
-    if TYPE_CHECKING:  # BaseTrainer's: the built components and the run's length
-        model: nn.Module
-        optimizer: torch.optim.Optimizer
+
+    # Built in ``building``, in this order, by the ``build_*`` methods; the loop holds them.
+    data_loader: Built[Iterable[Any]] = Built()
+    model: Built[nn.Module] = Built()
+    optimizer: Built[torch.optim.Optimizer] = Built()
+    lr_scheduler: Built[torch.optim.lr_scheduler.LRScheduler | None] = Built()
+    grad_scaler: Built[torch.amp.GradScaler] = Built()
+
+    if TYPE_CHECKING:  # BaseTrainer's: the run's length
 
         @property
         def max_steps(self) -> int:

@@ -11,19 +11,17 @@ lives here too.
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from time import perf_counter
-from typing import TYPE_CHECKING, Any
-
-import torch
+from typing import TYPE_CHECKING
 
 from trainloop.checkpoint.weights import init_from
-from trainloop.compiling import CompileMark, CompileWatch
+from trainloop.compiling import CompileWatch, note_compiled
 from trainloop.data import EpochIterator
 from trainloop.distributed.rank_seeds import seed_ranks_apart, warn_if_ranks_drew_the_same
 from trainloop.distributed.ranks import is_rank_zero, world_size
-from trainloop.evaluation import WeightsSource, check_validations, restore_weights
-from trainloop.hooks.dispatch import ScheduledCalls, check_hooks, hook_dispatch, state_entry_methods
+from trainloop.evaluation import restore_weights
+from trainloop.hooks.dispatch import ScheduledCalls, call_each, check_hooks, hook_dispatch, state_entry_methods
 from trainloop.hooks.logging_hook import with_default_logging
 from trainloop.hooks.registry import build_declared_hooks
 from trainloop.loss import Loss
@@ -31,19 +29,21 @@ from trainloop.machine.runner import StateMachine
 from trainloop.machine.table import State
 from trainloop.machine.trace import start_run_record
 from trainloop.metrics import METRICS_FILE
-from trainloop.predict.run import PredictRun
 from trainloop.requests import RunRequests
 from trainloop.retries import raise_if_no_retries_left
 from trainloop.rng import seed_all, set_rng_state
+from trainloop.run_kind import RunOfKind, Work
 from trainloop.run_state import RunState
-from trainloop.step import StepInfo, StepPlan, StepRunner
+from trainloop.step import StepPlan, StepRunner, trainer_step_plan
+from trainloop.step_info import StepInfo
 
 if TYPE_CHECKING:
-    from trainloop.hooks.base import BaseHook
+    from trainloop.evaluation import WeightsSource
+    from trainloop.predict.run import PredictRun
     from trainloop.result import RunKind
     from trainloop.run_state import TrainerContract
 
-__all__ = ["Loop", "trainer_step_plan"]
+__all__ = ["Loop"]
 
 
 class Loop:
@@ -61,14 +61,11 @@ class Loop:
         self.applied = True  # whether the last optimizer update was applied
         self.loss_scale = 0.0  # fp16: GradScaler's scale after the last refused update
         self.runner: StepRunner | None = None
-        self.predict_run: PredictRun | None = None  # a predict run's work (trainer.predict() sets it)
         self.step_start = 0.0
-        self.kind: RunKind = "train"
-        self.weights_source = WeightsSource()  # where a run that trains nothing takes its weights
+        self.of_kind = RunOfKind()  # what the run's kind changes: its hooks, its work, its record
+        self.kind: RunKind = "train"  # the policies read it on every step: kept at hand
         self.done = False  # a run that trains nothing: its one pass is done
-        self.restoring = False  # a run that trains nothing got past building (bad input fails before)
         self.schedules = ScheduledCalls(())
-        self.built_hooks: tuple[BaseHook, ...] = ()  # all of them, also those a run that trains nothing leaves out
         self.compile_watch = CompileWatch()
         self.machine = StateMachine(
             conditions={
@@ -84,30 +81,29 @@ class Loop:
             step=lambda: self.run_state.step,
         )
 
-    def run(self, kind: RunKind = "train", source: WeightsSource | None = None) -> None:
+    def run(
+        self, kind: RunKind = "train", source: WeightsSource | None = None, predict_run: PredictRun | None = None
+    ) -> None:
         """Advance the machine and do each state's work until ``exiting``; see ``train()`` and the other runs.
 
         Args:
             kind: ``"train"``, ``"evaluate"`` (through ``validating``) or ``"predict"`` (``predict_run``'s work).
             source: Where a run that trains nothing takes the model's weights from.
+            predict_run: A predict run's work.
         """
         machine, trainer = self.machine, self.trainer
         self.kind, self.done = kind, False
-        if source is not None:
-            self.weights_source = source
-        work: dict[State, Callable[[], None]] = {
+        self.of_kind = RunOfKind(kind, source, predict_run)
+        training: Work = {
             State.BUILDING: self.build,
-            State.RESTORING: self.restore if kind == "train" else self.restore_weights,
+            State.RESTORING: self.restore,
             State.ACCUMULATING: self.accumulate,
             State.STEPPING: self.update,
             State.RETRYING: self.retry,
             State.VALIDATING: self.validate,
             State.CHECKPOINTING: self.checkpoint,
         }
-        if kind == "predict":
-            work = self.predict_run.work()  # type: ignore[union-attr]  # trainer.predict() set it
-        if kind != "train":  # past building, the run is recorded (refusals found while building are not)
-            work[State.RESTORING] = self._noting_restoring(work[State.RESTORING])
+        work = self.of_kind.work(training, self.restore_weights)
         # A run that trains nothing records no settings.json and no trace file: the training run's stand.
         machine.trace = start_run_record(trainer.settings, write=kind == "train")
         try:
@@ -137,12 +133,7 @@ class Loop:
         self.build_components()
         hooks = with_default_logging(build_declared_hooks(t.settings.hooks, t.build_hooks()), t.settings)
         check_hooks(hooks)
-        if self.kind != "train":
-            # Only the validations take part: no other hook loads, saves or watches a run that trains nothing.
-            self.built_hooks = tuple(hooks)
-            hooks = [h for h in hooks if h.schedule is not None and h.schedule.state == "validating"]
-            if self.kind == "evaluate":
-                check_validations(hooks, type(t).__name__)
+        hooks = self.of_kind.taking_part(hooks, type(t).__name__)
         run.hooks = tuple(hooks)
         self.schedules = ScheduledCalls(hooks)
         run.dispatch = hook_dispatch(hooks, self.schedules)
@@ -212,7 +203,7 @@ class Loop:
     def restore_weights(self) -> None:
         """The work of ``restoring`` in a run that trains nothing: the model's weights, then the validations' checks."""
         t, run = self.trainer, self.run_state
-        found = restore_weights(t, self.built_hooks, self.weights_source)
+        found = restore_weights(t, self.of_kind.built_hooks, self.of_kind.source)
         run.step = found.step if found is not None and found.step is not None else 0
         if found is None:
             init_from(t)  # the model as built: a fine-tune's starting weights, if declared
@@ -221,13 +212,6 @@ class Loop:
         self.requests.open()  # the validations may request (an exit); the ranks agree as in training
         if self.kind == "evaluate":
             self.schedules.queue_every_validation()
-
-    def _noting_restoring(self, restore: Callable[[], None]) -> Callable[[], None]:
-        def noted() -> None:
-            restore()
-            self.restoring = True  # restored: from here on it is a run, recorded even if it fails
-
-        return noted
 
     def step_plan(self) -> StepPlan:
         """Everything the hot loop would otherwise look up per microstep, resolved once."""
@@ -272,7 +256,7 @@ class Loop:
         run.step_info.step_time = step_time = perf_counter() - self.step_start
         compiled = self.compile_watch.end(run.step, step_time)
         if compiled is not None:
-            self._note_compiled(compiled)
+            note_compiled(compiled, run.step_info, self.machine.trace, t.logger)
         for fn in run.dispatch["on_after_step"]:
             fn(t)
         self.settle()
@@ -290,14 +274,6 @@ class Loop:
             self.schedules.run_validations(self.trainer)
             self.settle()  # early stopping on the fresh metric ends the run now, not a step later
         self.done = self.kind != "train"
-
-    def _note_compiled(self, mark: CompileMark) -> None:
-        """Mark a step that ran torch.compile's compiler: in its step info, the trace and the log (once each)."""
-        self.run_state.step_info.compiled = mark
-        if self.machine.trace is not None:
-            self.machine.trace.mark_compiled(mark)
-        log = self.trainer.logger.warning if mark.recompilation else self.trainer.logger.info
-        log("%s", mark.describe())
 
     def retry(self) -> None:
         """The work of ``retrying``: drop the step whose gradients were not finite."""
@@ -397,38 +373,3 @@ class Loop:
         """Whether a checkpoint is due at this step."""
         return self.requests.checkpoint_due(self.run_state.step, ending=self.should_exit)
 
-
-def call_each(fns: tuple[Callable[..., Any], ...], *args: Any) -> list[BaseException]:
-    """Call every one of ``fns`` with ``args``, even after one raises; return what they raised."""
-    errors = []
-    for fn in fns:
-        try:
-            fn(*args)
-        except BaseException as error:  # noqa: BLE001 - collected; the caller raises or logs them
-            errors.append(error)
-    return errors
-
-
-def trainer_step_plan(
-    trainer: TrainerContract,
-    *,
-    check_grads: bool,
-    lr_scheduler: torch.optim.lr_scheduler.LRScheduler | None = None,
-    before_optimizer_step: Callable[[], None] | None = None,
-) -> StepPlan:
-    """The step of ``trainer``'s built components under its settings (``lr_find`` runs it too)."""
-    settings = trainer.settings
-    return StepPlan(
-        model=trainer.model,
-        optimizer=trainer.optimizer,
-        forward=trainer.forward,
-        owner=f"{type(trainer).__name__}.forward()",
-        accumulation=settings.gradient_accumulation_steps,
-        grad_clip=settings.grad_clip,
-        grad_scaler=trainer.grad_scaler,
-        lr_scheduler=lr_scheduler,
-        check_grads=check_grads,
-        no_sync=settings.no_sync_accumulate,
-        autocast=trainer.autocast(),  # reused: an autocast object can be entered again
-        before_optimizer_step=before_optimizer_step,
-    )

@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Generic, NoReturn, Protocol, TypeVar, overload
 
 from trainloop.machine.table import State
-from trainloop.step import StepInfo
+from trainloop.step_info import StepInfo
 
 if TYPE_CHECKING:
     from logging import Logger
@@ -35,7 +35,9 @@ if TYPE_CHECKING:
     from trainloop.run_length import RunLength
     from trainloop.settings.model import TrainerSettings
 
-__all__ = ["COMPONENTS", "Built", "Dispatch", "RunState", "RunValue", "TrainerContract", "TrainerView"]
+__all__ = [
+    "COMPONENTS", "Built", "Dispatch", "RunAttributes", "RunState", "RunValue", "TrainerContract", "TrainerView"
+]
 
 Dispatch = dict[str, tuple[Callable[..., None], ...]]
 """Per hook event, the bound methods of the hooks that override it (``hook_dispatch``)."""
@@ -167,6 +169,35 @@ class Built(Generic[T]):
             )
         loop.run_state.built[self.name] = value
 
+
+class RunAttributes:
+    """The run's values as a trainer's read-only attributes (``BaseTrainer``'s), read from its loop's ``RunState``."""
+
+    step: RunValue[int] = RunValue(
+        "The last begun step: incremented when a new step begins (0 before the first).",
+        "to resume at another step, restore a state with trainer.load_state_dict(); "
+        "to end the run, call trainer.request_exit()",
+    )
+    epoch: RunValue[int] = RunValue(
+        "The epoch the run draws its batches from (0-based): the one it resumed in before the data "
+        "iterator exists, the one its data ended in once the run has exited "
+        "(``run_length.epochs_completed`` counts full passes).",
+        "restore a state with trainer.load_state_dict(), or end the run with trainer.request_exit()",
+        source="current_epoch",
+    )
+    step_info: RunValue[StepInfo] = RunValue(
+        "What the step in progress did (see ``StepInfo``); a hook may add records to it.",
+        "the loop starts a new one each step; add records to it instead "
+        "(trainer.step_info['name'] = value)",
+    )
+    hooks: RunValue[tuple[BaseHook, ...]] = RunValue(
+        "The run's hooks, in the order they are called: ``build_hooks()``'s, then the declared ones.",
+        "return hooks from build_hooks() or declare them in settings.hooks",
+    )
+    error: RunValue[BaseException | None] = RunValue(
+        "What ended the run, if an error did (``train()`` re-raised it).",
+        "raise the error, or end the run cleanly with trainer.request_exit()",
+    )
 
 class TrainerView(Protocol):
     """What a hook may read and call on the trainer it is given: a read-only view of the run.

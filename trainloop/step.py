@@ -2,7 +2,8 @@
 
 ``BaseTrainer`` and ``lr_find`` both run it.
 
-A ``StepPlan`` is what the loop needs, resolved before the first step; a ``StepRunner`` holds
+A ``StepPlan`` is what the loop needs, resolved before the first step (``trainer_step_plan``
+resolves a trainer's); a ``StepRunner`` holds
 what is derived from it (the gradient-sync switch, the non-finite check's buffers) and the
 state of the step in progress (its ``Loss`` item count).
 """
@@ -12,21 +13,31 @@ from __future__ import annotations
 import contextlib
 import warnings
 from collections.abc import Callable, Iterator, Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from time import perf_counter
-from typing import Any, NamedTuple
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
+from trainloop._moved import moved_names
 from trainloop.data import DataExhaustedError, EpochIterator
 from trainloop.distributed.sync import gradient_sync
 from trainloop.grads import NonFiniteGradCheck
 from trainloop.loss import Loss
 from trainloop.wrappers import is_distributed_model
 
-__all__ = ["LossNoneWarning", "Microstep", "StepInfo", "StepPlan", "StepRunner", "unpack_forward_output"]
+if TYPE_CHECKING:
+    from trainloop.run_state import TrainerContract
+
+    # The old path, for type checkers; at run time it imports with a warning (``__getattr__``).
+    from trainloop.step_info import StepInfo as StepInfo
+
+__all__ = ["LossNoneWarning", "Microstep", "StepPlan", "StepRunner", "trainer_step_plan", "unpack_forward_output"]
+
+# ``StepInfo``, which this module once defined (see trainloop._moved).
+__getattr__ = moved_names(__name__)
 
 NO_CONTEXT = contextlib.nullcontext()
 """The no-op context, one reusable object: entering it allocates nothing."""
@@ -73,72 +84,29 @@ class StepPlan:
     before_optimizer_step: Callable[[], None] | None = None
 
 
-@dataclass(slots=True)
-class StepInfo:
-    """What the step in progress did, as ``trainer.step_info``: complete in ``on_after_step``.
-
-    Attributes:
-        data_time: Seconds spent drawing batches, per microstep (skipped batches included; every
-            attempt of a retried step).
-        loss: Each microstep's loss as a detached tensor (per item for ``Loss``); reading one is
-            a host sync, so do it only on steps where you emit.
-        records: Each microstep's records, as ``forward`` returned them.
-        items: Each microstep's ``Loss.count`` (an int or a tensor left on its device); empty
-            when ``forward`` returns plain losses.
-        non_finite_grad_retries: How often this step was redone.
-        grad_norm: The total gradient norm before clipping (a tensor), with ``grad_clip`` only.
-        step_time: Seconds from the step's start to the end of its applied update.
-        max_memory: The step's peak CUDA memory in GiB (``CudaMaxMemoryHook``).
-        compiled: Set when ``torch.compile`` compiled during this step (see
-            ``trainloop.compiling``): its time is not the model's.
-        stats: The aggregate ``StatsHook`` published on this step, if it emitted one.
-        extras: What other hooks publish for later hooks, by a name of their choosing.
-    """
-
-    data_time: list[float] = field(default_factory=list)
-    loss: list[torch.Tensor] = field(default_factory=list)
-    records: list[Mapping[str, Any]] = field(default_factory=list)
-    items: list[torch.Tensor | int] = field(default_factory=list)
-    non_finite_grad_retries: int = 0
-    grad_norm: torch.Tensor | None = None
-    step_time: float | None = None
-    max_memory: float | None = None
-    compiled: Any = None  # a trainloop.compiling.CompileMark
-    stats: Any = None  # a trainloop.hooks.stats.TrainingStats
-    extras: dict[str, Any] = field(default_factory=dict)
-
-    # Read and written like the seed's dict too (``step_info["loss"]``, ``step_info["max_memory"] =
-    # ...``): a field by its name, any other key in ``extras``. A field that holds ``None`` (no
-    # clipping: no ``grad_norm``) is absent, as the seed's dict had no such key.
-
-    def __getitem__(self, key: str) -> Any:
-        """A field by its name (``KeyError`` while it holds ``None``), else ``extras[key]``."""
-        if key in _STEP_INFO_FIELDS:
-            value = getattr(self, key)
-            if value is None:
-                raise KeyError(key)
-            return value
-        return self.extras[key]
-
-    def __setitem__(self, key: str, value: Any) -> None:
-        """Set a field by its name, else ``extras[key]``."""
-        if key in _STEP_INFO_FIELDS:
-            setattr(self, key, value)
-        else:
-            self.extras[key] = value
-
-    def __contains__(self, key: object) -> bool:
-        """Whether ``self[key]`` would find a value."""
-        if key in _STEP_INFO_FIELDS:
-            return getattr(self, key) is not None
-        return key in self.extras
-
-    def get(self, key: str, default: Any = None) -> Any:
-        """``self[key]`` if present, else ``default``."""
-        return self[key] if key in self else default
-
-
-_STEP_INFO_FIELDS = frozenset(StepInfo.__dataclass_fields__) - {"extras"}
+def trainer_step_plan(
+    trainer: TrainerContract,
+    *,
+    check_grads: bool,
+    lr_scheduler: torch.optim.lr_scheduler.LRScheduler | None = None,
+    before_optimizer_step: Callable[[], None] | None = None,
+) -> StepPlan:
+    """The step of ``trainer``'s built components under its settings (``lr_find`` runs it too)."""
+    settings = trainer.settings
+    return StepPlan(
+        model=trainer.model,
+        optimizer=trainer.optimizer,
+        forward=trainer.forward,
+        owner=f"{type(trainer).__name__}.forward()",
+        accumulation=settings.gradient_accumulation_steps,
+        grad_clip=settings.grad_clip,
+        grad_scaler=trainer.grad_scaler,
+        lr_scheduler=lr_scheduler,
+        check_grads=check_grads,
+        no_sync=settings.no_sync_accumulate,
+        autocast=trainer.autocast(),  # reused: an autocast object can be entered again
+        before_optimizer_step=before_optimizer_step,
+    )
 
 
 class Microstep(NamedTuple):

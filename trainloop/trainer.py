@@ -1,6 +1,7 @@
 """``BaseTrainer``: the user's contract (``trainloop.contract``) and the machine seen from outside.
 
-The work of each state is ``trainloop.loop``'s.
+The work of each state is ``trainloop.loop``'s; the run's values it shows read-only are declared
+by ``trainloop.run_state.RunAttributes``, the built components by ``Contract``.
 """
 
 from __future__ import annotations
@@ -8,7 +9,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable
 from logging import Logger
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, ClassVar
@@ -18,7 +19,6 @@ from torch import nn
 
 from trainloop.contract import Contract
 from trainloop.evaluation import WeightsSource
-from trainloop.hooks.base import BaseHook
 from trainloop.loop import Loop
 from trainloop.machine.runner import Handle
 from trainloop.machine.table import State, Transition
@@ -29,10 +29,10 @@ from trainloop.predict.files import predictions_path
 from trainloop.predict.run import PredictRun
 from trainloop.result import RunKind, RunResult, finish_run
 from trainloop.run_length import RunLength
-from trainloop.run_state import EARLY_COMPONENTS, Built, RunState, RunValue
+from trainloop.run_state import EARLY_COMPONENTS, RunAttributes, RunState
 from trainloop.settings import preflight
-from trainloop.settings.model import TrainerSettings
-from trainloop.step import NO_CONTEXT, LossNoneWarning, StepInfo
+from trainloop.settings.model import TrainerSettings, resolve_settings
+from trainloop.step import NO_CONTEXT, LossNoneWarning
 from trainloop.training_state import ChangedSettingsWarning, load_training_state, training_state
 from trainloop.workspace import hold_run_workspace
 from trainloop.wrappers import unwrap_model
@@ -44,7 +44,8 @@ __all__ = ["BaseTrainer", "ChangedSettingsWarning", "LossNoneWarning"]
 
 _PRECISIONS = {"bf16": torch.bfloat16, "fp16": torch.float16}
 
-class BaseTrainer(Contract):
+
+class BaseTrainer(Contract, RunAttributes):
     """A training loop whose sequencing is an explicit state machine.
 
     Subclass it and implement ``build_data_loader``, ``build_model``,
@@ -80,40 +81,6 @@ class BaseTrainer(Contract):
                 "validation method (e.g. val_metrics) and point ValidationHook(evaluate=...) at the new name"
             )
 
-    # Built in ``building``, in this order, by the ``build_*`` methods; the loop holds them.
-    data_loader: Built[Iterable[Any]] = Built()
-    model: Built[nn.Module] = Built()
-    optimizer: Built[torch.optim.Optimizer] = Built()
-    lr_scheduler: Built[torch.optim.lr_scheduler.LRScheduler | None] = Built()
-    grad_scaler: Built[torch.amp.GradScaler] = Built()
-
-    # The run's state, as the loop keeps it (see ``trainloop.run_state.RunState``).
-    step: RunValue[int] = RunValue(
-        "The last begun step: incremented when a new step begins (0 before the first).",
-        "to resume at another step, restore a state with trainer.load_state_dict(); "
-        "to end the run, call trainer.request_exit()",
-    )
-    epoch: RunValue[int] = RunValue(
-        "The epoch the run draws its batches from (0-based): the one it resumed in before the data "
-        "iterator exists, the one its data ended in once the run has exited "
-        "(``run_length.epochs_completed`` counts full passes).",
-        "restore a state with trainer.load_state_dict(), or end the run with trainer.request_exit()",
-        source="current_epoch",
-    )
-    step_info: RunValue[StepInfo] = RunValue(
-        "What the step in progress did (see ``StepInfo``); a hook may add records to it.",
-        "the loop starts a new one each step; add records to it instead "
-        "(trainer.step_info['name'] = value)",
-    )
-    hooks: RunValue[tuple[BaseHook, ...]] = RunValue(
-        "The run's hooks, in the order they are called: ``build_hooks()``'s, then the declared ones.",
-        "return hooks from build_hooks() or declare them in settings.hooks",
-    )
-    error: RunValue[BaseException | None] = RunValue(
-        "What ended the run, if an error did (``train()`` re-raised it).",
-        "raise the error, or end the run cleanly with trainer.request_exit()",
-    )
-
     def __init__(
         self,
         settings: TrainerSettings | None = None,
@@ -123,7 +90,7 @@ class BaseTrainer(Contract):
         logger: Logger | None = None,
         **kwargs: Any,
     ) -> None:
-        self.settings = self._resolve_settings(settings, kwargs)
+        self.settings = resolve_settings(self.settings_class, settings, kwargs, owner=type(self).__name__)
         self.state_dict_options = state_dict_options
         self.logger = logger if logger is not None else logging.getLogger("trainloop")
         self.device = (
@@ -137,20 +104,6 @@ class BaseTrainer(Contract):
         self._run.built.update(self.__dict__.pop(EARLY_COMPONENTS, {}))
         self._machine = self._loop.machine
         self._requests = self._loop.requests
-
-    def _resolve_settings(self, settings: TrainerSettings | None, overrides: dict[str, Any]) -> TrainerSettings:
-        cls = self.settings_class
-        if settings is None:
-            return cls(**overrides)
-        if not isinstance(settings, TrainerSettings):
-            raise TypeError(
-                f"{type(self).__name__}() takes a TrainerSettings as its only positional argument, "
-                f"got {type(settings).__name__}; pass the other settings as keywords "
-                "(e.g. max_steps=1000)"
-            )
-        if isinstance(settings, cls) and not overrides:
-            return settings
-        return cls.model_validate({**settings.model_dump(), **overrides})
 
     # -- the machine, seen from outside --------------------------------------------------------
 
@@ -364,11 +317,13 @@ class BaseTrainer(Contract):
         source = WeightsSource.of(checkpoint, weights)
         path = predictions_path(output, self.workspace)
         preflight.check(self, kind="predict")
-        self._loop.predict_run = predict_run = PredictRun(self, self._run, source, path)
-        self._run_machine("predict", source)
+        predict_run = PredictRun(self, self._run, source, path)
+        self._run_machine("predict", source, predict_run)
         return predict_run.outputs
 
-    def _run_machine(self, kind: RunKind, source: WeightsSource | None = None) -> None:
+    def _run_machine(
+        self, kind: RunKind, source: WeightsSource | None = None, predict_run: PredictRun | None = None
+    ) -> None:
         """Run the machine once, for a run of ``kind``; the result is kept in ``self.result``."""
         if self.state is not State.IDLE:
             raise RuntimeError(
@@ -377,11 +332,10 @@ class BaseTrainer(Contract):
             )
         started = time.time()
         try:
-            self._loop.run(kind, source)
+            self._loop.run(kind, source, predict_run)
         finally:
-            # A run that trains nothing and failed while building was refused (no validation), not run.
-            write = kind == "train" or self._loop.restoring
-            self.result = finish_run(self, kind, write=write, started=started)
+            # A run that trains nothing refused before its weights were restored is not a run.
+            self.result = finish_run(self, kind, write=self._loop.of_kind.recorded, started=started)
 
     # -- state -----------------------------------------------------------------------------
 

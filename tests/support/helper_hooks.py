@@ -13,7 +13,7 @@ from typing import Any
 import torch
 
 from trainloop import BaseHook, BaseTrainer
-from trainloop.step import StepInfo
+from trainloop.step_info import StepInfo
 
 
 class CaptureHook(BaseHook):

@@ -6,8 +6,6 @@ its reading and writing functions are re-exported here.
 
 from __future__ import annotations
 
-import signal
-import time
 import warnings
 from collections.abc import Sequence
 from contextlib import nullcontext
@@ -25,11 +23,12 @@ from trainloop.checkpoint.manifest import make_metadata
 from trainloop.checkpoint.resume import load_checkpoint, say, sharded_state_dict
 from trainloop.checkpoint.retention import prune
 from trainloop.distributed.ranks import is_rank_zero
-from trainloop.exit_signals import DEFAULT_EXIT_SIGNALS, ExitCode, ExitSignal, ExitSignals, as_signal
+from trainloop.exit_signals import DEFAULT_EXIT_SIGNALS, ExitCode, ExitSignal, as_signal
 from trainloop.hooks.base import BaseHook
 from trainloop.hooks.checks import HookProblem, listed, needs_workspace, one_process
 from trainloop.hooks.early_stopping import MonitorNotFoundWarning
 from trainloop.hooks.every import Schedule
+from trainloop.hooks.exit_on_signal import ExitOnSignal
 from trainloop.hooks.registry import register_hook
 from trainloop.nested import flatten_nested_dict
 from trainloop.settings.types import NonEmptyPath, NonNegativeFloat, NonNegativeInt, PositiveInt, StrictBool
@@ -196,13 +195,11 @@ class CheckpointingHook(BaseHook):
         self.on_save_error = on_save_error
         # Signals given explicitly must be installed; the defaults only where Python can.
         explicit = exit_signals is not None and list(exit_signals) != list(DEFAULT_EXIT_SIGNALS)
-        self._signals = ExitSignals(self.exit_signals, required=explicit, name="CheckpointingHook exit_signals")
-        self._exit_asked = False
+        self._signals = ExitOnSignal(self.exit_signals, required=explicit, name="CheckpointingHook exit_signals")
         self._metrics: dict[str, Any] = {}
         self._first_step = 0  # the step this run started from
         self.resumed_complete = False  # the last run resumed a completed run (and so trained nothing)
         self._saver: CheckpointSaver | None = None
-
 
     def on_enter_restoring(self, trainer: TrainerView) -> None:
         """Load the checkpoint ``load`` names, if any, into the trainer."""
@@ -238,7 +235,6 @@ class CheckpointingHook(BaseHook):
         trainer.request_checkpoint(at_exit=True)
         self._first_step = trainer.step
         self._last_saved_step = None
-        self._exit_asked = False
         self._metrics = {}
         self._signals.install(trainer.logger)
 
@@ -246,21 +242,9 @@ class CheckpointingHook(BaseHook):
 
     def on_after_step(self, trainer: TrainerView) -> None:
         """Request a save of a kept step; after an exit signal, request the exit."""
-        step = trainer.step
-        caught = self._signals.caught
-        if caught is not None and not self._exit_asked:
-            # No request_checkpoint() here: it would hold on this rank only, and a save needs
-            # every rank. The standing at-exit request saves the step all ranks agree to stop at.
-            self._exit_asked = True
-            code = self._signals.exit_code(self.exit_code)
-            trainer.logger.warning(
-                "Caught %s during step %d: the run saves and exits with code %d%s",
-                # A repeated SIGTERM never cuts the save short; only a second Ctrl-C does.
-                caught.name, step, code, " (Ctrl-C again: exit at once, without saving)"
-                if caught is signal.SIGINT else "",
-            )
-            trainer.request_exit(code)
-        if self._is_kept(step):
+        if self._signals.caught is not None:  # checked here: no call on a step without a signal
+            self._signals.request_exit(trainer, self.exit_code)
+        if self._is_kept(trainer.step):
             trainer.request_checkpoint()
 
     def on_schedule(self, trainer: TrainerView) -> None:
@@ -298,9 +282,7 @@ class CheckpointingHook(BaseHook):
 
     def on_enter_checkpointing(self, trainer: TrainerView) -> None:
         """Save the trainer's state; ``latest`` and pruning follow once it is complete."""
-        if self._signals.caught is not None and self.exit_wait > 0:
-            trainer.logger.info("Waiting %.1f s (exit_wait) before the exit checkpoint", self.exit_wait)
-            time.sleep(self.exit_wait)
+        self._signals.wait_before_save(trainer.logger, self.exit_wait)
         if self.async_save:
             self._settle(trainer, agree=True)  # one save in flight at most
         with sharded_state_dict(trainer) if self.format == "sharded" else nullcontext():
@@ -338,7 +320,6 @@ class CheckpointingHook(BaseHook):
         if self._best is not None:
             self._best.write(root)  # after pruning: it lists the checkpoints still there
 
-
     def on_after_train(self, trainer: TrainerView) -> None:
         """Wait for a save in flight.
 
@@ -372,7 +353,6 @@ class CheckpointingHook(BaseHook):
             trainer.logger.error("The last checkpoint was not saved either: %s", error)
             return
         self._report(trainer, error)
-
 
     @property
     def best_checkpoint(self) -> Path | None:

@@ -18,6 +18,7 @@ __all__ = [
     "HOOK_EVENTS",
     "HOOK_METHODS",
     "ScheduledCalls",
+    "call_each",
     "check_hook_methods",
     "check_hooks",
     "hook_dispatch",
@@ -217,9 +218,9 @@ class ScheduledCalls:
         errors: list[BaseException] = []
         for every, act, at_signal, after in self._end:
             if clean and every is not None and (at_signal or not signal) and every.due_at_end(step):
-                _call_collecting(act, trainer, errors)
+                errors += call_each((act,), trainer)
             if after is not None:
-                _call_collecting(after, trainer, errors)
+                errors += call_each((after,), trainer)
         if errors:
             for later in errors[1:]:
                 errors[0].add_note(f"At the end of the run another hook raised {type(later).__name__}: {later}")
@@ -235,12 +236,15 @@ def _key(fn: Any) -> int:
     return id(getattr(fn, "__self__", fn))
 
 
-def _call_collecting(fn: Callable[[Any], Any], trainer: Any, errors: list[BaseException]) -> None:
-    """Call ``fn(trainer)``; what it raises is added to ``errors`` instead."""
-    try:
-        fn(trainer)
-    except BaseException as error:  # noqa: BLE001 - collected: the caller raises the first
-        errors.append(error)
+def call_each(fns: Sequence[Callable[..., Any]], *args: Any) -> list[BaseException]:
+    """Call every one of ``fns`` with ``args``, even after one raises; return what they raised."""
+    errors = []
+    for fn in fns:
+        try:
+            fn(*args)
+        except BaseException as error:  # noqa: BLE001 - collected; the caller raises or logs them
+            errors.append(error)
+    return errors
 
 
 def check_hooks(hooks: list[BaseHook]) -> None:

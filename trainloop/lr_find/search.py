@@ -39,13 +39,12 @@ from pydantic_core import PydanticCustomError
 from torch import nn
 
 from trainloop.data import EpochIterator
-from trainloop.loop import trainer_step_plan
 from trainloop.loss import Loss
 from trainloop.lr_find.result import LrFindResult, steepest_descent
 from trainloop.machine.table import State
 from trainloop.rng import get_rng_state, set_rng_state
 from trainloop.settings.types import PositiveFloat, PositiveInt
-from trainloop.step import StepPlan, StepRunner
+from trainloop.step import StepPlan, StepRunner, trainer_step_plan
 from trainloop.trainer import BaseTrainer
 from trainloop.wrappers import is_distributed_model, module_modes_kept
 

@@ -31,7 +31,7 @@ from trainloop.settings.schedule import LrScheduleSettings
 from trainloop.settings.sources import ENV_PREFIX, SettingsFileError, SettingsInput, read_settings_input
 from trainloop.settings.types import NonEmptyPath, NonNegativeInt, PositiveFloat, PositiveInt, StrictBool
 
-__all__ = ["ENV_PREFIX", "TRAINER_PATTERN", "SettingsFileError", "TrainerSettings"]
+__all__ = ["ENV_PREFIX", "TRAINER_PATTERN", "SettingsFileError", "TrainerSettings", "resolve_settings"]
 
 #: ``package.module:Class`` (the class may be nested: ``module:Outer.Inner``).
 TRAINER_PATTERN = r"^[A-Za-z_][\w.]*:[A-Za-z_][\w.]*$"
@@ -222,3 +222,31 @@ class TrainerSettings(BaseModel):
             **schema["properties"],
         }
         return schema
+
+
+def resolve_settings(
+    settings_class: type[TrainerSettings], settings: TrainerSettings | None, overrides: dict[str, Any], owner: str
+) -> TrainerSettings:
+    """A trainer's settings: ``settings`` (or the defaults) with ``overrides`` validated into ``settings_class``.
+
+    Args:
+        settings_class: The trainer's settings class.
+        settings: The settings object given, or ``None``.
+        overrides: The settings given as keywords; they win over ``settings``.
+        owner: The trainer class's name, for the message.
+
+    Raises:
+        TypeError: ``settings`` is not a ``TrainerSettings``.
+        pydantic.ValidationError: A setting is invalid; the error names the field.
+    """
+    if settings is None:
+        return settings_class(**overrides)
+    if not isinstance(settings, TrainerSettings):
+        raise TypeError(
+            f"{owner}() takes a TrainerSettings as its only positional argument, "
+            f"got {type(settings).__name__}; pass the other settings as keywords "
+            "(e.g. max_steps=1000)"
+        )
+    if isinstance(settings, settings_class) and not overrides:
+        return settings
+    return settings_class.model_validate({**settings.model_dump(), **overrides})
