@@ -31,9 +31,6 @@ from trainloop.wrappers import is_distributed_model
 if TYPE_CHECKING:
     from trainloop.run_state import TrainerContract
 
-    # The old path, for type checkers; at run time it imports with a warning (``__getattr__``).
-    from trainloop.step_info import StepInfo as StepInfo
-
 __all__ = ["LossNoneWarning", "Microstep", "StepPlan", "StepRunner", "trainer_step_plan", "unpack_forward_output"]
 
 # ``StepInfo``, which this module once defined (see trainloop._moved).

@@ -54,7 +54,7 @@ class CheckpointingHook(BaseHook):
     of the step during which an exit signal arrived. A checkpoint is a directory
     ``<path>/<step>/`` (see :mod:`trainloop.checkpoint.files`) with a ``metadata.json`` (step,
     epoch, time, the last metrics logged, versions, format) and, written last, a
-    ``manifest.json`` of every file's size and SHA-256. Each save is atomic: a crash leaves the
+    ``manifest.json`` of every file's size and checksum. Each save is atomic: a crash leaves the
     previous checkpoints and at most a hidden leftover, cleaned at the next save or load.
     ``<path>/latest`` points at the newest checkpoint once it is complete.
 

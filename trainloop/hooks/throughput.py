@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 if TYPE_CHECKING:
-    from trainloop.step import StepInfo
+    from trainloop.step_info import StepInfo
 
 __all__ = ["ItemCount", "Throughput", "combine_throughput"]
 
