@@ -118,7 +118,7 @@ def hooked_trainer_loop(steps: int, batches: list, count_items: bool = False, co
     hooks = [ProgressHook(interval=100), LoggingHook(interval=100)]
     if not counting:
         for hook in hooks:
-            hook._items.add = lambda info, step: None  # type: ignore[method-assign]  # benchmark only
+            hook._items.add = lambda info, trainer: None  # type: ignore[method-assign]  # benchmark only
     BenchTrainer.count_items = count_items
     try:
         return trainer_loop(steps, batches, hooks=hooks, logger=logger)

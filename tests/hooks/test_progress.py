@@ -287,6 +287,30 @@ def test_the_bar_shows_validation_results_as_they_are_logged():
     assert re.search(rf"6/6 \[[^\]]*loss {NUMBER} lr 5\.00e-02 val/loss 0\.5\]", tty)
 
 
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="pseudo-terminal sizing is Linux-only here")
+def test_the_bar_shows_the_throughput_declared_once_on_the_logging_hook(tmp_path):
+    pytest.importorskip("tqdm")
+    tty, _ = _run_in_pty(
+        f"""
+        from tiny_trainer import ItemsTrainer
+        from trainloop import TrainerSettings
+
+        hooks = [
+            {{"type": "logging", "interval": 3, "items": "tokens.input", "flops_per_item": 10.0, "peak_flops": 1e6}},
+            {{"type": "progress", "interval": 3}},
+        ]
+        ItemsTrainer(TrainerSettings(max_steps=3, workspace={str(tmp_path)!r}, hooks=hooks)).train()
+        """
+    )
+    from trainloop.metrics import read_metrics
+
+    (row,) = [row for row in read_metrics(tmp_path / "metrics.jsonl") if "loss" in row]
+    assert row["throughput/items"] == 3 * 4 * 8  # the declared key's count, not Loss.count's
+    # The bar's rate and MFU are the metrics': the same window, counted by the same key.
+    assert f"items/s {row['throughput/items_per_second']:.4g}" in tty
+    assert re.search(r" mfu \d", tty)  # the declared flops and peak (the line is cut at the terminal's width)
+
+
 # -- parameters -----------------------------------------------------------------------------------
 
 

@@ -88,3 +88,34 @@ def test_peak_flops_without_flops_per_item_is_refused_before_anything_is_written
     assert_one_clean_error(result.stderr, "peak_flops", "needs flops_per_item")
     assert len(result.stderr.splitlines()) == 1
     assert not (tmp_path / "ws").exists()
+
+
+def test_progress_counts_what_the_logging_hook_declares_unless_it_declares_the_same():
+    progress = ProgressHook(interval=2, bar=False)
+    ItemsTrainer(max_steps=2, hooks=[LoggingHook(interval=2, items="tokens.input"), progress]).train()
+    assert progress.latest.throughput.items == 2 * 4 * 8  # tokens.input, not Loss.count
+    same = ProgressHook(interval=2, bar=False, items="tokens.input")
+    ItemsTrainer(max_steps=2, hooks=[LoggingHook(interval=2, items="tokens.input"), same]).train()
+    assert same.latest.throughput.items == 2 * 4 * 8
+
+
+def test_progress_and_logging_counting_different_items_is_refused_before_the_first_step():
+    trainer = ItemsTrainer(max_steps=2, hooks=[LoggingHook(interval=2, items="tokens.input"), ProgressHook(items="x")])
+    with pytest.raises(ValueError, match="ProgressHook and LoggingHook: items is 'x' on one and 'tokens.input' on"):
+        trainer.train()
+    assert trainer.step == 0
+
+
+@pytest.mark.parametrize("command", ["validate", "run"])
+def test_different_items_declared_in_a_settings_file_are_refused_naming_both_hooks(tmp_path, command):
+    (tmp_path / "run.yaml").write_text(
+        "max_steps: 2\nworkspace: ws\nhooks:\n  - type: logging\n    items: tokens.input\n"
+        "  - type: progress\n    items: tokens\n"
+    )
+    result = Cli(command, "run.yaml", "--trainer", "tiny_trainer:ItemsTrainer", cwd=tmp_path).result()
+    assert result.returncode == 2, result.stderr
+    assert_one_clean_error(
+        result.stderr, "hooks[1] (progress) and hooks[0] (logging): items is 'tokens' on one and 'tokens.input'"
+    )
+    assert len(result.stderr.splitlines()) == 1
+    assert not (tmp_path / "ws").exists()

@@ -5,15 +5,19 @@ from __future__ import annotations
 import contextlib
 import logging
 import sys
+from collections.abc import Sequence
 from datetime import timedelta
 from time import perf_counter
+from types import SimpleNamespace
 from typing import TYPE_CHECKING, Any
 
 from pydantic import validate_call
 
 from trainloop.distributed.ranks import is_rank_zero
+from trainloop.hooks.logging_hook import LoggingHook
 from trainloop.hooks.registry import register_hook
 from trainloop.hooks.stats import StatsHook, TrainingStats
+from trainloop.hooks.throughput import THROUGHPUT_SETTINGS, ItemCount, adopted_throughput
 from trainloop.nested import flatten_nested_dict
 from trainloop.settings.types import NonNegativeInt, PositiveFloat, PositiveInt, StrictBool
 
@@ -73,6 +77,10 @@ class ProgressHook(StatsHook):
         flops_per_item: As ``StatsHook``: the model's FLOPs per item, for FLOP/s and the MFU.
         peak_flops: As ``StatsHook``: the device's peak FLOP/s, for the MFU.
 
+    Those three are declared once: left unset here, they are the run's ``LoggingHook``'s, so the
+    line shows what the metrics record. Set here too, they must be the same (else the run is
+    refused before it starts).
+
     Raises:
         pydantic.ValidationError: A parameter is invalid; the error names it.
     """
@@ -94,6 +102,8 @@ class ProgressHook(StatsHook):
         super().__init__(
             interval=interval, sync=sync, items=items, flops_per_item=flops_per_item, peak_flops=peak_flops
         )
+        # As declared: what a LoggingHook's settings fill in at each run (see on_before_train).
+        self._declared = SimpleNamespace(items=items, flops_per_item=flops_per_item, peak_flops=peak_flops)
         self.with_records = with_records
         self.collect_records = with_records
         self.eta_warmup = eta_warmup
@@ -108,8 +118,26 @@ class ProgressHook(StatsHook):
         self._bar: Any = None
         self._cleanup = contextlib.ExitStack()
 
+    @classmethod
+    def check_together(cls, declared: Sequence[tuple[int, Any]], settings: Any) -> list[str]:
+        """Each progress hook's throughput settings agree with each declared ``LoggingHook``'s."""
+        logging_hooks = [(j, spec) for j, spec in enumerate(settings.hooks) if spec.type == "logging"]
+        problems = []
+        for i, spec in declared:
+            for j, other in logging_hooks:
+                try:
+                    adopted_throughput(spec, other)
+                except ValueError as error:
+                    problems.append(f"hooks[{i}] (progress) and hooks[{j}] (logging): {error}")
+        return problems
+
     def on_before_train(self, trainer: TrainerView) -> None:
-        """Start the ETA clock, and open the bar or make sure the lines will be seen."""
+        """Take the run's ``LoggingHook``'s throughput settings, start the ETA clock, open the bar (or show the lines).
+
+        Raises:
+            ValueError: This hook and the ``LoggingHook`` declare different throughput settings.
+        """
+        self._adopt_throughput(trainer.hooks)
         super().on_before_train(trainer)
         self._steps_run = 0
         self._eta_start = perf_counter() if self.eta_warmup == 0 else None
@@ -118,6 +146,19 @@ class ProgressHook(StatsHook):
         self._logged, self._postfix = {}, ""
         if self._bar is None:
             self._make_lines_visible(trainer.logger)
+
+    def _adopt_throughput(self, hooks: Sequence[Any]) -> None:
+        """Count and rate items as the run's first ``LoggingHook`` does, where this hook declares nothing."""
+        source = next((hook for hook in hooks if isinstance(hook, LoggingHook)), None)
+        if source is None:
+            return
+        try:
+            adopted = adopted_throughput(self._declared, source)
+        except ValueError as error:
+            raise ValueError(f"ProgressHook and {type(source).__name__}: {error}") from None
+        settings = {name: getattr(self._declared, name) for name in THROUGHPUT_SETTINGS} | adopted
+        self.items, self.flops_per_item, self.peak_flops = (settings[name] for name in THROUGHPUT_SETTINGS)
+        self._items = ItemCount(self.items, type(self).__name__)
 
     def on_after_step(self, trainer: TrainerView) -> None:
         """Count the step for the ETA, then aggregate (and maybe report) it."""

@@ -176,6 +176,7 @@ class StatsHook(BaseHook):
         self.latest: TrainingStats | None = None
         self.schedule = Schedule(interval)
         self._max_steps = 0
+        self._optimizer: Any = None
         self._lr_names: list[str] = []
         self._lrs: list[Any] = []
         self._reset_window()
@@ -206,6 +207,7 @@ class StatsHook(BaseHook):
     def on_before_train(self, trainer: TrainerView) -> None:
         """Start an empty window."""
         self._max_steps = trainer.max_steps
+        self._optimizer = trainer.optimizer  # built, and not replaced during a run: read once
         self.latest = None
         self._reset_window()
 
@@ -213,7 +215,8 @@ class StatsHook(BaseHook):
         """Capture each param group's learning rate: the one this step uses."""
         # The scheduler steps right after the optimizer, so this is the last moment the lr is
         # the step's own. It is stored into a list kept across steps: no allocation per step.
-        groups = trainer.optimizer.param_groups
+        # (param_groups is read each time: loading a state dict replaces the list.)
+        groups = self._optimizer.param_groups
         lrs = self._lrs
         if len(lrs) != len(groups):
             self._name_param_groups(groups)
@@ -246,7 +249,7 @@ class StatsHook(BaseHook):
         compiled = info.compiled
         if compiled is None:
             self._step_time += step_time
-            self._items.add(info, trainer.step)
+            self._items.add(info, trainer)
         else:  # compiling is not the model's speed
             self._compile_steps += 1
             self._compile_time += step_time

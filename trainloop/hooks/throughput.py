@@ -24,7 +24,14 @@ import torch
 if TYPE_CHECKING:
     from trainloop.step_info import StepInfo
 
-__all__ = ["ItemCount", "Throughput", "combine_throughput"]
+__all__ = [
+    "THROUGHPUT_SETTINGS",
+    "ItemCount",
+    "Throughput",
+    "adopted_throughput",
+    "combine_throughput",
+    "throughput",
+]
 
 
 @dataclass(frozen=True)
@@ -81,8 +88,10 @@ class ItemCount:
         """Start a new window."""
         self.counts = []
 
-    def add(self, info: StepInfo, step: int) -> None:
+    def add(self, info: StepInfo, trainer: Any) -> None:
         """Add a step's counts (references: no tensor is read, nothing is summed per step).
+
+        ``trainer`` is read only to name the step in an error.
 
         Raises:
             KeyError: ``key`` is declared and a microstep's records lack it.
@@ -90,14 +99,14 @@ class ItemCount:
         if self.key is None:
             self.counts.extend(info.items)
         else:
-            self.counts.extend([self._lookup(record, step) for record in info.records])
+            self.counts.extend([self._lookup(record, trainer) for record in info.records])
 
-    def _lookup(self, record: Mapping[str, Any], step: int) -> Any:
+    def _lookup(self, record: Mapping[str, Any], trainer: Any) -> Any:
         value: Any = record
         for part in self._path:
             if not isinstance(value, Mapping) or part not in value:
                 raise KeyError(
-                    f"{self.owner}(items={self.key!r}): forward's records at step {step} have no "
+                    f"{self.owner}(items={self.key!r}): forward's records at step {trainer.step} have no "
                     f"{self.key!r} (keys: {sorted(record)})"
                 )
             value = value[part]
@@ -114,6 +123,29 @@ class ItemCount:
             # summed in float64 (exact for integer counts below 2**53), read once.
             total += torch.stack(tensors).detach().sum(dtype=torch.float64).item()
         return total
+
+
+THROUGHPUT_SETTINGS = ("items", "flops_per_item", "peak_flops")
+"""What a statistics hook is told about the items it counts: declared once, shown by every such hook."""
+
+
+def adopted_throughput(own: Any, other: Any) -> dict[str, Any]:
+    """The throughput settings ``own`` takes from ``other``: those it left unset and ``other`` declares.
+
+    Raises:
+        ValueError: Both declare one of them, differently (the message names it and both values).
+    """
+    adopted = {}
+    for name in THROUGHPUT_SETTINGS:
+        mine, theirs = getattr(own, name, None), getattr(other, name, None)
+        if theirs is None:
+            continue
+        if mine is None:
+            adopted[name] = theirs
+        elif mine != theirs:
+            said = f"{name} is {mine!r} on one and {theirs!r} on the other"
+            raise ValueError(f"{said}: declare it once, on the LoggingHook")
+    return adopted
 
 
 def throughput(
