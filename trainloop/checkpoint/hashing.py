@@ -191,7 +191,34 @@ class HashingWriter(io.RawIOBase):
         return FileDigest(self._size, self._hash.hexdigest())
 
 
-class HashingReader(io.RawIOBase):
+class _Reader(io.RawIOBase):
+    """A read-only, seekable file of ``size`` bytes that keeps its own position (subclasses read)."""
+
+    def __init__(self, size: int) -> None:
+        super().__init__()
+        self._size = size
+        self._pos = 0
+
+    def readable(self) -> bool:
+        """True: this file is read."""
+        return True
+
+    def seekable(self) -> bool:
+        """True: any position can be read."""
+        return True
+
+    def seek(self, offset: int, whence: int = io.SEEK_SET) -> int:
+        """Move to ``offset`` from ``whence``; return the new position."""
+        base = {io.SEEK_SET: 0, io.SEEK_CUR: self._pos, io.SEEK_END: self._size}[whence]
+        self._pos = max(0, base + offset)
+        return self._pos
+
+    def tell(self) -> int:
+        """The position in the file."""
+        return self._pos
+
+
+class HashingReader(_Reader):
     """A file that ``torch.load`` reads while it is hashed: every byte once, in order, no second pass.
 
     torch reads a checkpoint (a zip) in a known pattern: its directory at the end first, then
@@ -207,22 +234,12 @@ class HashingReader(io.RawIOBase):
     """
 
     def __init__(self, file: BinaryIO, checksum: str) -> None:
-        super().__init__()
+        super().__init__(os.fstat(file.fileno()).st_size)
         self._fd = file.fileno()
-        self._size = os.fstat(self._fd).st_size
         if hasattr(os, "posix_fadvise"):  # read front to back: a larger read-ahead for a cold file
             os.posix_fadvise(self._fd, 0, 0, os.POSIX_FADV_SEQUENTIAL)
-        self._pos = 0
         self._hashed = 0  # every byte before this offset is hashed
         self._hash = new_hash(checksum)
-
-    def readable(self) -> bool:
-        """True: this file is read."""
-        return True
-
-    def seekable(self) -> bool:
-        """True: any position can be read."""
-        return True
 
     def readinto(self, target: Any) -> int:
         """Read the next bytes into ``target``, hashing them if they extend the hashed part; return how many."""
@@ -243,16 +260,6 @@ class HashingReader(io.RawIOBase):
                 break  # the file shrank: the digest will differ
             self._hash.update(chunk)
             start += len(chunk)
-
-    def seek(self, offset: int, whence: int = io.SEEK_SET) -> int:
-        """Move to ``offset`` from ``whence``; return the new position."""
-        base = {io.SEEK_SET: 0, io.SEEK_CUR: self._pos, io.SEEK_END: self._size}[whence]
-        self._pos = max(0, base + offset)
-        return self._pos
-
-    def tell(self) -> int:
-        """The position in the file."""
-        return self._pos
 
     def finish(self) -> FileDigest:
         """Hash the rest of the file (what was not read in order) and return its size and checksum."""
@@ -294,21 +301,13 @@ def read_verified(path: Path, expected: FileDigest) -> mmap.mmap | bytes:
     return contents
 
 
-class BufferReader(io.RawIOBase):
+class BufferReader(_Reader):
     """A read-only, seekable file over a buffer (a mapped file), without copying it, for ``torch.load``."""
 
     def __init__(self, buffer: mmap.mmap | bytes | bytearray) -> None:
-        super().__init__()
-        self._view = memoryview(buffer)
-        self._pos = 0
-
-    def readable(self) -> bool:
-        """True: this file is read."""
-        return True
-
-    def seekable(self) -> bool:
-        """True: any position can be read."""
-        return True
+        view = memoryview(buffer)
+        super().__init__(view.nbytes)
+        self._view = view
 
     def readinto(self, target: Any) -> int:
         """Copy the next bytes of the buffer into ``target``; return how many were copied."""
@@ -317,16 +316,6 @@ class BufferReader(io.RawIOBase):
         out[:count] = self._view[self._pos : self._pos + count]
         self._pos += count
         return count
-
-    def seek(self, offset: int, whence: int = io.SEEK_SET) -> int:
-        """Move to ``offset`` from ``whence``; return the new position."""
-        base = {io.SEEK_SET: 0, io.SEEK_CUR: self._pos, io.SEEK_END: self._view.nbytes}[whence]
-        self._pos = max(0, base + offset)
-        return self._pos
-
-    def tell(self) -> int:
-        """The position in the buffer."""
-        return self._pos
 
     def close(self) -> None:
         """Release the view of the buffer."""
