@@ -97,6 +97,8 @@ def test_progress_counts_what_the_logging_hook_declares_unless_it_declares_the_s
     same = ProgressHook(interval=2, bar=False, items="tokens.input")
     ItemsTrainer(max_steps=2, hooks=[LoggingHook(interval=2, items="tokens.input"), same]).train()
     assert same.latest.throughput.items == 2 * 4 * 8
+    ItemsTrainer(max_steps=2, hooks=[progress]).train()  # the same hook, a run without that LoggingHook
+    assert progress.latest.throughput.items == sum(hand_counts(2))  # Loss.count again, as declared
 
 
 def test_progress_and_logging_counting_different_items_is_refused_before_the_first_step():

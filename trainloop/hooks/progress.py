@@ -149,14 +149,13 @@ class ProgressHook(StatsHook):
 
     def _adopt_throughput(self, hooks: Sequence[Any]) -> None:
         """Count and rate items as the run's first ``LoggingHook`` does, where this hook declares nothing."""
+        settings = {name: getattr(self._declared, name) for name in THROUGHPUT_SETTINGS}  # a new run starts afresh
         source = next((hook for hook in hooks if isinstance(hook, LoggingHook)), None)
-        if source is None:
-            return
-        try:
-            adopted = adopted_throughput(self._declared, source)
-        except ValueError as error:
-            raise ValueError(f"ProgressHook and {type(source).__name__}: {error}") from None
-        settings = {name: getattr(self._declared, name) for name in THROUGHPUT_SETTINGS} | adopted
+        if source is not None:
+            try:
+                settings |= adopted_throughput(self._declared, source)
+            except ValueError as error:
+                raise ValueError(f"ProgressHook and {type(source).__name__}: {error}") from None
         self.items, self.flops_per_item, self.peak_flops = (settings[name] for name in THROUGHPUT_SETTINGS)
         self._items = ItemCount(self.items, type(self).__name__)
 
