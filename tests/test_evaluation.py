@@ -115,7 +115,7 @@ def test_overriding_evaluate_is_an_error_when_the_class_is_defined():
 def test_a_validation_method_named_evaluate_is_refused_before_training(tmp_path):
     from eval_trainers import EvalSettings
 
-    from trainloop.settings.preflight import PreflightError
+    from trainloop.preflight import PreflightError
 
     declared = EvalSettings(max_steps=2, hooks=[{"type": "validation", "evaluate": "evaluate", "interval": 1}])
     with pytest.raises(PreflightError, match=r"hooks\[0\].evaluate: EvalTrainer.evaluate\(\) is a run of the trainer"):

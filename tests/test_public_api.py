@@ -111,7 +111,7 @@ def test_the_scan_sees_imports_and_dotted_names():
     assert ("trainloop", "BaseTrainer") in found  # README's from-import
     assert ("trainloop.distributed", "init_distributed") in found  # an example's
     assert split_module("trainloop.machine.TRANSITIONS") == ("trainloop.machine", "TRANSITIONS")
-    assert split_module("trainloop.settings.preflight") == ("trainloop.settings.preflight", None)
+    assert split_module("trainloop.preflight") == ("trainloop.preflight", None)
 
 
 def test_the_seed_imports_keep_working():

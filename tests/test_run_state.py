@@ -129,7 +129,7 @@ def test_step_info_reads_and_takes_records_like_the_seeds_dict():
 # The modules below the trainer: hooks and what they read are typed against the run's view
 # (trainloop.run_state), so none of them imports the trainer, not even for types.
 LOW = [
-    "trainloop/hooks", "trainloop/settings/preflight.py", "trainloop/training_state.py",
+    "trainloop/hooks", "trainloop/preflight.py", "trainloop/training_state.py",
     "trainloop/result.py", "trainloop/run_length.py", "trainloop/machine", "trainloop/run_state.py",
     "trainloop/loop.py", "trainloop/run_kind.py", "trainloop/step.py", "trainloop/step_info.py", "trainloop/contract.py",
 ]

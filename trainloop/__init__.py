@@ -37,10 +37,10 @@ if TYPE_CHECKING:  # what type checkers and editors see; at run time each name i
     from trainloop.lr_find.search import lr_find
     from trainloop.machine.table import State
     from trainloop.nested import map_nested_tensor
+    from trainloop.preflight import PreflightError
     from trainloop.result import RunResult
     from trainloop.rng import seed_all
     from trainloop.settings.model import SettingsFileError, TrainerSettings
-    from trainloop.settings.preflight import PreflightError
     from trainloop.step_info import StepInfo
     from trainloop.trainer import BaseTrainer, LossNoneWarning
     from trainloop.workspace import WorkspaceBusyError
@@ -75,7 +75,7 @@ _EXPORTS: dict[str, str] = {
     "seed_all": "trainloop.rng",
     "SettingsFileError": "trainloop.settings.model",
     "TrainerSettings": "trainloop.settings.model",
-    "PreflightError": "trainloop.settings.preflight",
+    "PreflightError": "trainloop.preflight",
     "StepInfo": "trainloop.step_info",
     "WorkspaceBusyError": "trainloop.workspace",
     "BaseTrainer": "trainloop.trainer",

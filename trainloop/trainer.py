@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING, Any, ClassVar
 import torch
 from torch import nn
 
+from trainloop import preflight
 from trainloop.contract import Contract
 from trainloop.evaluation import WeightsSource
 from trainloop.loop import Loop
@@ -30,7 +31,6 @@ from trainloop.predict.run import PredictRun
 from trainloop.result import RunKind, RunResult, finish_run
 from trainloop.run_length import RunLength
 from trainloop.run_state import EARLY_COMPONENTS, RunAttributes, RunState
-from trainloop.settings import preflight
 from trainloop.settings.model import TrainerSettings, resolve_settings
 from trainloop.step import NO_CONTEXT, LossNoneWarning
 from trainloop.training_state import ChangedSettingsWarning, load_training_state, training_state
@@ -235,7 +235,7 @@ class BaseTrainer(Contract, RunAttributes):
             checkpoint (also kept as ``trainer.result``).
 
         Raises:
-            trainloop.settings.preflight.PreflightError: The settings and this trainer class cannot work
+            trainloop.preflight.PreflightError: The settings and this trainer class cannot work
                 together; nothing was built or written.
             RuntimeError: Gradients stayed non-finite beyond ``max_non_finite_grad_retries``.
             trainloop.data.DataExhaustedError: A one-shot iterator ran out before ``max_steps``.
@@ -243,7 +243,7 @@ class BaseTrainer(Contract, RunAttributes):
             trainloop.workspace.WorkspaceBusyError: Another run holds the workspace; nothing
                 was written.
         """
-        preflight.check(self)  # before anything is built or written: see trainloop.settings.preflight
+        preflight.check(self)  # before anything is built or written: see trainloop.preflight
         with hold_run_workspace(self.settings.workspace, self.logger):  # one run per workspace
             self._run_machine("train")
         if self.exit_code is not None:
@@ -307,7 +307,7 @@ class BaseTrainer(Contract, RunAttributes):
         Raises:
             ValueError: ``output`` is not a ``.safetensors`` or ``.pt`` file; nothing was built.
             trainloop.evaluation.EvaluateError: ``weights`` given without a checkpoint; nothing was built.
-            trainloop.settings.preflight.PreflightError: The trainer cannot predict (no
+            trainloop.preflight.PreflightError: The trainer cannot predict (no
                 ``predict_step`` or ``build_predict_data_loader``) or the settings cannot run.
             trainloop.checkpoint.CheckpointError: The checkpoint is missing, corrupt or lacks the weights.
             trainloop.predict.outputs.PredictionError: ``predict_step`` returned something else

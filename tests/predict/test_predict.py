@@ -19,8 +19,8 @@ from trainloop.hooks.ema import EmaHook
 from trainloop.machine import State
 from trainloop.predict.order import PredictDataError, item_order
 from trainloop.predict.outputs import PredictionError, PredictionOutputs
+from trainloop.preflight import PreflightError
 from trainloop.result import read_runs
-from trainloop.settings.preflight import PreflightError
 
 
 def trained(workspace, format="full", **kwargs):

@@ -20,7 +20,7 @@ from trainloop.cli.settings import checked_settings
 from trainloop.distributed.ranks import is_rank_zero
 from trainloop.evaluation import EvaluateError
 from trainloop.json_files import strict_json
-from trainloop.settings.preflight import checked
+from trainloop.preflight import checked
 
 __all__ = ["command"]
 

@@ -23,7 +23,7 @@ from trainloop.evaluation import EvaluateError
 from trainloop.predict.files import predictions_path
 from trainloop.predict.order import PredictDataError
 from trainloop.predict.outputs import PredictionError
-from trainloop.settings.preflight import checked
+from trainloop.preflight import checked
 
 __all__ = ["command"]
 

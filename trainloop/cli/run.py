@@ -9,7 +9,7 @@ import sys
 
 from trainloop.cli.errors import PROG, CliError
 from trainloop.cli.settings import checked_settings
-from trainloop.settings.preflight import checked
+from trainloop.preflight import checked
 from trainloop.workspace import WorkspaceBusyError
 
 __all__ = ["command", "configure_logging"]

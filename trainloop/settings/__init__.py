@@ -1,8 +1,9 @@
-"""The run's declaration: the settings, where their values come from, and the checks made before anything runs.
+"""The run's declaration: the settings and where their values come from.
 
 The settings model (``model``), where values come from (``sources``: defaults < file < ``TRAINLOOP_*`` environment <
 ``--set``), how errors are worded (``errors``), the optimizer and schedule declarations (``optimizer``, ``schedule``),
-the field types (``types``) and the checks across settings, trainer and hooks made before anything runs (``preflight``).
+the field types (``types``) and ``init_from``'s. The checks across settings, trainer and hooks made before anything
+runs are ``trainloop.preflight``, above the hooks and checkpoints they ask.
 """
 
 from trainloop.settings.model import TrainerSettings
