@@ -1,4 +1,4 @@
-"""Host syncs counted the way trainloop's own test counts them (``SyncCounter`` in tests/test_step.py).
+"""Host syncs counted the way trainloop's own test counts them (``SyncCounter`` in tests/support/sync_counter.py).
 
 A host sync is a call of one of the Tensor methods that hand a value to Python and so block the
 host until a GPU has caught up. On the CPU nothing waits, but the calls are the same ones a GPU
@@ -11,7 +11,7 @@ from collections.abc import Callable
 from types import TracebackType
 from typing import Self
 
-# Must stay the same list as tests/test_step.py's SyncCounter.METHODS (tests/processes/test_benchmarks_peers.py checks).
+# As tests/support/sync_counter.py's SyncCounter.METHODS (tests/processes/test_benchmarks_peers.py checks).
 SYNC_METHODS = ("item", "tolist", "numpy", "__bool__", "__float__", "__int__", "__index__")
 
 

@@ -54,8 +54,8 @@ from trainloop.checkpoint.loading import VerifiedFiles
 from trainloop.checkpoint.saver import CheckpointSaver
 from trainloop.checkpoint.sharded import load_sharded
 from trainloop.checkpoint.verify import open_checkpoint
+from trainloop.core.training_state import _load_model_and_optimizer
 from trainloop.distributed.agreement import ExitAgreement
-from trainloop.training_state import _load_model_and_optimizer
 
 
 def state_dict(model: nn.Module, optimizer: torch.optim.Optimizer, sharded: bool = False) -> dict[str, Any]:

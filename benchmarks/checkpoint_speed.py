@@ -46,7 +46,7 @@ from trainloop.checkpoint.files import read_checkpoint, write_checkpoint
 from trainloop.checkpoint.manifest import verify_checkpoint
 from trainloop.checkpoint.saver import CheckpointSaver
 from trainloop.checkpoint.verify import open_checkpoint
-from trainloop.training_state import _load_model_and_optimizer
+from trainloop.core.training_state import _load_model_and_optimizer
 
 
 def build(megabytes: float) -> tuple[nn.Module, torch.optim.Optimizer]:

@@ -54,7 +54,7 @@ class _Tracer:
         self.walk = Walk()
         self.stack: list[tuple[object, str, str | None]] = []  # (frame, module, the caller's module)
 
-    def __call__(self, frame, event, arg) -> None:  # noqa: ANN001 - sys.setprofile's signature
+    def __call__(self, frame, event, arg) -> None:
         if event == "call":
             module = _module(frame.f_code.co_filename)
             if module is None:

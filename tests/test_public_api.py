@@ -5,14 +5,12 @@
 - Every ``from trainloop... import X`` and every ``trainloop.x.y`` that the docs (code blocks and
   inline code), README.md and examples/ use resolves through a documented namespace that exports
   it, not through an old path that warns.
-- Names and module paths that moved still import, with a ``DeprecationWarning`` naming the new path.
 """
 
 from __future__ import annotations
 
 import importlib
 import importlib.util
-import json
 import pkgutil
 import re
 import subprocess
@@ -23,15 +21,16 @@ import pytest
 
 import trainloop
 from trainloop import BaseTrainer, CheckpointingHook, LoggingHook, ProgressHook  # the seed's import: keeps working
-from trainloop._moved import MOVED_MODULES, MOVED_NAMES
 
 ROOT = Path(__file__).resolve().parents[1]
 
-# The documented namespaces: the top level, each wing (a subpackage) and the seed's trainloop.utils.
-# The command line is taught as a command (docs/cli.md), not as imports.
+# The documented namespaces: the top level, each wing (a subpackage) and trainloop.utils. The engine
+# (core) is reached through the trainer, and the command line is taught as a command (docs/cli.md).
 NAMESPACES = [
     "trainloop",
-    *sorted(f"trainloop.{m.name}" for m in pkgutil.iter_modules(trainloop.__path__) if m.ispkg and m.name != "cli"),
+    *sorted(
+        f"trainloop.{m.name}" for m in pkgutil.iter_modules(trainloop.__path__) if m.ispkg and m.name not in ("cli", "core")
+    ),
     "trainloop.utils",
 ]
 GUIDES = [p for p in sorted((ROOT / "docs").glob("*.md")) if p.name != "api.md"] + [ROOT / "README.md"]
@@ -98,9 +97,7 @@ def test_every_exported_name_resolves_and_is_taught_in_a_guide(namespace):
 def test_every_name_the_docs_and_examples_use_is_exported_by_a_namespace():
     wrong = []
     for (module, name), where in sorted(uses().items(), key=str):
-        if module in MOVED_MODULES or name in MOVED_NAMES.get(module, {}):
-            wrong.append(f"{module}.{name} is an old path ({', '.join(sorted(set(where)))})")
-        elif name is not None and (module not in NAMESPACES or name not in importlib.import_module(module).__all__):
+        if name is not None and (module not in NAMESPACES or name not in importlib.import_module(module).__all__):
             wrong.append(f"{module}.{name} is not exported by a namespace ({', '.join(sorted(set(where)))})")
     assert not wrong, "\n".join(wrong)
 
@@ -111,7 +108,7 @@ def test_the_scan_sees_imports_and_dotted_names():
     assert ("trainloop", "BaseTrainer") in found  # README's from-import
     assert ("trainloop.distributed", "init_distributed") in found  # an example's
     assert split_module("trainloop.machine.TRANSITIONS") == ("trainloop.machine", "TRANSITIONS")
-    assert split_module("trainloop.preflight") == ("trainloop.preflight", None)
+    assert split_module("trainloop.core.preflight") == ("trainloop.core.preflight", None)
 
 
 def test_the_seed_imports_keep_working():
@@ -124,57 +121,6 @@ def test_the_seed_imports_keep_working():
     from trainloop.utils import key_average
 
     assert key_average([{"a": 1.0}, {"a": 3.0}]) == {"a": 2.0}
-
-
-@pytest.mark.parametrize(("module", "name", "new"), [(m, n, new) for m, names in MOVED_NAMES.items() for n, new in names.items()])
-def test_a_moved_name_still_imports_with_a_warning_naming_its_new_path(module, name, new):
-    with pytest.warns(DeprecationWarning, match=re.escape(f"{module}.{name} moved to {new}.{name}")):
-        old = getattr(importlib.import_module(module), name)
-    assert old is getattr(importlib.import_module(new), name)
-
-
-def test_old_module_paths_import_with_a_warning_naming_the_new_one():
-    # A fresh interpreter: an old path warns when it is first imported.
-    code = (
-        "import importlib, json, warnings\n"
-        "from trainloop._moved import MOVED_MODULES\n"
-        "out = {}\n"
-        "for old, new in MOVED_MODULES.items():\n"
-        "    with warnings.catch_warnings(record=True) as caught:\n"
-        "        warnings.simplefilter('always')\n"
-        "        module = importlib.import_module(old)\n"
-        "    messages = [str(w.message) for w in caught if w.category is DeprecationWarning]\n"
-        "    out[old] = [module is importlib.import_module(new), messages]\n"
-        "print(json.dumps(out))\n"
-    )
-    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, cwd=ROOT)
-    seen = json.loads(result.stdout)
-    assert seen.keys() == MOVED_MODULES.keys()
-    for old, (same, messages) in seen.items():
-        assert same, old
-        assert messages == [f"{old} moved to {MOVED_MODULES[old]}; import it from there"], old
-
-
-def test_a_script_using_old_paths_is_told_once_at_its_own_lines(tmp_path):
-    # Python's default filter shows DeprecationWarnings attributed to __main__ only: each warning
-    # must name the script's line, once, whichever way the old path is reached.
-    script = tmp_path / "old.py"
-    script.write_text(
-        "from trainloop import TRANSITIONS\n"
-        "import trainloop.limits\n"
-        "from trainloop.hooks.base import HOOK_EVENTS\n"
-        "import trainloop\n"
-        "trainloop.key_average\n"
-    )
-    result = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, check=True, cwd=ROOT)
-    told = [line for line in result.stderr.splitlines() if "DeprecationWarning" in line]
-    assert told == [
-        f"{script}:1: DeprecationWarning: trainloop.TRANSITIONS moved to trainloop.machine.TRANSITIONS; import it from there",
-        f"{script}:2: DeprecationWarning: trainloop.limits moved to trainloop.run_length; import it from there",
-        f"{script}:3: DeprecationWarning: trainloop.hooks.base.HOOK_EVENTS moved to "
-        "trainloop.hooks.dispatch.HOOK_EVENTS; import it from there",
-        f"{script}:5: DeprecationWarning: trainloop.key_average moved to trainloop.utils.key_average; import it from there",
-    ]
 
 
 def test_the_namespaces_import_without_warnings():

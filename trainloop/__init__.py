@@ -11,13 +11,16 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from trainloop import _moved
 from trainloop._lazy import lazy_exports
 from trainloop.version import __version__ as __version__
 
 if TYPE_CHECKING:  # what type checkers and editors see; at run time each name is imported on first use
     from trainloop.checkpoint.errors import CheckpointError, CheckpointSaveError
-    from trainloop.data import DataExhaustedError
+    from trainloop.core.data import DataExhaustedError
+    from trainloop.core.preflight import PreflightError
+    from trainloop.core.result import RunResult
+    from trainloop.core.rng import seed_all
+    from trainloop.core.workspace import WorkspaceBusyError
     from trainloop.hooks import (
         BaseHook,
         CheckpointingHook,
@@ -36,16 +39,10 @@ if TYPE_CHECKING:  # what type checkers and editors see; at run time each name i
     from trainloop.loss import Loss
     from trainloop.lr_find.search import lr_find
     from trainloop.machine.table import State
-    from trainloop.nested import map_nested_tensor
-    from trainloop.preflight import PreflightError
-    from trainloop.result import RunResult
-    from trainloop.rng import seed_all
     from trainloop.settings.model import SettingsFileError, TrainerSettings
     from trainloop.step_info import StepInfo
     from trainloop.trainer import BaseTrainer, LossNoneWarning
-    from trainloop.workspace import WorkspaceBusyError
-
-_moved.install()
+    from trainloop.utils import map_nested_tensor
 
 # Each exported name and the module that defines it. Importing them all here would import torch
 # (and torch.distributed, pydantic's models...) for `trainloop --help`, which needs none of them:
@@ -53,7 +50,7 @@ _moved.install()
 _EXPORTS: dict[str, str] = {
     "CheckpointError": "trainloop.checkpoint.errors",
     "CheckpointSaveError": "trainloop.checkpoint.errors",
-    "DataExhaustedError": "trainloop.data",
+    "DataExhaustedError": "trainloop.core.data",
     "BaseHook": "trainloop.hooks",
     "CheckpointingHook": "trainloop.hooks",
     "CudaMaxMemoryHook": "trainloop.hooks",
@@ -70,21 +67,19 @@ _EXPORTS: dict[str, str] = {
     "Loss": "trainloop.loss",
     "lr_find": "trainloop.lr_find.search",
     "State": "trainloop.machine.table",
-    "map_nested_tensor": "trainloop.nested",
-    "RunResult": "trainloop.result",
-    "seed_all": "trainloop.rng",
+    "map_nested_tensor": "trainloop.utils",
+    "RunResult": "trainloop.core.result",
+    "seed_all": "trainloop.core.rng",
     "SettingsFileError": "trainloop.settings.model",
     "TrainerSettings": "trainloop.settings.model",
-    "PreflightError": "trainloop.preflight",
+    "PreflightError": "trainloop.core.preflight",
     "StepInfo": "trainloop.step_info",
-    "WorkspaceBusyError": "trainloop.workspace",
+    "WorkspaceBusyError": "trainloop.core.workspace",
     "BaseTrainer": "trainloop.trainer",
     "LossNoneWarning": "trainloop.trainer",
 }
 
-# Names the top level exported before (TRANSITIONS, read_trace, key_average, ...) still import
-# from here, with a DeprecationWarning naming their namespace (see trainloop._moved).
-__getattr__, __dir__ = lazy_exports(__name__, _EXPORTS, fallback=_moved.moved_names(__name__))
+__getattr__, __dir__ = lazy_exports(__name__, _EXPORTS)
 
 __all__ = [
     # the trainer and the hooks: what a user subclasses and declares

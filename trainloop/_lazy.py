@@ -14,16 +14,12 @@ from typing import Any
 __all__ = ["lazy_exports"]
 
 
-def lazy_exports(
-    package: str, exports: Mapping[str, str], fallback: Callable[[str], Any] | None = None
-) -> tuple[Callable[[str], Any], Callable[[], list[str]]]:
+def lazy_exports(package: str, exports: Mapping[str, str]) -> tuple[Callable[[str], Any], Callable[[], list[str]]]:
     """A module ``__getattr__`` and ``__dir__`` serving ``exports`` from their modules.
 
     Args:
         package: The package's ``__name__``.
         exports: Each exported name -> the module that defines it.
-        fallback: Asked for a name that is not exported (e.g. ``trainloop._moved.moved_names``
-            for names that moved), else ``AttributeError``.
 
     Returns:
         ``(__getattr__, __dir__)`` for the package's namespace. A name is imported on its first
@@ -34,8 +30,6 @@ def lazy_exports(
     def __getattr__(name: str) -> Any:
         module = exports.get(name)
         if module is None:
-            if fallback is not None:
-                return fallback(name)  # not cached: a moved name warns at each place that uses it
             raise AttributeError(f"module {package!r} has no attribute {name!r}")
         value = getattr(importlib.import_module(module), name)
         namespace[name] = value

@@ -33,7 +33,7 @@ class StepInfo:
         step_time: Seconds from the step's start to the end of its applied update.
         max_memory: The step's peak CUDA memory in GiB (``CudaMaxMemoryHook``).
         compiled: Set when ``torch.compile`` compiled during this step (see
-            ``trainloop.compiling``): its time is not the model's.
+            ``trainloop.core.compiling``): its time is not the model's.
         stats: The aggregate ``StatsHook`` published on this step, if it emitted one.
         extras: What other hooks publish for later hooks, by a name of their choosing.
     """
@@ -46,7 +46,7 @@ class StepInfo:
     grad_norm: torch.Tensor | None = None
     step_time: float | None = None
     max_memory: float | None = None
-    compiled: Any = None  # a trainloop.compiling.CompileMark
+    compiled: Any = None  # a trainloop.core.compiling.CompileMark
     stats: Any = None  # a trainloop.hooks.stats.TrainingStats
     extras: dict[str, Any] = field(default_factory=dict)
 

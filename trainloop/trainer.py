@@ -1,7 +1,7 @@
-"""``BaseTrainer``: the user's contract (``trainloop.contract``) and the machine seen from outside.
+"""``BaseTrainer``: the user's contract (``trainloop.trainer``) and the machine seen from outside.
 
-The work of each state is ``trainloop.loop``'s; the run's values it shows read-only are declared
-by ``trainloop.run_state.RunAttributes``, the built components by ``Contract``.
+The work of each state is ``trainloop.core.loop``'s; the run's values it shows read-only are declared
+by ``trainloop.core.run_state.RunAttributes``, the built components by ``Contract``.
 """
 
 from __future__ import annotations
@@ -9,43 +9,134 @@ from __future__ import annotations
 import contextlib
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from logging import Logger
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar, Generic, NoReturn, TypeVar, overload
 
 import torch
 from torch import nn
 
-from trainloop import preflight
-from trainloop.contract import Contract
-from trainloop.evaluation import WeightsSource
-from trainloop.loop import Loop
+from trainloop.core import preflight
+from trainloop.core.loop import Loop
+from trainloop.core.metrics import MetricsLog
+from trainloop.core.result import RunKind, RunResult, finish_run
+from trainloop.core.run_kinds import WeightsSource
+from trainloop.core.run_length import RunLength
+from trainloop.core.run_state import RunState
+from trainloop.core.step import NO_CONTEXT, LossNoneWarning
+from trainloop.core.training_state import ChangedSettingsWarning, load_training_state, training_state
+from trainloop.core.workspace import hold_run_workspace
 from trainloop.machine.runner import Handle
 from trainloop.machine.table import State, Transition
 from trainloop.machine.trace import Trace
-from trainloop.metrics import MetricsLog
-from trainloop.nested import Records
 from trainloop.predict.files import predictions_path
 from trainloop.predict.run import PredictRun
-from trainloop.result import RunKind, RunResult, finish_run
-from trainloop.run_length import RunLength
-from trainloop.run_state import EARLY_COMPONENTS, RunAttributes, RunState
+from trainloop.settings import optimizer as components
 from trainloop.settings.model import TrainerSettings, resolve_settings
-from trainloop.step import NO_CONTEXT, LossNoneWarning
-from trainloop.training_state import ChangedSettingsWarning, load_training_state, training_state
-from trainloop.workspace import hold_run_workspace
-from trainloop.wrappers import unwrap_model
+from trainloop.step_info import StepInfo
+from trainloop.utils import Records, unwrap_model
 
 if TYPE_CHECKING:
     from torch.distributed.checkpoint.state_dict import StateDictOptions
 
+    from trainloop.hooks.base import BaseHook
+    from trainloop.settings.model import TrainerSettings
+
 __all__ = ["BaseTrainer", "ChangedSettingsWarning", "LossNoneWarning"]
+
+
+#: Where a component assigned before the trainer's loop exists waits for it (instance ``__dict__``).
+EARLY_COMPONENTS = "_components_before_init"
+
+T = TypeVar("T")
+
+
+class RunValue(Generic[T]):
+    """A trainer attribute that shows its loop's ``RunState``.
+
+    Read-only, and assigning it raises an ``AttributeError`` that says what to do instead (the loop is its one writer).
+
+    Args:
+        doc: The attribute's docstring.
+        instead: What to call instead of assigning it.
+    """
+
+    def __init__(self, doc: str, instead: str, source: str | None = None) -> None:
+        self.__doc__ = doc
+        self.instead = instead
+        self.source = source
+
+    def __set_name__(self, owner: type, name: str) -> None:
+        """Learn the attribute's name (and read the run state's attribute of that name, unless ``source``)."""
+        self.name = name
+        self.source = self.source or name
+
+    @overload
+    def __get__(self, trainer: None, owner: type) -> RunValue[T]: ...
+    @overload
+    def __get__(self, trainer: Any, owner: type) -> T: ...
+    def __get__(self, trainer: Any, owner: type) -> RunValue[T] | T:
+        """The loop's value (the descriptor itself on the class)."""
+        if trainer is None:
+            return self
+        value: T = getattr(trainer.loop.run_state, self.source)  # type: ignore[arg-type]
+        return value
+
+    def __set__(self, trainer: Any, value: NoReturn) -> NoReturn:
+        """Refuse, saying what to call instead."""
+        raise AttributeError(f"trainer.{self.name} is the loop's and read-only: {self.instead}")
+
+
+class Built(Generic[T]):
+    """A component the loop builds in ``building`` (``build_<name>()``), held in its ``RunState``.
+
+    Before ``train()`` it may be assigned (to use a trainer's ``forward`` outside a run, say);
+    during a run, assigning it raises an ``AttributeError``: change the object in place, or
+    restore a state with ``load_state_dict()``.
+    """
+
+    def __set_name__(self, owner: type, name: str) -> None:
+        """Learn the attribute's name."""
+        self.name = name
+        self.__doc__ = f"The ``build_{name}()`` result, built by the loop in ``building``."
+
+    @overload
+    def __get__(self, trainer: None, owner: type) -> Built[T]: ...
+    @overload
+    def __get__(self, trainer: Any, owner: type) -> T: ...
+    def __get__(self, trainer: Any, owner: type) -> Built[T] | T:
+        """The built component (the descriptor itself on the class)."""
+        if trainer is None:
+            return self
+        loop = getattr(trainer, "loop", None)  # None: before BaseTrainer.__init__ made it
+        try:
+            value: T = loop.run_state.built[self.name]  # type: ignore[union-attr]
+        except (KeyError, AttributeError):
+            raise AttributeError(
+                f"trainer.{self.name} is not built yet: train() builds it with build_{self.name}() in 'building'"
+            ) from None
+        return value
+
+    def __set__(self, trainer: Any, value: T) -> None:
+        """Hold ``value`` as the component, unless a run is past ``building``."""
+        loop = getattr(trainer, "loop", None)
+        if loop is None:  # a subclass's __init__ before it called BaseTrainer's: kept till then
+            trainer.__dict__.setdefault(EARLY_COMPONENTS, {})[self.name] = value
+            return
+        state = trainer.state
+        if state not in (State.IDLE, State.BUILDING):
+            raise AttributeError(
+                f"trainer.{self.name} was built in 'building' and is not replaced during a run (state "
+                f"{state.value!r}): change it in place, or restore a state with trainer.load_state_dict()"
+            )
+        loop.run_state.built[self.name] = value
+
 
 _PRECISIONS = {"bf16": torch.bfloat16, "fp16": torch.float16}
 
 
-class BaseTrainer(Contract, RunAttributes):
+class BaseTrainer:
     """A training loop whose sequencing is an explicit state machine.
 
     Subclass it and implement ``build_data_loader``, ``build_model``,
@@ -71,6 +162,132 @@ class BaseTrainer(Contract, RunAttributes):
     """
 
     settings_class: ClassVar[type[TrainerSettings]] = TrainerSettings
+
+    # What ``building`` builds, in this order, each by its ``build_*`` method; the loop holds them.
+    data_loader: Built[Iterable[Any]] = Built()
+    model: Built[nn.Module] = Built()
+    optimizer: Built[torch.optim.Optimizer] = Built()
+    lr_scheduler: Built[torch.optim.lr_scheduler.LRScheduler | None] = Built()
+    grad_scaler: Built[torch.amp.GradScaler] = Built()
+
+    # The run's values, read-only: the loop's ``RunState`` is their one writer.
+
+    step: RunValue[int] = RunValue(
+        "The last begun step: incremented when a new step begins (0 before the first).",
+        "to resume at another step, restore a state with trainer.load_state_dict(); "
+        "to end the run, call trainer.request_exit()",
+    )
+    epoch: RunValue[int] = RunValue(
+        "The epoch the run draws its batches from (0-based): the one it resumed in before the data "
+        "iterator exists, the one its data ended in once the run has exited "
+        "(``run_length.epochs_completed`` counts full passes).",
+        "restore a state with trainer.load_state_dict(), or end the run with trainer.request_exit()",
+        source="current_epoch",
+    )
+    step_info: RunValue[StepInfo] = RunValue(
+        "What the step in progress did (see ``StepInfo``); a hook may add records to it.",
+        "the loop starts a new one each step; add records to it instead "
+        "(trainer.step_info['name'] = value)",
+    )
+    hooks: RunValue[tuple[BaseHook, ...]] = RunValue(
+        "The run's hooks, in the order they are called: ``build_hooks()``'s, then the declared ones.",
+        "return hooks from build_hooks() or declare them in settings.hooks",
+    )
+    error: RunValue[BaseException | None] = RunValue(
+        "What ended the run, if an error did (``train()`` re-raised it).",
+        "raise the error, or end the run cleanly with trainer.request_exit()",
+    )
+
+    # -- the user's contract: what a subclass writes, and the optional methods' defaults ------
+    def build_data_loader(self) -> Iterable[Any]:
+        """Return the training data: an infinite iterator or a re-iterable such as a DataLoader."""
+        raise NotImplementedError(f"{type(self).__name__} must implement build_data_loader()")
+
+    def build_model(self) -> nn.Module:
+        """Return the model, on its device and already wrapped (DDP, FSDP) if wanted."""
+        raise NotImplementedError(f"{type(self).__name__} must implement build_model()")
+
+    def build_optimizer(self) -> torch.optim.Optimizer:
+        """Return the optimizer of ``self.model``'s parameters.
+
+        By default, the one declared in ``settings.optimizer``.
+        """
+        if self.settings.optimizer is None:
+            raise NotImplementedError(
+                f"{type(self).__name__} must implement build_optimizer() or declare settings.optimizer"
+            )
+        return components.build_optimizer(self.settings.optimizer, self.model)
+
+    def build_lr_scheduler(self) -> torch.optim.lr_scheduler.LRScheduler | None:
+        """Return a learning-rate scheduler stepped after every optimizer step, or ``None``.
+
+        By default, the one declared in ``settings.lr_schedule``, if any.
+        """
+        if self.settings.lr_schedule is None:
+            return None
+        return components.build_lr_scheduler(self.settings.lr_schedule, self.optimizer, self.max_steps)
+
+    def build_grad_scaler(self) -> torch.amp.GradScaler:
+        """Return the gradient scaler; by default enabled for fp16 mixed precision only."""
+        return torch.amp.GradScaler(self.device.type, enabled=self.settings.mixed_precision == "fp16")
+
+    def build_hooks(self) -> list[BaseHook]:
+        """Return the hooks built in code; the run calls them, then those ``settings.hooks`` declares.
+
+        By default none. An override need not (and should not) build the declared hooks.
+        """
+        return []
+
+    def forward(self, input: Any) -> tuple[torch.Tensor | None, Records]:
+        """Compute the loss of one microstep's batch.
+
+        Args:
+            input: A batch drawn from the data loader.
+
+        Returns:
+            The scalar loss (``None`` skips this batch: no backward, and the next batch is drawn;
+            under DDP/FSDP the wrapped model must then not have been called) and a nested dict
+            of numbers for the hooks to aggregate and log.
+        """
+        raise NotImplementedError(f"{type(self).__name__} must implement forward()")
+
+    def build_predict_data_loader(self) -> Iterable[Any]:
+        """Return the data ``predict()`` runs ``predict_step`` over (see docs/predict.md).
+
+        Under several ranks, a ``DataLoader`` with a ``DistributedSampler``. No implicit fallback:
+        to predict the validation data, return its loader here.
+        """
+        raise NotImplementedError(f"{type(self).__name__} must implement build_predict_data_loader() to predict")
+
+    def predict_step(self, batch: Any) -> torch.Tensor | dict[str, torch.Tensor]:
+        """Compute the outputs of one batch of the predict data (eval mode, no grad, ``self.autocast()``).
+
+        Args:
+            batch: A batch drawn from ``build_predict_data_loader()``'s data.
+
+        Returns:
+            A tensor, or a dict of str to tensors, whose first dimension is the batch's items
+            (saved under ``"predictions"`` for a tensor, under its keys for a dict).
+        """
+        raise NotImplementedError(f"{type(self).__name__} must implement predict_step() to predict")
+
+    @classmethod
+    def missing_methods(cls, kind: str = "train") -> list[str]:
+        """The methods of the user's contract this class leaves to the stubs below.
+
+        ``build_optimizer`` is listed when not overridden, though ``settings.optimizer`` can
+        stand in for it (the preflight decides).
+
+        Args:
+            kind: The run whose methods to list (``"train"``; a ``"predict"`` run needs ``build_model``,
+                ``build_predict_data_loader`` and ``predict_step`` only).
+        """
+        required: tuple[str, ...] = ("build_data_loader", "build_model", "forward", "build_optimizer")
+        if kind == "predict":
+            required = ("build_model", "build_predict_data_loader", "predict_step")
+        return [name for name in required if getattr(cls, name) is getattr(BaseTrainer, name)]
+
+    # -- construction ---------------------------------------------------------------------------
 
     def __init_subclass__(cls, **kwargs: Any) -> None:
         """Refuse a subclass that overrides ``evaluate``: the run would silently be the user's method."""
@@ -228,22 +445,22 @@ class BaseTrainer(Contract, RunAttributes):
 
         The next state is chosen by ``trainloop.machine.table.TRANSITIONS``; every decision about what
         follows an update (retry, save, exit, next step) leaves from ``stepping``. The work of
-        each state is ``trainloop.loop.Loop``'s.
+        each state is ``trainloop.core.loop.Loop``'s.
 
         Returns:
             What the run did: its last step, epochs, exit code, last metrics and best
             checkpoint (also kept as ``trainer.result``).
 
         Raises:
-            trainloop.preflight.PreflightError: The settings and this trainer class cannot work
+            trainloop.core.preflight.PreflightError: The settings and this trainer class cannot work
                 together; nothing was built or written.
             RuntimeError: Gradients stayed non-finite beyond ``max_non_finite_grad_retries``.
-            trainloop.data.DataExhaustedError: A one-shot iterator ran out before ``max_steps``.
+            trainloop.core.data.DataExhaustedError: A one-shot iterator ran out before ``max_steps``.
             SystemExit: A hook requested exit with an exit code.
-            trainloop.workspace.WorkspaceBusyError: Another run holds the workspace; nothing
+            trainloop.core.workspace.WorkspaceBusyError: Another run holds the workspace; nothing
                 was written.
         """
-        preflight.check(self)  # before anything is built or written: see trainloop.preflight
+        preflight.check(self)  # before anything is built or written: see trainloop.core.preflight
         with hold_run_workspace(self.settings.workspace, self.logger):  # one run per workspace
             self._run_machine("train")
         if self.exit_code is not None:
@@ -256,7 +473,7 @@ class BaseTrainer(Contract, RunAttributes):
 
         ``building -> restoring -> validating -> exiting``: built as for training, the model's weights
         alone restored, each ``ValidationHook`` run once (no other hook runs), on every rank. Writes
-        nothing but its line in ``runs.jsonl``, takes no workspace lock (see ``trainloop.evaluation``).
+        nothing but its line in ``runs.jsonl``, takes no workspace lock (see ``trainloop.core.run_kinds``).
 
         Args:
             checkpoint: ``"latest"``: the run's latest complete checkpoint (an error if there is
@@ -270,7 +487,7 @@ class BaseTrainer(Contract, RunAttributes):
             (``kind="evaluate"``, ``step``: the checkpoint's).
 
         Raises:
-            trainloop.evaluation.EvaluateError: No ValidationHook.
+            trainloop.core.run_kinds.EvaluateError: No ValidationHook.
             trainloop.checkpoint.errors.CheckpointError: No checkpoint to restore, or one that
                 cannot be read or does not fit the model.
         """
@@ -306,8 +523,8 @@ class BaseTrainer(Contract, RunAttributes):
 
         Raises:
             ValueError: ``output`` is not a ``.safetensors`` or ``.pt`` file; nothing was built.
-            trainloop.evaluation.EvaluateError: ``weights`` given without a checkpoint; nothing was built.
-            trainloop.preflight.PreflightError: The trainer cannot predict (no
+            trainloop.core.run_kinds.EvaluateError: ``weights`` given without a checkpoint; nothing was built.
+            trainloop.core.preflight.PreflightError: The trainer cannot predict (no
                 ``predict_step`` or ``build_predict_data_loader``) or the settings cannot run.
             trainloop.checkpoint.CheckpointError: The checkpoint is missing, corrupt or lacks the weights.
             trainloop.predict.outputs.PredictionError: ``predict_step`` returned something else
@@ -343,7 +560,7 @@ class BaseTrainer(Contract, RunAttributes):
         """The full training state.
 
         Model, optimizer, scheduler, grad scaler, step, per-rank random generators and data position, settings, and
-        hooks' (see ``trainloop.training_state``).
+        hooks' (see ``trainloop.core.training_state``).
         """
         return training_state(self, self._run)
 
@@ -377,3 +594,5 @@ class BaseTrainer(Contract, RunAttributes):
     def unwrapped_model(self) -> nn.Module:
         """``self.model`` without its wrappers."""
         return unwrap_model(self.model)
+
+

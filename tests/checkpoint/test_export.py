@@ -124,7 +124,7 @@ def test_ema_weights_without_an_ema_hook_fail_before_the_first_step(tmp_path):
 
 def test_the_preflight_refuses_ema_weights_when_no_ema_hook_is_declared_or_built(tmp_path):
     from trainloop import BaseTrainer
-    from trainloop.preflight import preflight
+    from trainloop.core.preflight import preflight
 
     class Declares(BaseTrainer):  # builds no hooks in code: only settings.hooks can give the EMA hook
         build_data_loader = build_model = forward = TinyTrainer.build_data_loader

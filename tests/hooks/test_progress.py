@@ -302,7 +302,7 @@ def test_the_bar_shows_the_throughput_declared_once_on_the_logging_hook(tmp_path
         ItemsTrainer(TrainerSettings(max_steps=3, workspace={str(tmp_path)!r}, hooks=hooks)).train()
         """
     )
-    from trainloop.metrics import read_metrics
+    from trainloop.core.metrics import read_metrics
 
     (row,) = [row for row in read_metrics(tmp_path / "metrics.jsonl") if "loss" in row]
     assert row["throughput/items"] == 3 * 4 * 8  # the declared key's count, not Loss.count's

@@ -11,10 +11,10 @@ from tiny_trainer import ItemsTrainer, TinyTrainer, items_mask, make_data
 from torch.utils.data import DataLoader
 
 from trainloop import TrainerSettings
+from trainloop.core.metrics import read_metrics
 from trainloop.hooks.logging_hook import LoggingHook
 from trainloop.hooks.progress import ProgressHook
 from trainloop.hooks.stats import StatsHook
-from trainloop.metrics import read_metrics
 
 
 def hand_counts(batches: int) -> list[int]:

@@ -496,7 +496,7 @@ def test_components_keep_a_re_iterable_data_loader_as_it_is():
 
 
 def test_a_one_shot_iterator_that_runs_out_is_reported_and_state_restored():
-    from trainloop.data import DataExhaustedError
+    from trainloop.core.data import DataExhaustedError
 
     setup = RegressionSetup()
     before = setup.snapshot()

@@ -127,7 +127,7 @@ def test_restoring_at_max_steps_goes_straight_to_exiting():
 
 def test_fail_moves_any_running_state_to_exiting_once():
     machine, _, _ = make_machine()
-    machine.trace = __import__("trainloop").Trace()
+    machine.trace = __import__("trainloop.machine", fromlist=["Trace"]).Trace()
     machine.advance()
     machine.fail()
     machine.fail()
@@ -201,7 +201,7 @@ def test_a_table_naming_an_unknown_policy_is_rejected():
 
 def test_trace_records_the_step_each_edge_leaves():
     machine, p, _ = make_machine()
-    machine.trace = __import__("trainloop").Trace()
+    machine.trace = __import__("trainloop.machine", fromlist=["Trace"]).Trace()
     for _ in range(5):
         machine.advance()
     assert [(e.step, e.dest, e.trigger) for e in machine.trace] == [

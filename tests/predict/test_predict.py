@@ -15,12 +15,12 @@ from tiny_trainer import make_data
 from torch.utils.data import DataLoader
 
 from trainloop import CheckpointingHook
+from trainloop.core.preflight import PreflightError
+from trainloop.core.result import read_runs
 from trainloop.hooks.ema import EmaHook
 from trainloop.machine import State
 from trainloop.predict.order import PredictDataError, item_order
 from trainloop.predict.outputs import PredictionError, PredictionOutputs
-from trainloop.preflight import PreflightError
-from trainloop.result import read_runs
 
 
 def trained(workspace, format="full", **kwargs):

@@ -11,7 +11,7 @@ from predict_trainers import PredictTrainer
 from safetensors.torch import load_file
 
 from trainloop import CheckpointingHook
-from trainloop.result import read_runs
+from trainloop.core.result import read_runs
 
 TRAINER = "predict_trainers:PredictTrainer"
 

@@ -1,7 +1,7 @@
 """benchmarks/peers.py runs end to end on the raw loop and trainloop and writes its report.
 
 No peer library is needed (``--only raw,trainloop``) and no timing is asserted. Host syncs are
-counted the way tests/test_step.py counts them; Hugging Face's Trainer is run for a few steps
+counted the way tests/support/sync_counter.py counts them; Hugging Face's Trainer is run for a few steps
 when transformers (and Accelerate) are installed.
 """
 
@@ -60,7 +60,7 @@ def test_writes_table_and_chart(tmp_path):
     # One row in the versions table, one in the step table, one in the import table.
     assert len(rows) == 3
     # Step table: ratio, then host syncs per step: none in the raw loop, trainloop's one
-    # non-finite check with its defaults (the count tests/test_step.py makes).
+    # non-finite check with its defaults (the count tests/support/sync_counter.py makes).
     assert rows[1].endswith("| 1.00× | 0 |")
     trainloop_row = next(line for line in text.splitlines() if line.startswith("| trainloop | ") and "×" in line)
     assert trainloop_row.endswith("× | 1 |")
@@ -99,7 +99,7 @@ def test_without_raw_or_count_has_no_ratios_or_syncs(tmp_path):
 
 
 def test_counts_the_same_methods_as_the_step_test():
-    from test_step import SyncCounter
+    from sync_counter import SyncCounter
 
     assert load_syncs_module().SYNC_METHODS == SyncCounter.METHODS
 

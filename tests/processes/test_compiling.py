@@ -15,8 +15,8 @@ from pathlib import Path
 import pytest
 
 from trainloop.checkpoint.weights import read_weights
+from trainloop.core.metrics import read_metrics
 from trainloop.machine import read_compile_marks, read_trace
-from trainloop.metrics import read_metrics
 
 ROOT = Path(__file__).resolve().parents[2]
 SCRIPT = ROOT / "examples" / "compiling" / "train.py"

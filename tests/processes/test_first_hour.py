@@ -13,8 +13,8 @@ from cli_process import REPO, cli_env
 from tiny_trainer import TinyTrainer
 
 from trainloop import LoggingHook
+from trainloop.core.result import read_runs
 from trainloop.report import build_report
-from trainloop.result import read_runs
 
 SCRIPT = """\
 import sys

@@ -18,8 +18,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import AfterValidator, Field, StrictStr, ValidationInfo
 
-from trainloop.json_files import strict_json
-from trainloop.nested import hint_for_missing_key, to_float
+from trainloop.utils import hint_for_missing_key, strict_json, to_float
 
 __all__ = ["BEST_FILE", "BestCheckpoints", "Monitor", "check_best", "read_best"]
 

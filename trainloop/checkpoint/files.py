@@ -17,12 +17,12 @@ from __future__ import annotations
 
 import logging
 import re
+from collections.abc import Callable
 from logging import Logger
 from pathlib import Path
 from typing import Any
 
-from trainloop._moved import moved_names
-from trainloop.checkpoint.atomic import atomic_directory, replace_symlink
+from trainloop.checkpoint.atomic import atomic_directory, remove_directory, replace_symlink
 from trainloop.checkpoint.errors import CheckpointError, CheckpointSaveError
 from trainloop.checkpoint.loading import SHARDED_DIR, load_file, load_verified
 from trainloop.checkpoint.manifest import (
@@ -45,13 +45,13 @@ __all__ = [
     "checkpoint_steps",
     "latest_checkpoint",
     "point_latest",
+    "prune",
     "read_checkpoint",
     "read_full",
     "save_error",
     "write_checkpoint",
 ]
 
-__getattr__ = moved_names(__name__)  # names that moved, still importable (see trainloop._moved)
 
 LATEST = "latest"
 _REQUIRED = ("model", "training_state")
@@ -257,3 +257,25 @@ def read_full(directory: Path, listing: dict[str, FileDigest] | None) -> dict[st
         return {key: load_file(path) for key, path in files.items()}
     check_hashes(directory, listing, [rel for rel in listing if not rel.endswith(".pt")])  # metadata: small
     return {key: load_verified(path, listing[path.name]) for key, path in files.items()}
+
+
+def prune(root: Path, newest: int, keep_previous: int, kept: Callable[[int], bool], logger: Logger) -> None:
+    """Remove the checkpoints under ``root`` but ``newest``, the ``keep_previous`` before it and the ``kept``.
+
+    ``kept(step)`` keeps the best and the kept intervals. Each removed one leaves its step name
+    at once and is deleted on a helper thread; a failure is logged.
+    """
+    earlier = [step for step in checkpoint_steps(root) if step != newest]
+    recent = set(earlier[-keep_previous:]) if keep_previous else set()
+    for step in earlier:
+        if step in recent or kept(step):
+            continue
+        path = root / str(step)
+
+        def report(error: OSError, path: Path = path) -> None:
+            logger.warning("Could not remove old checkpoint %s: %s", path, error)
+
+        try:
+            remove_directory(path, background=report)  # gone from its name now, deleted off the training thread
+        except OSError as error:
+            report(error)

@@ -31,7 +31,7 @@ import torch
 
 from trainloop.checkpoint.errors import CheckpointError
 from trainloop.checkpoint.hashing import CHECKSUM, CHECKSUMS, FileDigest, HashingWriter, new_hash
-from trainloop.nested import flatten_nested_dict, to_float
+from trainloop.utils import flatten_nested_dict, to_float
 from trainloop.version import __version__
 
 __all__ = [

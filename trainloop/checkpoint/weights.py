@@ -25,10 +25,10 @@ from trainloop.checkpoint.errors import CheckpointError
 from trainloop.checkpoint.files import LATEST, checkpoint_format, latest_checkpoint
 from trainloop.checkpoint.loading import load_file
 from trainloop.checkpoint.manifest import MANIFEST, read_metadata, verify_checkpoint
-from trainloop.wrappers import unwrap_model
+from trainloop.utils import unwrap_model
 
 if TYPE_CHECKING:
-    from trainloop.run_state import TrainerView
+    from trainloop.core.run_state import TrainerView
     from trainloop.settings.init_from import InitFromSettings
 
 __all__ = ["Weights", "find_checkpoint", "init_from", "load_weights", "read_weights", "tied_keys", "weights_problem"]

@@ -17,10 +17,10 @@ from trainloop.checkpoint.errors import CheckpointError
 from trainloop.cli.errors import FAILURE, PROG, CliError
 from trainloop.cli.run import configure_logging
 from trainloop.cli.settings import checked_settings
+from trainloop.core.preflight import checked
+from trainloop.core.run_kinds import EvaluateError
 from trainloop.distributed.ranks import is_rank_zero
-from trainloop.evaluation import EvaluateError
-from trainloop.json_files import strict_json
-from trainloop.preflight import checked
+from trainloop.utils import strict_json
 
 __all__ = ["command"]
 

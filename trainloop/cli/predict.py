@@ -18,12 +18,12 @@ from trainloop.checkpoint.errors import CheckpointError
 from trainloop.cli.errors import FAILURE, PROG, CliError
 from trainloop.cli.run import configure_logging
 from trainloop.cli.settings import checked_settings
+from trainloop.core.preflight import checked
+from trainloop.core.run_kinds import EvaluateError
 from trainloop.distributed.gather import GatherError
-from trainloop.evaluation import EvaluateError
 from trainloop.predict.files import predictions_path
 from trainloop.predict.order import PredictDataError
 from trainloop.predict.outputs import PredictionError
-from trainloop.preflight import checked
 
 __all__ = ["command"]
 

@@ -9,8 +9,8 @@ import sys
 
 from trainloop.cli.errors import PROG, CliError
 from trainloop.cli.settings import checked_settings
-from trainloop.preflight import checked
-from trainloop.workspace import WorkspaceBusyError
+from trainloop.core.preflight import checked
+from trainloop.core.workspace import WorkspaceBusyError
 
 __all__ = ["command", "configure_logging"]
 

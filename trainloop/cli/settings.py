@@ -13,8 +13,8 @@ from pathlib import Path
 
 from trainloop.cli.errors import CliError
 from trainloop.cli.trainer_class import load_trainer_class
-from trainloop.preflight import preflight
-from trainloop.result import RunKind
+from trainloop.core.preflight import preflight
+from trainloop.core.result import RunKind
 from trainloop.settings.model import SettingsFileError, TrainerSettings
 from trainloop.settings.sources import SettingsInput, read_settings_input
 from trainloop.trainer import BaseTrainer
@@ -36,7 +36,7 @@ def checked_settings(
 
     The layers are defaults < the file < ``TRAINLOOP_*`` environment < ``--set``. The trainer
     is ``--trainer``, else the settings' ``trainer`` key; its ``settings_class`` validates them,
-    and ``trainloop.preflight`` checks them against it for a run of ``kind``
+    and ``trainloop.core.preflight`` checks them against it for a run of ``kind``
     (``"train"``, ``"predict"``). Nothing is built or written.
 
     Raises:

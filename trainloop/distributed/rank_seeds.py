@@ -19,8 +19,8 @@ from typing import Any
 
 import torch
 
+from trainloop.core.rng import seed_all
 from trainloop.distributed.ranks import gather_from_ranks, rank, world_size
-from trainloop.rng import seed_all
 
 __all__ = ["IdenticalBatchesWarning", "batch_digest", "seed_ranks_apart", "warn_if_ranks_drew_the_same"]
 

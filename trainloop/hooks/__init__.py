@@ -6,6 +6,7 @@ its type looked up in the registry when settings are validated.
 Heavy optional packages (wandb, tensorboard, PIL, tqdm) are imported only when a hook uses them.
 """
 
+from trainloop.core.run_state import TrainerView
 from trainloop.hooks.base import BaseHook
 from trainloop.hooks.checkpointing import CheckpointingHook
 from trainloop.hooks.cuda_memory import CudaMaxMemoryHook
@@ -23,7 +24,6 @@ from trainloop.hooks.stats import StatsHook, TrainingStats
 from trainloop.hooks.tensorboard import TensorBoardHook
 from trainloop.hooks.validation import ValidationHook
 from trainloop.hooks.wandb import WandbHook
-from trainloop.run_state import TrainerView
 
 __all__ = [
     "TrainerView",

@@ -12,12 +12,10 @@ from typing import Any
 from pydantic import ValidationError
 from pydantic_core import InitErrorDetails, PydanticCustomError
 
-from trainloop._moved import moved_names
 from trainloop.hooks.every import Schedule
 
 __all__ = ["BaseHook"]
 
-__getattr__ = moved_names(__name__)  # names that moved, still importable (see trainloop._moved)
 
 
 class BaseHook:
@@ -37,7 +35,7 @@ class BaseHook:
 
     The ``trainer`` the methods receive is typed ``Any`` here, so that a subclass may annotate
     it with its own trainer class, with ``BaseTrainer``, or with the read-only view
-    ``trainloop.run_state.TrainerView`` (what the built-in hooks use).
+    ``trainloop.core.run_state.TrainerView`` (what the built-in hooks use).
 
     A hook that acts periodically declares when, as data: ``self.schedule = Schedule(every=100)``
     (``trainloop.hooks.every``), and defines ``on_schedule``; the trainer applies the one

@@ -1,6 +1,6 @@
 """Helpers for the checks a hook class makes of its declared settings (``BaseHook.check_settings``).
 
-The preflight (``trainloop.preflight``) asks each declared hook class; these are the
+The preflight (``trainloop.core.preflight``) asks each declared hook class; these are the
 pieces several built-in hooks share.
 """
 

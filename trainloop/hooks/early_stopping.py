@@ -10,11 +10,11 @@ from pydantic import Field, validate_call
 
 from trainloop.hooks.base import BaseHook
 from trainloop.hooks.registry import register_hook
-from trainloop.nested import flatten_nested_dict, hint_for_missing_key, to_float
 from trainloop.settings.types import NonNegativeFloat, PositiveInt
+from trainloop.utils import flatten_nested_dict, hint_for_missing_key, to_float
 
 if TYPE_CHECKING:
-    from trainloop.run_state import TrainerView
+    from trainloop.core.run_state import TrainerView
 
 __all__ = ["EarlyStoppingHook", "MonitorNotFoundWarning"]
 

@@ -11,7 +11,7 @@ from trainloop.hooks.base import BaseHook
 from trainloop.hooks.registry import register_hook
 
 if TYPE_CHECKING:
-    from trainloop.run_state import TrainerView
+    from trainloop.core.run_state import TrainerView
 
 __all__ = ["EmaHook"]
 

@@ -14,8 +14,8 @@ from trainloop.hooks.registry import register_hook
 from trainloop.settings.types import NonEmptyPath
 
 if TYPE_CHECKING:
+    from trainloop.core.run_state import TrainerView
     from trainloop.hooks.ema import EmaHook
-    from trainloop.run_state import TrainerView
 
 __all__ = ["ExportHook"]
 
@@ -58,9 +58,9 @@ class ExportHook(BaseHook):
         if declared.weights == "ema" and not any(spec.type == "ema" for spec in settings.hooks):
             trainer_class = trainer if isinstance(trainer, type) else type(trainer)
             build_hooks = getattr(trainer_class, "build_hooks", None)
-            # The default (no hooks) is the contract's, in trainloop.contract: compared by name, as hooks
+            # The default (no hooks) is the contract's, in trainloop.trainer: compared by name, as hooks
             # import nothing of the trainer's.
-            default = getattr(build_hooks, "__module__", "") == "trainloop.contract"
+            default = getattr(build_hooks, "__module__", "") == "trainloop.trainer"
             builds_hooks = trainer is not None and not default
             if not builds_hooks:
                 problems.append(("weights", "'ema' needs an EMA hook, and settings.hooks declares none"))

@@ -8,8 +8,8 @@ from trainloop.hooks.registry import register_hook
 from trainloop.hooks.stats import StatsHook, TrainingStats
 
 if TYPE_CHECKING:
+    from trainloop.core.run_state import TrainerView
     from trainloop.hooks.base import BaseHook
-    from trainloop.run_state import TrainerView
     from trainloop.settings.model import TrainerSettings
 
 __all__ = ["DEFAULT_LOG_INTERVAL", "LoggingHook", "with_default_logging"]

@@ -19,9 +19,9 @@ from trainloop.hooks.registry import register_hook
 from trainloop.settings.types import NonEmptyPath, NonNegativeInt, PositiveInt, StrictBool
 
 if TYPE_CHECKING:
+    from trainloop.core.run_state import TrainerView
     from trainloop.machine.runner import Handle
     from trainloop.machine.table import Transition
-    from trainloop.run_state import TrainerView
 
 __all__ = ["ProfilerHook"]
 

@@ -18,11 +18,11 @@ from trainloop.hooks.logging_hook import LoggingHook
 from trainloop.hooks.registry import register_hook
 from trainloop.hooks.stats import StatsHook, TrainingStats
 from trainloop.hooks.throughput import THROUGHPUT_SETTINGS, ItemCount, adopted_throughput
-from trainloop.nested import flatten_nested_dict
 from trainloop.settings.types import NonNegativeInt, PositiveFloat, PositiveInt, StrictBool
+from trainloop.utils import flatten_nested_dict
 
 if TYPE_CHECKING:
-    from trainloop.run_state import TrainerView
+    from trainloop.core.run_state import TrainerView
 
 __all__ = ["ProgressHook"]
 

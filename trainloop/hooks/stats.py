@@ -10,7 +10,7 @@ reduced on their device and read together, and the tensors inside ``forward``'s 
 read in one batch per device and dtype; the items the steps trained on (``trainloop.hooks.throughput``)
 are summed on their device and read once.
 
-Steps ``torch.compile`` spent compiling (``step_info.compiled``, see ``trainloop.compiling``) are
+Steps ``torch.compile`` spent compiling (``step_info.compiled``, see ``trainloop.core.compiling``) are
 counted apart: their time is in ``compile_time``, not in ``step_time``'s mean nor the throughput.
 """
 
@@ -28,11 +28,11 @@ from trainloop.hooks.base import BaseHook
 from trainloop.hooks.every import Schedule
 from trainloop.hooks.registry import register_hook
 from trainloop.hooks.throughput import ItemCount, Throughput, combine_throughput, throughput
-from trainloop.nested import Records, key_average
 from trainloop.settings.types import PositiveFloat, PositiveInt, StrictBool
+from trainloop.utils import Records, key_average
 
 if TYPE_CHECKING:
-    from trainloop.run_state import TrainerView
+    from trainloop.core.run_state import TrainerView
 
 __all__ = ["StatsHook", "TrainingStats"]
 

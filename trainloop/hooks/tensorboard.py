@@ -11,14 +11,14 @@ from trainloop.distributed.ranks import is_rank_zero
 from trainloop.hooks.base import BaseHook
 from trainloop.hooks.checks import HookProblem, needs_workspace
 from trainloop.hooks.registry import register_hook
-from trainloop.nested import flatten_nested_dict, to_float
 from trainloop.settings.types import NonEmptyPath
+from trainloop.utils import flatten_nested_dict, to_float
 
 if TYPE_CHECKING:
     from PIL.Image import Image
     from torch.utils.tensorboard import SummaryWriter
 
-    from trainloop.run_state import TrainerView
+    from trainloop.core.run_state import TrainerView
 
 __all__ = ["TensorBoardHook"]
 

@@ -15,12 +15,11 @@ from trainloop.hooks.base import BaseHook
 from trainloop.hooks.checks import HookProblem
 from trainloop.hooks.every import Schedule
 from trainloop.hooks.registry import register_hook
-from trainloop.nested import Records, flatten_nested_dict
 from trainloop.settings.types import PositiveInt, StrictBool
-from trainloop.wrappers import module_modes_kept
+from trainloop.utils import Records, flatten_nested_dict, module_modes_kept
 
 if TYPE_CHECKING:
-    from trainloop.run_state import TrainerView
+    from trainloop.core.run_state import TrainerView
 
 __all__ = ["ValidationHook"]
 

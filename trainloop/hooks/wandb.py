@@ -11,10 +11,10 @@ from trainloop.distributed.ranks import is_rank_zero
 from trainloop.hooks.base import BaseHook
 from trainloop.hooks.checks import HookProblem, workspace_only
 from trainloop.hooks.registry import register_hook
-from trainloop.nested import flatten_nested_dict, to_float
+from trainloop.utils import flatten_nested_dict, to_float
 
 if TYPE_CHECKING:
-    from trainloop.run_state import TrainerView
+    from trainloop.core.run_state import TrainerView
 
 __all__ = ["RUN_ID_FILE", "WandbHook"]
 

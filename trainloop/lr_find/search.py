@@ -38,15 +38,15 @@ from pydantic.dataclasses import dataclass as pydantic_dataclass
 from pydantic_core import PydanticCustomError
 from torch import nn
 
-from trainloop.data import EpochIterator
+from trainloop.core.data import EpochIterator
+from trainloop.core.rng import get_rng_state, set_rng_state
+from trainloop.core.step import StepPlan, StepRunner, trainer_step_plan
 from trainloop.loss import Loss
 from trainloop.lr_find.result import LrFindResult, steepest_descent
 from trainloop.machine.table import State
-from trainloop.rng import get_rng_state, set_rng_state
 from trainloop.settings.types import PositiveFloat, PositiveInt
-from trainloop.step import StepPlan, StepRunner, trainer_step_plan
 from trainloop.trainer import BaseTrainer
-from trainloop.wrappers import is_distributed_model, module_modes_kept
+from trainloop.utils import is_distributed_model, module_modes_kept
 
 __all__ = ["LrFindComponents", "LrFindResult", "lr_find"]
 

@@ -15,10 +15,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO, TYPE_CHECKING, Any, NamedTuple
 
-from trainloop.compiling import CompileMark
+from trainloop.core.compiling import CompileMark
 from trainloop.distributed.ranks import is_rank_zero
-from trainloop.json_files import open_jsonl
 from trainloop.machine.table import State, Transition
+from trainloop.utils import open_jsonl
 
 if TYPE_CHECKING:
     from trainloop.settings.model import TrainerSettings

@@ -17,19 +17,19 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from trainloop.checkpoint.weights import init_from
+from trainloop.core.rng import seed_all
+from trainloop.core.run_kinds import WeightsSource, restore_weights
 from trainloop.distributed.gather import gather_items
 from trainloop.distributed.ranks import is_rank_zero, rank, world_size
-from trainloop.evaluation import WeightsSource, restore_weights
 from trainloop.machine.table import State
 from trainloop.predict.files import write_predictions
 from trainloop.predict.order import item_order
 from trainloop.predict.outputs import PredictionOutputs
-from trainloop.rng import seed_all
-from trainloop.wrappers import module_modes_kept
+from trainloop.utils import module_modes_kept
 
 if TYPE_CHECKING:
     from trainloop.checkpoint.weights import Weights
-    from trainloop.run_state import RunState, TrainerContract
+    from trainloop.core.run_state import RunState, TrainerContract
 
 __all__ = ["PredictRun", "predict_items"]
 

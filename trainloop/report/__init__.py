@@ -5,7 +5,7 @@ machine section (``machine``: drawn in Python, or with Graphviz on request, ``gr
 run logged (``metrics.jsonl``) read back with ``read_metrics``.
 """
 
-from trainloop.metrics import read_metrics
+from trainloop.core.metrics import read_metrics
 from trainloop.report.page import ReportError, build_report, write_report
 
 __all__ = ["ReportError", "build_report", "read_metrics", "write_report"]

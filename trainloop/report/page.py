@@ -20,12 +20,12 @@ from typing import Any
 
 from trainloop.checkpoint.best import BEST_FILE, read_best
 from trainloop.checkpoint.files import LATEST, checkpoint_steps
+from trainloop.core.metrics import METRICS_FILE, read_metrics
+from trainloop.core.result import RUNS_FILE, read_runs
 from trainloop.machine.trace import read_trace, summarize_trace
-from trainloop.metrics import METRICS_FILE, read_metrics
 from trainloop.report.facts import overview, runs_table
 from trainloop.report.machine import machine_section, machine_svg
 from trainloop.report.style import STYLE
-from trainloop.result import RUNS_FILE, read_runs
 
 __all__ = ["DEFAULT_SMOOTHING", "ReportError", "build_report", "machine_svg", "write_report"]
 

@@ -3,7 +3,7 @@
 The settings model (``model``), where values come from (``sources``: defaults < file < ``TRAINLOOP_*`` environment <
 ``--set``), how errors are worded (``errors``), the optimizer and schedule declarations (``optimizer``, ``schedule``),
 the field types (``types``) and ``init_from``'s. The checks across settings, trainer and hooks made before anything
-runs are ``trainloop.preflight``, above the hooks and checkpoints they ask.
+runs are ``trainloop.core.preflight``, above the hooks and checkpoints they ask.
 """
 
 from trainloop.settings.model import TrainerSettings

@@ -9,10 +9,10 @@ from __future__ import annotations
 import math
 from typing import TYPE_CHECKING, Any
 
-from trainloop.data import DataExhaustedError, batches_per_epoch
+from trainloop.core.data import DataExhaustedError, batches_per_epoch
 
 if TYPE_CHECKING:
-    from trainloop.data import EpochIterator
+    from trainloop.core.data import EpochIterator
     from trainloop.settings.model import TrainerSettings
 
 __all__ = ["RunLength"]

@@ -1,6 +1,6 @@
 """The run as the loop owns it (``RunState``), and the run as hooks see it (``TrainerView``).
 
-The loop (``trainloop.loop.Loop``) is the only writer of a run's state: the step and epoch, the
+The loop (``trainloop.core.loop.Loop``) is the only writer of a run's state: the step and epoch, the
 step info, the built components, the hooks and their dispatch, the data iterator. The trainer
 shows them read-only; a hook reads them and *requests* (``request_exit``, ``request_checkpoint``,
 ``log``). ``TrainerView`` is that read-only face as a typing protocol: the built-in hooks, the
@@ -13,7 +13,7 @@ from __future__ import annotations
 import contextlib
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Generic, NoReturn, Protocol, TypeVar, overload
+from typing import TYPE_CHECKING, Any, Protocol
 
 from trainloop.machine.table import State
 from trainloop.step_info import StepInfo
@@ -26,28 +26,22 @@ if TYPE_CHECKING:
     from torch import nn
     from torch.distributed.checkpoint.state_dict import StateDictOptions
 
-    from trainloop.data import EpochIterator
+    from trainloop.core.data import EpochIterator
+    from trainloop.core.metrics import MetricsLog
+    from trainloop.core.run_length import RunLength
     from trainloop.hooks.base import BaseHook
     from trainloop.machine.runner import Handle
     from trainloop.machine.table import Transition
-    from trainloop.metrics import MetricsLog
-    from trainloop.nested import Records
-    from trainloop.run_length import RunLength
     from trainloop.settings.model import TrainerSettings
+    from trainloop.utils import Records
 
-__all__ = [
-    "COMPONENTS", "Built", "Dispatch", "RunAttributes", "RunState", "RunValue", "TrainerContract", "TrainerView"
-]
+__all__ = ["COMPONENTS", "Dispatch", "RunState", "TrainerContract", "TrainerView"]
 
 Dispatch = dict[str, tuple[Callable[..., None], ...]]
 """Per hook event, the bound methods of the hooks that override it (``hook_dispatch``)."""
 
 #: What ``building`` builds, in order, each by the trainer's ``build_<name>()``.
 COMPONENTS = ("data_loader", "model", "optimizer", "lr_scheduler", "grad_scaler")
-
-#: Where a component assigned before the trainer's loop exists waits for it (instance ``__dict__``).
-EARLY_COMPONENTS = "_components_before_init"
-
 
 @dataclass(eq=False)
 class RunState:
@@ -65,7 +59,7 @@ class RunState:
         restored_rng: Random states a checkpoint load restored before ``data`` existed; applied
             once it does (creating it draws from torch's generator).
         restored_position: A plain ``DataLoader``'s position a checkpoint load restored, for
-            ``data`` to resume its epoch exactly there (see ``trainloop.data_position``).
+            ``data`` to resume its epoch exactly there (see ``trainloop.core.data_position``).
         error: What ended the run, if an error did.
     """
 
@@ -85,119 +79,6 @@ class RunState:
         """The epoch the run draws from now (0-based): the data iterator's while it exists, else ``epoch``."""
         return self.data.epoch if self.data is not None else self.epoch
 
-
-T = TypeVar("T")
-
-
-class RunValue(Generic[T]):
-    """A trainer attribute that shows its loop's ``RunState``.
-
-    Read-only, and assigning it raises an ``AttributeError`` that says what to do instead (the loop is its one writer).
-
-    Args:
-        doc: The attribute's docstring.
-        instead: What to call instead of assigning it.
-    """
-
-    def __init__(self, doc: str, instead: str, source: str | None = None) -> None:
-        self.__doc__ = doc
-        self.instead = instead
-        self.source = source
-
-    def __set_name__(self, owner: type, name: str) -> None:
-        """Learn the attribute's name (and read the run state's attribute of that name, unless ``source``)."""
-        self.name = name
-        self.source = self.source or name
-
-    @overload
-    def __get__(self, trainer: None, owner: type) -> RunValue[T]: ...
-    @overload
-    def __get__(self, trainer: Any, owner: type) -> T: ...
-    def __get__(self, trainer: Any, owner: type) -> RunValue[T] | T:
-        """The loop's value (the descriptor itself on the class)."""
-        if trainer is None:
-            return self
-        value: T = getattr(trainer.loop.run_state, self.source)  # type: ignore[arg-type]
-        return value
-
-    def __set__(self, trainer: Any, value: NoReturn) -> NoReturn:
-        """Refuse, saying what to call instead."""
-        raise AttributeError(f"trainer.{self.name} is the loop's and read-only: {self.instead}")
-
-
-class Built(Generic[T]):
-    """A component the loop builds in ``building`` (``build_<name>()``), held in its ``RunState``.
-
-    Before ``train()`` it may be assigned (to use a trainer's ``forward`` outside a run, say);
-    during a run, assigning it raises an ``AttributeError``: change the object in place, or
-    restore a state with ``load_state_dict()``.
-    """
-
-    def __set_name__(self, owner: type, name: str) -> None:
-        """Learn the attribute's name."""
-        self.name = name
-        self.__doc__ = f"The ``build_{name}()`` result, built by the loop in ``building``."
-
-    @overload
-    def __get__(self, trainer: None, owner: type) -> Built[T]: ...
-    @overload
-    def __get__(self, trainer: Any, owner: type) -> T: ...
-    def __get__(self, trainer: Any, owner: type) -> Built[T] | T:
-        """The built component (the descriptor itself on the class)."""
-        if trainer is None:
-            return self
-        loop = getattr(trainer, "loop", None)  # None: before BaseTrainer.__init__ made it
-        try:
-            value: T = loop.run_state.built[self.name]  # type: ignore[union-attr]
-        except (KeyError, AttributeError):
-            raise AttributeError(
-                f"trainer.{self.name} is not built yet: train() builds it with build_{self.name}() in 'building'"
-            ) from None
-        return value
-
-    def __set__(self, trainer: Any, value: T) -> None:
-        """Hold ``value`` as the component, unless a run is past ``building``."""
-        loop = getattr(trainer, "loop", None)
-        if loop is None:  # a subclass's __init__ before it called BaseTrainer's: kept till then
-            trainer.__dict__.setdefault(EARLY_COMPONENTS, {})[self.name] = value
-            return
-        state = trainer.state
-        if state not in (State.IDLE, State.BUILDING):
-            raise AttributeError(
-                f"trainer.{self.name} was built in 'building' and is not replaced during a run (state "
-                f"{state.value!r}): change it in place, or restore a state with trainer.load_state_dict()"
-            )
-        loop.run_state.built[self.name] = value
-
-
-class RunAttributes:
-    """The run's values as a trainer's read-only attributes (``BaseTrainer``'s), read from its loop's ``RunState``."""
-
-    step: RunValue[int] = RunValue(
-        "The last begun step: incremented when a new step begins (0 before the first).",
-        "to resume at another step, restore a state with trainer.load_state_dict(); "
-        "to end the run, call trainer.request_exit()",
-    )
-    epoch: RunValue[int] = RunValue(
-        "The epoch the run draws its batches from (0-based): the one it resumed in before the data "
-        "iterator exists, the one its data ended in once the run has exited "
-        "(``run_length.epochs_completed`` counts full passes).",
-        "restore a state with trainer.load_state_dict(), or end the run with trainer.request_exit()",
-        source="current_epoch",
-    )
-    step_info: RunValue[StepInfo] = RunValue(
-        "What the step in progress did (see ``StepInfo``); a hook may add records to it.",
-        "the loop starts a new one each step; add records to it instead "
-        "(trainer.step_info['name'] = value)",
-    )
-    hooks: RunValue[tuple[BaseHook, ...]] = RunValue(
-        "The run's hooks, in the order they are called: ``build_hooks()``'s, then the declared ones.",
-        "return hooks from build_hooks() or declare them in settings.hooks",
-    )
-    error: RunValue[BaseException | None] = RunValue(
-        "What ended the run, if an error did (``train()`` re-raised it).",
-        "raise the error, or end the run cleanly with trainer.request_exit()",
-    )
 
 class TrainerView(Protocol):
     """What a hook may read and call on the trainer it is given: a read-only view of the run.

@@ -38,18 +38,18 @@ from typing import TYPE_CHECKING
 import torch
 
 from trainloop.checkpoint.weights import weights_problem
-from trainloop.exit_signals import as_signal
+from trainloop.core.workspace import path_problem
 from trainloop.hooks.base import BaseHook
 from trainloop.hooks.checks import listed, one_process
 from trainloop.hooks.dispatch import check_hook_methods
+from trainloop.hooks.exit_signals import as_signal
 from trainloop.hooks.registry import HOOK_TYPES, HookSettings
 from trainloop.settings.errors import field_path
 from trainloop.settings.sources import Key
-from trainloop.workspace import path_problem
 
 if TYPE_CHECKING:
-    from trainloop.result import RunKind
-    from trainloop.run_state import TrainerContract
+    from trainloop.core.result import RunKind
+    from trainloop.core.run_state import TrainerContract
     from trainloop.settings.model import TrainerSettings
 
 __all__ = ["PreflightError", "check", "checked", "preflight"]
@@ -231,7 +231,7 @@ def _combinations(settings: TrainerSettings) -> list[tuple[tuple[Key, ...], str]
 
 
 def _workspace_paths(settings: TrainerSettings) -> list[tuple[tuple[Key, ...], str]]:
-    """The directories the run writes, each checked by ``trainloop.workspace.path_problem``."""
+    """The directories the run writes, each checked by ``trainloop.core.workspace.path_problem``."""
     directories: list[tuple[tuple[Key, ...], Path]] = []
     if settings.workspace is not None:
         directories.append((("workspace",), settings.workspace))

@@ -1,6 +1,6 @@
 import pytest
 
-from trainloop.data import DataExhaustedError, EpochIterator
+from trainloop.core.data import DataExhaustedError, EpochIterator
 
 
 class Loader(list):

@@ -13,7 +13,7 @@ from helper_hooks import SignalAtStep
 from tiny_trainer import TinyTrainer
 
 from trainloop import CheckpointingHook, LoggingHook, ValidationHook
-from trainloop.result import RunResult
+from trainloop.core.result import RunResult
 
 
 def test_train_returns_the_runs_result_with_the_last_of_every_logged_key(tmp_path):

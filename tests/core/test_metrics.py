@@ -9,7 +9,7 @@ import pytest
 from tiny_trainer import TinyTrainer
 
 from trainloop import CheckpointingHook, LoggingHook, TrainerSettings
-from trainloop.metrics import MetricsLog, read_metrics
+from trainloop.core.metrics import MetricsLog, read_metrics
 
 
 class CrashAt(LoggingHook):

@@ -19,8 +19,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import IO, Any
 
-from trainloop.json_files import strict_json
-from trainloop.nested import flatten_nested_dict, to_float
+from trainloop.utils import flatten_nested_dict, strict_json, to_float
 
 __all__ = ["METRICS_FILE", "MetricsLog", "read_metrics"]
 

@@ -2,7 +2,7 @@ import pytest
 import torch
 from torch import nn
 
-from trainloop.grads import NonFiniteGradCheck
+from trainloop.core.step import NonFiniteGradCheck
 
 
 @pytest.fixture

@@ -1,4 +1,4 @@
-"""``trainloop.loop.Loop``: the work of each state, the edges' actions, the policies, and the run
+"""``trainloop.core.loop.Loop``: the work of each state, the edges' actions, the policies, and the run
 state it owns (``RunState``), driven through a real trainer and its machine."""
 
 import pytest
@@ -8,8 +8,8 @@ from tiny_trainer import FlakyTrainer, TinyTrainer, make_data
 from torch.utils.data import DataLoader
 
 from trainloop import BaseHook, State
-from trainloop.run_state import COMPONENTS, RunState
-from trainloop.training_state import ChangedSettingsWarning
+from trainloop.core.run_state import COMPONENTS, RunState
+from trainloop.core.training_state import ChangedSettingsWarning
 
 
 class Probe(BaseHook):

@@ -10,13 +10,13 @@ import json
 import warnings
 from typing import TYPE_CHECKING, Any
 
+from trainloop.core.rng import get_rng_state, set_rng_state
 from trainloop.distributed.ranks import gather_from_ranks, rank, world_size
-from trainloop.rng import get_rng_state, set_rng_state
 from trainloop.settings import optimizer as components
 
 if TYPE_CHECKING:
-    from trainloop.data import EpochIterator
-    from trainloop.run_state import RunState, TrainerView
+    from trainloop.core.data import EpochIterator
+    from trainloop.core.run_state import RunState, TrainerView
 
 #: The key of a plain DataLoader's saved position (the rest are StatefulDataLoader's own).
 SAMPLER_POSITION = "trainloop_sampler_position"
@@ -182,7 +182,7 @@ def _restore_per_rank(trainer: TrainerView, run: RunState, saved: dict[str, Any]
     else:
         set_rng_state(rngs[this_rank])
     if loaders is not None and loaders[this_rank] is not None:
-        if SAMPLER_POSITION in loaders[this_rank]:  # a plain DataLoader's (see trainloop.data_position)
+        if SAMPLER_POSITION in loaders[this_rank]:  # a plain DataLoader's (see trainloop.core.data_position)
             run.restored_position = loaders[this_rank][SAMPLER_POSITION]
             return
         # A saved position comes from a stateful loader (StatefulDataLoader), which the

@@ -10,12 +10,12 @@ import torch
 from eval_trainers import EvalTrainer
 
 from trainloop.checkpoint.errors import CheckpointError
-from trainloop.evaluation import EvaluateError
+from trainloop.core.result import read_runs
+from trainloop.core.run_kinds import EvaluateError
 from trainloop.hooks.checkpointing import CheckpointingHook
 from trainloop.hooks.ema import EmaHook
 from trainloop.hooks.validation import ValidationHook
 from trainloop.machine import State
-from trainloop.result import read_runs
 from trainloop.trainer import BaseTrainer
 
 
@@ -115,7 +115,7 @@ def test_overriding_evaluate_is_an_error_when_the_class_is_defined():
 def test_a_validation_method_named_evaluate_is_refused_before_training(tmp_path):
     from eval_trainers import EvalSettings
 
-    from trainloop.preflight import PreflightError
+    from trainloop.core.preflight import PreflightError
 
     declared = EvalSettings(max_steps=2, hooks=[{"type": "validation", "evaluate": "evaluate", "interval": 1}])
     with pytest.raises(PreflightError, match=r"hooks\[0\].evaluate: EvalTrainer.evaluate\(\) is a run of the trainer"):

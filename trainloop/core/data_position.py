@@ -2,7 +2,7 @@
 
 A ``DataLoader`` over a map-style dataset has no state to save, but its epoch is a function of
 two things: the generators its sampler shuffles with, as they were when the epoch began, and
-how many batches were drawn since. :mod:`trainloop.data` records the first as each epoch
+how many batches were drawn since. :mod:`trainloop.core.data` records the first as each epoch
 begins; a checkpoint saves both; a resume sets the generators back, starts the epoch again and
 skips the batches already drawn *at the sampler*, so their data is never loaded (as
 Accelerate's ``skip_first_batches`` does). The rest of the epoch, and every later one, is then

@@ -22,8 +22,8 @@ from cli_process import Cli, assert_one_clean_error, call, cli_env
 from tiny_trainer import TinyTrainer
 
 from trainloop import CheckpointingHook, ValidationHook
-from trainloop.result import read_runs
-from trainloop.workspace import LOCK_FILE
+from trainloop.core.result import read_runs
+from trainloop.core.workspace import LOCK_FILE
 
 TRAINER = "cli_trainers:CliTrainer"
 
@@ -226,7 +226,7 @@ def test_the_lock_of_a_killed_run_is_taken_over_with_a_message(tmp_path):
 
 def test_two_trainers_in_one_process_and_one_workspace(tmp_path):
     # The lock is the OS's, per open file: a trainer training inside another's run is refused too.
-    from trainloop.workspace import WorkspaceBusyError
+    from trainloop.core.workspace import WorkspaceBusyError
 
     class Inner(TinyTrainer):
         def build_model(self):

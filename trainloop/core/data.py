@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import Iterable, Iterator
 from typing import Any
 
-from trainloop.data_position import capture_epoch_start, has_sampler, replayed_epoch, warn_inexact_resume
+from trainloop.core.data_position import capture_epoch_start, has_sampler, replayed_epoch, warn_inexact_resume
 
 __all__ = ["DataExhaustedError", "EpochIterator", "batches_per_epoch"]
 

@@ -7,6 +7,7 @@ import pytest
 import torch
 from cli_process import Cli, assert_one_clean_error
 from helper_hooks import CaptureHook
+from sync_counter import SyncCounter
 from tiny_trainer import FlakyTrainer, ItemsTrainer, TinyTrainer, make_data
 
 from trainloop import BaseHook, State
@@ -127,23 +128,6 @@ def test_fp16_from_a_settings_file_validates_and_a_bad_floor_is_refused_naming_i
     assert_one_clean_error(result.stderr, "min_loss_scale", "greater than 0")
     assert len(result.stderr.splitlines()) == 1
     assert not (tmp_path / "ws").exists()
-
-
-class SyncCounter:
-    """Counts calls of the Tensor methods that block the host until a GPU has caught up."""
-
-    METHODS = ("item", "tolist", "numpy", "__bool__", "__float__", "__int__", "__index__")
-
-    def __init__(self, monkeypatch):
-        self.count = 0
-        for name in self.METHODS:
-            original = getattr(torch.Tensor, name)
-
-            def counted(tensor, *args, _original=original, **kwargs):
-                self.count += 1
-                return _original(tensor, *args, **kwargs)
-
-            monkeypatch.setattr(torch.Tensor, name, counted)
 
 
 @pytest.mark.parametrize("throughput", [False, True], ids=["plain", "throughput"])

@@ -11,16 +11,21 @@ lives here too.
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from time import perf_counter
 from typing import TYPE_CHECKING
 
 from trainloop.checkpoint.weights import init_from
-from trainloop.compiling import CompileWatch, note_compiled
-from trainloop.data import EpochIterator
+from trainloop.core.compiling import CompileWatch, note_compiled
+from trainloop.core.data import EpochIterator
+from trainloop.core.metrics import METRICS_FILE
+from trainloop.core.rng import seed_all, set_rng_state
+from trainloop.core.run_kinds import RunOfKind, Work, restore_weights
+from trainloop.core.run_state import RunState
+from trainloop.core.step import StepPlan, StepRunner, trainer_step_plan
+from trainloop.distributed.agreement import ExitAgreement
 from trainloop.distributed.rank_seeds import seed_ranks_apart, warn_if_ranks_drew_the_same
 from trainloop.distributed.ranks import is_rank_zero, world_size
-from trainloop.evaluation import restore_weights
 from trainloop.hooks.dispatch import ScheduledCalls, call_each, check_hooks, hook_dispatch, state_entry_methods
 from trainloop.hooks.logging_hook import with_default_logging
 from trainloop.hooks.registry import build_declared_hooks
@@ -28,22 +33,15 @@ from trainloop.loss import Loss
 from trainloop.machine.runner import StateMachine
 from trainloop.machine.table import State
 from trainloop.machine.trace import start_run_record
-from trainloop.metrics import METRICS_FILE
-from trainloop.requests import RunRequests
-from trainloop.retries import raise_if_no_retries_left
-from trainloop.rng import seed_all, set_rng_state
-from trainloop.run_kind import RunOfKind, Work
-from trainloop.run_state import RunState
-from trainloop.step import StepPlan, StepRunner, trainer_step_plan
 from trainloop.step_info import StepInfo
 
 if TYPE_CHECKING:
-    from trainloop.evaluation import WeightsSource
+    from trainloop.core.result import RunKind
+    from trainloop.core.run_kinds import WeightsSource
+    from trainloop.core.run_state import TrainerContract, TrainerView
     from trainloop.predict.run import PredictRun
-    from trainloop.result import RunKind
-    from trainloop.run_state import TrainerContract
 
-__all__ = ["Loop"]
+__all__ = ["Loop", "RunRequests", "raise_if_no_retries_left"]
 
 
 class Loop:
@@ -93,7 +91,7 @@ class Loop:
         """
         machine, trainer = self.machine, self.trainer
         self.kind, self.done = kind, False
-        self.of_kind = RunOfKind(kind, source, predict_run)
+        self.of_kind = RunOfKind(kind, source, predict_run.work() if predict_run is not None else None)
         training: Work = {
             State.BUILDING: self.build,
             State.RESTORING: self.restore,
@@ -373,3 +371,102 @@ class Loop:
         """Whether a checkpoint is due at this step."""
         return self.requests.checkpoint_due(self.run_state.step, ending=self.should_exit)
 
+
+class RunRequests:
+    """The checkpoint and exit requests of one run.
+
+    Attributes:
+        exit_agreed: Whether the run ends after this step (on every rank, once they agreed).
+        exit_code: The exit code agreed on with an exit request, or ``None``.
+    """
+
+    def __init__(self) -> None:
+        self.exit_agreed = False
+        self.exit_code: int | None = None
+        self._checkpoint = False
+        self._checkpoint_at_exit = False
+        self._last_checkpoint_step: int | None = None
+        self._exit = 0  # this rank's: 0 none, else 1 + exit code
+        self._agreement: ExitAgreement | None = None
+
+    def request_checkpoint(self, at_exit: bool = False) -> None:
+        """A checkpoint at the end of this step, or (``at_exit``) whenever the run ends cleanly."""
+        if at_exit:
+            self._checkpoint_at_exit = True
+        else:
+            self._checkpoint = True
+
+    def request_exit(self, exit_code: int | None = None) -> None:
+        """End the run after this step (with ``exit_code``, if given; the highest asked wins)."""
+        self._exit = max(self._exit, 1 + (exit_code or 0))
+
+    def open(self) -> None:
+        """Start agreeing on exit requests across ranks (a collective under a process group)."""
+        self._agreement = ExitAgreement()
+
+    def settle(self) -> None:
+        """At the end of an applied update: submit this rank's exit request, read the agreement."""
+        agreed = self._agreement.settle(self._exit)  # type: ignore[union-attr]
+        if agreed:
+            self.exit_agreed = True
+            if agreed > 1:
+                self.exit_code = agreed - 1
+
+    def checkpoint_due(self, step: int, ending: Callable[[], bool]) -> bool:
+        """Whether a save is due after ``step``.
+
+        Asked for, or standing and ``ending()`` says the run ends after this step (asked only then).
+        """
+        return self._checkpoint or (self._checkpoint_at_exit and self._last_checkpoint_step != step and ending())
+
+    def checkpointed(self, step: int) -> None:
+        """A save of ``step`` was made: the request is met."""
+        self._checkpoint = False
+        self._last_checkpoint_step = step
+
+    def close(self) -> None:
+        """Wait for the agreement in flight, so no collective is left dangling at exit."""
+        if self._agreement is not None:
+            self._agreement.close()
+
+
+def raise_if_no_retries_left(trainer: TrainerView, retries: int) -> float:
+    """Raise unless the step may be tried again after ``retries`` retries; return the loss scale.
+
+    Without a grad scaler, ``settings.max_non_finite_grad_retries`` counts the tries. Under fp16,
+    GradScaler refuses updates while it finds its scale, so a floor on the scale
+    (``settings.min_loss_scale``), not a count, tells that from gradients non-finite at any scale
+    (fairseq's and DeepSpeed's ``min_loss_scale``); a declared count bounds it too.
+
+    Returns:
+        Under fp16, GradScaler's scale now (one more host sync, on refused updates only); else 0.
+
+    Raises:
+        RuntimeError: No retry is left; the message says which bound was met.
+    """
+    t = trainer
+    declared = t.settings.max_non_finite_grad_retries
+    scale = 0.0
+    if t.grad_scaler.is_enabled():
+        scale = t.grad_scaler.get_scale()
+        floor = t.settings.min_loss_scale
+        if scale < floor:
+            raise RuntimeError(
+                f"non-finite gradients at step {t.step} after {retries} retries: under fp16 "
+                f"the loss scale fell to {scale:g}, below min_loss_scale={floor:g}, so the "
+                "gradients are non-finite at any scale (a NaN or inf in the loss or the model?)"
+            )
+        if declared is None or retries < declared:
+            return scale
+    elif retries < (declared or 0):
+        return scale
+    if not declared:
+        raise RuntimeError(
+            f"non-finite gradients at step {t.step}; max_non_finite_grad_retries is "
+            f"{declared}, so the step is not retried"
+        )
+    note = f"; the loss scale is now {scale:g}" if t.grad_scaler.is_enabled() else ""
+    raise RuntimeError(
+        f"non-finite gradients at step {t.step} after {retries} retries "
+        f"(max_non_finite_grad_retries={declared}){note}"
+    )

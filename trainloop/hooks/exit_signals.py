@@ -15,11 +15,17 @@ import signal
 import threading
 import time
 from types import FrameType
-from typing import Annotated, Any
+from typing import TYPE_CHECKING, Annotated, Any
 
 from pydantic import AfterValidator, Field, StrictInt, StrictStr
 
-__all__ = ["DEFAULT_EXIT_SIGNALS", "ExitCode", "ExitSignal", "ExitSignals", "as_signal"]
+if TYPE_CHECKING:
+    from logging import Logger
+
+    from trainloop.core.run_state import TrainerView
+
+__all__ = ["DEFAULT_EXIT_SIGNALS", "ExitCode", "ExitOnSignal", "ExitSignal", "ExitSignals", "as_signal"]
+
 
 DEFAULT_EXIT_SIGNALS = ("SIGTERM", "SIGUSR1", "SIGINT")
 """What a ``CheckpointingHook`` catches unless told otherwise."""
@@ -117,3 +123,44 @@ ExitSignal = Annotated[StrictStr | StrictInt, AfterValidator(_signal_name)]
 (``"SIGTERM"``), so declared settings and the defaults compare and round-trip alike."""
 ExitCode = Annotated[int, Field(ge=0, le=255, strict=True)]
 """An exit code a signal exit ends with."""
+
+
+class ExitOnSignal(ExitSignals):
+    """``ExitSignals`` that, once one is caught, request the run's exit (see ``ExitSignals`` for the arguments)."""
+
+    def __init__(self, signals: tuple[signal.Signals, ...], required: bool, name: str) -> None:
+        super().__init__(signals, required, name)
+        self.exit_asked = False
+
+    def install(self, logger: Logger) -> None:
+        """Catch the signals from now on; no exit asked yet."""
+        self.exit_asked = False
+        super().install(logger)
+
+    def request_exit(self, trainer: TrainerView, exit_code: str | int) -> None:
+        """After the step during which a signal arrived, request the exit (once), saying so.
+
+        Args:
+            trainer: The trainer.
+            exit_code: ``"128+signal"`` or a fixed code (``CheckpointingHook(exit_code=...)``).
+        """
+        caught = self.caught
+        if caught is None or self.exit_asked:  # no signal, or the exit already asked
+            return
+        # No request_checkpoint() here: it would hold on this rank only, and a save needs
+        # every rank. The standing at-exit request saves the step all ranks agree to stop at.
+        self.exit_asked = True
+        code = self.exit_code(exit_code)
+        trainer.logger.warning(
+            "Caught %s during step %d: the run saves and exits with code %d%s",
+            # A repeated SIGTERM never cuts the save short; only a second Ctrl-C does.
+            caught.name, trainer.step, code, " (Ctrl-C again: exit at once, without saving)"
+            if caught is signal.SIGINT else "",
+        )
+        trainer.request_exit(code)
+
+    def wait_before_save(self, logger: Logger, seconds: float) -> None:
+        """Wait ``seconds`` (``exit_wait``) before the save of a run a signal ends."""
+        if self.caught is not None and seconds > 0:
+            logger.info("Waiting %.1f s (exit_wait) before the exit checkpoint", seconds)
+            time.sleep(seconds)

@@ -19,10 +19,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
 
-from trainloop.json_files import append_line, strict_json
+from trainloop.utils import append_line, strict_json
 
 if TYPE_CHECKING:
-    from trainloop.run_state import TrainerView
+    from trainloop.core.run_state import TrainerView
 
 __all__ = ["RUNS_FILE", "RunKind", "RunResult", "finish_run", "read_runs", "run_result"]
 

@@ -10,7 +10,7 @@ import pytest
 import torch
 from tiny_trainer import TinyTrainer
 
-from trainloop.compiling import CompileWatch
+from trainloop.core.compiling import CompileWatch
 from trainloop.hooks.stats import StatsHook
 
 

@@ -10,19 +10,22 @@ in ``runs.jsonl`` (``"kind": "evaluate"``).
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
 
 from trainloop.checkpoint.errors import CheckpointError
+from trainloop.machine.table import State
 
 if TYPE_CHECKING:
     from trainloop.checkpoint.weights import Weights
+    from trainloop.core.result import RunKind
+    from trainloop.core.run_state import TrainerView
     from trainloop.hooks.base import BaseHook
-    from trainloop.run_state import TrainerView
 
-__all__ = ["EvaluateError", "WeightsSource", "check_validations", "restore_weights"]
+__all__ = ["EvaluateError", "RunOfKind", "WeightsSource", "Work", "check_validations", "restore_weights"]
+
 
 #: What ``checkpoint=`` (``--checkpoint``) takes besides a directory.
 LATEST: Literal["latest"] = "latest"
@@ -127,3 +130,74 @@ def _latest_root(trainer: TrainerView, hooks: Sequence[BaseHook]) -> Path:
         f"no complete checkpoint to evaluate ({where}): train first, give a checkpoint directory, "
         "or evaluate the model as built (checkpoint=None, --checkpoint none)"
     )
+
+
+Work = dict[State, Callable[[], None]]
+"""Each state's work in a run."""
+
+
+class RunOfKind:
+    """One run of a kind: the hooks that take part, each state's work, and whether the run is recorded.
+
+    Args:
+        kind: ``"train"``, ``"evaluate"`` or ``"predict"``.
+        source: Where a run that trains nothing takes the model's weights from.
+        predict_work: A predict run's work per state (``trainer.predict()`` makes it).
+
+    Attributes:
+        built_hooks: Every hook the run built, also those a run that trains nothing leaves out
+            (a ``CheckpointingHook`` still says where the checkpoints are).
+        recorded: Whether the run is recorded however it ends: a training run always, a run that
+            trains nothing once its weights are restored.
+    """
+
+    def __init__(
+        self, kind: RunKind = "train", source: WeightsSource | None = None, predict_work: Work | None = None
+    ) -> None:
+        self.kind = kind
+        self.source = source if source is not None else WeightsSource()
+        self.predict_work = predict_work
+        self.built_hooks: tuple[BaseHook, ...] = ()
+        self.recorded = kind == "train"
+
+    def work(self, training: Work, restore_weights: Callable[[], None]) -> Work:
+        """Each state's work in a run of this kind.
+
+        Args:
+            training: Each state's work in a training run.
+            restore_weights: The work of ``restoring`` in an evaluate run (the weights alone).
+        """
+        if self.kind == "train":
+            return training
+        if self.kind == "predict":
+            work = dict(self.predict_work)  # type: ignore[arg-type]  # trainer.predict() made it
+        else:
+            work = {**training, State.RESTORING: restore_weights}
+        restore = work[State.RESTORING]
+
+        def restored() -> None:
+            restore()
+            self.recorded = True  # from here on it is a run, recorded even if it fails
+
+        work[State.RESTORING] = restored
+        return work
+
+    def taking_part(self, hooks: Sequence[BaseHook], owner: str) -> list[BaseHook]:
+        """The hooks that take part: all of them in training, else the validations alone.
+
+        No other hook loads, saves or watches a run that trains nothing.
+
+        Args:
+            hooks: The hooks the run built, in order.
+            owner: Where they come from (the trainer class), for the message.
+
+        Raises:
+            trainloop.core.run_kinds.EvaluateError: An evaluate run and no hook validates.
+        """
+        if self.kind == "train":
+            return list(hooks)
+        self.built_hooks = tuple(hooks)
+        validations = [h for h in hooks if h.schedule is not None and h.schedule.state == "validating"]
+        if self.kind == "evaluate":
+            check_validations(validations, owner)
+        return validations

@@ -15,7 +15,7 @@ from cli_process import Cli, assert_one_clean_error, call, cli_env
 from tiny_trainer import TinyTrainer
 
 from trainloop import PreflightError, TrainerSettings
-from trainloop.preflight import preflight
+from trainloop.core.preflight import preflight
 
 TRAINER = "cli_trainers:CliTrainer"
 
