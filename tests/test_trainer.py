@@ -10,6 +10,7 @@ from torch import nn
 from torch.utils.data import DataLoader
 
 from trainloop import BaseHook, BaseTrainer, DataExhaustedError, PreflightError, State
+from trainloop.hooks import Schedule
 
 
 def params(trainer):
@@ -362,25 +363,52 @@ def test_state_entry_methods_of_hooks_are_attached():
     assert trainer.trace.counts()[(State.CHECKPOINTING, State.ACCUMULATING, "begin_step")] == 2
 
 
-def test_a_standing_checkpoint_at_exit_saves_the_last_step_once():
+def test_a_checkpointing_schedule_saves_in_checkpointing_and_the_last_step_once():
     class Saver(BaseHook):
         def __init__(self):
             self.saved_at = []
+            self.schedule = Schedule(2, state="checkpointing")
 
-        def on_before_train(self, trainer):
-            trainer.request_checkpoint(at_exit=True)
-
-        def on_after_step(self, trainer):
-            if trainer.step % 2 == 0:
-                trainer.request_checkpoint()
-
-        def on_enter_checkpointing(self, trainer):
-            self.saved_at.append(trainer.step)
+        def on_schedule(self, trainer):
+            self.saved_at.append((trainer.step, trainer.state))
 
     for max_steps, expected in ((5, [2, 4, 5]), (4, [2, 4])):
         saver = Saver()
-        TinyTrainer(max_steps=max_steps, hooks=[saver]).train()
-        assert saver.saved_at == expected
+        trainer = TinyTrainer(max_steps=max_steps, hooks=[saver], trace=True)
+        trainer.train()
+        assert saver.saved_at == [(step, State.CHECKPOINTING) for step in expected]
+        assert trainer.trace.counts()[(State.STEPPING, State.CHECKPOINTING, "checkpoint")] == len(expected)
+
+
+def test_a_requested_save_runs_every_saving_hook_once_and_the_end_does_not_repeat_it():
+    class Saver(BaseHook):
+        def __init__(self):
+            self.saved_at = []
+            self.schedule = Schedule(100, state="checkpointing")
+
+        def on_after_step(self, trainer):
+            if trainer.step in (2, 4):
+                trainer.request_checkpoint()
+
+        def on_schedule(self, trainer):
+            self.saved_at.append(trainer.step)
+
+    saver = Saver()
+    TinyTrainer(max_steps=4, hooks=[saver]).train()
+    assert saver.saved_at == [2, 4]
+
+
+def test_a_requested_save_that_no_hook_makes_is_said(caplog):
+    class Asker(BaseHook):
+        def on_after_step(self, trainer):
+            if trainer.step == 2:
+                trainer.request_checkpoint()
+
+    with caplog.at_level("WARNING", logger="trainloop"):
+        TinyTrainer(max_steps=3, hooks=[Asker()]).train()
+    assert [r.getMessage() for r in caplog.records] == [
+        "A checkpoint was requested at step 2, but no hook of this run saves one (add a CheckpointingHook)"
+    ]
 
 
 def test_request_exit_ends_cleanly_and_an_exit_code_raises_system_exit():

@@ -31,11 +31,10 @@ class StepInfo:
         non_finite_grad_retries: How often this step was redone.
         grad_norm: The total gradient norm before clipping (a tensor), with ``grad_clip`` only.
         step_time: Seconds from the step's start to the end of its applied update.
-        max_memory: The step's peak CUDA memory in GiB (``CudaMaxMemoryHook``).
         compiled: Set when ``torch.compile`` compiled during this step (see
             ``trainloop.core.compiling``): its time is not the model's.
-        stats: The aggregate ``StatsHook`` published on this step, if it emitted one.
-        extras: What other hooks publish for later hooks, by a name of their choosing.
+        extras: What hooks publish for later hooks, by a name of their choosing
+            (``step_info["max_memory"]``, ``step_info["stats"]``); ``step_info[key]`` reads and writes it.
     """
 
     data_time: list[float] = field(default_factory=list)
@@ -45,9 +44,7 @@ class StepInfo:
     non_finite_grad_retries: int = 0
     grad_norm: torch.Tensor | None = None
     step_time: float | None = None
-    max_memory: float | None = None
     compiled: Any = None  # a trainloop.core.compiling.CompileMark
-    stats: Any = None  # a trainloop.hooks.stats.TrainingStats
     extras: dict[str, Any] = field(default_factory=dict)
 
     # Read and written like the seed's dict too (``step_info["loss"]``, ``step_info["max_memory"] =

@@ -9,7 +9,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping
 from logging import Logger
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, ClassVar, Generic, NoReturn, TypeVar, overload
@@ -23,8 +23,8 @@ from trainloop.core.metrics import MetricsLog
 from trainloop.core.result import RunKind, RunResult, finish_run
 from trainloop.core.run_kinds import WeightsSource
 from trainloop.core.run_length import RunLength
-from trainloop.core.run_state import RunState
-from trainloop.core.step import NO_CONTEXT, LossNoneWarning
+from trainloop.core.run_state import SINGLE, RunState
+from trainloop.core.step import NO_CONTEXT, LossNoneWarning, check_forward
 from trainloop.core.training_state import ChangedSettingsWarning, load_training_state, training_state
 from trainloop.core.workspace import hold_run_workspace
 from trainloop.machine.runner import Handle
@@ -133,6 +133,23 @@ class Built(Generic[T]):
         loop.run_state.built[self.name] = value
 
 
+class BuiltOneOrMore(Built[T]):
+    """A component a trainer builds one of, or several of by name (a mapping): the optimizer, the lr scheduler.
+
+    With several, reading the singular attribute raises an ``AttributeError`` naming the plural.
+    """
+
+    def __get__(self, trainer: Any, owner: type) -> Any:
+        """The built component; with several, an error naming ``trainer.<name>s``."""
+        value = super().__get__(trainer, owner)
+        if trainer is not None and isinstance(value, Mapping):
+            raise AttributeError(
+                f"trainer.{self.name}: this trainer builds several ({', '.join(map(str, value))}); "
+                f"read trainer.{self.name}s[name]"
+            )
+        return value
+
+
 _PRECISIONS = {"bf16": torch.bfloat16, "fp16": torch.float16}
 
 
@@ -166,8 +183,8 @@ class BaseTrainer:
     # What ``building`` builds, in this order, each by its ``build_*`` method; the loop holds them.
     data_loader: Built[Iterable[Any]] = Built()
     model: Built[nn.Module] = Built()
-    optimizer: Built[torch.optim.Optimizer] = Built()
-    lr_scheduler: Built[torch.optim.lr_scheduler.LRScheduler | None] = Built()
+    optimizer: BuiltOneOrMore[torch.optim.Optimizer] = BuiltOneOrMore()
+    lr_scheduler: BuiltOneOrMore[torch.optim.lr_scheduler.LRScheduler | None] = BuiltOneOrMore()
     grad_scaler: Built[torch.amp.GradScaler] = Built()
 
     # The run's values, read-only: the loop's ``RunState`` is their one writer.
@@ -207,25 +224,36 @@ class BaseTrainer:
         """Return the model, on its device and already wrapped (DDP, FSDP) if wanted."""
         raise NotImplementedError(f"{type(self).__name__} must implement build_model()")
 
-    def build_optimizer(self) -> torch.optim.Optimizer:
-        """Return the optimizer of ``self.model``'s parameters.
+    def build_optimizer(self) -> torch.optim.Optimizer | Mapping[str, torch.optim.Optimizer]:
+        """Return the optimizer of ``self.model``'s parameters, or several by name (each step updates them in order).
 
-        By default, the one declared in ``settings.optimizer``.
+        By default, the one ``settings.optimizer`` declares, or those ``settings.optimizers`` declares.
         """
-        if self.settings.optimizer is None:
+        settings = self.settings
+        if settings.optimizers is not None:
+            return {name: components.build_optimizer(spec, self.model) for name, spec in settings.optimizers.items()}
+        if settings.optimizer is None:
             raise NotImplementedError(
                 f"{type(self).__name__} must implement build_optimizer() or declare settings.optimizer"
             )
-        return components.build_optimizer(self.settings.optimizer, self.model)
+        return components.build_optimizer(settings.optimizer, self.model)
 
-    def build_lr_scheduler(self) -> torch.optim.lr_scheduler.LRScheduler | None:
-        """Return a learning-rate scheduler stepped after every optimizer step, or ``None``.
+    def build_lr_scheduler(
+        self,
+    ) -> torch.optim.lr_scheduler.LRScheduler | Mapping[str, torch.optim.lr_scheduler.LRScheduler] | None:
+        """Return a learning-rate scheduler stepped after every update of its optimizer, or ``None``.
 
-        By default, the one declared in ``settings.lr_schedule``, if any.
+        With several optimizers, a mapping by optimizer name (an optimizer it leaves out has none). By default,
+        ``settings.lr_schedule``'s, one per optimizer.
         """
-        if self.settings.lr_schedule is None:
+        schedule = self.settings.lr_schedule
+        if schedule is None:
             return None
-        return components.build_lr_scheduler(self.settings.lr_schedule, self.optimizer, self.max_steps)
+        schedulers = {
+            name: components.build_lr_scheduler(schedule, optimizer, self.max_steps)
+            for name, optimizer in self.optimizers.items()
+        }
+        return schedulers if self._run.named_optimizers else schedulers[SINGLE]
 
     def build_grad_scaler(self) -> torch.amp.GradScaler:
         """Return the gradient scaler; by default enabled for fp16 mixed precision only."""
@@ -238,7 +266,7 @@ class BaseTrainer:
         """
         return []
 
-    def forward(self, input: Any) -> tuple[torch.Tensor | None, Records]:
+    def forward(self, input: Any) -> tuple[torch.Tensor | None, Records]:  # or forward(self, input, optimizer)
         """Compute the loss of one microstep's batch.
 
         Args:
@@ -313,6 +341,8 @@ class BaseTrainer:
         self.device = (
             torch.device(self.settings.device) if self.settings.device else torch.get_default_device()
         )
+        if self.settings.optimizers is not None and type(self).build_optimizer is BaseTrainer.build_optimizer:
+            check_forward(self.forward, f"{type(self).__name__}.forward()", list(self.settings.optimizers))
         self.run_length = RunLength(self.settings)  # where the run ends: max_steps, max_epochs
         self.metrics = MetricsLog()  # every trainer.log call; metrics.jsonl in the workspace
         self.result: RunResult | None = None
@@ -390,15 +420,12 @@ class BaseTrainer:
         dtype = _PRECISIONS.get(self.settings.mixed_precision or "")
         return torch.autocast(self.device.type, dtype=dtype) if dtype is not None else NO_CONTEXT
 
-    def request_checkpoint(self, at_exit: bool = False) -> None:
-        """Ask for a checkpoint at the end of the current step (the machine enters ``checkpointing``).
+    def request_checkpoint(self) -> None:
+        """Ask for a save at the end of the current step: in ``checkpointing``, every saving hook saves.
 
-        Args:
-            at_exit: Instead, a standing request: checkpoint whenever the run ends cleanly
-                (``max_steps`` reached or an exit requested), unless this step was just saved.
-                A run that ends by an error is not saved.
+        A hook's own schedule (``CheckpointingHook(interval=...)``) needs no request; this is for a save out of turn.
         """
-        self._requests.request_checkpoint(at_exit)
+        self._requests.request_checkpoint()
 
     def request_exit(self, exit_code: int | None = None) -> None:
         """Ask the run to end cleanly at the end of the current step.
@@ -589,6 +616,16 @@ class BaseTrainer:
     def unwrap(module: nn.Module) -> nn.Module:
         """See through ``torch.compile``, DDP, DataParallel and ``AveragedModel``."""
         return unwrap_model(module)
+
+    @property
+    def optimizers(self) -> dict[str, torch.optim.Optimizer]:
+        """The built optimizers by name, in the order a step updates them (one: ``{"default": optimizer}``)."""
+        return self._run.optimizers
+
+    @property
+    def lr_schedulers(self) -> dict[str, torch.optim.lr_scheduler.LRScheduler]:
+        """The built lr schedulers by their optimizer's name (an optimizer without one is absent)."""
+        return self._run.lr_schedulers
 
     @property
     def unwrapped_model(self) -> nn.Module:

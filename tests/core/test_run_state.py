@@ -90,24 +90,24 @@ def test_a_component_assigned_before_base_init_is_kept():
     assert trainer.model is model
 
 
-def test_step_info_reads_and_takes_records_like_the_seeds_dict():
+def test_step_info_reads_and_takes_records_like_a_dict():
     seen = {}
 
-    class Memory(BaseHook):  # as the seed's CudaMaxMemoryHook writes it
+    class Memory(BaseHook):  # as CudaMaxMemoryHook writes it
         def on_after_step(self, trainer):
             trainer.step_info["max_memory"] = 1.5
             trainer.step_info["tokens"] = 128
 
-    class Reader(BaseHook):  # as the seed's stats hooks read it
+    class Reader(BaseHook):  # as the stats hooks read it
         def on_after_step(self, trainer):
             info = trainer.step_info
             seen["loss"] = torch.stack(info["loss"]).mean()
             seen["retries"] = info["non_finite_grad_retries"]
             seen["has_memory"] = "max_memory" in info
             seen["memory"] = info["max_memory"]
-            seen["has_grad_norm"] = "grad_norm" in info  # no grad_clip: absent, as in the seed
+            seen["has_grad_norm"] = "grad_norm" in info  # no grad_clip: absent
             seen["tokens"] = info["tokens"]
-            seen["typed"] = (info.max_memory, info.extras)
+            seen["extras"] = info.extras
             seen["get"] = info.get("grad_norm", "none")
 
     trainer = TinyTrainer(max_steps=1, gradient_accumulation_steps=2, hooks=[Memory(), Reader()])
@@ -119,7 +119,7 @@ def test_step_info_reads_and_takes_records_like_the_seeds_dict():
     assert not seen["has_grad_norm"]
     assert seen["get"] == "none"
     assert seen["tokens"] == 128
-    assert seen["typed"] == (1.5, {"tokens": 128})
+    assert seen["extras"] == {"max_memory": 1.5, "tokens": 128}  # a hook's additions are its records
     with pytest.raises(KeyError):
         trainer.step_info["grad_norm"]
     with pytest.raises(KeyError):

@@ -20,6 +20,7 @@ from tiny_trainer import TinyTrainer
 
 from trainloop import BaseHook
 from trainloop.checkpoint import checkpoint_format, checkpoint_steps, read_checkpoint, read_metadata, verify_checkpoint
+from trainloop.hooks import Schedule
 from trainloop.hooks.checkpointing import CheckpointingHook
 
 FORMATS = ["full", "sharded"]
@@ -80,14 +81,15 @@ class GatedHook(BaseHook):
 
 
 class SavesInFlight(BaseHook):
-    """After each save began (placed after CheckpointingHook): how many background writes are
-    alive, and where ``latest`` points."""
+    """After each save began (in ``checkpointing``, after CheckpointingHook): how many background
+    writes are alive, and where ``latest`` points."""
 
     def __init__(self, root: Path) -> None:
         self.root = root
         self.seen: list[tuple[int, int, str | None]] = []
+        self.schedule = Schedule(1, state="checkpointing")
 
-    def on_enter_checkpointing(self, trainer):
+    def on_schedule(self, trainer):
         alive = [t for t in threading.enumerate() if t.name.startswith("checkpoint-")]
         link = self.root / "latest"
         self.seen.append((trainer.step, len(alive), os.readlink(link) if link.is_symlink() else None))

@@ -13,6 +13,7 @@ from helper_hooks import CaptureHook
 from tiny_trainer import TinyTrainer
 
 from trainloop import BaseHook, State
+from trainloop.hooks import Schedule
 from trainloop.hooks.early_stopping import EarlyStoppingHook, MonitorNotFoundWarning
 from trainloop.hooks.registry import HOOK_TYPES, hook_settings_model
 from trainloop.hooks.validation import ValidationHook
@@ -32,15 +33,13 @@ class Script:
 
 
 class CheckpointRecorder(BaseHook):
-    """Makes the standing at-exit checkpoint request and records each checkpointing entry."""
+    """Saves (records) in ``checkpointing`` at the end of the run, and every ``every`` steps."""
 
-    def __init__(self) -> None:
+    def __init__(self, every: int = 10**9) -> None:
         self.steps: list[int] = []
+        self.schedule = Schedule(every, state="checkpointing")
 
-    def on_before_train(self, trainer):
-        trainer.request_checkpoint(at_exit=True)
-
-    def on_enter_checkpointing(self, trainer):
+    def on_schedule(self, trainer):
         self.steps.append(trainer.step)
 
 
@@ -133,7 +132,7 @@ def test_non_numeric_metric_is_an_error(value, error, match):
         EarlyStoppingHook("val/loss").on_log(trainer, {"val": {"loss": value}})
 
 
-def test_standing_at_exit_checkpoint_is_taken_once_at_the_stop_step():
+def test_the_end_of_run_save_is_taken_once_at_the_stop_step():
     recorder = CheckpointRecorder()
     trainer, stopper, _, _ = run([5.0, 6.0, 7.0], patience=2, extra_hooks=[recorder])
     assert trainer.step == 6 == stopper.stopped_step
@@ -142,12 +141,7 @@ def test_standing_at_exit_checkpoint_is_taken_once_at_the_stop_step():
 
 
 def test_stop_on_a_step_that_was_already_checkpointed_saves_once():
-    class EveryTwo(CheckpointRecorder):
-        def on_after_step(self, trainer):
-            if trainer.step % 2 == 0:
-                trainer.request_checkpoint()
-
-    recorder = EveryTwo()
+    recorder = CheckpointRecorder(every=2)
     trainer, _, _, _ = run([5.0, 6.0, 7.0], patience=2, extra_hooks=[recorder])
     assert trainer.step == 6
     assert recorder.steps == [2, 4, 6]

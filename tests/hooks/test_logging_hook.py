@@ -32,7 +32,7 @@ def test_records_are_the_stats_aggregate():
         "loss", "grad_norm", "lr", "step_time", "data_time", "non_finite_grad_retries", "max_memory", "records",
     }
     # The very numbers StatsHook computed over the same window.
-    assert second == capture.step_infos[3].stats.to_records()
+    assert second == capture.step_infos[3].get("stats").to_records()
     losses = [loss.item() for info in capture.step_infos[:2] for loss in info.loss]
     assert first["loss"] == pytest.approx(sum(losses) / 4, rel=1e-6)
     assert first["records"] == {"mse": pytest.approx(first["loss"], rel=1e-6)}

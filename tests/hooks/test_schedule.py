@@ -109,8 +109,11 @@ def test_half_a_declaration_is_an_error_when_the_hooks_are_built():
 
 
 def test_built_in_periodic_hooks_declare_their_schedules_from_their_settings():
-    assert CheckpointingHook(interval=1000).schedule == Schedule(1000)
-    assert CheckpointingHook(interval=2, unit="epochs").schedule == Schedule(2, "epochs")
+    assert CheckpointingHook(interval=1000).schedule == Schedule(1000, state="checkpointing")
+    assert CheckpointingHook(interval=2, unit="epochs").schedule == Schedule(2, "epochs", state="checkpointing")
+    kept = CheckpointingHook(interval=10, keep_interval=25, keep_steps=[7, 3]).schedule
+    assert kept == Schedule(10, state="checkpointing", also_every=25, also_at=frozenset({3, 7}))
+    assert kept.describe() == "every 10 steps, every 25 steps, at steps 3, 7 and at the end"
     validating = Schedule(5, at_end=False, state="validating", at_exit_signal=False)
     assert ValidationHook("val_metrics", interval=5, at_last_step=False).schedule == validating
     assert ValidationHook("val_metrics", interval=5, at_start=True, on_exit_signal="validate").schedule == Schedule(
@@ -152,7 +155,7 @@ SETTINGS = {
     ],
 }
 LINES = [
-    "checkpointing — CheckpointingHook, after stepping, every 1000 steps and at the end",
+    "checkpointing — CheckpointingHook, in checkpointing, every 1000 steps and at the end",
     "validation — ValidationHook, in validating, every 2 epochs",
     "ema — EmaHook, after stepping, every step",
 ]
@@ -167,9 +170,11 @@ def test_graph_with_settings_shows_each_hook_beside_its_state_with_its_schedule(
         assert line in result.stdout
     if format == "mermaid":
         notes = result.stdout.split("note right of stepping\n", 1)[1].split("    end note", 1)[0]
-        assert [line.strip() for line in notes.splitlines()] == [LINES[0], LINES[2]]
+        assert [line.strip() for line in notes.splitlines()] == [LINES[2]]
         notes = result.stdout.split("note right of validating\n", 1)[1].split("    end note", 1)[0]
         assert [line.strip() for line in notes.splitlines()] == [LINES[1]]
+        notes = result.stdout.split("note right of checkpointing\n", 1)[1].split("    end note", 1)[0]
+        assert [line.strip() for line in notes.splitlines()] == [LINES[0]]
 
 
 def test_graph_with_settings_that_do_not_validate_exits_2_naming_the_field(tmp_path):
@@ -200,5 +205,5 @@ def test_the_report_lists_the_declared_hooks_with_their_schedules(tmp_path):
     page = (workspace / "report.html").read_text()
     for line in LINES:
         assert f"<td>{line}</td>" in page
-    assert "<td>stepping</td><td>checkpointing — CheckpointingHook" in page
+    assert "<td>checkpointing</td><td>checkpointing — CheckpointingHook" in page
     assert "<td>validating</td><td>validation — ValidationHook" in page

@@ -133,7 +133,7 @@ class MemoryHook(BaseHook):
     def on_after_step(self, trainer: BaseTrainer) -> None:
         value = self.memory(trainer.step)
         if value is not None:
-            trainer.step_info.max_memory = value
+            trainer.step_info["max_memory"] = value
 
 
 class LogCapture(BaseHook):

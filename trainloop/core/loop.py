@@ -11,7 +11,7 @@ lives here too.
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from time import perf_counter
 from typing import TYPE_CHECKING
 
@@ -22,7 +22,7 @@ from trainloop.core.metrics import METRICS_FILE
 from trainloop.core.rng import seed_all, set_rng_state
 from trainloop.core.run_kinds import RunOfKind, Work, restore_weights
 from trainloop.core.run_state import RunState
-from trainloop.core.step import StepPlan, StepRunner, trainer_step_plan
+from trainloop.core.step import StepPlan, StepRunner, check_forward, trainer_step_plan
 from trainloop.distributed.agreement import ExitAgreement
 from trainloop.distributed.rank_seeds import seed_ranks_apart, warn_if_ranks_drew_the_same
 from trainloop.distributed.ranks import is_rank_zero, world_size
@@ -60,15 +60,13 @@ class Loop:
         self.loss_scale = 0.0  # fp16: GradScaler's scale after the last refused update
         self.runner: StepRunner | None = None
         self.step_start = 0.0
-        self.of_kind = RunOfKind()  # what the run's kind changes: its hooks, its work, its record
-        self.kind: RunKind = "train"  # the policies read it on every step: kept at hand
-        self.done = False  # a run that trains nothing: its one pass is done
+        self.of_kind = RunOfKind()  # what the run's kind changes: its hooks, its work, its policies, its record
         self.schedules = ScheduledCalls(())
         self.compile_watch = CompileWatch()
         self.machine = StateMachine(
             conditions={
                 "should_exit": self.should_exit,
-                "predicting_run": lambda: self.kind == "predict",
+                "predicting_run": lambda: self.of_kind.predicts,
                 "microsteps_remain": self.microsteps_remain,
                 "grads_non_finite": self.grads_non_finite,
                 "validation_due": self.validation_due,
@@ -90,7 +88,6 @@ class Loop:
             predict_run: A predict run's work.
         """
         machine, trainer = self.machine, self.trainer
-        self.kind, self.done = kind, False
         self.of_kind = RunOfKind(kind, source, predict_run.work() if predict_run is not None else None)
         training: Work = {
             State.BUILDING: self.build,
@@ -103,7 +100,7 @@ class Loop:
         }
         work = self.of_kind.work(training, self.restore_weights)
         # A run that trains nothing records no settings.json and no trace file: the training run's stand.
-        machine.trace = start_run_record(trainer.settings, write=kind == "train")
+        machine.trace = start_run_record(trainer.settings, write=self.of_kind.trains)
         try:
             state = machine.advance()
             while state is not State.EXITING:
@@ -154,6 +151,8 @@ class Loop:
         if t.settings.seed_per_rank:  # validated: seed is set
             seed_ranks_apart(t.settings.seed)  # type: ignore[arg-type]
         built["optimizer"] = t.build_optimizer()
+        named = list(self.run_state.optimizers) if self.run_state.named_optimizers else None
+        check_forward(t.forward, f"{type(t).__name__}.forward()", named)
         if lr_scheduler:
             built["lr_scheduler"] = t.build_lr_scheduler()
         built["grad_scaler"] = t.build_grad_scaler()
@@ -208,8 +207,8 @@ class Loop:
         for fn in run.dispatch["on_before_train"]:
             fn(t)
         self.requests.open()  # the validations may request (an exit); the ranks agree as in training
-        if self.kind == "evaluate":
-            self.schedules.queue_every_validation()
+        if self.of_kind.evaluates:
+            self.schedules.queue_all("validating", run.step)
 
     def step_plan(self) -> StepPlan:
         """Everything the hot loop would otherwise look up per microstep, resolved once."""
@@ -260,18 +259,18 @@ class Loop:
         self.settle()
 
     def settle(self) -> None:
-        """Settle the requests; when the ranks first agree to exit, queue what the end of the run validates."""
+        """Settle the requests; when the ranks first agree to exit, queue what the end of the run is due."""
         agreed = self.requests.exit_agreed
         self.requests.settle()
-        if self.requests.exit_agreed and not agreed and self.kind == "train":
+        if self.requests.exit_agreed and not agreed and self.of_kind.trains:
             self.schedules.exit_agreed(self.trainer)
 
     def validate(self) -> None:
         """The work of ``validating``: every validation due, in hook order; then their requests (an exit)."""
-        while self.schedules.validations:
-            self.schedules.run_validations(self.trainer)
+        while self.schedules.due["validating"]:
+            self.schedules.run_due("validating", self.trainer)
             self.settle()  # early stopping on the fresh metric ends the run now, not a step later
-        self.done = self.kind != "train"
+        self.of_kind.pass_done()
 
     def retry(self) -> None:
         """The work of ``retrying``: drop the step whose gradients were not finite."""
@@ -293,9 +292,17 @@ class Loop:
         info.non_finite_grad_retries = self.retries
 
     def checkpoint(self) -> None:
-        """The work of ``checkpointing``."""
-        # The save itself is done by on_enter_checkpointing callbacks (CheckpointingHook).
-        self.requests.checkpointed(self.run_state.step)
+        """The work of ``checkpointing``: the saves due, in hook order (a requested save: every saving hook's)."""
+        step = self.run_state.step
+        if self.requests.take_checkpoint():
+            if not self.schedules.acts_in("checkpointing") and not self.machine.listens(State.CHECKPOINTING):
+                self.trainer.logger.warning(
+                    "A checkpoint was requested at step %d, but no hook of this run saves one "
+                    "(add a CheckpointingHook)",
+                    step,
+                )
+            self.schedules.queue_all("checkpointing", step)
+        self.schedules.run_due("checkpointing", self.trainer)
 
     def exit(self) -> list[BaseException]:
         """Every hook's ``on_after_train``, then close what the run opened.
@@ -351,8 +358,8 @@ class Loop:
 
     def should_exit(self) -> bool:
         """Whether the run ends: an agreed exit request, or the run length reached; a run that trains nothing: done."""
-        if self.kind != "train":
-            return self.done
+        if not self.of_kind.trains:
+            return self.of_kind.done
         return self.requests.exit_agreed or self.trainer.run_length.reached(self.run_state.step)
 
     def microsteps_remain(self) -> bool:
@@ -365,36 +372,37 @@ class Loop:
 
     def validation_due(self) -> bool:
         """Whether a validation is due now (queued by its schedule, or by an evaluate run)."""
-        return bool(self.schedules.validations)
+        return bool(self.schedules.due["validating"])
 
     def checkpoint_due(self) -> bool:
-        """Whether a checkpoint is due at this step."""
-        return self.requests.checkpoint_due(self.run_state.step, ending=self.should_exit)
+        """Whether a save is due now: a hook's schedule, or a request."""
+        return bool(self.schedules.due["checkpointing"]) or self.requests.checkpoint_requested
 
 
 class RunRequests:
-    """The checkpoint and exit requests of one run.
+    """What hooks and users ask of a run, settled at the end of a step: a save, an exit.
 
     Attributes:
         exit_agreed: Whether the run ends after this step (on every rank, once they agreed).
         exit_code: The exit code agreed on with an exit request, or ``None``.
+        checkpoint_requested: Whether a save was asked for at the end of this step.
     """
 
     def __init__(self) -> None:
         self.exit_agreed = False
         self.exit_code: int | None = None
-        self._checkpoint = False
-        self._checkpoint_at_exit = False
-        self._last_checkpoint_step: int | None = None
+        self.checkpoint_requested = False
         self._exit = 0  # this rank's: 0 none, else 1 + exit code
         self._agreement: ExitAgreement | None = None
 
-    def request_checkpoint(self, at_exit: bool = False) -> None:
-        """A checkpoint at the end of this step, or (``at_exit``) whenever the run ends cleanly."""
-        if at_exit:
-            self._checkpoint_at_exit = True
-        else:
-            self._checkpoint = True
+    def request_checkpoint(self) -> None:
+        """A save at the end of this step."""
+        self.checkpoint_requested = True
+
+    def take_checkpoint(self) -> bool:
+        """Whether a save was requested; the request is met from here on."""
+        requested, self.checkpoint_requested = self.checkpoint_requested, False
+        return requested
 
     def request_exit(self, exit_code: int | None = None) -> None:
         """End the run after this step (with ``exit_code``, if given; the highest asked wins)."""
@@ -411,18 +419,6 @@ class RunRequests:
             self.exit_agreed = True
             if agreed > 1:
                 self.exit_code = agreed - 1
-
-    def checkpoint_due(self, step: int, ending: Callable[[], bool]) -> bool:
-        """Whether a save is due after ``step``.
-
-        Asked for, or standing and ``ending()`` says the run ends after this step (asked only then).
-        """
-        return self._checkpoint or (self._checkpoint_at_exit and self._last_checkpoint_step != step and ending())
-
-    def checkpointed(self, step: int) -> None:
-        """A save of ``step`` was made: the request is met."""
-        self._checkpoint = False
-        self._last_checkpoint_step = step
 
     def close(self) -> None:
         """Wait for the agreement in flight, so no collective is left dangling at exit."""

@@ -137,7 +137,7 @@ Work = dict[State, Callable[[], None]]
 
 
 class RunOfKind:
-    """One run of a kind: the hooks that take part, each state's work, and whether the run is recorded.
+    """One run of a kind: the hooks that take part, each state's work, when it is done, and whether it is recorded.
 
     Args:
         kind: ``"train"``, ``"evaluate"`` or ``"predict"``.
@@ -149,6 +149,8 @@ class RunOfKind:
             (a ``CheckpointingHook`` still says where the checkpoints are).
         recorded: Whether the run is recorded however it ends: a training run always, a run that
             trains nothing once its weights are restored.
+        trains, evaluates, predicts: The run's kind, as the loop's policies ask it.
+        done: A run that trains nothing: its one pass is done.
     """
 
     def __init__(
@@ -158,7 +160,13 @@ class RunOfKind:
         self.source = source if source is not None else WeightsSource()
         self.predict_work = predict_work
         self.built_hooks: tuple[BaseHook, ...] = ()
-        self.recorded = kind == "train"
+        self.trains, self.evaluates, self.predicts = kind == "train", kind == "evaluate", kind == "predict"
+        self.recorded = self.trains
+        self.done = False
+
+    def pass_done(self) -> None:
+        """A validation pass ended: a run that trains nothing is done."""
+        self.done = not self.trains
 
     def work(self, training: Work, restore_weights: Callable[[], None]) -> Work:
         """Each state's work in a run of this kind.
@@ -167,9 +175,9 @@ class RunOfKind:
             training: Each state's work in a training run.
             restore_weights: The work of ``restoring`` in an evaluate run (the weights alone).
         """
-        if self.kind == "train":
+        if self.trains:
             return training
-        if self.kind == "predict":
+        if self.predicts:
             work = dict(self.predict_work)  # type: ignore[arg-type]  # trainer.predict() made it
         else:
             work = {**training, State.RESTORING: restore_weights}
@@ -194,10 +202,10 @@ class RunOfKind:
         Raises:
             trainloop.core.run_kinds.EvaluateError: An evaluate run and no hook validates.
         """
-        if self.kind == "train":
+        if self.trains:
             return list(hooks)
         self.built_hooks = tuple(hooks)
         validations = [h for h in hooks if h.schedule is not None and h.schedule.state == "validating"]
-        if self.kind == "evaluate":
+        if self.evaluates:
             check_validations(validations, owner)
         return validations

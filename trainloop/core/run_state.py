@@ -11,7 +11,7 @@ them imports ``trainloop.trainer`` (which imports them): the house has no import
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Protocol
 
@@ -35,10 +35,13 @@ if TYPE_CHECKING:
     from trainloop.settings.model import TrainerSettings
     from trainloop.utils import Records
 
-__all__ = ["COMPONENTS", "Dispatch", "RunState", "TrainerContract", "TrainerView"]
+__all__ = ["COMPONENTS", "SINGLE", "Dispatch", "RunState", "TrainerContract", "TrainerView"]
 
 Dispatch = dict[str, tuple[Callable[..., None], ...]]
 """Per hook event, the bound methods of the hooks that override it (``hook_dispatch``)."""
+
+#: The name of a run's one optimizer (``build_optimizer()`` returned an optimizer, not a mapping).
+SINGLE = "default"
 
 #: What ``building`` builds, in order, each by the trainer's ``build_<name>()``.
 COMPONENTS = ("data_loader", "model", "optimizer", "lr_scheduler", "grad_scaler")
@@ -73,6 +76,27 @@ class RunState:
     restored_rng: dict[str, Any] | None = None
     restored_position: dict[str, Any] | None = None
     error: BaseException | None = None
+
+    @property
+    def named_optimizers(self) -> bool:
+        """Whether ``build_optimizer()`` returned optimizers by name (a mapping), not one optimizer."""
+        return isinstance(self.built.get("optimizer"), Mapping)
+
+    @property
+    def optimizers(self) -> dict[str, Any]:
+        """The built optimizers by name, in update order; one optimizer is named ``SINGLE``."""
+        built = self.built["optimizer"]
+        return dict(built) if isinstance(built, Mapping) else {SINGLE: built}
+
+    @property
+    def lr_schedulers(self) -> dict[str, Any]:
+        """The built lr schedulers by their optimizer's name (none: empty)."""
+        built = self.built.get("lr_scheduler")
+        if built is None:
+            return {}
+        if not isinstance(built, Mapping):
+            return {SINGLE: built}
+        return {name: scheduler for name, scheduler in built.items() if scheduler is not None}
 
     @property
     def current_epoch(self) -> int:
@@ -171,7 +195,15 @@ class TrainerView(Protocol):
 
     @property
     def lr_scheduler(self) -> torch.optim.lr_scheduler.LRScheduler | None:
-        """The built lr scheduler, or ``None``."""
+        """The built lr scheduler, or ``None`` (with several optimizers: an error naming ``lr_schedulers``)."""
+
+    @property
+    def optimizers(self) -> dict[str, torch.optim.Optimizer]:
+        """The built optimizers by name, in update order."""
+
+    @property
+    def lr_schedulers(self) -> dict[str, torch.optim.lr_scheduler.LRScheduler]:
+        """The built lr schedulers by their optimizer's name."""
 
     @property
     def grad_scaler(self) -> torch.amp.GradScaler:
@@ -186,8 +218,8 @@ class TrainerView(Protocol):
     def log_images(self, records: dict[str, Any]) -> None:
         """Send images to every hook's ``on_log_images``."""
 
-    def request_checkpoint(self, at_exit: bool = False) -> None:
-        """Ask for a checkpoint at the end of the current step (or whenever the run ends)."""
+    def request_checkpoint(self) -> None:
+        """Ask for a save at the end of the current step."""
 
     def request_exit(self, exit_code: int | None = None) -> None:
         """Ask the run to end cleanly at the end of the current step."""
@@ -211,11 +243,13 @@ class TrainerContract(TrainerView, Protocol):
     def build_model(self) -> nn.Module:
         """Return the model."""
 
-    def build_optimizer(self) -> torch.optim.Optimizer:
-        """Return the optimizer."""
+    def build_optimizer(self) -> torch.optim.Optimizer | Mapping[str, torch.optim.Optimizer]:
+        """Return the optimizer, or several by name."""
 
-    def build_lr_scheduler(self) -> torch.optim.lr_scheduler.LRScheduler | None:
-        """Return the lr scheduler, or ``None``."""
+    def build_lr_scheduler(
+        self,
+    ) -> torch.optim.lr_scheduler.LRScheduler | Mapping[str, torch.optim.lr_scheduler.LRScheduler] | None:
+        """Return the lr scheduler (by optimizer name with several), or ``None``."""
 
     def build_grad_scaler(self) -> torch.amp.GradScaler:
         """Return the grad scaler."""

@@ -11,9 +11,10 @@ state of the step in progress (its ``Loss`` item count).
 from __future__ import annotations
 
 import contextlib
+import inspect
 import warnings
 from collections import defaultdict
-from collections.abc import Callable, Iterable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from time import perf_counter
 from typing import TYPE_CHECKING, Any, NamedTuple
@@ -32,6 +33,8 @@ if TYPE_CHECKING:
 
 __all__ = [
     "LossNoneWarning",
+    "check_forward",
+    "takes_optimizer",
     "Microstep",
     "NonFiniteGradCheck",
     "StepPlan",
@@ -423,3 +426,43 @@ class NonFiniteGradCheck:
 def _local(tensor: torch.Tensor) -> torch.Tensor:
     # DTensor keeps its shard in ``_local_tensor``; ``to_local()`` would build a view each call.
     return getattr(tensor, "_local_tensor", tensor)
+
+
+def takes_optimizer(forward: Callable[..., Any]) -> bool:
+    """Whether a bound ``forward`` takes the name of the optimizer being updated (``forward(batch, optimizer)``)."""
+    try:
+        parameters = list(inspect.signature(forward).parameters.values())
+    except (TypeError, ValueError):  # no signature to read (a builtin): called with the batch alone
+        return False
+    positional = [p for p in parameters if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
+    return len(positional) >= 2 or any(p.kind is p.VAR_POSITIONAL for p in parameters)
+
+
+def check_forward(forward: Callable[..., Any], owner: str, optimizers: Sequence[str] | None) -> None:
+    """Refuse a ``forward`` that cannot be called as the run's optimizers need.
+
+    Args:
+        forward: The trainer's bound ``forward``.
+        owner: How errors name it (``"MyTrainer.forward()"``).
+        optimizers: The optimizers' names when the run has them by name (several), else ``None``.
+
+    Raises:
+        TypeError: Several optimizers and a ``forward(batch)``, or one optimizer and a ``forward``
+            that needs an optimizer's name.
+    """
+    takes = takes_optimizer(forward)
+    if optimizers is not None and not takes:
+        raise TypeError(
+            f"{owner} takes no optimizer, but the run updates several ({', '.join(optimizers)}) and calls "
+            "forward once per update with the optimizer's name: write forward(self, batch, optimizer)"
+        )
+    if optimizers is None and takes:
+        required = [
+            p for p in list(inspect.signature(forward).parameters.values())[1:]
+            if p.default is p.empty and p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)
+        ]
+        if required:
+            raise TypeError(
+                f"{owner} needs an optimizer's name ({required[0].name}), but build_optimizer() returned one "
+                "optimizer: return them by name ({'name': optimizer}) or give the argument a default"
+            )

@@ -28,9 +28,9 @@ class BaseHook:
     trainer builds its hooks (a misspelt method would otherwise silently never run).
 
     A hook reads the trainer but does not steer it directly; its levers are requests that the
-    trainer settles at the end of a step: ``trainer.request_checkpoint()`` and
-    ``trainer.request_exit()``. The run's state (``step``, ``epoch``, ``step_info``, ``hooks``,
-    the built components) is the loop's: assigning it raises an ``AttributeError`` that says
+    trainer settles at the end of a step: ``trainer.request_exit()`` and
+    ``trainer.request_checkpoint()`` (a save out of turn). The run's state (``step``, ``epoch``,
+    ``step_info``, ``hooks``, the built components) is the loop's: assigning it raises an ``AttributeError`` that says
     what to call instead; adding records to ``trainer.step_info`` is a hook's right.
 
     The ``trainer`` the methods receive is typed ``Any`` here, so that a subclass may annotate
@@ -137,11 +137,12 @@ class BaseHook:
         """
 
     def on_schedule(self, trainer: Any) -> None:
-        """Called when ``self.schedule`` is due.
+        """Called when ``self.schedule`` is due, in the state it names.
 
-        In ``stepping`` right after this hook's ``on_after_step``; at the end of a run ended by an exit request, in
-        ``exiting`` right before its ``on_after_train``; with ``at_start``, in ``restoring`` right after its
-        ``on_before_train`` (see ``trainloop.hooks.every``).
+        A ``stepping`` schedule: right after this hook's ``on_after_step`` (at the end of a run ended by an exit
+        request, in ``exiting`` right before its ``on_after_train``; with ``at_start``, in ``restoring`` right after
+        its ``on_before_train``). A ``validating`` or ``checkpointing`` schedule: in that state, which the machine
+        enters for it after ``stepping`` (see docs/hooks.md).
         """
 
     def on_exception(self, trainer: Any, error: BaseException) -> None:

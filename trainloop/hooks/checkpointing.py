@@ -1,7 +1,7 @@
-"""CheckpointingHook: saving on a schedule and on exit signals, pruning, and resuming.
+"""``CheckpointingHook``: saves on its schedule and on exit signals, prunes, and resumes.
 
-The files themselves (layout, formats, manifest, atomic writes) are :mod:`trainloop.checkpoint`'s;
-its reading and writing functions are re-exported here.
+The files (layout, formats, manifest, atomic writes) are :mod:`trainloop.checkpoint`'s; what a
+checkpoint holds and every guarantee is in docs/checkpointing.md.
 """
 
 from __future__ import annotations
@@ -44,25 +44,10 @@ __all__ = ["CheckpointingHook", "choose_checkpoint", "load_checkpoint", "say", "
 class CheckpointingHook(BaseHook):
     """Save checkpoints on a schedule and on exit signals; prune old ones; resume from one.
 
-    Saves happen in the ``checkpointing`` state on the hook's ``schedule``, the ``every(n)`` rule
-    (``trainloop.hooks.every``): at the end of every ``interval``-th step (or epoch, see ``unit``)
-    and of the last step of a run that ends cleanly (a standing at-exit request covers a run ended
-    by an exit request); also of every step kept by ``keep_interval`` or ``keep_steps``, and
-    of the step during which an exit signal arrived. A checkpoint is a directory
-    ``<path>/<step>/`` (see :mod:`trainloop.checkpoint.files`) with a ``metadata.json`` (step,
-    epoch, time, the last metrics logged, versions, format) and, written last, a
-    ``manifest.json`` of every file's size and checksum. Each save is atomic: a crash leaves the
-    previous checkpoints and at most a hidden leftover, cleaned at the next save or load.
-    ``<path>/latest`` points at the newest checkpoint once it is complete.
-
-    With ``keep_best`` and ``monitor``, each checkpoint saved at a step where ``monitor`` was
-    logged is scored by it; the ``keep_best`` best are never pruned, ``<path>/best.json``
-    records the scores, and ``best_checkpoint`` points at the best. A ``monitor`` never logged
-    is a ``MonitorNotFoundWarning`` at the end of the run, naming the closest keys that were.
-
-    Under FSDP, ``format="sharded"`` is the natural choice (``"full"`` needs full-state-dict
-    options); a sharded checkpoint resumes on another number of ranks, and a checkpoint is
-    loaded in its own format, whatever ``format`` says.
+    Its schedule saves in the ``checkpointing`` state after every ``interval``-th step (or epoch),
+    every ``keep_interval``-th step and the ``keep_steps``, and after the last step of a run that
+    ends cleanly, an exit signal's included. Each save is atomic; ``latest`` follows once it is
+    complete (docs/checkpointing.md has the layout and the guarantees).
 
     Args:
         interval: Save every ``interval`` steps (or epochs, see ``unit``).
@@ -170,7 +155,9 @@ class CheckpointingHook(BaseHook):
         check_best(keep_best, monitor)
         self.interval = interval
         self.unit = unit
-        self.schedule = Schedule(interval, unit)
+        self.schedule = Schedule(
+            interval, unit, state="checkpointing", also_every=keep_interval, also_at=frozenset(keep_steps or ())
+        )
         self.keep_previous = keep_previous
         self.keep_best = keep_best
         self.monitor = monitor
@@ -228,29 +215,16 @@ class CheckpointingHook(BaseHook):
             say(trainer.logger, "Resumed from %s at step %d", directory, trainer.step)
 
     def on_before_train(self, trainer: TrainerView) -> None:
-        """Ask for a save at the end of the run, and install the exit-signal handlers."""
-        trainer.request_checkpoint(at_exit=True)
+        """Install the exit-signal handlers for the run."""
         self._first_step = trainer.step
         self._last_saved_step = None
         self._metrics = {}
         self._signals.install(trainer.logger)
 
-    # -- stepping ------------------------------------------------------------------------------
-
     def on_after_step(self, trainer: TrainerView) -> None:
-        """Request a save of a kept step; after an exit signal, request the exit."""
-        if self._signals.caught is not None:  # checked here: no call on a step without a signal
+        """After an exit signal, request the exit (the schedule then saves the step the ranks stop at)."""
+        if self._signals.caught is not None:
             self._signals.request_exit(trainer, self.exit_code)
-        if self._is_kept(trainer.step):
-            trainer.request_checkpoint()
-
-    def on_schedule(self, trainer: TrainerView) -> None:
-        """Request a save: the schedule is due.
-
-        At the end of a run ended by an exit request this comes in ``exiting``, after the save
-        the standing at-exit request made of the same step, and changes nothing.
-        """
-        trainer.request_checkpoint()
 
     def _is_kept(self, step: int) -> bool:
         return (self.keep_interval > 0 and step % self.keep_interval == 0) or step in self.keep_steps
@@ -275,11 +249,10 @@ class CheckpointingHook(BaseHook):
             if is_rank_zero():
                 self._prune(self._root, trainer.step, trainer.logger)
 
-    # -- checkpointing -------------------------------------------------------------------------
-
-    def on_enter_checkpointing(self, trainer: TrainerView) -> None:
-        """Save the trainer's state; ``latest`` and pruning follow once it is complete."""
-        self._signals.wait_before_save(trainer.logger, self.exit_wait)
+    def on_schedule(self, trainer: TrainerView) -> None:
+        """Save the trainer's state, in ``checkpointing``; ``latest`` and pruning follow once it is complete."""
+        if self.exit_wait and self._signals.caught is not None:
+            self._signals.wait_before_save(trainer.logger, self.exit_wait)
         if self.async_save:
             self._settle(trainer, agree=True)  # one save in flight at most
         with sharded_state_dict(trainer) if self.format == "sharded" else nullcontext():

@@ -1,4 +1,4 @@
-"""``CudaMaxMemoryHook``: the peak CUDA memory of each step, in ``step_info.max_memory``."""
+"""``CudaMaxMemoryHook``: the peak CUDA memory of each step, in ``step_info["max_memory"]``."""
 
 from __future__ import annotations
 
@@ -24,7 +24,7 @@ class CudaMaxMemoryHook(BaseHook):
     """Record the peak CUDA memory allocated during each step, in GiB.
 
     The peak is reset when a step begins and read after the optimizer stepped, into
-    ``trainer.step_info.max_memory`` (a float), where logging hooks pick it up. Both calls
+    ``trainer.step_info["max_memory"]`` (a float), where logging hooks pick it up. Both calls
     read the caching allocator's counters on the host: no device sync.
 
     On a device other than CUDA the hook does nothing, and says so once with a
@@ -43,7 +43,7 @@ class CudaMaxMemoryHook(BaseHook):
             self._device = None
             warnings.warn(
                 f"CudaMaxMemoryHook does nothing: the trainer's device is {str(trainer.device)!r}, "
-                "not CUDA, so step_info.max_memory is not recorded",
+                "not CUDA, so step_info['max_memory'] is not recorded",
                 RuntimeWarning,
                 stacklevel=2,
             )
@@ -54,6 +54,6 @@ class CudaMaxMemoryHook(BaseHook):
             torch.cuda.reset_peak_memory_stats(self._device)
 
     def on_after_step(self, trainer: TrainerView) -> None:
-        """Store the step's peak allocation (GiB) in ``step_info.max_memory``."""
+        """Store the step's peak allocation (GiB) in ``step_info["max_memory"]``."""
         if self._device is not None:
-            trainer.step_info.max_memory = torch.cuda.max_memory_allocated(self._device) / _GIB
+            trainer.step_info["max_memory"] = torch.cuda.max_memory_allocated(self._device) / _GIB

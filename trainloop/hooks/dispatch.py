@@ -11,7 +11,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from trainloop.hooks.base import BaseHook
-from trainloop.hooks.every import Every
+from trainloop.hooks.every import QUEUED_STATES, Every
 from trainloop.machine.table import State
 
 __all__ = [
@@ -82,74 +82,78 @@ _Act = Callable[[Any], Any]
 
 
 class ScheduledCalls:
-    """The calls around the hooks' schedules in one run: the one every(n) rule, applied once.
+    """The hooks' schedules in one run: the one every(n) rule, applied once, asked by the loop what is due.
 
-    Each hook's ``on_schedule`` follows its own ``on_before_train`` (``at_start``),
-    ``on_after_step`` (when due) or precedes its ``on_after_train`` (``at_end``, after an exit
-    request), so the hooks keep their order. A schedule of ``state="validating"`` is queued in
-    ``validations`` instead, for the machine to run in ``validating`` (``run_validations``); the
-    end of a run ended by an exit request is queued when the loop learns of it
-    (``exit_agreed``). A step on which no schedule is due costs a comparison (and, when epochs
-    matter, reading the epochs completed) besides the hooks' own ``on_after_step``: the next
-    step anything can be due at is worked out when something was.
+    A ``stepping`` schedule's ``on_schedule`` runs in place, right after its hook's own
+    ``on_after_step`` (or ``on_before_train`` for ``at_start``), so the hooks keep their order. A
+    ``validating`` or ``checkpointing`` schedule's call is queued in ``due[state]`` instead: the
+    loop's edge conditions read the queue, and the work of that state runs it (``run_due``). The
+    end of a run ended by an exit request is queued when the loop learns of it (``exit_agreed``);
+    a ``stepping`` schedule's end runs in ``exiting``, before its hook's ``on_after_train``. A step
+    on which nothing is due costs a comparison besides the hooks' own ``on_after_step``.
 
     Args:
         hooks: The run's hooks, in order.
 
     Attributes:
-        validations: The ``validating`` schedules' ``on_schedule`` calls due now, in hook order.
+        due: Per queued state, the ``on_schedule`` calls due now, in hook order.
     """
 
     def __init__(self, hooks: Sequence[BaseHook]) -> None:
-        rows: list[tuple[BaseHook, Every | None]] = []
+        rows: list[tuple[BaseHook, Every | None, str]] = []
         for hook in hooks:
-            schedule = hook.schedule
-            every = Every(schedule.every, schedule.unit, schedule.at_end) if schedule is not None else None
-            rows.append((hook, every))
-        self._everies = [every for _, every in rows if every is not None]
-        self._by_steps = [every for every in self._everies if every.unit == "steps"]
-        validating = {id(h) for h, _ in rows if h.schedule is not None and h.schedule.state == "validating"}
+            s = hook.schedule
+            every = Every(s.every, s.unit, s.at_end, s.also_every, s.also_at) if s is not None else None
+            rows.append((hook, every, s.state if s is not None else "stepping"))
+        self._everies = [every for _, every, _ in rows if every is not None]
+        self._by_steps = [e for e in self._everies if e.unit == "steps" or e.also_every or e.also_at]
         self._start = tuple(
             (h.on_before_train if _overrides(h, "on_before_train") else None,
-             h.on_schedule if h.schedule is not None and h.schedule.at_start else None, id(h) in validating)
-            for h, _ in rows
+             h.on_schedule if h.schedule is not None and h.schedule.at_start else None, state)
+            for h, _, state in rows
         )
-        self._plain = tuple(h.on_after_step for h, _ in rows if _overrides(h, "on_after_step"))
+        self._plain = tuple(h.on_after_step for h, _, _ in rows if _overrides(h, "on_after_step"))
         self._step = tuple(
-            (h.on_after_step if _overrides(h, "on_after_step") else None, every, h.on_schedule, id(h) in validating)
-            for h, every in rows if every is not None or _overrides(h, "on_after_step")
+            (h.on_after_step if _overrides(h, "on_after_step") else None, every, h.on_schedule, state)
+            for h, every, state in rows if every is not None or _overrides(h, "on_after_step")
         )
         self._end = tuple(
-            (every if id(h) not in validating else None, h.on_schedule, _at_exit_signal(h),
+            (every if state == "stepping" else None, h.on_schedule, _at_exit_signal(h),
              h.on_after_train if _overrides(h, "on_after_train") else None)
-            for h, every in rows if every is not None or _overrides(h, "on_after_train")
+            for h, every, state in rows if every is not None or _overrides(h, "on_after_train")
         )
-        # The validating schedules: (every, on_schedule, acted on after an exit signal), in hook order.
-        self._validating = tuple(
-            (every, h.on_schedule, _at_exit_signal(h)) for h, every in rows if every is not None and id(h) in validating
+        # The queued schedules: (every, on_schedule, acted on after an exit signal, state), in hook order.
+        self._queued = tuple(
+            (every, h.on_schedule, _at_exit_signal(h), state)
+            for h, every, state in rows if every is not None and state in QUEUED_STATES
         )
-        self.validations: list[_Act] = []
+        self.due: dict[str, list[_Act]] = {state: [] for state in QUEUED_STATES}
         self._next = 0  # the first step at which something may be due
         self._epochs: int | None = None  # epochs completed when something was last worked out
         self._watch_epochs = False
         self._stepped = False
+
+    def acts_in(self, state: str) -> bool:
+        """Whether any hook's schedule acts in ``state``."""
+        return any(where == state for *_, where in self._queued)
 
     def before_train(self, trainer: Any) -> None:
         """Begin the run: reset the rule; each hook's ``on_before_train``, then ``on_schedule`` if ``at_start``."""
         for every in self._everies:
             every.start()
         self._next, self._epochs, self._stepped = 0, None, False
-        self.validations.clear()
+        for queue in self.due.values():
+            queue.clear()
         run_length = trainer.run_length
         # Epochs matter when a schedule counts them, or when max_epochs may end the run.
         self._watch_epochs = any(
             e.unit == "epochs" or (e.at_end and run_length.max_epochs is not None) for e in self._everies
         )
-        for before, at_start, validates in self._start:
+        for before, at_start, state in self._start:
             if before is not None:
                 before(trainer)
-            if at_start is not None and validates:
-                self.validations.append(at_start)
+            if at_start is not None and state in self.due:
+                self.due[state].append(at_start)
             elif at_start is not None:
                 at_start(trainer)
 
@@ -163,13 +167,13 @@ class ScheduledCalls:
         run_length = trainer.run_length
         epochs, at_start, last = run_length.epochs_completed, run_length.epochs_at_start, run_length.reached(step)
         self._epochs, self._stepped = epochs, True
-        for after, every, act, validates in self._step:
+        for after, every, act, state in self._step:
             if after is not None:
                 after(trainer)
             if every is None or not every.due(step, epochs, at_start, last):
                 continue
-            if validates:
-                self.validations.append(act)
+            if state in self.due:
+                self.due[state].append(act)
             else:
                 act(trainer)
         upcoming = [every.next_step(step) for every in self._by_steps]
@@ -178,38 +182,45 @@ class ScheduledCalls:
         self._next = min(upcoming, default=sys.maxsize)
 
     def exit_agreed(self, trainer: Any) -> None:
-        """The run ends after this step by an exit request: queue the validations its end is due.
+        """The run ends after this step by an exit request: queue what its end is due.
 
-        After an exit signal (an exit request with an exit code) the run leaves fast: the
-        validations due at this step are dropped, and none is queued for the end, except those
-        whose schedule says ``at_exit_signal``.
+        After an exit signal (an exit request with an exit code) the run leaves fast: the queued
+        calls due at this step are dropped, and none is queued for the end, except those whose
+        schedule says ``at_exit_signal`` (a save, by default).
         """
         signal = trainer.exit_code is not None
-        keep = {_key(act) for _, act, at_signal in self._validating if at_signal or not signal}
-        # Bound methods are made anew on each access: compare the functions and their hooks.
-        self.validations[:] = [fn for fn in self.validations if _key(fn) in keep]
-        if not self._stepped:  # no step ran (or none was looked at): nothing ended to validate
+        keep = {_key(act) for _, act, at_signal, _ in self._queued if at_signal or not signal}
+        for queue in self.due.values():
+            # Bound methods are made anew on each access: compare the functions and their hooks.
+            queue[:] = [fn for fn in queue if _key(fn) in keep]
+        if not self._stepped:  # no step ran (or none was looked at): nothing ended to act on
             return
-        queued = {_key(fn) for fn in self.validations}
-        for every, act, _ in self._validating:
-            if _key(act) in keep and _key(act) not in queued and every.due_at_end(trainer.step):
-                self.validations.append(act)
+        for every, act, _, state in self._queued:
+            queue = self.due[state]
+            if _key(act) in keep and _key(act) not in {_key(fn) for fn in queue} and every.due_at_end(trainer.step):
+                queue.append(act)
 
-    def queue_every_validation(self) -> None:
-        """Queue every ``validating`` schedule's ``on_schedule`` once, in hook order (an evaluate run)."""
-        self.validations[:] = [act for _, act, _ in self._validating]
+    def queue_all(self, state: str, step: int) -> None:
+        """Queue every ``state`` schedule's ``on_schedule`` once, in hook order (a requested save, an evaluate run)."""
+        queue = self.due[state]
+        queued = {_key(fn) for fn in queue}
+        for every, act, _, where in self._queued:
+            if where == state and _key(act) not in queued:
+                queue.append(act)
+                every.mark(step)
 
-    def run_validations(self, trainer: Any) -> None:
-        """Run the queued validations, in order (the work of ``validating``)."""
-        while self.validations:
-            self.validations.pop(0)(trainer)
+    def run_due(self, state: str, trainer: Any) -> None:
+        """Run the calls queued for ``state``, in order (the work of that state)."""
+        queue = self.due[state]
+        while queue:
+            queue.pop(0)(trainer)
 
     def after_train(self, trainer: Any) -> None:
         """Each hook's ``on_schedule`` if the clean end of the run was not acted on, then its ``on_after_train``.
 
         Every hook's end runs even when another's raised (each may have something to give back,
         such as signal handlers); then the first error is raised, the later ones noted on it.
-        The ``validating`` schedules' end was queued by ``exit_agreed`` and ran in ``validating``.
+        The queued schedules' end was queued by ``exit_agreed`` and ran in their state.
         """
         # Not after an error: other ranks may not reach this point, and a collective would hang.
         clean = self._stepped and trainer.error is None

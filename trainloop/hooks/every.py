@@ -1,37 +1,30 @@
 """The one "every N" rule of hooks that act periodically, and the ``Schedule`` that declares it.
 
-A hook declares when it acts as data, ``hook.schedule = Schedule(every=n, unit="steps")``, and
-defines ``on_schedule(trainer)``; the dispatcher (``trainloop.hooks.dispatch``) applies this
-rule and calls ``on_schedule`` only when it is due:
+A hook declares when it acts as data (``hook.schedule = Schedule(every=n)``) and defines
+``on_schedule(trainer)``; the loop asks the dispatcher (``trainloop.hooks.dispatch``) what is due
+and calls it, so a step on which nothing is due costs the hook nothing. docs/hooks.md has the
+rule in full: multiples of ``every`` steps or epochs (and ``also_every``/``also_at`` steps), the
+last step of a run that ends cleanly (``at_end``), once before the first step (``at_start``);
+``state`` says whether ``on_schedule`` runs in ``stepping`` or in a state of its own
+(``validating``, ``checkpointing``) that the machine enters for it.
 
-- after a step that is a multiple of ``every`` steps (or completes a multiple of ``every``
-  epochs), right after the hook's own ``on_after_step``;
-- with ``at_end``, after the last step of a run that ends cleanly, so the end of a run is never
-  left out: a run that reaches ``max_steps`` or ``max_epochs`` is due at its last step; a run
-  that ends on an exit request (a signal, early stopping) learns it after the step's hooks ran,
-  so its last step, if not acted on, is acted on in ``exiting``, before the hook's
-  ``on_after_train``; a run that ends by an error is not acted on (other ranks may not get there);
-- with ``at_start``, once in ``restoring``, right after the hook's own ``on_before_train``.
-
-A schedule declared ``state="validating"`` (``ValidationHook``'s) is not acted on in place: each
-time it is due, the machine enters ``validating`` and acts there (after ``restoring`` for
-``at_start``; before ``exiting`` for the end of a run ended by an exit request), so its time is
-its own in traces and reports. A run that ends on an exit signal (an exit request with an exit
-code) is not acted on at its end, nor at its last step, unless ``at_exit_signal``.
-
-``Every`` is the rule's bookkeeping for one schedule over one run: pure arithmetic on the numbers
-the dispatcher gives it, so it can be tested, and skipped on steps where nothing is due.
+``Every`` is the rule's bookkeeping for one schedule over one run: arithmetic on the numbers the
+dispatcher gives it.
 """
 
 from __future__ import annotations
 
+import sys
 from dataclasses import dataclass
 from typing import Literal
 
-__all__ = ["Every", "Schedule", "ScheduleState", "Unit"]
+__all__ = ["QUEUED_STATES", "Every", "Schedule", "ScheduleState", "Unit"]
 
 Unit = Literal["steps", "epochs"]
-ScheduleState = Literal["stepping", "validating"]
+ScheduleState = Literal["stepping", "validating", "checkpointing"]
+
+#: The states a schedule's calls wait in until the machine enters them (``stepping`` acts in place).
+QUEUED_STATES: tuple[ScheduleState, ...] = ("validating", "checkpointing")
 
 
 @dataclass(frozen=True)
@@ -46,12 +39,16 @@ class Schedule:
         at_start: Also act once before the first step (in ``restoring``, or in ``validating``
             right after it).
         state: Where ``on_schedule`` runs: ``"stepping"`` (right after the hook's
-            ``on_after_step``) or ``"validating"`` (the machine enters that state to run it).
+            ``on_after_step``), or ``"validating"`` or ``"checkpointing"`` (the machine enters
+            that state to run it, after ``stepping``).
         at_exit_signal: Whether a run ending on an exit signal (an exit request with an exit
             code) is still acted on: at its last step, and at its end. ``False`` leaves fast.
+        also_every: Also act after every multiple of this many steps (0: no), whatever ``unit``.
+        also_at: Also act after these steps.
 
     Raises:
-        ValueError: ``every`` is less than 1, or ``unit`` is neither ``"steps"`` nor ``"epochs"``.
+        ValueError: ``every`` is less than 1, ``unit`` or ``state`` is unknown, or ``at_start``
+            is asked of ``checkpointing`` (nothing to save before the first step).
     """
 
     every: int
@@ -60,20 +57,33 @@ class Schedule:
     at_start: bool = False
     state: ScheduleState = "stepping"
     at_exit_signal: bool = True
+    also_every: int = 0
+    also_at: frozenset[int] = frozenset()
 
     def __post_init__(self) -> None:
         if self.every < 1:
             raise ValueError(f"every(n) needs n >= 1, got {self.every}")
         if self.unit not in ("steps", "epochs"):
             raise ValueError(f"a schedule's unit is 'steps' or 'epochs', got {self.unit!r}")
-        if self.state not in ("stepping", "validating"):
-            raise ValueError(f"a schedule's state is 'stepping' or 'validating', got {self.state!r}")
+        if self.state not in ("stepping", *QUEUED_STATES):
+            raise ValueError(
+                f"a schedule's state is 'stepping', 'validating' or 'checkpointing', got {self.state!r}"
+            )
+        if self.at_start and self.state == "checkpointing":
+            raise ValueError("a checkpointing schedule cannot act at_start: there is nothing to save yet")
+        if self.also_every < 0:
+            raise ValueError(f"also_every needs n >= 0, got {self.also_every}")
 
     def describe(self) -> str:
         """The schedule in words: ``every 1000 steps and at the end``, ``at the start and every epoch``."""
         one = self.unit.removesuffix("s")
-        periodic = f"every {one}" if self.every == 1 else f"every {self.every} {self.unit}"
-        parts = (["at the start"] if self.at_start else []) + [periodic] + (["at the end"] if self.at_end else [])
+        periodic = [f"every {one}" if self.every == 1 else f"every {self.every} {self.unit}"]
+        if self.also_every:
+            periodic.append(f"every {self.also_every} steps")
+        if self.also_at:
+            steps = ", ".join(map(str, sorted(self.also_at)))
+            periodic.append(f"at steps {steps}" if len(self.also_at) > 1 else f"at step {steps}")
+        parts = (["at the start"] if self.at_start else []) + periodic + (["at the end"] if self.at_end else [])
         return ", ".join(parts[:-1]) + " and " + parts[-1] if len(parts) > 1 else parts[0]
 
 
@@ -89,11 +99,20 @@ class Every:
         last_step: The step at which ``due`` or ``due_at_end`` last said yes, or ``None``.
     """
 
-    def __init__(self, n: int, unit: Unit = "steps", at_end: bool = True) -> None:
-        self.schedule = Schedule(n, unit, at_end)  # checks n and unit
+    def __init__(
+        self,
+        n: int,
+        unit: Unit = "steps",
+        at_end: bool = True,
+        also_every: int = 0,
+        also_at: frozenset[int] = frozenset(),
+    ) -> None:
+        self.schedule = Schedule(n, unit, at_end, also_every=also_every, also_at=also_at)  # checks them
         self.n = n
         self.unit = unit
         self.at_end = at_end
+        self.also_every = also_every
+        self.also_at = also_at
         self.last_step: int | None = None
         self._epochs: int | None = None  # epochs completed after the last step seen
 
@@ -117,14 +136,26 @@ class Every:
             before = epochs_at_start if self._epochs is None else self._epochs
             hit = epochs > before and epochs % self.n == 0
             self._epochs = epochs
+        hit = hit or (self.also_every > 0 and step % self.also_every == 0) or step in self.also_at
         if hit or (self.at_end and last):
             self.last_step = step
             return True
         return False
 
     def next_step(self, step: int) -> int:
-        """The first step after ``step`` that a ``"steps"`` schedule is due at by its multiples."""
-        return (step // self.n + 1) * self.n
+        """The first step after ``step`` that the schedule is due at by its steps (multiples and ``also_*``).
+
+        For an ``"epochs"`` schedule, only its ``also_*`` steps count (epochs are watched apart).
+        """
+        candidates = [(step // self.n + 1) * self.n] if self.unit == "steps" else []
+        if self.also_every:
+            candidates.append((step // self.also_every + 1) * self.also_every)
+        candidates += [s for s in self.also_at if s > step]
+        return min(candidates, default=sys.maxsize)
+
+    def mark(self, step: int) -> None:
+        """Note that the hook acted after ``step`` out of turn (a requested save), so the end does not repeat it."""
+        self.last_step = step
 
     def due_at_end(self, step: int) -> bool:
         """Whether a run that ended cleanly after ``step`` left it not acted on (``at_end`` only)."""

@@ -1,7 +1,7 @@
 """Each hook beside the state it acts in, with its schedule in words.
 
 ``trainloop graph --settings``, the docs' tables and the run report show the declared hooks this
-way: ``checkpointing — CheckpointingHook, after stepping, every 1000 steps and at the end``,
+way: ``checkpointing — CheckpointingHook, in checkpointing, every 1000 steps and at the end``,
 ``validation — ValidationHook, in validating, every 500 steps and at the end``.
 """
 
@@ -53,9 +53,9 @@ def hook_line(hook: BaseHook, name: str | None = None) -> tuple[State | None, st
     head = f"{name or _display_name(hook)} — {type(hook).__name__}"
     schedule = hook.schedule
     if schedule is not None:
-        if schedule.state == "validating":
+        if schedule.state != "stepping":
             signal = "" if schedule.at_exit_signal or not schedule.at_end else " (not after an exit signal)"
-            return State.VALIDATING, f"{head}, in validating, {schedule.describe()}{signal}"
+            return State(schedule.state), f"{head}, in {schedule.state}, {schedule.describe()}{signal}"
         return State.STEPPING, f"{head}, after stepping, {schedule.describe()}"
     cls = type(hook)
     for event, words in _ACTS.items():

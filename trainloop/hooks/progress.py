@@ -42,7 +42,7 @@ class ProgressHook(StatsHook):
     are left out of its pace; ``compiling`` names them); ``items/s`` when the steps' items are
     counted (``Loss.count`` or the declared ``items``; ``total items/s`` across ranks when synced,
     ``mfu`` with ``flops_per_item`` and ``peak_flops``); ``mem`` when a hook records peak
-    memory (``step_info.max_memory``, in GiB as
+    memory (``step_info["max_memory"]``, in GiB as
     ``CudaMaxMemoryHook`` records it); ``grad_norm`` when the
     trainer clips; ``retries`` when steps were retried; ``lr/<group>`` per group when the
     optimizer has several; ``| key value ...`` with ``with_records``. The numbers are the

@@ -54,7 +54,7 @@ class TrainingStats:
         data_time: Mean seconds per step spent drawing batches (all microsteps of a step).
         non_finite_grad_retries: How many times these steps were retried for non-finite
             gradients (the maximum over ranks, when synced: ranks retry the same steps).
-        max_memory: Peak of ``step_info.max_memory`` over these steps (and ranks), in the
+        max_memory: Peak of ``step_info["max_memory"]`` over these steps (and ranks), in the
             unit the recording hook uses (GiB for
             ``CudaMaxMemoryHook``); ``None`` when no hook
             records it.
@@ -121,7 +121,7 @@ class StatsHook(BaseHook):
     """Aggregate training statistics and emit them every ``interval`` steps.
 
     Every step it collects the loss of each microstep, the gradient norm (when the trainer
-    clips), step and data time, the retry count, ``step_info.max_memory`` when another hook
+    clips), step and data time, the retry count, ``step_info["max_memory"]`` when another hook
     records it (that hook must come before this one), ``forward``'s records, and each param
     group's learning rate before the scheduler steps. On its ``schedule``, the ``every(n)`` rule
     (``trainloop.hooks.every``: every multiple of ``interval`` and the last step of a run that ends
@@ -129,7 +129,7 @@ class StatsHook(BaseHook):
     ``TrainingStats`` and calls ``emit``.
 
     Used on its own, the hook keeps the newest statistics in ``latest`` and publishes
-    them as ``trainer.step_info.stats`` on the steps where it emits, for later hooks to read.
+    them as ``trainer.step_info["stats"]`` on the steps where it emits, for later hooks to read.
     Subclasses (``LoggingHook``,
     ``ProgressHook``) override ``emit``.
 
@@ -256,7 +256,7 @@ class StatsHook(BaseHook):
             self._recompilations += compiled.recompilation
         self._data_time += sum(info.data_time)
         self._retries += info.non_finite_grad_retries
-        memory = info.max_memory
+        memory = info.extras.get("max_memory")
         if memory is not None and (self._max_memory is None or memory > self._max_memory):
             self._max_memory = memory
 
@@ -308,13 +308,13 @@ class StatsHook(BaseHook):
         )
 
     def emit(self, trainer: TrainerView, stats: TrainingStats) -> None:
-        """Receive each new aggregate; the base class publishes it in ``step_info.stats``.
+        """Receive each new aggregate; the base class publishes it as ``step_info["stats"]``.
 
         Args:
             trainer: The trainer.
             stats: The statistics of the steps since the previous emission.
         """
-        trainer.step_info.stats = stats
+        trainer.step_info["stats"] = stats
 
 
 def _combine_ranks(local: TrainingStats) -> TrainingStats:

@@ -234,6 +234,10 @@ class StateMachine:
 
         return Handle(remove)
 
+    def listens(self, state: State) -> bool:
+        """Whether a callback waits for ``state`` to be entered."""
+        return bool(self._machine.get_state(state).on_enter)
+
     def _add_state_callback(self, state: State, kind: str, fn: Callable[[Any], Any]) -> Handle:
         target = self._machine.get_state(state)
         callback = self._callback(fn)

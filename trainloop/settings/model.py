@@ -26,7 +26,7 @@ from pydantic import (
 from trainloop.hooks.registry import HookSpec
 from trainloop.settings.errors import describe_validation_error, in_our_words
 from trainloop.settings.init_from import InitFromSettings
-from trainloop.settings.optimizer import OptimizerSettings
+from trainloop.settings.optimizer import OPTIMIZER_NAME, OptimizerSettings
 from trainloop.settings.schedule import LrScheduleSettings
 from trainloop.settings.sources import ENV_PREFIX, SettingsFileError, SettingsInput, read_settings_input
 from trainloop.settings.types import NonEmptyPath, NonNegativeInt, PositiveFloat, PositiveInt, StrictBool
@@ -100,9 +100,14 @@ class TrainerSettings(BaseModel):
     """An optimizer declared by name (any ``torch.optim`` optimizer) with its arguments, e.g.
     ``{"name": "AdamW", "lr": 1e-3, "no_weight_decay": ["bias", "norm"]}``; the default
     ``build_optimizer()`` builds it."""
+    optimizers: dict[Annotated[str, Field(pattern=OPTIMIZER_NAME)], OptimizerSettings] | None = None
+    """Several optimizers declared by name, in the order a step updates them (a GAN's
+    ``{"discriminator": {"name": "Adam", "lr": 2e-4, "module": "discriminator"}, "generator":
+    {...}}``): one update per optimizer per step, each calling ``forward(batch, optimizer)`` with
+    its name. Instead of ``optimizer``, not with it."""
     lr_schedule: LrScheduleSettings | None = None
     """A learning-rate schedule (``constant``, ``linear``, ``cosine``, with warmup); the default
-    ``build_lr_scheduler()`` builds it."""
+    ``build_lr_scheduler()`` builds it (one per optimizer)."""
     init_from: InitFromSettings | None = None
     """Start from these weights (the model's only, loaded in ``restoring``) unless a checkpoint
     of this run is resumed: a path to a checkpoint or a ``.safetensors`` / ``.pt`` file, or
@@ -150,6 +155,14 @@ class TrainerSettings(BaseModel):
     def _run_is_bounded(self) -> Self:
         if self.max_steps is None and self.max_epochs is None:
             raise ValueError("give max_steps, max_epochs or both: the run needs an end")
+        return self
+
+    @model_validator(mode="after")
+    def _one_way_to_declare_optimizers(self) -> Self:
+        if self.optimizer is not None and self.optimizers is not None:
+            raise ValueError("declare optimizer (one) or optimizers (several by name), not both")
+        if self.optimizers is not None and not self.optimizers:
+            raise ValueError("optimizers declares none: give at least one, or declare optimizer")
         return self
 
     @model_validator(mode="after")

@@ -49,6 +49,7 @@ from trainloop.settings.types import StrictBool
 __all__ = [
     "LR_SCHEDULES",
     "OPTIMIZERS",
+    "OPTIMIZER_NAME",
     "LrScheduleSettings",
     "OptimizerSettings",
     "build_lr_scheduler",
@@ -178,6 +179,13 @@ class _OptimizerArgs(BaseModel):
     model_config = ConfigDict(frozen=True, extra="forbid", validate_default=True)
 
     name: str = Field(description="The ``torch.optim`` optimizer's class name.")
+    module: Annotated[str, Field(min_length=1)] | None = Field(
+        None,
+        description=(
+            "The submodule whose parameters it optimizes, as ``model.get_submodule`` names it "
+            '(``"generator"``, ``"encoder.layers"``); by default the whole model.'
+        ),
+    )
 
     @model_validator(mode="before")
     @classmethod
@@ -223,7 +231,9 @@ class _OptimizerArgs(BaseModel):
     def kwargs(self) -> dict[str, Any]:
         """The optimizer constructor's keyword arguments (every declared argument)."""
         return {
-            name: getattr(self, name) for name in type(self).model_fields if name not in ("name", "no_weight_decay")
+            name: getattr(self, name)
+            for name in type(self).model_fields
+            if name not in ("name", "module", "no_weight_decay")
         }
 
 
@@ -286,6 +296,10 @@ else:
     _OptimizerArgsUnion = Annotated[Union[_ARGS_MODELS], Field(discriminator="name")]  # noqa: UP007
 
 
+#: What an optimizer may be named in ``optimizers`` (it becomes ``forward``'s argument and a metric key).
+OPTIMIZER_NAME = r"^[A-Za-z_][A-Za-z0-9_.-]*$"
+
+
 class OptimizerSettings(RootModel[_OptimizerArgsUnion]):
     """A ``torch.optim`` optimizer declared as data: ``{"name": ..., <its arguments>}``.
 
@@ -316,6 +330,11 @@ class OptimizerSettings(RootModel[_OptimizerArgsUnion]):
     def kwargs(self) -> dict[str, Any]:
         """The constructor's keyword arguments (every declarable one, defaults included)."""
         return self.root.kwargs()
+
+    @property
+    def module(self) -> str | None:
+        """The submodule whose parameters it optimizes, or ``None`` for the whole model."""
+        return self.root.module
 
     @property
     def no_weight_decay(self) -> tuple[str, ...]:
@@ -364,6 +383,15 @@ def build_optimizer(settings: OptimizerSettings, model: nn.Module) -> torch.opti
         ValueError: The model has no trainable parameter, or the optimizer rejects its
             parameters (``Muon`` takes only 2-D ones).
     """
+    if settings.module is not None:
+        try:
+            model = model.get_submodule(settings.module)
+        except AttributeError:
+            children = ", ".join(name for name, _ in model.named_children()) or "none"
+            raise ValueError(
+                f"optimizer module={settings.module!r}: {type(model).__name__} has no such submodule "
+                f"(its children: {children})"
+            ) from None
     params = [param for param in model.parameters() if param.requires_grad]
     if not params:
         raise ValueError(f"{type(model).__name__} has no trainable parameter to optimize")
