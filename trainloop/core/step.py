@@ -573,14 +573,14 @@ class DeviceVerdict:
 
 
 def _one_flag(flags: Iterable[torch.Tensor]) -> torch.Tensor:
-    """One non-finite flag from one per device: the flag itself, or their sum on the first one's device."""
+    """One non-finite flag from one per device: the flag itself, or any of them set, on the first one's device."""
     first, *rest = flags
     if not rest:
         return first
     total = first.clone()
     for flag in rest:
         total += flag.to(first.device, non_blocking=True)
-    return total
+    return total.clamp_(max=1.0)  # the fused kernels skip on exactly 1 (and subtract it from the step counts)
 
 
 def _local(tensor: torch.Tensor) -> torch.Tensor:
