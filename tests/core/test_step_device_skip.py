@@ -9,6 +9,7 @@ import logging
 
 import pytest
 import torch
+from cli_process import Cli
 from helper_hooks import CaptureHook
 from sync_counter import SyncCounter
 from tiny_trainer import FlakyTrainer, TinyTrainer, make_data
@@ -292,3 +293,24 @@ def test_the_device_path_never_synchronises_on_cuda(settings):
         torch.cuda.set_sync_debug_mode("default")
     assert trainer.trace.skipped == [5]
     assert trainer.step == 10
+
+
+@pytest.mark.parametrize("fused", [True, False])
+def test_a_declared_fused_optimizer_skips_and_an_unfused_one_retries_from_the_cli(tmp_path, fused):
+    (tmp_path / "run.yaml").write_text(
+        "max_steps: 5\nworkspace: ws\ntrace: true\nmax_non_finite_grad_retries: 1\nnan_at_steps: [3]\n"
+        "optimizer: {name: AdamW, lr: 0.01, fused: true}\n"
+    )
+    run = Cli("run", "run.yaml", "--trainer", "cli_trainers:CliTrainer", "--set", f"optimizer.fused={str(fused).lower()}",
+              cwd=tmp_path).result()
+    assert run.returncode == 0, run.stderr
+    trace = tmp_path / "ws" / "trace.jsonl"
+    retries = [e.step for e in read_trace(trace) if e.trigger == "retry"]
+    if fused:
+        assert read_skipped_updates(trace) == [3]
+        assert retries == []
+        assert "Non-finite gradients at step 3: its update was skipped (1 in a row, at most 1)" in run.stderr
+    else:
+        assert read_skipped_updates(trace) == []
+        assert retries == [3]
+        assert "Non-finite gradients at step 3; retrying (1/1)" in run.stderr
