@@ -251,7 +251,7 @@ class Loop:
         """
         t, run, runner = self.trainer, self.run_state, self.runner
         verdict = runner.verdict  # type: ignore[union-attr]
-        if verdict is not None and verdict.pending:
+        if verdict is not None and verdict.pending:  # the last step's: nothing retries after it
             self.learn_verdict(run.step - 1)
         self.applied = runner.update()  # type: ignore[union-attr]
         if t.settings.grad_clip is not None:

@@ -526,8 +526,9 @@ def skips_on_device(optimizer: torch.optim.Optimizer) -> bool:
 class DeviceVerdict:
     """Whether the last update handed to the device was skipped, read a step late without a host sync.
 
-    ``record`` copies the flag (and fp16's loss scale) into a host buffer made once (pinned on
-    CUDA, the copy non-blocking, an event recorded after it); ``read`` takes it from there
+    ``record`` copies the flag (and fp16's loss scale) into a host buffer made once (on CUDA
+    pinned, the copy non-blocking, an event recorded after it; on another accelerator the copy
+    waits, so the answer is right, if not free); ``read`` takes it from there
     through a NumPy view made with the buffer. By then the device has normally long finished
     that update, so the event is passed at once; if the host ran further ahead, it waits for
     that update alone, while the device goes on with the work queued after it.
@@ -544,7 +545,7 @@ class DeviceVerdict:
     """
 
     def __init__(self, device: torch.device) -> None:
-        cuda = device.type == "cuda"
+        self._cuda = cuda = device.type == "cuda"
         self._host = torch.zeros(2, pin_memory=cuda)
         self._view = self._host.numpy()  # made once: a read is a NumPy read, not a Tensor call
         self._found, self._scale = self._host[0], self._host[1]
@@ -555,9 +556,10 @@ class DeviceVerdict:
 
     def record(self, found: torch.Tensor, scale: torch.Tensor | None = None) -> None:
         """Copy the update's flag (and the loss scale after it) to host memory, without waiting."""
-        self._found.copy_(found, non_blocking=True)
+        cuda = self._cuda
+        self._found.copy_(found, non_blocking=cuda)
         if scale is not None:
-            self._scale.copy_(scale.reshape(()), non_blocking=True)
+            self._scale.copy_(scale.reshape(()), non_blocking=cuda)
         if self._event is not None:
             self._event.record()
         self.pending = True
