@@ -6,6 +6,9 @@ one process. Each configuration's CPU time (``time.process_time``) is divided by
 of the same round, and the median ratio over rounds is reported: this machine is noisy (±10%
 run to run), and ratios taken side by side cancel most of it.
 
+Two configurations train with ``SGD(fused=True)``, the non-finite check on and off: their ratio
+is what the check costs where the optimizer skips a non-finite update in its own kernel.
+
 The last two configurations return ``Loss(sum, count)`` (the count a tensor, as a masked
 token count would be) with the progress and logging hooks on: one counts the items for the
 throughput as the hooks do, the other has the counting stubbed out, so their ratio is what
@@ -63,6 +66,7 @@ class BenchTrainer(BaseTrainer):
 
     batches: list = []
     count_items = False  # return Loss(sum, count) with a tensor count instead of a mean
+    fused = False  # SGD(fused=True): the optimizer skips a non-finite update in its kernel
 
     def __init__(self, *args, hooks=(), **kwargs):
         super().__init__(*args, **kwargs)
@@ -78,7 +82,7 @@ class BenchTrainer(BaseTrainer):
         return make_model()
 
     def build_optimizer(self):
-        return torch.optim.SGD(self.model.parameters(), lr=0.01)
+        return torch.optim.SGD(self.model.parameters(), lr=0.01, fused=self.fused or None)
 
     def forward(self, batch):
         x, y = batch
@@ -98,6 +102,15 @@ def trainer_loop(steps: int, batches: list, **settings) -> float:
     trainer.on_enter(State.EXITING, lambda t: marks.setdefault("end", time.process_time()))
     trainer.train()
     return marks["end"] - marks["start"]
+
+
+def fused_trainer_loop(steps: int, batches: list, **settings) -> float:
+    """``trainer_loop`` with ``SGD(fused=True)``: the non-finite check decided on the device."""
+    BenchTrainer.fused = True
+    try:
+        return trainer_loop(steps, batches, **settings)
+    finally:
+        BenchTrainer.fused = False
 
 
 def hooked_trainer_loop(steps: int, batches: list, count_items: bool = False, counting: bool = True) -> float:
@@ -170,6 +183,8 @@ CONFIGS: dict[str, Callable[[int, list], float]] = {
     "raw loop again (noise floor)": raw_loop,
     "trainer (defaults: non-finite check on)": lambda n, b: trainer_loop(n, b),
     "trainer (non-finite check off)": lambda n, b: trainer_loop(n, b, detect_non_finite_grads=False),
+    "trainer, fused SGD (non-finite check on)": lambda n, b: fused_trainer_loop(n, b),
+    "trainer, fused SGD (non-finite check off)": lambda n, b: fused_trainer_loop(n, b, detect_non_finite_grads=False),
     "trainer (trace on)": lambda n, b: trainer_loop(n, b, trace=True),
     "trainer + progress + logging hooks (interval 100)": hooked_trainer_loop,
     "trainer + validation hook (never due)": validated_trainer_loop,

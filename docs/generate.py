@@ -27,6 +27,7 @@ from pathlib import Path
 
 from trainloop.hooks.dispatch import HOOK_EVENTS
 from trainloop.machine import TRANSITIONS, draw
+from trainloop.machine.table import NOTES
 from trainloop.settings import TrainerSettings
 
 DOCS = Path(__file__).resolve().parent
@@ -37,7 +38,7 @@ REPORT_OUTLINE = DOCS / "img" / "report.outline.json"
 
 
 def machine_diagram() -> str:
-    return "```mermaid\n" + draw(TRANSITIONS, "mermaid") + "```"
+    return "```mermaid\n" + draw(TRANSITIONS, "mermaid", notes=NOTES) + "```"
 
 
 def transition_table() -> str:
@@ -330,8 +331,8 @@ def render(text: str) -> str:
 
 
 def machine_svg() -> str:
-    """docs/img/machine.svg: the whole table drawn in Python, ``fail`` edges folded into one line."""
-    return draw(TRANSITIONS, "svg")
+    """docs/img/machine.svg: the whole table in Python, ``fail`` edges folded, the table's notes beside their states."""
+    return draw(TRANSITIONS, "svg", notes=NOTES)
 
 
 def machine_svg_is_current() -> bool:

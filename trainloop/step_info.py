@@ -29,6 +29,9 @@ class StepInfo:
         items: Each microstep's ``Loss.count`` (an int or a tensor left on its device); empty
             when ``forward`` returns plain losses.
         non_finite_grad_retries: How often this step was redone.
+        skipped_update: The step whose update the loop learned, during this step, that the
+            optimizer skipped on the device (non-finite gradients; see docs/machine.md): the
+            previous step, or this one when the run validates, saves or ends after it.
         grad_norm: The total gradient norm before clipping (a tensor), with ``grad_clip`` only.
         step_time: Seconds from the step's start to the end of its applied update.
         compiled: Set when ``torch.compile`` compiled during this step (see
@@ -42,6 +45,7 @@ class StepInfo:
     records: list[Mapping[str, Any]] = field(default_factory=list)
     items: list[torch.Tensor | int] = field(default_factory=list)
     non_finite_grad_retries: int = 0
+    skipped_update: int | None = None
     grad_norm: torch.Tensor | None = None
     step_time: float | None = None
     compiled: Any = None  # a trainloop.core.compiling.CompileMark

@@ -130,6 +130,13 @@ def test_fp16_from_a_settings_file_validates_and_a_bad_floor_is_refused_naming_i
     assert not (tmp_path / "ws").exists()
 
 
+def fused_adamw(params, lr):
+    return torch.optim.AdamW(params, lr=lr, fused=True)
+
+
+FUSED = {"optimizer": fused_adamw}  # skips a non-finite update in its kernel: the check needs no read
+
+
 @pytest.mark.parametrize("throughput", [False, True], ids=["plain", "throughput"])
 @pytest.mark.parametrize(
     ("settings", "syncs"),
@@ -140,6 +147,12 @@ def test_fp16_from_a_settings_file_validates_and_a_bad_floor_is_refused_naming_i
         ({"gradient_accumulation_steps": 3}, 1),
         ({"mixed_precision": "fp16"}, 1),  # GradScaler's own
         ({"mixed_precision": "fp16", "detect_non_finite_grads": False}, 1),
+        (FUSED, 0),  # from the second step on, decided on the device, read a step late from host memory
+        ({**FUSED, "detect_non_finite_grads": False}, 0),
+        ({**FUSED, "grad_clip": 1.0}, 0),
+        ({**FUSED, "gradient_accumulation_steps": 3}, 0),
+        ({**FUSED, "mixed_precision": "fp16"}, 0),
+        ({**FUSED, "mixed_precision": "fp16", "grad_clip": 1.0}, 0),
     ],
 )
 def test_host_syncs_per_update(monkeypatch, settings, syncs, throughput):

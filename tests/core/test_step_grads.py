@@ -44,3 +44,21 @@ def test_missing_and_frozen_gradients_are_skipped(model):
     assert check() is False  # no gradient at all yet
     backward(model)
     assert check() is False
+
+
+def test_the_device_flag_is_set_by_a_non_finite_gradient_and_cleared_by_the_next_check(model):
+    check = NonFiniteGradCheck(model.parameters())
+    backward(model)
+    flag = check.found()
+    assert flag.shape == ()  # as fused optimizers take found_inf
+    assert flag.item() == 0.0
+    model[0].bias.grad[1] = float("nan")
+    assert check.found().item() == 1.0
+    model.zero_grad()
+    backward(model)
+    assert check.found().item() == 0.0  # cleared, though the host never read the hit
+    model[1].weight.grad[0, 0] = float("inf")
+    assert check() is True  # the synced check after the device one
+    model.zero_grad()
+    backward(model)
+    assert check() is False

@@ -242,8 +242,16 @@ class Loop:
             info.loss.append(loss.detach())
 
     def update(self) -> None:
-        """The work of ``stepping``: the optimizer update, then the step's bookkeeping."""
+        """The work of ``stepping``: the optimizer update, then the step's bookkeeping.
+
+        Where the optimizer skips non-finite updates on the device, the verdict of the previous
+        step's update is read first (from host memory: no wait), and this step's own before the
+        run validates, saves or ends after it.
+        """
         t, run, runner = self.trainer, self.run_state, self.runner
+        verdict = runner.verdict  # type: ignore[union-attr]
+        if verdict is not None and verdict.pending:  # the last step's: nothing retries after it
+            self.learn_verdict(run.step - 1)
         self.applied = runner.update()  # type: ignore[union-attr]
         if t.settings.grad_clip is not None:
             run.step_info.grad_norm = runner.grad_norm  # type: ignore[union-attr]
@@ -257,6 +265,35 @@ class Loop:
         for fn in run.dispatch["on_after_step"]:
             fn(t)
         self.settle()
+        if (
+            verdict is not None
+            and verdict.pending
+            and (self.validation_due() or self.checkpoint_due() or self.should_exit())
+        ):
+            self.learn_verdict(run.step)  # nothing is validated, saved or ended on an unread verdict
+
+    def learn_verdict(self, step: int) -> None:
+        """Read whether the update of ``step`` was skipped on the device; report a skip, or raise past the limit."""
+        t, runner = self.trainer, self.runner
+        verdict = runner.verdict  # type: ignore[union-attr]
+        skipped, scale = verdict.read()  # type: ignore[union-attr]
+        if not skipped:
+            return
+        in_a_row = verdict.skipped_in_a_row  # type: ignore[union-attr]
+        self.run_state.step_info.skipped_update = step
+        if self.machine.trace is not None:
+            self.machine.trace.mark_skipped(step)
+        raise_if_no_retries_left(t, in_a_row - 1, skipped=step, scale=scale)
+        if t.grad_scaler.is_enabled():  # expected now and then under fp16: not a warning
+            t.logger.info(
+                "fp16 update of step %d skipped (non-finite gradients); loss scale now %g (%d in a row)",
+                step, scale, in_a_row,
+            )
+        else:
+            t.logger.warning(
+                "Non-finite gradients at step %d: its update was skipped (%d in a row, at most %d)",
+                step, in_a_row, t.settings.max_non_finite_grad_retries,
+            )
 
     def settle(self) -> None:
         """Settle the requests; when the ranks first agree to exit, queue what the end of the run is due."""
@@ -426,7 +463,9 @@ class RunRequests:
             self._agreement.close()
 
 
-def raise_if_no_retries_left(trainer: TrainerView, retries: int) -> float:
+def raise_if_no_retries_left(
+    trainer: TrainerView, retries: int, *, skipped: int | None = None, scale: float | None = None
+) -> float:
     """Raise unless the step may be tried again after ``retries`` retries; return the loss scale.
 
     Without a grad scaler, ``settings.max_non_finite_grad_retries`` counts the tries. Under fp16,
@@ -434,21 +473,34 @@ def raise_if_no_retries_left(trainer: TrainerView, retries: int) -> float:
     (``settings.min_loss_scale``), not a count, tells that from gradients non-finite at any scale
     (fairseq's and DeepSpeed's ``min_loss_scale``); a declared count bounds it too.
 
+    An update skipped on the device is bounded the same way, a step late: ``skipped`` is its
+    step, ``retries`` the updates skipped just before it, ``scale`` the loss scale read with it.
+
     Returns:
-        Under fp16, GradScaler's scale now (one more host sync, on refused updates only); else 0.
+        Under fp16, GradScaler's scale now (read from the scaler, one more host sync, unless
+        given); else 0.
 
     Raises:
         RuntimeError: No retry is left; the message says which bound was met.
     """
     t = trainer
     declared = t.settings.max_non_finite_grad_retries
-    scale = 0.0
-    if t.grad_scaler.is_enabled():
+    fp16 = t.grad_scaler.is_enabled()
+    if not fp16:
+        scale = 0.0
+    elif scale is None:
         scale = t.grad_scaler.get_scale()
+    if skipped is None:
+        at, tries = f"at step {t.step}", f"{retries} retries"
+    else:
+        stopped = f"; the run stopped at step {t.step}" if t.step != skipped else ""
+        at = f"at step {skipped} (its update skipped on the device{stopped})"
+        tries = f"{retries + 1} skipped updates in a row"
+    if fp16:
         floor = t.settings.min_loss_scale
         if scale < floor:
             raise RuntimeError(
-                f"non-finite gradients at step {t.step} after {retries} retries: under fp16 "
+                f"non-finite gradients {at} after {tries}: under fp16 "
                 f"the loss scale fell to {scale:g}, below min_loss_scale={floor:g}, so the "
                 "gradients are non-finite at any scale (a NaN or inf in the loss or the model?)"
             )
@@ -457,12 +509,7 @@ def raise_if_no_retries_left(trainer: TrainerView, retries: int) -> float:
     elif retries < (declared or 0):
         return scale
     if not declared:
-        raise RuntimeError(
-            f"non-finite gradients at step {t.step}; max_non_finite_grad_retries is "
-            f"{declared}, so the step is not retried"
-        )
-    note = f"; the loss scale is now {scale:g}" if t.grad_scaler.is_enabled() else ""
-    raise RuntimeError(
-        f"non-finite gradients at step {t.step} after {retries} retries "
-        f"(max_non_finite_grad_retries={declared}){note}"
-    )
+        what = "the step is not retried" if skipped is None else "no update may be skipped"
+        raise RuntimeError(f"non-finite gradients {at}; max_non_finite_grad_retries is {declared}, so {what}")
+    note = f"; the loss scale is now {scale:g}" if fp16 else ""
+    raise RuntimeError(f"non-finite gradients {at} after {tries} (max_non_finite_grad_retries={declared}){note}")

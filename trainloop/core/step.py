@@ -6,6 +6,11 @@ A ``StepPlan`` is what the loop needs, resolved before the first step (``trainer
 resolves a trainer's); a ``StepRunner`` holds
 what is derived from it (the gradient-sync switch, the non-finite check's buffers) and the
 state of the step in progress (its ``Loss`` item count).
+
+The non-finite check takes one of two paths (docs/machine.md): where the optimizer skips a
+non-finite update in its own kernel (``skips_on_device``), the check's flag is handed to it and
+the host reads the verdict a step late from host memory (``DeviceVerdict``): no host sync; any
+other optimizer waits for the verdict before it steps, and a refused update is redone.
 """
 
 from __future__ import annotations
@@ -32,6 +37,7 @@ if TYPE_CHECKING:
     from trainloop.core.run_state import TrainerContract
 
 __all__ = [
+    "DeviceVerdict",
     "LossNoneWarning",
     "check_forward",
     "takes_optimizer",
@@ -39,6 +45,7 @@ __all__ = [
     "NonFiniteGradCheck",
     "StepPlan",
     "StepRunner",
+    "skips_on_device",
     "trainer_step_plan",
     "unpack_forward_output",
 ]
@@ -66,9 +73,10 @@ class StepPlan:
         grad_clip: Max gradient norm (L2), or ``None``.
         grad_scaler: An enabled ``GradScaler`` (fp16), or ``None``.
         lr_scheduler: Stepped after every applied update, or ``None``.
-        check_grads: Decide, before the optimizer steps, whether the gradients are finite (one
-            host sync). Under a grad scaler its own check decides, whatever this says: an update
-            it would skip is reported as non-finite, never applied silently.
+        check_grads: Never apply an update whose gradients hold inf or NaN: an optimizer that
+            skips on the device (``skips_on_device``) is handed the verdict, any other waits for
+            it (one host sync). Under a grad scaler its own check decides, whatever this says:
+            an update it would skip is reported as non-finite, never applied silently.
         no_sync: Skip gradient synchronisation across ranks on all but a step's last microstep.
         autocast: The mixed-precision context ``forward`` runs under (re-enterable).
         before_optimizer_step: Called after the step's gradients are unscaled and normalised,
@@ -161,6 +169,11 @@ class StepRunner:
         # Optimizers that unscale inside their own step (fused ones) must step through the scaler;
         # torch marks them with this private flag, which GradScaler.step reads too.
         self._step_through_scaler = getattr(plan.optimizer, "_step_supports_amp_scaling", False)
+        # Where the optimizer skips a non-finite update itself, the verdict travels on the device.
+        guarded = plan.check_grads or self._scaler is not None
+        self.verdict = DeviceVerdict(self._device) if guarded and skips_on_device(plan.optimizer) else None
+        self._norm_found: torch.Tensor | None = None  # clipping: the norm's flag, made at first use
+        self._norm_one: torch.Tensor | None = None
         self.items: torch.Tensor | int | None = None  # the step's Loss item count so far
         self.microsteps = 0  # microsteps done in the step in progress
         self.target = plan.accumulation  # the microsteps the step in progress takes
@@ -271,15 +284,28 @@ class StepRunner:
         check for non-finite gradients, then step the optimizer and the lr scheduler and zero
         the gradients.
 
+        With a ``verdict`` (an optimizer that skips on the device) every update after the first
+        applied one is decided on the device: the optimizer skips it if the gradients are
+        non-finite, the lr scheduler steps either way, and the verdict waits in host memory
+        (``verdict.pending``) for ``verdict.read()``. The first is decided on the host: a fused
+        optimizer builds its state in its first step, even a skipped one (fused SGD's momentum
+        buffers would be left uninitialised).
+
         Returns:
-            ``True`` if the update was applied; ``False`` if the gradients were non-finite: then
-            nothing stepped, the gradients are left as they are, and a grad scaler has lowered
-            its scale for the retry.
+            ``True`` if the update was applied or handed to the device; ``False`` if the
+            gradients were non-finite: then nothing stepped, the gradients are left as they
+            are, and a grad scaler has lowered its scale for the retry.
         """
         self._prepare_grads()
+        verdict = self.verdict
+        if verdict is not None and verdict.ready:
+            self._apply_unless_found(verdict)
+            return True
         if self._grads_non_finite():
             return False
         self._apply()
+        if verdict is not None:
+            verdict.ready = True
         return True
 
     def _prepare_grads(self) -> None:
@@ -332,6 +358,50 @@ class StepRunner:
         optimizer.zero_grad()
         if plan.lr_scheduler is not None:
             plan.lr_scheduler.step()
+
+    def _apply_unless_found(self, verdict: DeviceVerdict) -> None:
+        """Step the optimizer with the non-finite flag handed to its kernel, which skips the update if it is set.
+
+        The scaler and the lr scheduler step, the gradients are zeroed, and the flag (and the
+        loss scale) go to host memory for ``verdict.read()``: nothing here waits for the device.
+        """
+        plan, optimizer, scaler = self.plan, self.plan.optimizer, self._scaler
+        if scaler is not None:
+            # What unscale_ found, per device (torch's private API, as in _grads_non_finite).
+            found = _one_flag(scaler._found_inf_per_device(optimizer).values())
+        elif self._grad_check is not None:
+            found = self._grad_check.found()
+        else:
+            found = self._norm_non_finite()
+        # torch's fused kernels read this attribute (GradScaler.step sets it the same way), skip
+        # the update if it is 1, and leave the step counts as they were.
+        optimizer.found_inf = found  # type: ignore[attr-defined]
+        try:
+            optimizer.step()
+        finally:
+            del optimizer.found_inf  # type: ignore[attr-defined]
+        scale = None
+        if scaler is not None:
+            scaler.update()  # on the device: lowers the scale if found
+            scale = scaler._get_scale_async()
+        verdict.record(found, scale)
+        optimizer.zero_grad()
+        if plan.lr_scheduler is not None:
+            plan.lr_scheduler.step()
+
+    def _norm_non_finite(self) -> torch.Tensor:
+        """A flag on the device, 1 if the clipped total norm is not finite (so some gradient is not)."""
+        norm = self.grad_norm
+        assert norm is not None  # no check of its own means clipping is on
+        found = self._norm_found
+        one = self._norm_one
+        if found is None or one is None or found.device != norm.device:
+            found = self._norm_found = torch.zeros((), device=norm.device)
+            one = self._norm_one = torch.ones((), device=norm.device)
+        found.zero_()
+        # The check GradScaler uses; multiplying the norm by 1 leaves it as it is.
+        torch._amp_foreach_non_finite_check_and_unscale_([norm], found, one)
+        return found
 
     def _rescale(self, factor: float) -> None:
         grads = [p.grad for p in self.plan.model.parameters() if p.grad is not None]
@@ -395,9 +465,10 @@ class NonFiniteGradCheck:
                 local = _local(p)
                 self.sharded |= local is not p
                 groups[(local.device, local.dtype)].append(p)
-        devices = {device for device, _ in groups}
-        self._found = {d: torch.zeros(1, device=d) for d in devices}
-        self._inv_scale = {d: torch.ones(1, device=d) for d in devices}
+        devices = {device for device, _ in groups} or {torch.device("cpu")}
+        # 0-dim, as fused optimizers take found_inf (their step counts are 0-dim).
+        self._found = {d: torch.zeros((), device=d) for d in devices}
+        self._inv_scale = {d: torch.ones((), device=d) for d in devices}
         # Per group, with its device's buffers: nothing is looked up per call.
         self._groups = [(ps, self._found[d], self._inv_scale[d]) for (d, _), ps in groups.items()]
         self._dirty = False
@@ -407,6 +478,27 @@ class NonFiniteGradCheck:
         if self._dirty:  # the kernel only ever sets the flag, so clear it after a hit alone
             for found in self._found.values():
                 found.zero_()
+        self._launch()
+        # The deliberate host sync of the step: the retry decision needs the answer now.
+        dirty = False
+        for found in self._found.values():
+            dirty = dirty or bool(found.item())
+        self._dirty = dirty
+        return dirty
+
+    def found(self) -> torch.Tensor:
+        """A flag on the device, 1 if any gradient is non-finite; nothing waits for it.
+
+        The flag is this check's buffer, overwritten by its next call (a fresh sum over
+        devices when the parameters span several).
+        """
+        for found in self._found.values():
+            found.zero_()  # the host never learns whether it was set
+        self._launch()
+        self._dirty = True  # for __call__
+        return _one_flag(self._found.values())
+
+    def _launch(self) -> None:
         sharded = self.sharded
         for params, found, inv_scale in self._groups:
             grads = [_local(p.grad) if sharded else p.grad for p in params if p.grad is not None]
@@ -415,12 +507,85 @@ class NonFiniteGradCheck:
         if sharded and dist.is_available() and dist.is_initialized():
             for found in self._found.values():
                 dist.all_reduce(found, op=dist.ReduceOp.MAX)
-        # The deliberate host sync of the step: the retry decision needs the answer now.
-        dirty = False
-        for found in self._found.values():
-            dirty = dirty or bool(found.item())
-        self._dirty = dirty
-        return dirty
+
+
+def skips_on_device(optimizer: torch.optim.Optimizer) -> bool:
+    """Whether ``optimizer`` skips a non-finite update inside its own kernel when handed the flag.
+
+    torch's fused optimizers do (``fused=True``: Adam, AdamW, SGD, Adagrad): they carry
+    ``_step_supports_amp_scaling``, as GradScaler reads it, and their ``step`` hands
+    ``self.found_inf`` to the kernel. Their foreach and for-loop implementations refuse the
+    flag, and another optimizer may carry the mark for GradScaler's older contract (a
+    ``grad_scaler`` argument to ``step``), so only torch's own ``step`` with every parameter
+    group fused qualifies.
+    """
+    if not getattr(optimizer, "_step_supports_amp_scaling", False):
+        return False
+    if not getattr(type(optimizer).step, "__module__", "").startswith("torch.optim."):
+        return False
+    return all(group.get("fused") for group in optimizer.param_groups)
+
+
+class DeviceVerdict:
+    """Whether the last update handed to the device was skipped, read a step late without a host sync.
+
+    ``record`` copies the flag (and fp16's loss scale) into a host buffer made once (on CUDA
+    pinned, the copy non-blocking, an event recorded after it; on another accelerator the copy
+    waits, so the answer is right, if not free); ``read`` takes it from there
+    through a NumPy view made with the buffer. By then the device has normally long finished
+    that update, so the event is passed at once; if the host ran further ahead, it waits for
+    that update alone, while the device goes on with the work queued after it.
+
+    One per optimizer.
+
+    Args:
+        device: The device of the optimizer's parameters.
+
+    Attributes:
+        ready: Whether updates may be decided on the device (after the first applied one).
+        pending: Whether a recorded verdict has not been read yet.
+        skipped_in_a_row: Skipped updates read in a row, up to the last read.
+    """
+
+    def __init__(self, device: torch.device) -> None:
+        self._cuda = cuda = device.type == "cuda"
+        self._host = torch.zeros(2, pin_memory=cuda)
+        self._view = self._host.numpy()  # made once: a read is a NumPy read, not a Tensor call
+        self._found, self._scale = self._host[0], self._host[1]
+        self._event = torch.cuda.Event() if cuda else None  # type: ignore[no-untyped-call]  # unannotated in torch
+        self.ready = False
+        self.pending = False
+        self.skipped_in_a_row = 0
+
+    def record(self, found: torch.Tensor, scale: torch.Tensor | None = None) -> None:
+        """Copy the update's flag (and the loss scale after it) to host memory, without waiting."""
+        cuda = self._cuda
+        self._found.copy_(found, non_blocking=cuda)
+        if scale is not None:
+            self._scale.copy_(scale.reshape(()), non_blocking=cuda)
+        if self._event is not None:
+            self._event.record()
+        self.pending = True
+
+    def read(self) -> tuple[bool, float]:
+        """Whether the recorded update was skipped, and the loss scale after it (0 without fp16)."""
+        if self._event is not None and not self._event.query():  # type: ignore[no-untyped-call]
+            self._event.synchronize()
+        self.pending = False
+        skipped = bool(self._view[0])
+        self.skipped_in_a_row = self.skipped_in_a_row + 1 if skipped else 0
+        return skipped, float(self._view[1])
+
+
+def _one_flag(flags: Iterable[torch.Tensor]) -> torch.Tensor:
+    """One non-finite flag from one per device: the flag itself, or any of them set, on the first one's device."""
+    first, *rest = flags
+    if not rest:
+        return first
+    total = first.clone()
+    for flag in rest:
+        total += flag.to(first.device, non_blocking=True)
+    return total.clamp_(max=1.0)  # the fused kernels skip on exactly 1 (and subtract it from the step counts)
 
 
 def _local(tensor: torch.Tensor) -> torch.Tensor:

@@ -7,7 +7,15 @@ drawn in Python by ``svg``) and ``trace``.
 from trainloop.machine.diagram import draw
 from trainloop.machine.runner import Handle, StateMachine
 from trainloop.machine.table import TRANSITIONS, State, Transition
-from trainloop.machine.trace import Trace, TraceEntry, TraceSummary, read_compile_marks, read_trace, summarize_trace
+from trainloop.machine.trace import (
+    Trace,
+    TraceEntry,
+    TraceSummary,
+    read_compile_marks,
+    read_skipped_updates,
+    read_trace,
+    summarize_trace,
+)
 
 __all__ = [
     "TRANSITIONS",
@@ -20,6 +28,7 @@ __all__ = [
     "Transition",
     "draw",
     "read_compile_marks",
+    "read_skipped_updates",
     "read_trace",
     "summarize_trace",
 ]

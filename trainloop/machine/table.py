@@ -11,7 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from enum import Enum
 
-__all__ = ["FAIL", "State", "TRANSITIONS", "Transition"]
+__all__ = ["FAIL", "NOTES", "State", "TRANSITIONS", "Transition"]
 
 
 class State(str, Enum):
@@ -28,11 +28,14 @@ class State(str, Enum):
     step, the first included (also without accumulation)."""
     STEPPING = "stepping"
     """The optimizer update of a step: unscale, ``Loss`` normalisation, clipping, the
-    non-finite check, optimizer and scheduler step, ``on_after_step``."""
+    non-finite check, optimizer and scheduler step, ``on_after_step``. A fused optimizer skips
+    a non-finite update in its own kernel: no edge, the step counts, and the loop learns of it
+    a step late (a ``skipped`` mark in the trace; see ``NOTES``)."""
     RETRYING = "retrying"
-    """The update found non-finite gradients (fp16's skipped updates included) and another try
-    is allowed (retries left; under fp16, a loss scale not below ``min_loss_scale``): zero
-    them, reset the step's records, count the retry."""
+    """The update found non-finite gradients (fp16's refused updates included) on the host, and
+    another try is allowed (retries left; under fp16, a loss scale not below
+    ``min_loss_scale``): zero them, reset the step's records, count the retry. Only where the
+    optimizer cannot skip on the device, and for a fused one's first update."""
     CHECKPOINTING = "checkpointing"
     """A save is due; hooks write it."""
     VALIDATING = "validating"
@@ -107,3 +110,13 @@ TRANSITIONS: tuple[Transition, ...] = (
 )
 
 FAIL = "fail"
+
+#: What happens in a state without an edge of its own, written beside it in the docs' drawings.
+NOTES: dict[State, tuple[str, ...]] = {
+    _S.STEPPING: (
+        "a fused optimizer skips a non-finite update",
+        "in its kernel: no edge, the step counts;",
+        "learned a step late (trace: a skipped mark)",
+    ),
+    _S.RETRYING: ("where the optimizer cannot skip on the device", "(and a fused one's first update)"),
+}

@@ -3,6 +3,10 @@
 The file also marks the steps ``torch.compile`` spent compiling: a line
 ``{"time": ..., "step": 1, "compiled": {"seconds": ..., "frames": 1, "recompilation": false, "reasons": []}}``
 after that step's ``update`` edge. ``read_trace`` returns the transitions, ``read_compile_marks`` the marks.
+And it marks the steps whose update the optimizer skipped on the device (non-finite gradients;
+no edge, since the host went on without waiting for the verdict): ``{"time": ..., "step": 7,
+"skipped": true}``, written when the loop learns it (normally during the next step's update);
+``read_skipped_updates`` returns those steps.
 """
 
 from __future__ import annotations
@@ -28,6 +32,7 @@ __all__ = [
     "TraceEntry",
     "TraceSummary",
     "read_compile_marks",
+    "read_skipped_updates",
     "read_trace",
     "start_run_record",
     "summarize_trace",
@@ -57,6 +62,7 @@ class Trace(deque[TraceEntry]):
 
     Attributes:
         compiled: The steps marked as spent compiling (``mark_compiled``), in order.
+        skipped: The steps whose update was skipped on the device (``mark_skipped``), in order.
     """
 
     def __init__(self, path: Path | None = None, keep: int = 100_000) -> None:
@@ -65,6 +71,7 @@ class Trace(deque[TraceEntry]):
         self._counts: Counter[tuple[State, State, str]] = Counter()
         self._file: IO[str] | None = None
         self.compiled: list[CompileMark] = []
+        self.skipped: list[int] = []
         if path is not None:
             path.parent.mkdir(parents=True, exist_ok=True)
             self._file = open_jsonl(path)  # after a cut-off line of a killed run: a fresh one
@@ -95,6 +102,12 @@ class Trace(deque[TraceEntry]):
             }
             line = {"time": time.time(), "step": mark.step, "compiled": fields}
             self._file.write(json.dumps(line) + "\n")
+
+    def mark_skipped(self, step: int) -> None:
+        """Mark ``step`` as a step whose update the optimizer skipped on the device."""
+        self.skipped.append(step)
+        if self._file is not None:
+            self._file.write(f'{{"time": {time.time()!r}, "step": {step}, "skipped": true}}\n')
 
     def counts(self) -> Counter[tuple[State, State, str]]:
         """How often each edge ``(source, dest, trigger)`` fired over the whole run."""
@@ -132,7 +145,7 @@ def read_trace(path: Path | str) -> list[TraceEntry]:
     """
     entries = []
     for number, row in _rows(path):
-        if "compiled" in row:  # a compile mark, not a transition
+        if "compiled" in row or "skipped" in row:  # a mark, not a transition
             continue
         try:
             entries.append(
@@ -173,6 +186,23 @@ def read_compile_marks(path: Path | str) -> list[CompileMark]:
         except (ValueError, KeyError, TypeError) as error:
             raise ValueError(f"{path}:{number}: not a compile mark ({error})") from None
     return marks
+
+
+def read_skipped_updates(path: Path | str) -> list[int]:
+    """Read back the steps a ``trace.jsonl`` marks as skipped on the device, in the order they were learned.
+
+    Raises:
+        ValueError: A mark is malformed; the message names the file and line.
+    """
+    steps = []
+    for number, row in _rows(path):
+        if "skipped" not in row:
+            continue
+        try:
+            steps.append(int(row["step"]))
+        except (ValueError, KeyError, TypeError) as error:
+            raise ValueError(f"{path}:{number}: not a skipped-update mark ({error})") from None
+    return steps
 
 
 def _rows(path: Path | str) -> Iterator[tuple[int, dict[str, Any]]]:

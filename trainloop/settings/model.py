@@ -65,16 +65,23 @@ class TrainerSettings(BaseModel):
     max_non_finite_grad_retries: NonNegativeInt | None = None
     """How often a step whose gradients are non-finite is redone (on fresh batches, the step
     not counted) before giving up with ``RuntimeError``; ``None`` or ``0``: raise at once.
-    Under fp16 GradScaler's refused updates are bounded by ``min_loss_scale`` instead (and
-    by this too, when it is declared)."""
+    With a fused optimizer, which skips such an update on the device (the step counts), it
+    bounds the skipped updates in a row, the error coming at most one step late. Under fp16
+    GradScaler's refused updates are bounded by ``min_loss_scale`` instead (and by this too,
+    when it is declared)."""
     min_loss_scale: PositiveFloat = 1e-4
     """fp16: the lowest loss scale GradScaler may reach. Each update it refuses (inf/NaN
     gradients; its first ones, by design, while it finds its scale) halves the scale and
-    redoes the step; once the scale would fall below this, the run stops with
-    ``RuntimeError``: the gradients are non-finite at any scale (fairseq's default)."""
+    redoes the step (a fused optimizer skips it instead, after its first applied update);
+    once the scale would fall below this, the run stops with ``RuntimeError``: the gradients
+    are non-finite at any scale (fairseq's default)."""
     detect_non_finite_grads: StrictBool = True
-    """Check gradients for inf/NaN before each optimizer step (one host sync per step). Off: a
-    sync-free hot loop, and the optimizer steps on whatever the gradients hold."""
+    """Never apply an update whose gradients hold inf/NaN. A fused optimizer (``fused=True``:
+    Adam, AdamW, SGD, Adagrad) is handed the check's flag and skips such an update in its
+    kernel, the loop learning of it a step later: no host sync. With any other optimizer the
+    loop waits for the check before stepping (one host sync per update) and redoes the step.
+    Off: the optimizer steps on whatever the gradients hold (under fp16 GradScaler's check
+    still refuses them)."""
     mixed_precision: Literal["bf16", "fp16"] | None = None
     """Autocast dtype for ``forward`` on the trainer's device; fp16 also enables GradScaler."""
     gradient_accumulation_steps: PositiveInt = 1
