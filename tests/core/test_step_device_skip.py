@@ -107,7 +107,7 @@ def test_which_optimizers_skip_on_the_device():
 def test_a_skipped_update_leaves_weights_and_optimizer_state_untouched(optimizer, settings):
     snapshots = Snapshots()
     # Forward call 4 (step 4) is NaN: its update is skipped in the optimizer's kernel.
-    trainer = FlakyTrainer(max_steps=6, nan_at={4}, max_non_finite_grad_retries=2, optimizer=optimizer,
+    trainer = FlakyTrainer(max_steps=6, nan_at={4}, max_non_finite_grad_retries=2, make_optimizer=optimizer,
                            hooks=[snapshots], trace=True, **settings)
     if settings.get("mixed_precision"):
         trainer.build_grad_scaler = lambda: torch.amp.GradScaler("cpu", init_scale=2.0**8)  # no overflow here
@@ -130,7 +130,7 @@ def test_a_skipped_update_leaves_weights_and_optimizer_state_untouched(optimizer
 def test_finite_runs_are_bitwise_equal_with_the_guard_on_and_off(optimizer, settings):
     runs = []
     for guard in (True, False):
-        trainer = TinyTrainer(max_steps=12, optimizer=optimizer, detect_non_finite_grads=guard, **settings)
+        trainer = TinyTrainer(max_steps=12, make_optimizer=optimizer, detect_non_finite_grads=guard, **settings)
         if settings.get("mixed_precision"):  # fp16 guards whatever it says; low scale: nothing refused
             trainer.build_grad_scaler = lambda: torch.amp.GradScaler("cpu", init_scale=2.0**4)
         trainer.train()
@@ -169,7 +169,7 @@ def test_zero_host_reads_per_update_on_the_device_path(monkeypatch, optimizer, s
     nan_calls = {accumulation * (step - 1) + 1 for step in nan_at}  # each step's first microstep
     batches = [(x.unsqueeze(0), y.unsqueeze(0)) for x, y in make_data(8)]
     counter = SyncCounter(monkeypatch)
-    trainer = FlakyTrainer(max_steps=10, hooks=[Mark()], data=itertools.cycle(batches), optimizer=optimizer,
+    trainer = FlakyTrainer(max_steps=10, hooks=[Mark()], data=itertools.cycle(batches), make_optimizer=optimizer,
                            nan_at=nan_calls, max_non_finite_grad_retries=3, trace=True, **settings)
     if settings.get("mixed_precision"):  # a scale that does not overflow by itself here
         trainer.build_grad_scaler = lambda: torch.amp.GradScaler("cpu", init_scale=2.0**8)
@@ -183,7 +183,7 @@ def test_zero_host_reads_per_update_on_the_device_path(monkeypatch, optimizer, s
 def test_the_first_update_is_decided_on_the_host_and_refused_as_a_retry():
     # A fused optimizer builds its state in its first step, even a skipped one: until an
     # update is applied, the guard takes the synced path (stepping -> retrying).
-    trainer = FlakyTrainer(max_steps=3, nan_at={1}, max_non_finite_grad_retries=1, optimizer=fused_sgd, trace=True)
+    trainer = FlakyTrainer(max_steps=3, nan_at={1}, max_non_finite_grad_retries=1, make_optimizer=fused_sgd, trace=True)
     trainer.train()
     counts = trainer.trace.counts()
     assert counts[(State.STEPPING, State.RETRYING, "retry")] == 1
@@ -194,7 +194,7 @@ def test_the_first_update_is_decided_on_the_host_and_refused_as_a_retry():
 
 def test_a_skip_is_reported_in_the_log_step_info_and_trace_file(tmp_path, caplog):
     capture = CaptureHook()
-    trainer = FlakyTrainer(max_steps=5, nan_at={3}, max_non_finite_grad_retries=1, optimizer=fused_adamw,
+    trainer = FlakyTrainer(max_steps=5, nan_at={3}, max_non_finite_grad_retries=1, make_optimizer=fused_adamw,
                            hooks=[capture], workspace=tmp_path, trace=True)
     with caplog.at_level(logging.WARNING, logger="trainloop"):
         trainer.train()
@@ -210,7 +210,7 @@ def test_a_skip_is_reported_in_the_log_step_info_and_trace_file(tmp_path, caplog
 def test_consecutive_skips_past_the_limit_end_the_run_one_step_late():
     snapshots = Snapshots()
     trainer = FlakyTrainer(max_steps=10, nan_at=set(range(3, 100)), max_non_finite_grad_retries=2,
-                           optimizer=fused_adamw, hooks=[snapshots])
+                           make_optimizer=fused_adamw, hooks=[snapshots])
     with pytest.raises(
         RuntimeError,
         match=r"non-finite gradients at step 5 \(its update skipped on the device; the run stopped at step 6\) "
@@ -226,7 +226,7 @@ def test_a_skip_is_never_saved_unread_and_the_fatal_one_is_not_saved(tmp_path):
     # Saving every step, the verdict is read before each save: the third skip in a row stops
     # the run at its own step, before its checkpoint.
     trainer = FlakyTrainer(max_steps=10, nan_at=set(range(4, 100)), max_non_finite_grad_retries=2,
-                           optimizer=fused_adamw, workspace=tmp_path, hooks=[CheckpointingHook(interval=1)])
+                           make_optimizer=fused_adamw, workspace=tmp_path, hooks=[CheckpointingHook(interval=1)])
     with pytest.raises(RuntimeError, match=r"non-finite gradients at step 6 \(its update skipped on the device\) after 3"):
         trainer.train()
     assert trainer.step == 6
@@ -234,7 +234,7 @@ def test_a_skip_is_never_saved_unread_and_the_fatal_one_is_not_saved(tmp_path):
 
 
 def test_an_fp16_nan_storm_on_the_device_path_stops_at_the_loss_scale_floor():
-    trainer = FlakyTrainer(max_steps=30, mixed_precision="fp16", min_loss_scale=1.0, optimizer=fused_adamw,
+    trainer = FlakyTrainer(max_steps=30, mixed_precision="fp16", min_loss_scale=1.0, make_optimizer=fused_adamw,
                            nan_at=set(range(5, 1000)), trace=True)
     trainer.build_grad_scaler = lambda: torch.amp.GradScaler("cpu", init_scale=2.0**4)
     with pytest.raises(RuntimeError, match=r"at step 9 \(its update skipped on the device; the run stopped at step "
@@ -246,7 +246,7 @@ def test_an_fp16_nan_storm_on_the_device_path_stops_at_the_loss_scale_floor():
 
 
 def test_without_a_declared_limit_the_first_skip_ends_the_run():
-    trainer = FlakyTrainer(max_steps=6, nan_at={3}, optimizer=fused_sgd)
+    trainer = FlakyTrainer(max_steps=6, nan_at={3}, make_optimizer=fused_sgd)
     with pytest.raises(RuntimeError, match=r"max_non_finite_grad_retries is None, so no update may be skipped"):
         trainer.train()
     assert trainer.step == 4
@@ -254,7 +254,7 @@ def test_without_a_declared_limit_the_first_skip_ends_the_run():
 
 @pytest.mark.parametrize("optimizer", [None, foreach_adamw], ids=["sgd", "foreach-adamw"])
 def test_optimizers_that_cannot_skip_keep_the_synced_retry(optimizer):
-    trainer = FlakyTrainer(max_steps=4, nan_at={3}, max_non_finite_grad_retries=1, optimizer=optimizer, trace=True)
+    trainer = FlakyTrainer(max_steps=4, nan_at={3}, max_non_finite_grad_retries=1, make_optimizer=optimizer, trace=True)
     trainer.train()
     counts = trainer.trace.counts()
     assert counts[(State.STEPPING, State.RETRYING, "retry")] == 1
@@ -282,7 +282,7 @@ def test_the_device_path_never_synchronises_on_cuda(settings):
 
     # The batches already on the GPU: copying pageable memory to it is a synchronising call.
     batches = [(x.unsqueeze(0).cuda(), y.unsqueeze(0).cuda()) for x, y in make_data(8)]
-    trainer = FlakyTrainer(max_steps=10, nan_at={5}, max_non_finite_grad_retries=1, optimizer=fused_adamw,
+    trainer = FlakyTrainer(max_steps=10, nan_at={5}, max_non_finite_grad_retries=1, make_optimizer=fused_adamw,
                            data=itertools.cycle(batches), device="cuda", hooks=[SyncsAreErrors()], trace=True,
                            **settings)
     if settings.get("mixed_precision"):

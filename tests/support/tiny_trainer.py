@@ -26,17 +26,17 @@ class TinyTrainer(BaseTrainer):
         hooks: Hooks for this run (``build_hooks`` returns them).
         data: What ``build_data_loader`` returns; a DataLoader over ``make_data()`` if omitted.
         lr: SGD learning rate.
-        optimizer: Builds the optimizer from the parameters and ``lr`` instead of plain SGD
+        make_optimizer: Builds the optimizer from the parameters and ``lr`` instead of plain SGD
             (e.g. ``lambda params, lr: torch.optim.AdamW(params, lr, fused=True)``).
     """
 
     def __init__(self, *args: Any, hooks: list[BaseHook] | None = None, data: Any = None, lr: float = 0.05,
-                 optimizer: Any = None, **kwargs: Any):
+                 make_optimizer: Any = None, **kwargs: Any):
         super().__init__(*args, **kwargs)
         self._hooks = hooks or []
         self._data_source = data
         self.lr = lr
-        self._optimizer = optimizer
+        self._make_optimizer = make_optimizer
 
     def build_data_loader(self):
         if self._data_source is not None:
@@ -48,8 +48,8 @@ class TinyTrainer(BaseTrainer):
         return nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 1)).to(self.device)
 
     def build_optimizer(self):
-        if self._optimizer is not None:
-            return self._optimizer(self.model.parameters(), self.lr)
+        if self._make_optimizer is not None:
+            return self._make_optimizer(self.model.parameters(), self.lr)
         return torch.optim.SGD(self.model.parameters(), lr=self.lr)
 
     def build_hooks(self):
