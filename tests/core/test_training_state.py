@@ -5,8 +5,10 @@ import torch
 from helper_hooks import ExitAt
 from tiny_trainer import TinyTrainer, make_data
 from torch import nn
+from torch.utils.data import DataLoader
 
 from trainloop import BaseTrainer, State
+from trainloop.core.training_state import ChangedGlobalBatchError
 
 StatefulDataLoader = pytest.importorskip("torchdata.stateful_dataloader").StatefulDataLoader
 
@@ -90,3 +92,54 @@ def test_a_changed_optimizer_declaration_on_resume_says_it_does_not_apply():
     with pytest.warns(UserWarning, match="changed optimizer settings take effect only in a fresh run"):
         resumed = declared_run(0.5, resume_from=saved)
     assert resumed.optimizer.param_groups[0]["lr"] == 0.1  # the checkpoint's, as the warning says
+
+
+def shuffled(batch_size):
+    return DataLoader(make_data(64), batch_size=batch_size, shuffle=True)
+
+
+def plain_run(max_steps, batch_size=8, stop_at=None, resume_from=None, **kwargs):
+    trainer = TinyTrainer(max_steps=max_steps, seed=4, data=shuffled(batch_size),
+                          hooks=[ExitAt(stop_at)] if stop_at else [], **kwargs)
+    if resume_from is not None:
+        trainer.on_enter(State.RESTORING, lambda t: t.load_state_dict(resume_from))
+    trainer.train()
+    return trainer
+
+
+def test_a_checkpoint_records_the_global_batch():
+    state = plain_run(2, gradient_accumulation_steps=3).state_dict()["training_state"]
+    assert state["global_batch"] == {"ranks": 1, "batch_size": 8, "accumulation": 3}
+
+
+def test_resuming_with_another_batch_size_and_the_same_global_batch_goes_on_where_it_stopped():
+    # 8 batches of 8 per epoch; stopped mid-epoch 0, resumed with batches of 4 accumulated twice.
+    unbroken = plain_run(12)
+    saved = plain_run(12, stop_at=3).state_dict()
+    resumed = plain_run(12, batch_size=4, resume_from=saved, gradient_accumulation_steps=2)
+    assert resumed.step == 12
+    for a, b in zip(unbroken.model.parameters(), resumed.model.parameters(), strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize(("batch_size", "accumulation", "fix"), [
+    (4, 2, "set gradient_accumulation_steps=3 or build the data loader with batch_size=6"),
+    (6, 1, "set gradient_accumulation_steps=2 or build the data loader with batch_size=12"),
+    (8, 2, "build the data loader with batch_size=6"),
+    (5, 5, "choose a batch size and gradient_accumulation_steps whose product is 12 per rank"),
+])
+def test_resuming_with_another_global_batch_is_refused_before_the_first_step(batch_size, accumulation, fix):
+    saved = plain_run(2, gradient_accumulation_steps=2, batch_size=6).state_dict()
+    steps = []
+    with pytest.raises(ChangedGlobalBatchError) as error:
+        trainer = TinyTrainer(max_steps=4, data=shuffled(batch_size), gradient_accumulation_steps=accumulation)
+        trainer.on_enter(State.RESTORING, lambda t: t.load_state_dict(saved))
+        trainer.on_enter(State.ACCUMULATING, lambda t: steps.append(t.step))
+        trainer.train()
+    assert str(error.value) == (
+        f"the checkpoint's global batch is 12 (1 rank x batch size 6 x gradient_accumulation_steps 2) and this run's is "
+        f"{batch_size * accumulation} (1 rank x batch size {batch_size} x gradient_accumulation_steps {accumulation}): "
+        f"a resume must keep the global batch, so {fix} on 1 rank, or start fresh (another workspace, or "
+        "CheckpointingHook(load=None))"
+    )
+    assert steps == []
