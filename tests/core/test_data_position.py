@@ -145,7 +145,8 @@ def test_as_many_ranks_with_another_batch_size_is_dealt_too():
     first, positions, resumed = stop_and_resume(
         [distributed(64, 2, r, 8) for r in range(2)], [distributed(64, 2, r, 4) for r in range(2)], 2, same_ranks=True
     )
-    assert positions[0]["epoch_start"] is not None and positions[0]["batch_size"] == 8
+    assert positions[0]["epoch_start"] is not None
+    assert positions[0]["batch_size"] == 8
     order = global_order(64, 1)
     rest = [i for iterator in resumed for batch in rest_of_epoch(iterator) for i in batch]
     assert sorted(rest) == sorted(order[32:])

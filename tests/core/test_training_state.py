@@ -131,10 +131,10 @@ def test_resuming_with_another_batch_size_and_the_same_global_batch_goes_on_wher
 def test_resuming_with_another_global_batch_is_refused_before_the_first_step(batch_size, accumulation, fix):
     saved = plain_run(2, gradient_accumulation_steps=2, batch_size=6).state_dict()
     steps = []
+    trainer = TinyTrainer(max_steps=4, data=shuffled(batch_size), gradient_accumulation_steps=accumulation)
+    trainer.on_enter(State.RESTORING, lambda t: t.load_state_dict(saved))
+    trainer.on_enter(State.ACCUMULATING, lambda t: steps.append(t.step))
     with pytest.raises(ChangedGlobalBatchError) as error:
-        trainer = TinyTrainer(max_steps=4, data=shuffled(batch_size), gradient_accumulation_steps=accumulation)
-        trainer.on_enter(State.RESTORING, lambda t: t.load_state_dict(saved))
-        trainer.on_enter(State.ACCUMULATING, lambda t: steps.append(t.step))
         trainer.train()
     assert str(error.value) == (
         f"the checkpoint's global batch is 12 (1 rank x batch size 6 x gradient_accumulation_steps 2) and this run's is "
