@@ -2,6 +2,8 @@
 
     torchrun --standalone --nproc_per_node=2 examples/ddp/train.py --workspace runs/ddp
     python examples/ddp/train.py                   # the same script, alone in one process
+    torchrun --standalone --nproc_per_node=1 examples/ddp/train.py --workspace runs/ddp --accumulation 2
+                                                   # resumed on 1 rank: the same 64 images per step
 
 Each rank draws its own shard of every epoch (DistributedSampler); DDP averages the gradients,
 so a step sees ``ranks x batch_size`` images. Rank 0 logs progress, writes the checkpoints
@@ -74,12 +76,14 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n", 1)[0])
     parser.add_argument("--workspace", type=Path, default=Path("runs/ddp"))
     parser.add_argument("--max-steps", type=int, default=150)
+    parser.add_argument("--accumulation", type=int, default=1, help="gradient_accumulation_steps")
     args = parser.parse_args()
 
     with init_distributed() as ctx:  # the process group from torchrun's environment, if any
         logging.basicConfig(level=logging.INFO if is_main() else logging.WARNING, format="%(message)s")
         trainer = DigitsTrainer(
             max_steps=args.max_steps,
+            gradient_accumulation_steps=args.accumulation,
             grad_clip=1.0,
             workspace=args.workspace,
             device=str(ctx.device),

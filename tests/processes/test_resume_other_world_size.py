@@ -17,6 +17,9 @@ a 3-rank group on 3, and the 2-rank group resumes the single-process run.
 from __future__ import annotations
 
 import json
+import os
+import subprocess
+import sys
 from collections import Counter
 from pathlib import Path
 from typing import Any
@@ -24,12 +27,15 @@ from typing import Any
 import pytest
 import torch
 from child_process import ChildProcess
+from cli_process import Cli
+from cli_trainers import CliSettings, CliTrainer
 from ddp_worker import free_port
 from torch.utils.data import DistributedSampler
 
 from trainloop.checkpoint import checkpoint_steps
 
-WORKER = Path(__file__).resolve().parents[1] / "support" / "reshard_worker.py"
+ROOT = Path(__file__).resolve().parents[2]
+WORKER = ROOT / "tests" / "support" / "reshard_worker.py"
 TIMEOUT = 240
 SEED = 7  # reshard_worker's: the sampler's and every process's
 GLOBAL_BATCH = 12
@@ -209,3 +215,49 @@ def test_another_global_batch_is_refused_on_every_rank_before_the_first_step(run
         )
     assert checkpoint_steps(tmp / "refused" / "checkpoints") == [6]  # nothing saved
     assert not (tmp / "refused.out.rank0").exists()
+
+
+def test_the_command_line_refuses_another_global_batch_in_one_line_and_writes_no_checkpoint(tmp_path):
+    (tmp_path / "run.yaml").write_text("max_steps: 2\nworkspace: ws\nhooks:\n  - {type: checkpointing, interval: 2}\n")
+    workspace = tmp_path / "ws"
+    settings = CliSettings.from_file(tmp_path / "run.yaml").model_copy(update={"workspace": workspace})
+    CliTrainer(settings).train()  # what `trainloop run run.yaml` trains, in this process
+    kept = {path: path.read_bytes() for path in (workspace / "checkpoints").rglob("*") if path.is_file()}
+    metrics = (workspace / "metrics.jsonl").read_bytes()
+
+    refused = Cli("run", "run.yaml", "--trainer", "cli_trainers:CliTrainer", "--set", "max_steps=4",
+                  "--set", "gradient_accumulation_steps=2", cwd=tmp_path).result()
+    assert refused.returncode == 2
+    errors = [line for line in refused.stderr.splitlines() if line.startswith("trainloop run: error:")]
+    assert errors == [
+        "trainloop run: error: the checkpoint's global batch is 8 (1 rank x batch size 8 x gradient_accumulation_steps "
+        "1) and this run's is 16 (1 rank x batch size 8 x gradient_accumulation_steps 2): a resume must keep the "
+        "global batch, so set gradient_accumulation_steps=1 or build the data loader with batch_size=4 on 1 rank, or "
+        "start fresh (another workspace, or CheckpointingHook(load=None))"
+    ]
+    assert "Traceback" not in refused.stderr
+    assert checkpoint_steps(workspace / "checkpoints") == [2]
+    assert {path: path.read_bytes() for path in (workspace / "checkpoints").rglob("*") if path.is_file()} == kept
+    assert (workspace / "metrics.jsonl").read_bytes() == metrics
+
+
+def torchrun(ranks: int, workspace: Path, *args: str) -> subprocess.CompletedProcess[str]:
+    """examples/ddp/train.py under ``torchrun --standalone --nproc_per_node=<ranks>``, as docs/distributed.md runs it."""
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH")]))
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={ranks}",
+               str(ROOT / "examples" / "ddp" / "train.py"), "--workspace", str(workspace), *args]
+    return subprocess.run(command, capture_output=True, text=True, timeout=TIMEOUT, env=env, check=False)
+
+
+def test_the_docs_example_stopped_on_two_ranks_resumes_on_one_with_twice_the_accumulation(tmp_path):
+    pytest.importorskip("sklearn")
+    workspace = tmp_path / "runs" / "ddp"
+    first = torchrun(2, workspace, "--max-steps", "40")
+    assert first.returncode == 0, first.stderr[-3000:]
+    second = torchrun(1, workspace, "--max-steps", "60", "--accumulation", "2")
+    assert second.returncode == 0, second.stderr[-3000:]
+    assert f"Resumed from {workspace / 'checkpoints' / '40'} at step 40" in second.stderr
+    assert "final accuracy" in second.stdout
+    assert "after 60 steps on 1 ranks" in second.stdout
+    assert "InexactResumeWarning" not in second.stderr
