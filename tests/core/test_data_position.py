@@ -243,3 +243,13 @@ def test_with_workers_the_per_rank_replay_skips_what_was_drawn():
     assert seen + rest_of_epoch(resumed) == expected
     for iterator in (unbroken, stopped, resumed):
         iterator.close()
+
+
+def test_two_ranks_go_on_in_one_process_with_a_plain_shuffled_loader():
+    stopped = [distributed(48, 2, r, 6) for r in range(2)]
+    torch.manual_seed(1)
+    single = DataLoader(Indices(48), batch_size=12, shuffle=True)
+    first, positions, (resumed,) = stop_and_resume(stopped, [single], 2)
+    order = global_order(48, 1)
+    assert rest_of_epoch(resumed) == [order[24:36], order[36:48]]  # the rest, in the global order
+    assert sorted(i for batch in draw(resumed, 4) for i in batch) == list(range(48))  # then its own epoch

@@ -1,5 +1,7 @@
 """Exact resume: a run stopped and resumed ends bitwise identical to one that never stopped."""
 
+import warnings
+
 import pytest
 import torch
 from helper_hooks import ExitAt
@@ -8,6 +10,7 @@ from torch import nn
 from torch.utils.data import DataLoader
 
 from trainloop import BaseTrainer, State
+from trainloop.core.data_position import InexactResumeWarning
 from trainloop.core.training_state import ChangedGlobalBatchError
 
 StatefulDataLoader = pytest.importorskip("torchdata.stateful_dataloader").StatefulDataLoader
@@ -143,3 +146,21 @@ def test_resuming_with_another_global_batch_is_refused_before_the_first_step(bat
         "CheckpointingHook(load=None))"
     )
     assert steps == []
+
+
+def test_a_stateful_loader_resumed_on_another_number_of_ranks_says_once_that_its_epoch_starts_over():
+    state = run(3).state_dict()  # 3 of the 5 batches of epoch 0, on one rank
+    saved = state["training_state"]
+    # As two ranks would have saved it: every per-rank entry twice, the global batch twice as large.
+    saved["rng"], saved["data_loader"] = saved["rng"] * 2, saved["data_loader"] * 2
+    saved["global_batch"] = {**saved["global_batch"], "ranks": 2}
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        resumed = run(4, resume_from=state, gradient_accumulation_steps=2)
+    inexact = [str(w.message) for w in caught if issubclass(w.category, InexactResumeWarning)]
+    assert inexact == [
+        "resuming on 1 rank from a checkpoint of 2: the data loader's saved state (StatefulDataLoader's own) is per "
+        "rank, so it is not restored and epoch 0 starts over from its beginning; a DataLoader over a map-style dataset "
+        "with a DistributedSampler resumes exactly on any number of ranks"
+    ]
+    assert resumed.step == 4

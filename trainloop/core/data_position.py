@@ -39,10 +39,12 @@ __all__ = [
     "Resumed",
     "batch_size_of",
     "capture_epoch_start",
+    "dealt_epoch",
     "describe_order",
     "epoch_order",
     "has_sampler",
     "per_draw",
+    "replayed_epoch",
     "resume_in_epoch",
     "warn_inexact_resume",
 ]

@@ -184,8 +184,8 @@ def _restore_per_rank(trainer: TrainerView, run: RunState, saved: dict[str, Any]
     this_rank, world = rank(), world_size()
     if rngs is not None and len(rngs) != world:
         trainer.logger.warning(
-            "The checkpoint holds random states of %d ranks and this run has %d: they are "
-            "not restored, so the resumed run is not an exact continuation", len(rngs), world,
+            "The checkpoint holds random states of %d ranks and this run has %d: they are not restored, so "
+            "what draws random numbers (dropout, augmentation) draws other ones than an unbroken run", len(rngs), world,
         )
     elif rngs is not None:
         if run.data is None:
@@ -205,8 +205,8 @@ def _restore_per_rank(trainer: TrainerView, run: RunState, saved: dict[str, Any]
         return
     if not same_ranks:
         warnings.warn(
-            f"resuming on {world} ranks from a checkpoint of {len(loaders)}: the data loader's saved state "
-            f"({type(trainer.data_loader).__name__}'s own) is per rank, so it is not restored and epoch "
+            f"resuming on {world} rank{'s' * (world != 1)} from a checkpoint of {len(loaders)}: the data loader's "
+            f"saved state ({type(trainer.data_loader).__name__}'s own) is per rank, so it is not restored and epoch "
             f"{saved.get('epoch', 0)} starts over from its beginning; a DataLoader over a map-style dataset with a "
             "DistributedSampler resumes exactly on any number of ranks",
             InexactResumeWarning,
