@@ -23,7 +23,7 @@ from torch import nn
 from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 
 from trainloop import BaseTrainer, CheckpointingHook, ProgressHook
-from trainloop.distributed import init_distributed, is_main, wrap_model
+from trainloop.distributed import init_distributed, is_main, rank, world_size, wrap_model
 
 
 def load_split() -> tuple[TensorDataset, TensorDataset]:
@@ -43,7 +43,8 @@ class DigitsTrainer(BaseTrainer):
     def build_data_loader(self):
         self.train_set, self.val_set = load_split()
         # The sampler shards (and, through set_epoch, reshuffles) each epoch; alone it is 1 of 1.
-        return DataLoader(self.train_set, batch_size=32, sampler=DistributedSampler(self.train_set, seed=0))
+        sampler = DistributedSampler(self.train_set, num_replicas=world_size(), rank=rank(), seed=0)
+        return DataLoader(self.train_set, batch_size=32, sampler=sampler)
 
     def build_model(self):
         torch.manual_seed(0)  # DDP broadcasts rank 0's weights anyway; this keeps runs repeatable

@@ -16,6 +16,7 @@ a 3-rank group on 3, and the 2-rank group resumes the single-process run.
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import subprocess
@@ -36,6 +37,7 @@ from trainloop.checkpoint import checkpoint_steps
 
 ROOT = Path(__file__).resolve().parents[2]
 WORKER = ROOT / "tests" / "support" / "reshard_worker.py"
+EXAMPLE = ROOT / "examples" / "ddp" / "train.py"
 TIMEOUT = 240
 SEED = 7  # reshard_worker's: the sampler's and every process's
 GLOBAL_BATCH = 12
@@ -85,7 +87,7 @@ def records(tmp: Path, label: str, ranks: int) -> list[dict[str, Any]]:
 
 
 @pytest.fixture(scope="module")
-def runs(tmp_path_factory):
+def runs(tmp_path_factory, example_on_two_ranks):
     """Three processes: two stop every configuration on 2 ranks while the third stops a single-process run;
     the three resume on 3 ranks; then the third resumes on 1 rank while the two resume the single-process run."""
     tmp = tmp_path_factory.mktemp("reshard")
@@ -241,21 +243,37 @@ def test_the_command_line_refuses_another_global_batch_in_one_line_and_writes_no
     assert (workspace / "metrics.jsonl").read_bytes() == metrics
 
 
-def torchrun(ranks: int, workspace: Path, *args: str) -> subprocess.CompletedProcess[str]:
-    """examples/ddp/train.py under ``torchrun --standalone --nproc_per_node=<ranks>``, as docs/distributed.md runs it."""
+def example_env() -> dict[str, str]:
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH")]))
-    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={ranks}",
-               str(ROOT / "examples" / "ddp" / "train.py"), "--workspace", str(workspace), *args]
-    return subprocess.run(command, capture_output=True, text=True, timeout=TIMEOUT, env=env, check=False)
+    return env
 
 
-def test_the_docs_example_stopped_on_two_ranks_resumes_on_one_with_twice_the_accumulation(tmp_path):
+@pytest.fixture(scope="module")
+def example_on_two_ranks(tmp_path_factory):
+    """docs/distributed.md's first command, started at once (the other runs go on meanwhile): 40 steps on 2 ranks."""
+    tmp = tmp_path_factory.mktemp("example")
+    workspace = tmp / "runs" / "ddp"
+    if importlib.util.find_spec("sklearn") is None:  # the example's data; its test skips
+        yield workspace, None, None
+        return
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+               str(EXAMPLE), "--workspace", str(workspace), "--max-steps", "40"]
+    with open(tmp / "stderr.txt", "w") as stderr:
+        process = subprocess.Popen(command, env=example_env(), stdout=subprocess.DEVNULL, stderr=stderr)
+    yield workspace, process, tmp / "stderr.txt"
+    if process.poll() is None:
+        process.kill()
+        process.wait()
+
+
+def test_the_docs_example_stopped_on_two_ranks_resumes_on_one_with_twice_the_accumulation(example_on_two_ranks):
     pytest.importorskip("sklearn")
-    workspace = tmp_path / "runs" / "ddp"
-    first = torchrun(2, workspace, "--max-steps", "40")
-    assert first.returncode == 0, first.stderr[-3000:]
-    second = torchrun(1, workspace, "--max-steps", "60", "--accumulation", "2")
+    workspace, first, stderr = example_on_two_ranks
+    assert first.wait(timeout=TIMEOUT) == 0, stderr.read_text()[-3000:]
+    # docs/distributed.md's second command
+    command = [sys.executable, str(EXAMPLE), "--workspace", str(workspace), "--max-steps", "60", "--accumulation", "2"]
+    second = subprocess.run(command, capture_output=True, text=True, timeout=TIMEOUT, env=example_env(), check=False)
     assert second.returncode == 0, second.stderr[-3000:]
     assert f"Resumed from {workspace / 'checkpoints' / '40'} at step 40" in second.stderr
     assert "final accuracy" in second.stdout
