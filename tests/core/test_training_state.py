@@ -11,7 +11,7 @@ from torch.utils.data import DataLoader
 
 from trainloop import BaseTrainer, State
 from trainloop.core.data_position import InexactResumeWarning
-from trainloop.core.training_state import ChangedGlobalBatchError
+from trainloop.core.training_state import ChangedGlobalBatchError, global_batch_refusal
 
 StatefulDataLoader = pytest.importorskip("torchdata.stateful_dataloader").StatefulDataLoader
 
@@ -129,7 +129,7 @@ def test_resuming_with_another_batch_size_and_the_same_global_batch_goes_on_wher
     (4, 2, "set gradient_accumulation_steps=3 or build the data loader with batch_size=6"),
     (6, 1, "set gradient_accumulation_steps=2 or build the data loader with batch_size=12"),
     (8, 2, "build the data loader with batch_size=6"),
-    (5, 5, "choose a batch size and gradient_accumulation_steps whose product is 12 per rank"),
+    (5, 5, "choose a batch size and gradient_accumulation_steps whose product is 12"),
 ])
 def test_resuming_with_another_global_batch_is_refused_before_the_first_step(batch_size, accumulation, fix):
     saved = plain_run(2, gradient_accumulation_steps=2, batch_size=6).state_dict()
@@ -142,7 +142,7 @@ def test_resuming_with_another_global_batch_is_refused_before_the_first_step(bat
     assert str(error.value) == (
         f"the checkpoint's global batch is 12 (1 rank x batch size 6 x gradient_accumulation_steps 2) and this run's is "
         f"{batch_size * accumulation} (1 rank x batch size {batch_size} x gradient_accumulation_steps {accumulation}): "
-        f"a resume must keep the global batch, so {fix} on 1 rank, or start fresh (another workspace, or "
+        f"a resume must keep the global batch, so on 1 rank {fix}, or start fresh (another workspace, or "
         "CheckpointingHook(load=None))"
     )
     assert steps == []
@@ -164,3 +164,15 @@ def test_a_stateful_loader_resumed_on_another_number_of_ranks_says_once_that_its
         "with a DistributedSampler resumes exactly on any number of ranks"
     ]
     assert resumed.step == 4
+
+
+def test_a_global_batch_the_new_ranks_cannot_split_says_so():
+    then = {"ranks": 2, "batch_size": 6, "accumulation": 1}
+    assert global_batch_refusal(then, {"ranks": 5, "batch_size": 6, "accumulation": 1}) == (
+        "the checkpoint's global batch is 12 (2 ranks x batch size 6 x gradient_accumulation_steps 1) and this run's "
+        "is 30 (5 ranks x batch size 6 x gradient_accumulation_steps 1): a resume must keep the global batch, which 5 "
+        "ranks cannot split evenly: resume on a number of ranks that divides 12, or start fresh (another workspace, or "
+        "CheckpointingHook(load=None))"
+    )
+    assert global_batch_refusal(then, {"ranks": 4, "batch_size": 3, "accumulation": 1}) is None
+    assert global_batch_refusal(then, {"ranks": 4, "batch_size": None, "accumulation": 1}) is None

@@ -212,7 +212,7 @@ def test_another_global_batch_is_refused_on_every_rank_before_the_first_step(run
         assert line.endswith(
             "the checkpoint's global batch is 12 (2 ranks x batch size 6 x gradient_accumulation_steps 1) and this "
             "run's is 6 (3 ranks x batch size 2 x gradient_accumulation_steps 1): a resume must keep the global batch, "
-            "so set gradient_accumulation_steps=2 or build the data loader with batch_size=4 on 3 ranks, or start "
+            "so on 3 ranks set gradient_accumulation_steps=2 or build the data loader with batch_size=4, or start "
             "fresh (another workspace, or CheckpointingHook(load=None))"
         )
     assert checkpoint_steps(tmp / "refused" / "checkpoints") == [6]  # nothing saved
@@ -234,7 +234,7 @@ def test_the_command_line_refuses_another_global_batch_in_one_line_and_writes_no
     assert errors == [
         "trainloop run: error: the checkpoint's global batch is 8 (1 rank x batch size 8 x gradient_accumulation_steps "
         "1) and this run's is 16 (1 rank x batch size 8 x gradient_accumulation_steps 2): a resume must keep the "
-        "global batch, so set gradient_accumulation_steps=1 or build the data loader with batch_size=4 on 1 rank, or "
+        "global batch, so on 1 rank set gradient_accumulation_steps=1 or build the data loader with batch_size=4, or "
         "start fresh (another workspace, or CheckpointingHook(load=None))"
     ]
     assert "Traceback" not in refused.stderr

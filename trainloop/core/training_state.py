@@ -22,7 +22,13 @@ if TYPE_CHECKING:
 #: The key of a plain DataLoader's saved position (the rest are StatefulDataLoader's own).
 SAMPLER_POSITION = "trainloop_sampler_position"
 
-__all__ = ["ChangedGlobalBatchError", "ChangedSettingsWarning", "load_training_state", "training_state"]
+__all__ = [
+    "ChangedGlobalBatchError",
+    "ChangedSettingsWarning",
+    "global_batch_refusal",
+    "load_training_state",
+    "training_state",
+]
 
 
 class ChangedSettingsWarning(UserWarning):
@@ -234,25 +240,37 @@ def _check_global_batch(trainer: TrainerView, saved: dict[str, Any] | None) -> N
     Raises:
         ChangedGlobalBatchError: The global batches differ; the message names both and what gives the checkpoint's.
     """
-    now = _global_batch(trainer)
-    if saved is None or saved.get("batch_size") is None or now["batch_size"] is None:
-        return
-    then_total, now_total = (b["ranks"] * b["batch_size"] * b["accumulation"] for b in (saved, now))
+    refusal = None if saved is None else global_batch_refusal(saved, _global_batch(trainer))
+    if refusal is not None:
+        raise ChangedGlobalBatchError(refusal)
+
+
+def global_batch_refusal(then: dict[str, Any], now: dict[str, Any]) -> str | None:
+    """Why a run of global batch ``now`` cannot resume a checkpoint of ``then`` (both as ``global_batch`` records).
+
+    ``None`` when they are equal, or when either loader's batch size is unknown.
+    """
+    if then.get("batch_size") is None or now.get("batch_size") is None:
+        return None
+    then_total, now_total = (b["ranks"] * b["batch_size"] * b["accumulation"] for b in (then, now))
     if then_total == now_total:
-        return
+        return None
     ranks, size, accumulation = now["ranks"], now["batch_size"], now["accumulation"]
-    fixes = []
-    if then_total % (ranks * size) == 0:
-        fixes.append(f"set gradient_accumulation_steps={then_total // (ranks * size)}")
-    if then_total % (ranks * accumulation) == 0:
-        fixes.append(f"build the data loader with batch_size={then_total // (ranks * accumulation)}")
-    fix = " or ".join(fixes) if fixes else (
-        f"choose a batch size and gradient_accumulation_steps whose product is {then_total / ranks:g} per rank"
-    )
-    raise ChangedGlobalBatchError(
-        f"the checkpoint's global batch is {then_total} ({_terms(saved)}) and this run's is {now_total} "
-        f"({_terms(now)}): a resume must keep the global batch, so {fix} on {ranks} rank{'s' * (ranks != 1)}, or start "
-        "fresh (another workspace, or CheckpointingHook(load=None))"
+    on = f"{ranks} rank{'s' * (ranks != 1)}"
+    if then_total % ranks:
+        fix = f"which {on} cannot split evenly: resume on a number of ranks that divides {then_total}"
+    else:
+        fixes = []
+        if then_total % (ranks * size) == 0:
+            fixes.append(f"set gradient_accumulation_steps={then_total // (ranks * size)}")
+        if then_total % (ranks * accumulation) == 0:
+            fixes.append(f"build the data loader with batch_size={then_total // (ranks * accumulation)}")
+        products = f"choose a batch size and gradient_accumulation_steps whose product is {then_total // ranks}"
+        fix = f"so on {on} {' or '.join(fixes) if fixes else products}"
+    return (
+        f"the checkpoint's global batch is {then_total} ({_terms(then)}) and this run's is {now_total} "
+        f"({_terms(now)}): a resume must keep the global batch, {fix}, or start fresh (another workspace, or "
+        "CheckpointingHook(load=None))"
     )
 
 
