@@ -2,6 +2,8 @@
 
     torchrun --standalone --nproc_per_node=2 examples/ddp/train.py --workspace runs/ddp
     python examples/ddp/train.py                   # the same script, alone in one process
+    torchrun --standalone --nproc_per_node=1 examples/ddp/train.py --workspace runs/ddp --accumulation 2
+                                                   # resumed on 1 rank: the same 64 images per step
 
 Each rank draws its own shard of every epoch (DistributedSampler); DDP averages the gradients,
 so a step sees ``ranks x batch_size`` images. Rank 0 logs progress, writes the checkpoints
@@ -21,7 +23,7 @@ from torch import nn
 from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 
 from trainloop import BaseTrainer, CheckpointingHook, ProgressHook
-from trainloop.distributed import init_distributed, is_main, wrap_model
+from trainloop.distributed import init_distributed, is_main, rank, world_size, wrap_model
 
 
 def load_split() -> tuple[TensorDataset, TensorDataset]:
@@ -41,7 +43,8 @@ class DigitsTrainer(BaseTrainer):
     def build_data_loader(self):
         self.train_set, self.val_set = load_split()
         # The sampler shards (and, through set_epoch, reshuffles) each epoch; alone it is 1 of 1.
-        return DataLoader(self.train_set, batch_size=32, sampler=DistributedSampler(self.train_set, seed=0))
+        sampler = DistributedSampler(self.train_set, num_replicas=world_size(), rank=rank(), seed=0)
+        return DataLoader(self.train_set, batch_size=32, sampler=sampler)
 
     def build_model(self):
         torch.manual_seed(0)  # DDP broadcasts rank 0's weights anyway; this keeps runs repeatable
@@ -74,12 +77,14 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n", 1)[0])
     parser.add_argument("--workspace", type=Path, default=Path("runs/ddp"))
     parser.add_argument("--max-steps", type=int, default=150)
+    parser.add_argument("--accumulation", type=int, default=1, help="gradient_accumulation_steps")
     args = parser.parse_args()
 
     with init_distributed() as ctx:  # the process group from torchrun's environment, if any
         logging.basicConfig(level=logging.INFO if is_main() else logging.WARNING, format="%(message)s")
         trainer = DigitsTrainer(
             max_steps=args.max_steps,
+            gradient_accumulation_steps=args.accumulation,
             grad_clip=1.0,
             workspace=args.workspace,
             device=str(ctx.device),

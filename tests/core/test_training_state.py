@@ -1,12 +1,17 @@
 """Exact resume: a run stopped and resumed ends bitwise identical to one that never stopped."""
 
+import warnings
+
 import pytest
 import torch
 from helper_hooks import ExitAt
 from tiny_trainer import TinyTrainer, make_data
 from torch import nn
+from torch.utils.data import DataLoader
 
 from trainloop import BaseTrainer, State
+from trainloop.core.data_position import InexactResumeWarning
+from trainloop.core.training_state import ChangedGlobalBatchError, global_batch_refusal
 
 StatefulDataLoader = pytest.importorskip("torchdata.stateful_dataloader").StatefulDataLoader
 
@@ -90,3 +95,84 @@ def test_a_changed_optimizer_declaration_on_resume_says_it_does_not_apply():
     with pytest.warns(UserWarning, match="changed optimizer settings take effect only in a fresh run"):
         resumed = declared_run(0.5, resume_from=saved)
     assert resumed.optimizer.param_groups[0]["lr"] == 0.1  # the checkpoint's, as the warning says
+
+
+def shuffled(batch_size):
+    return DataLoader(make_data(64), batch_size=batch_size, shuffle=True)
+
+
+def plain_run(max_steps, batch_size=8, stop_at=None, resume_from=None, **kwargs):
+    trainer = TinyTrainer(max_steps=max_steps, seed=4, data=shuffled(batch_size),
+                          hooks=[ExitAt(stop_at)] if stop_at else [], **kwargs)
+    if resume_from is not None:
+        trainer.on_enter(State.RESTORING, lambda t: t.load_state_dict(resume_from))
+    trainer.train()
+    return trainer
+
+
+def test_a_checkpoint_records_the_global_batch():
+    state = plain_run(2, gradient_accumulation_steps=3).state_dict()["training_state"]
+    assert state["global_batch"] == {"ranks": 1, "batch_size": 8, "accumulation": 3}
+
+
+def test_resuming_with_another_batch_size_and_the_same_global_batch_goes_on_where_it_stopped():
+    # 8 batches of 8 per epoch; stopped mid-epoch 0, resumed with batches of 4 accumulated twice.
+    unbroken = plain_run(12)
+    saved = plain_run(12, stop_at=3).state_dict()
+    resumed = plain_run(12, batch_size=4, resume_from=saved, gradient_accumulation_steps=2)
+    assert resumed.step == 12
+    for a, b in zip(unbroken.model.parameters(), resumed.model.parameters(), strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize(("batch_size", "accumulation", "fix"), [
+    (4, 2, "set gradient_accumulation_steps=3 or build the data loader with batch_size=6"),
+    (6, 1, "set gradient_accumulation_steps=2 or build the data loader with batch_size=12"),
+    (8, 2, "build the data loader with batch_size=6"),
+    (5, 5, "choose a batch size and gradient_accumulation_steps whose product is 12"),
+])
+def test_resuming_with_another_global_batch_is_refused_before_the_first_step(batch_size, accumulation, fix):
+    saved = plain_run(2, gradient_accumulation_steps=2, batch_size=6).state_dict()
+    steps = []
+    trainer = TinyTrainer(max_steps=4, data=shuffled(batch_size), gradient_accumulation_steps=accumulation)
+    trainer.on_enter(State.RESTORING, lambda t: t.load_state_dict(saved))
+    trainer.on_enter(State.ACCUMULATING, lambda t: steps.append(t.step))
+    with pytest.raises(ChangedGlobalBatchError) as error:
+        trainer.train()
+    assert str(error.value) == (
+        f"the checkpoint's global batch is 12 (1 rank x batch size 6 x gradient_accumulation_steps 2) and this run's is "
+        f"{batch_size * accumulation} (1 rank x batch size {batch_size} x gradient_accumulation_steps {accumulation}): "
+        f"a resume must keep the global batch, so on 1 rank {fix}, or start fresh (another workspace, or "
+        "CheckpointingHook(load=None))"
+    )
+    assert steps == []
+
+
+def test_a_stateful_loader_resumed_on_another_number_of_ranks_says_once_that_its_epoch_starts_over():
+    state = run(3).state_dict()  # 3 of the 5 batches of epoch 0, on one rank
+    saved = state["training_state"]
+    # As two ranks would have saved it: every per-rank entry twice, the global batch twice as large.
+    saved["rng"], saved["data_loader"] = saved["rng"] * 2, saved["data_loader"] * 2
+    saved["global_batch"] = {**saved["global_batch"], "ranks": 2}
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        resumed = run(4, resume_from=state, gradient_accumulation_steps=2)
+    inexact = [str(w.message) for w in caught if issubclass(w.category, InexactResumeWarning)]
+    assert inexact == [
+        "resuming on 1 rank from a checkpoint of 2: the data loader's saved state (StatefulDataLoader's own) is per "
+        "rank, so it is not restored and epoch 0 starts over from its beginning; a DataLoader over a map-style dataset "
+        "with a DistributedSampler resumes exactly on any number of ranks"
+    ]
+    assert resumed.step == 4
+
+
+def test_a_global_batch_the_new_ranks_cannot_split_says_so():
+    then = {"ranks": 2, "batch_size": 6, "accumulation": 1}
+    assert global_batch_refusal(then, {"ranks": 5, "batch_size": 6, "accumulation": 1}) == (
+        "the checkpoint's global batch is 12 (2 ranks x batch size 6 x gradient_accumulation_steps 1) and this run's "
+        "is 30 (5 ranks x batch size 6 x gradient_accumulation_steps 1): a resume must keep the global batch, which 5 "
+        "ranks cannot split evenly: resume on a number of ranks that divides 12, or start fresh (another workspace, or "
+        "CheckpointingHook(load=None))"
+    )
+    assert global_batch_refusal(then, {"ranks": 4, "batch_size": 3, "accumulation": 1}) is None
+    assert global_batch_refusal(then, {"ranks": 4, "batch_size": None, "accumulation": 1}) is None

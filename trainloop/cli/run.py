@@ -10,6 +10,7 @@ import sys
 from trainloop.cli.errors import PROG, CliError
 from trainloop.cli.settings import checked_settings
 from trainloop.core.preflight import checked
+from trainloop.core.training_state import ChangedGlobalBatchError
 from trainloop.core.workspace import WorkspaceBusyError
 
 __all__ = ["command", "configure_logging"]
@@ -24,7 +25,7 @@ def command(args: argparse.Namespace) -> int:
         # A signal exit raises SystemExit(code) from train(): it propagates as the exit code.
         with checked(settings, trainer_class):  # the preflight above ran: train() does not repeat it
             trainer_class(settings).train()
-    except WorkspaceBusyError as error:
+    except (WorkspaceBusyError, ChangedGlobalBatchError) as error:  # refused before the first step
         raise CliError(str(error)) from None
     except KeyboardInterrupt:
         print(f"{PROG}: interrupted", file=sys.stderr)

@@ -5,7 +5,15 @@ from __future__ import annotations
 from collections.abc import Iterable, Iterator
 from typing import Any
 
-from trainloop.core.data_position import capture_epoch_start, has_sampler, replayed_epoch, warn_inexact_resume
+from trainloop.core.data_position import (
+    batch_size_of,
+    capture_epoch_start,
+    describe_order,
+    has_sampler,
+    per_draw,
+    resume_in_epoch,
+    warn_inexact_resume,
+)
 
 __all__ = ["DataExhaustedError", "EpochIterator", "batches_per_epoch"]
 
@@ -38,8 +46,9 @@ class EpochIterator:
         resumed: The loader was restored mid-run: its first epoch may be empty (it was saved
             right at the end of that epoch), and the next one then begins.
         limit: The epochs the run declares (``max_epochs``): none beyond them is begun.
-        position: What :meth:`position` returned when the checkpoint was made: a
-            ``DataLoader`` with a sampler resumes its epoch exactly there.
+        position: What :meth:`position` returned when the checkpoint was made (this rank's, or
+            any rank's on another number of ranks): a ``DataLoader`` with a sampler resumes its
+            epoch exactly there (see :mod:`trainloop.core.data_position`).
     """
 
     def __init__(
@@ -57,7 +66,10 @@ class EpochIterator:
         self._stateful = callable(getattr(loader, "state_dict", None))
         self._sampled = has_sampler(loader)  # a DataLoader whose epoch start can be recorded
         self._epoch_start: dict[str, Any] | None = None
+        self._order: dict[str, Any] | None = None  # how the epoch's global order is made
+        self._consumed_before = 0  # indices of that order consumed before this epoch's first batch here
         self.batches_per_epoch = batches_per_epoch(loader)
+        self._epoch_length = self.batches_per_epoch  # this epoch's: a resumed epoch may have other
         self._iterator = self._start_epoch(position if self._sampled else None)
         self._may_be_empty = resumed
         if resumed and not (self._stateful or self._sampled):
@@ -74,15 +86,21 @@ class EpochIterator:
                     set_epoch(self.epoch)
                     break
         self._drawn_this_epoch = 0
+        self._epoch_length = self.batches_per_epoch
+        self._consumed_before = 0
         if not self._sampled:
             return iter(self.loader)
         loader: Any = self.loader
-        if position is None:
+        resumed = None if position is None else resume_in_epoch(loader, position, self.epoch)
+        if resumed is None:
             self._epoch_start = capture_epoch_start(loader)
+            self._order = describe_order(loader, self._epoch_start)
             return iter(loader)
-        self._epoch_start = position["epoch_start"]
-        self._drawn_this_epoch = position["drawn"]
-        return replayed_epoch(loader, position["epoch_start"], position["drawn"])
+        self._epoch_start, self._order = resumed.epoch_start, resumed.order
+        self._consumed_before, self._drawn_this_epoch = resumed.consumed, resumed.drawn
+        if resumed.length is not None:
+            self._epoch_length = resumed.length
+        return resumed.iterator
 
     def tap_first_batch(self, fn: Any) -> None:
         """Call ``fn(batch)`` with the next batch drawn, once, then draw untapped (no cost after)."""
@@ -91,15 +109,26 @@ class EpochIterator:
     def position(self) -> dict[str, Any] | None:
         """Where a ``DataLoader`` with a sampler is inside its epoch, for a checkpoint.
 
-        That is the generators' states as the epoch began, and the batches drawn since; ``None`` for other loaders, and
-        at an epoch's end (the next epoch begins from the restored generators).
+        For a resume on as many ranks with the same batch size: the generators' states as the epoch began
+        (``epoch_start``; ``None`` in an epoch dealt out on resume) and the batches drawn since (``drawn``), with the
+        batch size. For any other resume, when the sampler is one trainloop knows: how the epoch's global order is made
+        (``order``) and how many of its indices all ranks consumed (``consumed``). ``None`` for other loaders, before
+        an epoch's first batch and at its end (the next epoch begins from the restored generators).
         """
-        length = self.batches_per_epoch
-        if not self._sampled or self._epoch_start is None or self._drawn_this_epoch == 0:
+        length = self._epoch_length
+        drawn = self._drawn_this_epoch
+        if not self._sampled or (drawn == 0 and self._consumed_before == 0):
             return None
-        if length is not None and self._drawn_this_epoch >= length:
+        if length is not None and drawn >= length:
             return None
-        return {"epoch_start": self._epoch_start, "drawn": self._drawn_this_epoch}
+        step = per_draw(self.loader) if self._order is not None else None
+        return {
+            "epoch_start": self._epoch_start,
+            "drawn": drawn,
+            "batch_size": batch_size_of(self.loader),
+            "order": self._order,
+            "consumed": None if step is None else self._consumed_before + drawn * step,
+        }
 
     @property
     def epochs_completed(self) -> int:
@@ -108,7 +137,7 @@ class EpochIterator:
         The current epoch counts once its last batch is drawn (known only for a loader with ``len()``; otherwise when
         the next epoch begins).
         """
-        length = self.batches_per_epoch
+        length = self._epoch_length
         return self.epoch + (length is not None and self._drawn_this_epoch >= length)
 
     @property
@@ -117,7 +146,7 @@ class EpochIterator:
 
         At 0, the next draw begins another epoch.
         """
-        length = self.batches_per_epoch
+        length = self._epoch_length
         return None if length is None else max(0, length - self._drawn_this_epoch)
 
     @property

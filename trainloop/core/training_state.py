@@ -10,6 +10,7 @@ import json
 import warnings
 from typing import TYPE_CHECKING, Any
 
+from trainloop.core.data_position import InexactResumeWarning, batch_size_of
 from trainloop.core.rng import get_rng_state, set_rng_state
 from trainloop.distributed.ranks import gather_from_ranks, rank, world_size
 from trainloop.settings import optimizer as components
@@ -21,11 +22,21 @@ if TYPE_CHECKING:
 #: The key of a plain DataLoader's saved position (the rest are StatefulDataLoader's own).
 SAMPLER_POSITION = "trainloop_sampler_position"
 
-__all__ = ["ChangedSettingsWarning", "load_training_state", "training_state"]
+__all__ = [
+    "ChangedGlobalBatchError",
+    "ChangedSettingsWarning",
+    "global_batch_refusal",
+    "load_training_state",
+    "training_state",
+]
 
 
 class ChangedSettingsWarning(UserWarning):
     """A run resumes from a checkpoint made with different settings."""
+
+
+class ChangedGlobalBatchError(ValueError):
+    """A run resumes with another global batch (ranks x batch size x accumulation) than the checkpoint's."""
 
 
 def training_state(trainer: TrainerView, run: RunState) -> dict[str, Any]:
@@ -58,6 +69,8 @@ def training_state(trainer: TrainerView, run: RunState) -> dict[str, Any]:
             # What resumes the run exactly, per rank (each rank has its own).
             "rng": gather_from_ranks(get_rng_state()),
             "data_loader": gather_from_ranks(_loader_state(trainer.data_loader, data)),
+            # What a resume on another number of ranks must keep.
+            "global_batch": _global_batch(trainer),
             # JSON, never pickled: readable anywhere, and compared on resume.
             "settings": trainer.settings.model_dump_json(),
         },
@@ -71,6 +84,7 @@ def load_training_state(trainer: TrainerView, run: RunState, state_dict: dict[st
     """Restore into ``trainer`` and its run state what ``training_state`` returned."""
     saved = state_dict["training_state"]
     _check_optimizer_class(trainer, saved.get("optimizer_class"))
+    _check_global_batch(trainer, saved.get("global_batch"))
     run.step = saved["step"]
     run.epoch = saved.get("epoch", 0)
     trainer.logger.info("Resuming from step %d", run.step)
@@ -167,28 +181,103 @@ def _check_optimizer_class(trainer: TrainerView, saved: str | None) -> None:
 
 
 def _restore_per_rank(trainer: TrainerView, run: RunState, saved: dict[str, Any]) -> None:
-    """Restore this rank's generators and data position, if saved for as many ranks."""
+    """Restore this rank's generators and data position, if saved for as many ranks.
+
+    On another number of ranks the generators are left as seeded, and a plain ``DataLoader``'s
+    position goes on from any rank's (see :mod:`trainloop.core.data_position`).
+    """
     rngs, loaders = saved.get("rng"), saved.get("data_loader")
     this_rank, world = rank(), world_size()
-    if rngs is None or len(rngs) != world:
-        if rngs is not None:
-            trainer.logger.warning(
-                "The checkpoint holds random states of %d ranks and this run has %d: they are "
-                "not restored, so the resumed run is not an exact continuation", len(rngs), world,
-            )
+    if rngs is not None and len(rngs) != world:
+        trainer.logger.warning(
+            "The checkpoint holds random states of %d ranks and this run has %d: they are not restored, so "
+            "what draws random numbers (dropout, augmentation) draws other ones than an unbroken run", len(rngs), world,
+        )
+    elif rngs is not None:
+        if run.data is None:
+            run.restored_rng = rngs[this_rank]  # applied once the data iterator exists
+        else:
+            set_rng_state(rngs[this_rank])
+    if loaders is None or all(state is None for state in loaders):
         return
-    if run.data is None:
-        run.restored_rng = rngs[this_rank]  # applied once the data iterator exists
+    same_ranks = len(loaders) == world
+    state = loaders[this_rank] if same_ranks else next(state for state in loaders if state is not None)
+    if state is None:
+        return
+    if SAMPLER_POSITION in state:  # a plain DataLoader's (see trainloop.core.data_position)
+        position = state[SAMPLER_POSITION]
+        # Another rank's epoch cannot be replayed here: only its global part goes on.
+        run.restored_position = position if same_ranks else {**position, "epoch_start": None}
+        return
+    if not same_ranks:
+        warnings.warn(
+            f"resuming on {world} rank{'s' * (world != 1)} from a checkpoint of {len(loaders)}: the data loader's "
+            f"saved state ({type(trainer.data_loader).__name__}'s own) is per rank, so it is not restored and epoch "
+            f"{saved.get('epoch', 0)} starts over from its beginning; a DataLoader over a map-style dataset with a "
+            "DistributedSampler resumes exactly on any number of ranks",
+            InexactResumeWarning,
+            stacklevel=4,
+        )
+        return
+    # A saved position comes from a stateful loader (StatefulDataLoader), which the
+    # trainer's declared type, an Iterable, does not promise.
+    loader: Any = trainer.data_loader
+    loader.load_state_dict(state)
+
+
+def _global_batch(trainer: TrainerView) -> dict[str, Any]:
+    """The ranks, each one's batch size (``None`` if the loader does not say) and the accumulation."""
+    return {
+        "ranks": world_size(),
+        "batch_size": batch_size_of(trainer.data_loader),
+        "accumulation": trainer.settings.gradient_accumulation_steps,
+    }
+
+
+def _check_global_batch(trainer: TrainerView, saved: dict[str, Any] | None) -> None:
+    """Refuse a resume whose global batch differs from the checkpoint's, when both loaders say their batch size.
+
+    Raises:
+        ChangedGlobalBatchError: The global batches differ; the message names both and what gives the checkpoint's.
+    """
+    refusal = None if saved is None else global_batch_refusal(saved, _global_batch(trainer))
+    if refusal is not None:
+        raise ChangedGlobalBatchError(refusal)
+
+
+def global_batch_refusal(then: dict[str, Any], now: dict[str, Any]) -> str | None:
+    """Why a run of global batch ``now`` cannot resume a checkpoint of ``then`` (both as ``global_batch`` records).
+
+    ``None`` when they are equal, or when either loader's batch size is unknown.
+    """
+    if then.get("batch_size") is None or now.get("batch_size") is None:
+        return None
+    then_total, now_total = (b["ranks"] * b["batch_size"] * b["accumulation"] for b in (then, now))
+    if then_total == now_total:
+        return None
+    ranks, size, accumulation = now["ranks"], now["batch_size"], now["accumulation"]
+    on = f"{ranks} rank{'s' * (ranks != 1)}"
+    if then_total % ranks:
+        fix = f"which {on} cannot split evenly: resume on a number of ranks that divides {then_total}"
     else:
-        set_rng_state(rngs[this_rank])
-    if loaders is not None and loaders[this_rank] is not None:
-        if SAMPLER_POSITION in loaders[this_rank]:  # a plain DataLoader's (see trainloop.core.data_position)
-            run.restored_position = loaders[this_rank][SAMPLER_POSITION]
-            return
-        # A saved position comes from a stateful loader (StatefulDataLoader), which the
-        # trainer's declared type, an Iterable, does not promise.
-        loader: Any = trainer.data_loader
-        loader.load_state_dict(loaders[this_rank])
+        fixes = []
+        if then_total % (ranks * size) == 0:
+            fixes.append(f"set gradient_accumulation_steps={then_total // (ranks * size)}")
+        if then_total % (ranks * accumulation) == 0:
+            fixes.append(f"build the data loader with batch_size={then_total // (ranks * accumulation)}")
+        products = f"choose a batch size and gradient_accumulation_steps whose product is {then_total // ranks}"
+        fix = f"so on {on} {' or '.join(fixes) if fixes else products}"
+    return (
+        f"the checkpoint's global batch is {then_total} ({_terms(then)}) and this run's is {now_total} "
+        f"({_terms(now)}): a resume must keep the global batch, {fix}, or start fresh (another workspace, or "
+        "CheckpointingHook(load=None))"
+    )
+
+
+def _terms(batch: dict[str, Any]) -> str:
+    ranks = batch["ranks"]
+    return (f"{ranks} rank{'s' * (ranks != 1)} x batch size {batch['batch_size']} x "
+            f"gradient_accumulation_steps {batch['accumulation']}")
 
 
 def _warn_on_changed_settings(trainer: TrainerView, saved: str | None) -> None:
