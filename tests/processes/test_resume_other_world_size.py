@@ -226,6 +226,7 @@ def test_the_command_line_refuses_another_global_batch_in_one_line_and_writes_no
     CliTrainer(settings).train()  # what `trainloop run run.yaml` trains, in this process
     kept = {path: path.read_bytes() for path in (workspace / "checkpoints").rglob("*") if path.is_file()}
     metrics = (workspace / "metrics.jsonl").read_bytes()
+    recorded = (workspace / "settings.json").read_bytes()
 
     refused = Cli("run", "run.yaml", "--trainer", "cli_trainers:CliTrainer", "--set", "max_steps=4",
                   "--set", "gradient_accumulation_steps=2", cwd=tmp_path).result()
@@ -241,6 +242,7 @@ def test_the_command_line_refuses_another_global_batch_in_one_line_and_writes_no
     assert checkpoint_steps(workspace / "checkpoints") == [2]
     assert {path: path.read_bytes() for path in (workspace / "checkpoints").rglob("*") if path.is_file()} == kept
     assert (workspace / "metrics.jsonl").read_bytes() == metrics
+    assert (workspace / "settings.json").read_bytes() == recorded  # the refused run's settings are not the run's
 
 
 def example_env() -> dict[str, str]:

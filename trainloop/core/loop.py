@@ -32,7 +32,7 @@ from trainloop.hooks.registry import build_declared_hooks
 from trainloop.loss import Loss
 from trainloop.machine.runner import StateMachine
 from trainloop.machine.table import State
-from trainloop.machine.trace import start_run_record
+from trainloop.machine.trace import start_run_record, write_settings
 from trainloop.step_info import StepInfo
 
 if TYPE_CHECKING:
@@ -174,6 +174,7 @@ class Loop:
         """The work of ``restoring``: restore what the restoring callbacks loaded."""
         # A checkpoint, if any, was loaded by on_enter_restoring callbacks before this runs.
         t, run = self.trainer, self.run_state
+        write_settings(t.settings)  # only now: a run refused while restoring leaves the last run's
         if t.settings.metrics_file and t.settings.workspace is not None and is_rank_zero():
             t.metrics.open(t.settings.workspace / METRICS_FILE, resumed_step=run.step)
         init_from(t)  # a fine-tune's weights, unless a checkpoint of the run was resumed

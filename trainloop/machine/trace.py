@@ -35,6 +35,7 @@ __all__ = [
     "read_skipped_updates",
     "read_trace",
     "start_run_record",
+    "write_settings",
     "summarize_trace",
 ]
 
@@ -121,20 +122,30 @@ class Trace(deque[TraceEntry]):
 
 
 def start_run_record(settings: TrainerSettings, write: bool = True) -> Trace | None:
-    """Write the resolved settings to ``<workspace>/settings.json`` (rank 0), and open the trace.
+    """Open the run's trace if ``settings.trace`` is on: ``<workspace>/trace.jsonl`` (rank 0), else in memory.
 
-    The trace (``<workspace>/trace.jsonl`` when there is a workspace) is opened if ``settings.trace`` is on.
-    Without ``write`` (a run that trains nothing), nothing is written: the trace is kept in memory only.
+    Without ``write`` (a run that trains nothing) nothing is written: the trace is kept in memory only.
     """
+    if not settings.trace:
+        return None
     workspace = settings.workspace if is_rank_zero() and write else None
     if workspace is not None:
         workspace.mkdir(parents=True, exist_ok=True)
-        tmp = workspace / ".settings.json.tmp"
-        tmp.write_text(settings.model_dump_json(indent=2) + "\n", encoding="utf-8")
-        tmp.replace(workspace / "settings.json")
-    if settings.trace:
-        return Trace(workspace / "trace.jsonl" if workspace is not None else None)
-    return None
+    return Trace(workspace / "trace.jsonl" if workspace is not None else None)
+
+
+def write_settings(settings: TrainerSettings) -> None:
+    """Write the resolved settings to ``<workspace>/settings.json`` (rank 0), replacing the file at once.
+
+    The loop writes them once the run is restored: a run refused while restoring leaves the last run's file.
+    """
+    workspace = settings.workspace
+    if workspace is None or not is_rank_zero():
+        return
+    workspace.mkdir(parents=True, exist_ok=True)
+    tmp = workspace / ".settings.json.tmp"
+    tmp.write_text(settings.model_dump_json(indent=2) + "\n", encoding="utf-8")
+    tmp.replace(workspace / "settings.json")
 
 
 def read_trace(path: Path | str) -> list[TraceEntry]:
