@@ -149,7 +149,7 @@ def one_round(
     with PeakRss() as peak:
         waited = saver.waited
         started = time.perf_counter()
-        saver.save(full, 2, state_dict(model, optimizer), {"step": 2}, lambda _: None, optimizer)
+        saver.save(full, 2, state_dict(model, optimizer), {"step": 2}, lambda _: None, [optimizer])
         blocked = time.perf_counter() - started
         step(model.module, optimizer)  # waits for the background copy of parameters and moments
         blocked += saver.waited - waited

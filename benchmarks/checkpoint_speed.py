@@ -215,7 +215,7 @@ def one_round(scratch: Path, megabytes: float, results: dict[str, list[float]]) 
     with PeakRss() as peak:
         waited = saver.waited
         started = time.perf_counter()
-        saver.save(ours_root, 2, state_dict(model, optimizer), {"step": 2}, lambda _: None, optimizer)
+        saver.save(ours_root, 2, state_dict(model, optimizer), {"step": 2}, lambda _: None, [optimizer])
         blocked = time.perf_counter() - started
         held = staged_bytes(saver)
         step(model, optimizer)  # waits for the background copy of parameters and moments

@@ -32,7 +32,11 @@ class StepInfo:
         skipped_update: The step whose update the loop learned, during this step, that the
             optimizer skipped on the device (non-finite gradients; see docs/machine.md): the
             previous step, or this one when the run validates, saves or ends after it.
-        grad_norm: The total gradient norm before clipping (a tensor), with ``grad_clip`` only.
+        grad_norm: The total gradient norm before clipping (a tensor), with ``grad_clip`` only (several
+            optimizers: the last update's).
+        losses: With several optimizers, each microstep's loss by the optimizer whose update it
+            was (``loss`` holds them all, in order).
+        grad_norms: With several optimizers and ``grad_clip``, each update's norm by optimizer.
         step_time: Seconds from the step's start to the end of its applied update.
         compiled: Set when ``torch.compile`` compiled during this step (see
             ``trainloop.core.compiling``): its time is not the model's.
@@ -47,6 +51,8 @@ class StepInfo:
     non_finite_grad_retries: int = 0
     skipped_update: int | None = None
     grad_norm: torch.Tensor | None = None
+    losses: dict[str, list[torch.Tensor]] = field(default_factory=dict)
+    grad_norms: dict[str, torch.Tensor] = field(default_factory=dict)
     step_time: float | None = None
     compiled: Any = None  # a trainloop.core.compiling.CompileMark
     extras: dict[str, Any] = field(default_factory=dict)

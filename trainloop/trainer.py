@@ -623,6 +623,11 @@ class BaseTrainer:
         return self._run.optimizers
 
     @property
+    def updating(self) -> str:
+        """The name of the optimizer whose update is in progress (``"default"`` for a run's one optimizer)."""
+        return self._run.updating
+
+    @property
     def lr_schedulers(self) -> dict[str, torch.optim.lr_scheduler.LRScheduler]:
         """The built lr schedulers by their optimizer's name (an optimizer without one is absent)."""
         return self._run.lr_schedulers

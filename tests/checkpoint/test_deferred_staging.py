@@ -41,7 +41,7 @@ def test_the_sharded_stager_copies_parameters_on_a_thread_of_its_own():
     param, buffer = nn.Parameter(torch.ones(3)), torch.full((3,), 5.0)
     optimizer = torch.optim.SGD([param], lr=0.1)
     copied = threading.Event()
-    stager = ReusingStager(CpuStage(), stepped_by(optimizer), copied)
+    stager = ReusingStager(CpuStage(), stepped_by([optimizer]), copied)
     staged = stager.stage({"param": param, "buffer": buffer})
     assert isinstance(staged, Future)  # DCP's writer waits for it; the loop does not
     result = staged.result(timeout=30)
@@ -65,7 +65,7 @@ def test_the_next_optimizer_step_waits_for_the_background_copy(tmp_path, format)
     before = {k: v.clone() for k, v in model.state_dict().items()}
     saver = CheckpointSaver(format, async_save=True, logger=logging.getLogger("test"))
     state = {"model": model_state, "training_state": {"step": 2, "epoch": 0, "optimizer": optimizer_state}}
-    assert saver.save(tmp_path, 2, state, {"step": 2}, lambda _: None, optimizer) is None
+    assert saver.save(tmp_path, 2, state, {"step": 2}, lambda _: None, [optimizer]) is None
     model(torch.randn(4, 64)).sum().backward()
     optimizer.step()  # changes every parameter: only once the background copy is done
     assert saver.settle(agree=False) is None

@@ -134,7 +134,7 @@ def fused_adamw(params, lr):
     return torch.optim.AdamW(params, lr=lr, fused=True)
 
 
-FUSED = {"optimizer": fused_adamw}  # skips a non-finite update in its kernel: the check needs no read
+FUSED = {"make_optimizer": fused_adamw}  # skips a non-finite update in its kernel: the check needs no read
 
 
 @pytest.mark.parametrize("throughput", [False, True], ids=["plain", "throughput"])

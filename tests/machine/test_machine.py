@@ -11,7 +11,7 @@ class Policies:
     def __init__(self):
         self.values = {
             "should_exit": False, "microsteps_remain": False, "grads_non_finite": False, "validation_due": False,
-            "checkpoint_due": False, "predicting_run": False,
+            "checkpoint_due": False, "predicting_run": False, "updates_remain": False,
         }
         self.step = 0
 
@@ -24,7 +24,11 @@ class Policies:
             self.step += 1
             self.done.append(("begin_step", self.step))
 
-        return {"begin_step": begin_step, "redo_step": lambda: self.done.append(("redo_step", self.step))}
+        return {
+            "begin_step": begin_step,
+            "next_update": lambda: self.done.append(("next_update", self.step)),
+            "redo_step": lambda: self.done.append(("redo_step", self.step)),
+        }
 
 
 def make_machine(policies=None):

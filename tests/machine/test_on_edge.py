@@ -22,7 +22,7 @@ def test_every_edge_is_seen_before_its_action_and_the_entry_callbacks():
 
     conditions = {name: (lambda: False) for name in CONDITIONS}
     owner = object()
-    machine = StateMachine(conditions, owner=owner, step=lambda: step[0], actions={"begin_step": begin_step, "redo_step": lambda: None})
+    machine = StateMachine(conditions, owner=owner, step=lambda: step[0], actions={"begin_step": begin_step, "next_update": lambda: None, "redo_step": lambda: None})
     machine.on_enter(State.ACCUMULATING, lambda o: done.append(("entered", step[0])))
     handle = machine.on_edge(lambda o, t: done.append((o is owner, t.trigger, t.dest.value, step[0])))
     for _ in range(4):
@@ -42,7 +42,7 @@ def test_every_edge_is_seen_before_its_action_and_the_entry_callbacks():
 
 def test_a_watcher_that_cannot_take_trainer_and_transition_fails_at_registration():
     conditions = {name: (lambda: False) for name in CONDITIONS}
-    machine = StateMachine(conditions, owner=None, step=lambda: 0, actions={"begin_step": lambda: None, "redo_step": lambda: None})
+    machine = StateMachine(conditions, owner=None, step=lambda: 0, actions={"begin_step": lambda: None, "next_update": lambda: None, "redo_step": lambda: None})
     with pytest.raises(TypeError, match=r"must accept two arguments \(trainer, transition\)"):
         machine.on_edge(lambda trainer: None)
     machine.advance()  # nothing was attached
@@ -51,7 +51,7 @@ def test_a_watcher_that_cannot_take_trainer_and_transition_fails_at_registration
 
 def test_a_watcher_may_remove_itself_while_it_is_called():
     conditions = {name: (lambda: False) for name in CONDITIONS}
-    machine = StateMachine(conditions, owner=None, step=lambda: 0, actions={"begin_step": lambda: None, "redo_step": lambda: None})
+    machine = StateMachine(conditions, owner=None, step=lambda: 0, actions={"begin_step": lambda: None, "next_update": lambda: None, "redo_step": lambda: None})
     seen: list[str] = []
     handles = []
 

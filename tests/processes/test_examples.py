@@ -37,3 +37,20 @@ def test_digits_reaches_95_percent_and_resumes(tmp_path, monkeypatch, caplog):
         assert digits.main([]) == accuracy  # resumed at step 400: nothing left to train
     assert "Resuming from step 400" in caplog.text
     assert "Step " not in caplog.text
+
+
+def test_gan_covers_the_ring_with_two_optimizers_and_draws_its_samples(tmp_path, monkeypatch):
+    pytest.importorskip("matplotlib")
+    monkeypatch.chdir(tmp_path)  # the settings' workspace is relative: runs/gan
+    settings = json.loads((ROOT / "examples" / "gan" / "settings.json").read_text())
+    (tmp_path / "short.json").write_text(json.dumps({**settings, "max_steps": 400}))  # the example's run, shorter
+    gan = load(ROOT / "examples" / "gan" / "train.py")
+    covered = gan.main(["short.json"])
+    assert covered >= 6
+    workspace = tmp_path / "runs/gan"
+    rows = [json.loads(line) for line in (workspace / "metrics.jsonl").read_text().splitlines()]
+    assert [row["step"] for row in rows] == [250, 400]
+    assert {"loss/discriminator", "loss/generator", "lr/discriminator", "lr/generator"} <= rows[-1].keys()
+    assert (workspace / "samples.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert sorted(p.name for p in (workspace / "checkpoints").iterdir()) == ["400", "latest"]
+    assert gan.main(["short.json"]) == covered  # resumed at step 400: the same generator

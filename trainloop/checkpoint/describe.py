@@ -101,27 +101,13 @@ def describe_checkpoint(directory: Path) -> dict[str, Any]:
         except (TypeError, ValueError) as error:
             raise CheckpointError(f"{directory / 'training_state.pt'}: its settings are not JSON ({error})") from None
 
-    optimizer_state = training.get("optimizer")
-    optimizer: dict[str, Any] | None = None
-    if isinstance(optimizer_state, dict):
-        groups = optimizer_state.get("param_groups") or []
-        declared = settings.get("optimizer") if isinstance(settings, dict) else None
-        declared_name = declared.get("name") if isinstance(declared, dict) else None
-        # The param groups tell what was built; the settings only what was declared, which a
-        # trainer's own build_optimizer() may ignore.
-        inferred = _infer_optimizer(groups)
+    declared = settings.get("optimizer") if isinstance(settings, dict) else None
+    optimizer = _optimizer_info(training.get("optimizer"), declared)
+    named = training.get("optimizers")
+    if isinstance(named, dict):  # several optimizers, by name
+        declared_by_name = (settings or {}).get("optimizers") or {} if isinstance(settings, dict) else {}
         optimizer = {
-            "class": inferred or declared_name,
-            "class_from": "param groups" if inferred else "settings" if declared_name else None,
-            "declared": declared_name,
-            "param_groups": [
-                {k: v for k, v in group.items() if k in ("name", "lr", "weight_decay")}
-                | {"params": len(group.get("params", ()))}
-                for group in groups
-                if isinstance(group, dict)
-            ],
-            "params_with_state": len(optimizer_state.get("state") or {}),
-            **_tensor_stats(optimizer_state.get("state")),
+            "by_name": {name: _optimizer_info(state, declared_by_name.get(name)) for name, state in named.items()}
         }
 
     scheduler = training.get("lr_scheduler")
@@ -138,12 +124,9 @@ def describe_checkpoint(directory: Path) -> dict[str, Any]:
         "metadata": metadata,
         "model": _tensor_stats(state["model"]),
         "optimizer": optimizer,
-        "lr_scheduler": None
-        if scheduler is None
-        else {
-            "last_epoch": scheduler.get("last_epoch"),
-            "last_lr": scheduler.get("_last_lr"),
-        },
+        "lr_scheduler": {"by_name": {name: _scheduler_info(s) for name, s in scheduler.items()}}
+        if isinstance(named, dict) and isinstance(scheduler, dict)
+        else _scheduler_info(scheduler),
         "grad_scaler": {
             "enabled": bool(scaler),
             **({"scale": float(scaler["scale"])} if scaler and "scale" in scaler else {}),
@@ -156,6 +139,37 @@ def describe_checkpoint(directory: Path) -> dict[str, Any]:
         "settings": settings,
     }
 
+
+
+def _scheduler_info(scheduler: Any) -> dict[str, Any] | None:
+    """What a saved lr scheduler says: its last epoch and learning rates."""
+    if not isinstance(scheduler, dict):
+        return None
+    return {"last_epoch": scheduler.get("last_epoch"), "last_lr": scheduler.get("_last_lr")}
+
+
+def _optimizer_info(optimizer_state: Any, declared: Any) -> dict[str, Any] | None:
+    """What one optimizer's saved state says: its class (inferred or declared), param groups, state sizes."""
+    if not isinstance(optimizer_state, dict):
+        return None
+    groups = optimizer_state.get("param_groups") or []
+    declared_name = declared.get("name") if isinstance(declared, dict) else None
+    # The param groups tell what was built; the settings only what was declared, which a
+    # trainer's own build_optimizer() may ignore.
+    inferred = _infer_optimizer(groups)
+    return {
+        "class": inferred or declared_name,
+        "class_from": "param groups" if inferred else "settings" if declared_name else None,
+        "declared": declared_name,
+        "param_groups": [
+            {k: v for k, v in group.items() if k in ("name", "lr", "weight_decay")}
+            | {"params": len(group.get("params", ()))}
+            for group in groups
+            if isinstance(group, dict)
+        ],
+        "params_with_state": len(optimizer_state.get("state") or {}),
+        **_tensor_stats(optimizer_state.get("state")),
+    }
 
 def jsonable(value: Any) -> Any:
     """``value`` as JSON can hold it: a tensor as a list, anything else as text."""
@@ -201,28 +215,17 @@ def format_checkpoint(info: dict[str, Any], root: Path | None) -> str:
     optimizer = info["optimizer"]
     if optimizer is None:
         lines.append("optimizer:    none saved")
+    elif "by_name" in optimizer:
+        for name, one in optimizer["by_name"].items():
+            lines += _optimizer_lines(f"optimizer {name}:", one)
     else:
-        name = f"{optimizer['class']} (from its {optimizer['class_from']})" if optimizer["class"] else "unknown class"
-        if (
-            optimizer["declared"]
-            and optimizer["class"]
-            and optimizer["declared"] not in optimizer["class"].split(" or ")
-        ):
-            name += f", although the settings declare {optimizer['declared']}"
-        groups = "; ".join(
-            ", ".join(f"{k}={v}" for k, v in group.items()) for group in optimizer["param_groups"]
-        )
-        lines.append(f"optimizer:    {name}, {len(optimizer['param_groups'])} param group(s): {groups}")
-        lines.append(f"              state for {optimizer['params_with_state']} params: {_tensors_text(optimizer)}")
+        lines += _optimizer_lines("optimizer:   ", optimizer)
     scheduler = info["lr_scheduler"]
-    lines.append(
-        "lr scheduler: "
-        + (
-            "none"
-            if scheduler is None
-            else f"yes (last_epoch={scheduler['last_epoch']}, last lr={scheduler['last_lr']})"
-        )
-    )
+    if scheduler is not None and "by_name" in scheduler:
+        described = ", ".join(f"{name} {_scheduler_text(s)}" for name, s in scheduler["by_name"].items())
+        lines.append(f"lr scheduler: {described or 'none'}")
+    else:
+        lines.append(f"lr scheduler: {_scheduler_text(scheduler)}")
     scaler = info["grad_scaler"]
     if not scaler["enabled"]:
         lines.append("grad scaler:  disabled")
@@ -252,3 +255,23 @@ def format_checkpoint(info: dict[str, Any], root: Path | None) -> str:
         lines.append("settings:")
         lines += ["  " + line for line in json.dumps(info["settings"], indent=2).splitlines()]
     return "\n".join(lines) + "\n"
+
+
+def _optimizer_lines(head: str, optimizer: dict[str, Any] | None) -> list[str]:
+    """One optimizer in words: its class, param groups and state."""
+    if optimizer is None:
+        return [f"{head} none saved"]
+    name = f"{optimizer['class']} (from its {optimizer['class_from']})" if optimizer["class"] else "unknown class"
+    if optimizer["declared"] and optimizer["class"] and optimizer["declared"] not in optimizer["class"].split(" or "):
+        name += f", although the settings declare {optimizer['declared']}"
+    groups = "; ".join(", ".join(f"{k}={v}" for k, v in group.items()) for group in optimizer["param_groups"])
+    return [
+        f"{head} {name}, {len(optimizer['param_groups'])} param group(s): {groups}",
+        f"              state for {optimizer['params_with_state']} params: {_tensors_text(optimizer)}",
+    ]
+
+
+def _scheduler_text(scheduler: dict[str, Any] | None) -> str:
+    if scheduler is None:
+        return "none"
+    return f"yes (last_epoch={scheduler['last_epoch']}, last lr={scheduler['last_lr']})"

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from concurrent.futures import Future
 from logging import Logger
 from pathlib import Path
@@ -137,7 +137,7 @@ class CheckpointSaver:
         state_dict: dict[str, Any],
         metadata: dict[str, Any],
         published: Callable[[Path], None],
-        optimizer: torch.optim.Optimizer | None = None,
+        optimizers: Sequence[torch.optim.Optimizer] = (),
     ) -> BaseException | None:
         """Save ``state_dict`` as ``root/<step>`` (every rank calls, nothing in flight: see :meth:`settle`).
 
@@ -148,9 +148,10 @@ class CheckpointSaver:
             metadata: The contents of ``metadata.json``.
             published: Called on rank 0 with the checkpoint once it is in place and ``latest``
                 points at it (in the background when saving asynchronously).
-            optimizer: The run's optimizer. A background save then copies its parameters and
-                state (which only its step changes) on a background thread, and its next step
-                waits for that copy, instead of the loop waiting for the whole copy now.
+            optimizers: The run's optimizers, in update order. A background save then copies
+                their parameters and state (which only their steps change) on a background
+                thread, and the first one's next step waits for that copy, instead of the loop
+                waiting for the whole copy now.
 
         Returns:
             The error of a foreground save, agreed by all ranks (``None``: saved); a background
@@ -165,13 +166,14 @@ class CheckpointSaver:
         check_keys(state_dict)
         if self.format == "full":
             _refuse_sharded_tensors(state_dict)
-            return self._save_full(root, step, state_dict, metadata, published, optimizer)
-        return self._save_sharded(root, step, state_dict, metadata, published, optimizer)
+            return self._save_full(root, step, state_dict, metadata, published, optimizers)
+        return self._save_sharded(root, step, state_dict, metadata, published, optimizers)
 
     # -- full: rank 0 writes torch.save files ------------------------------------------------
 
     def _save_full(self, root: Path, step: int, state_dict: dict[str, Any], metadata: dict[str, Any],
-                   published: Callable[[Path], None], optimizer: torch.optim.Optimizer | None) -> BaseException | None:
+                   published: Callable[[Path], None],
+                   optimizers: Sequence[torch.optim.Optimizer]) -> BaseException | None:
         def write(state: dict[str, Any]) -> None:
             target = write_checkpoint(root, step, state, metadata)
             self.logger.info("Saved checkpoint %s", target)
@@ -180,7 +182,7 @@ class CheckpointSaver:
         if self.async_save:
             if rank() == 0:
                 clean_leftovers(root, self.logger)
-                defer, copied = self._defer_until_step(optimizer)
+                defer, copied = self._defer_until_step(optimizers)
                 staged = self._stage.copy(state_dict, defer=defer)
 
                 def work() -> None:
@@ -205,17 +207,18 @@ class CheckpointSaver:
         return agree_on_error(error)
 
     def _defer_until_step(
-        self, optimizer: torch.optim.Optimizer | None
+        self, optimizers: Sequence[torch.optim.Optimizer]
     ) -> tuple[Callable[[torch.Tensor], bool] | None, threading.Event]:
-        """Which tensors' copy can wait until ``optimizer``'s next step, and the event that step waits for.
+        """Which tensors' copy can wait until the next optimizer step, and the event that step waits for.
 
-        Set the event once they are copied (also if the copy fails); without an optimizer nothing is deferred.
+        The first optimizer's step comes before any other's, so it waits for them all. Set the event once they are
+        copied (also if the copy fails); without an optimizer nothing is deferred.
         """
         copied = threading.Event()
-        if optimizer is None:
+        if not optimizers:
             return None, copied
-        self._wait_before_step(optimizer, copied)
-        return stepped_by(optimizer), copied
+        self._wait_before_step(optimizers[0], copied)
+        return stepped_by(optimizers), copied
 
     def _wait_before_step(self, optimizer: torch.optim.Optimizer, copied: threading.Event) -> None:
         """Make ``optimizer``'s next step wait until ``copied`` (then the hook removes itself)."""
@@ -237,7 +240,7 @@ class CheckpointSaver:
 
     def _save_sharded(self, root: Path, step: int, state_dict: dict[str, Any], metadata: dict[str, Any],
                       published: Callable[[Path], None],
-                      optimizer: torch.optim.Optimizer | None) -> BaseException | None:
+                      optimizers: Sequence[torch.optim.Optimizer]) -> BaseException | None:
         target = root / str(step)
         prepared: Any = None
         if rank() == 0:
@@ -269,7 +272,8 @@ class CheckpointSaver:
             self._group = dist.new_group(backend="gloo")
         staged_rest = stage_to_cpu(rest) if rank() == 0 else rest
         # Shards on an accelerator are staged by DCP itself (fresh buffers each time).
-        stager = ReusingStager(self._stage, *self._defer_until_step(optimizer)) if ReusingStager.suits(shards) else None
+        suits = ReusingStager.suits(shards)
+        stager = ReusingStager(self._stage, *self._defer_until_step(optimizers)) if suits else None
         with quiet_single_process():  # here only the staging; DCP's thread may still say it
             response = dcp_async_save(shards, storage_writer=writer, process_group=self._group,
                                       async_stager=stager, no_dist=not in_process_group())

@@ -13,7 +13,7 @@ from __future__ import annotations
 import copy
 import threading
 from collections import OrderedDict
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from concurrent.futures import Future
 from typing import Any
 
@@ -28,13 +28,16 @@ __all__ = ["CpuStage", "ReusingStager", "stage_to_cpu", "stepped_by"]
 _DCP_TAKES_A_STAGING_FUTURE = hasattr(state_dict_saver, "AsyncSaveResponse")
 
 
-def stepped_by(optimizer: torch.optim.Optimizer) -> Callable[[torch.Tensor], bool]:
-    """Whether a tensor shares memory with ``optimizer``'s parameters or state.
+def stepped_by(optimizers: Sequence[torch.optim.Optimizer]) -> Callable[[torch.Tensor], bool]:
+    """Whether a tensor shares memory with the optimizers' parameters or state.
 
-    What only its step changes, so its copy can wait until that step.
+    What only their steps change, so its copy can wait until the first of those steps.
     """
-    tensors = [p for group in optimizer.param_groups for p in group["params"]]
-    tensors += [t for state in optimizer.state.values() for t in state.values() if isinstance(t, torch.Tensor)]
+    tensors = [p for optimizer in optimizers for group in optimizer.param_groups for p in group["params"]]
+    tensors += [
+        t for optimizer in optimizers for state in optimizer.state.values() for t in state.values()
+        if isinstance(t, torch.Tensor)
+    ]
     storages = {_local(t).untyped_storage().data_ptr() for t in tensors}
     return lambda tensor: _local(tensor).untyped_storage().data_ptr() in storages
 

@@ -13,7 +13,7 @@ from __future__ import annotations
 import contextlib
 from collections.abc import Iterator
 from time import perf_counter
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from trainloop.checkpoint.weights import init_from
 from trainloop.core.compiling import CompileWatch, note_compiled
@@ -21,8 +21,15 @@ from trainloop.core.data import EpochIterator
 from trainloop.core.metrics import METRICS_FILE
 from trainloop.core.rng import seed_all, set_rng_state
 from trainloop.core.run_kinds import RunOfKind, Work, restore_weights
-from trainloop.core.run_state import RunState
-from trainloop.core.step import StepPlan, StepRunner, check_forward, trainer_step_plan
+from trainloop.core.run_state import SINGLE, RunState
+from trainloop.core.step import (
+    DeviceVerdict,
+    StepPlan,
+    StepRunner,
+    check_forward,
+    trainer_step_plan,
+    trainer_update_plans,
+)
 from trainloop.distributed.agreement import ExitAgreement
 from trainloop.distributed.rank_seeds import seed_ranks_apart, warn_if_ranks_drew_the_same
 from trainloop.distributed.ranks import is_rank_zero, world_size
@@ -36,6 +43,8 @@ from trainloop.machine.trace import start_run_record, write_settings
 from trainloop.step_info import StepInfo
 
 if TYPE_CHECKING:
+    import torch
+
     from trainloop.core.result import RunKind
     from trainloop.core.run_kinds import WeightsSource
     from trainloop.core.run_state import TrainerContract, TrainerView
@@ -58,7 +67,13 @@ class Loop:
         self.retries = 0  # retries of the step in progress
         self.applied = True  # whether the last optimizer update was applied
         self.loss_scale = 0.0  # fp16: GradScaler's scale after the last refused update
-        self.runner: StepRunner | None = None
+        self.runner: StepRunner | None = None  # the update in progress
+        self.runners: tuple[StepRunner, ...] = ()  # one per optimizer, in update order
+        self._update = 0  # the index of the update in progress in its step
+        self._names: tuple[str, ...] = ()  # the optimizers' names, in update order
+        self._named = False  # several optimizers by name: losses and grad norms kept by name
+        self._optimizers: tuple[torch.optim.Optimizer, ...] = ()
+        self._verdicts: tuple[DeviceVerdict, ...] = ()  # the updates' own (optimizers that skip on the device)
         self.step_start = 0.0
         self.of_kind = RunOfKind()  # what the run's kind changes: its hooks, its work, its policies, its record
         self.schedules = ScheduledCalls(())
@@ -68,11 +83,12 @@ class Loop:
                 "should_exit": self.should_exit,
                 "predicting_run": lambda: self.of_kind.predicts,
                 "microsteps_remain": self.microsteps_remain,
+                "updates_remain": self.updates_remain,
                 "grads_non_finite": self.grads_non_finite,
                 "validation_due": self.validation_due,
                 "checkpoint_due": self.checkpoint_due,
             },
-            actions={"begin_step": self.begin_step, "redo_step": self.redo_step},
+            actions={"begin_step": self.begin_step, "next_update": self.next_update, "redo_step": self.redo_step},
             owner=trainer,
             step=lambda: self.run_state.step,
         )
@@ -193,10 +209,10 @@ class Loop:
             set_rng_state(run.restored_rng)
             run.restored_rng = None
         # With max_epochs, steps end with epochs: each declared batch is drawn once.
-        self.runner = StepRunner(self.step_plan(), run.data, epochs=run.data if epochs else None)
+        self.build_runners(run.data, epochs=run.data if epochs else None)
         self.requests.open()
         t.model.train()
-        t.optimizer.zero_grad()
+        self.zero_grads()
 
     def restore_weights(self) -> None:
         """The work of ``restoring`` in a run that trains nothing: the model's weights, then the validations' checks."""
@@ -210,6 +226,30 @@ class Loop:
         self.requests.open()  # the validations may request (an exit); the ranks agree as in training
         if self.of_kind.evaluates:
             self.schedules.queue_all("validating", run.step)
+
+    def build_runners(self, data: Iterator[Any], epochs: EpochIterator | None) -> None:
+        """One step runner per optimizer, in update order; with several, a step's batches kept for every update."""
+        run = self.run_state
+        self._named = run.named_optimizers
+        self._optimizers = tuple(run.optimizers.values())
+        if self._named:
+            hooks = self.before_optimizer_step if run.dispatch["on_before_optimizer_step"] else None
+            plans = trainer_update_plans(
+                self.trainer, check_grads=self.trainer.settings.detect_non_finite_grads, before_optimizer_step=hooks
+            )
+            kept: list[Any] = []
+            self.runners = tuple(StepRunner(plan, data, epochs=epochs, kept=kept) for plan in plans.values())
+            self._names = tuple(plans)
+        else:
+            self.runners = (StepRunner(self.step_plan(), data, epochs=epochs),)
+            self._names = (SINGLE,)
+        self.runner = self.runners[0]
+        self._verdicts = tuple(r.verdict for r in self.runners if r.verdict is not None)
+
+    def zero_grads(self) -> None:
+        """Zero the gradients of every optimizer's parameters."""
+        for optimizer in self._optimizers:
+            optimizer.zero_grad()
 
     def step_plan(self) -> StepPlan:
         """Everything the hot loop would otherwise look up per microstep, resolved once."""
@@ -238,9 +278,12 @@ class Loop:
         info.records.append(records)
         if isinstance(loss, Loss):
             info.items.append(loss.count)
-            info.loss.append(loss.sum.detach() / loss.count)
+            value = loss.sum.detach() / loss.count
         else:
-            info.loss.append(loss.detach())
+            value = loss.detach()
+        info.loss.append(value)
+        if self._named:
+            info.losses.setdefault(self.run_state.updating, []).append(value)
 
     def update(self) -> None:
         """The work of ``stepping``: the optimizer update, then the step's bookkeeping.
@@ -250,15 +293,20 @@ class Loop:
         run validates, saves or ends after it.
         """
         t, run, runner = self.trainer, self.run_state, self.runner
-        verdict = runner.verdict  # type: ignore[union-attr]
+        assert runner is not None
+        verdict = runner.verdict
         if verdict is not None and verdict.pending:  # the last step's: nothing retries after it
-            self.learn_verdict(run.step - 1)
-        self.applied = runner.update()  # type: ignore[union-attr]
+            self.learn_verdict(run.step - 1, verdict)
+        self.applied = runner.update()
         if t.settings.grad_clip is not None:
-            run.step_info.grad_norm = runner.grad_norm  # type: ignore[union-attr]
+            run.step_info.grad_norm = runner.grad_norm
+            if self._named:
+                run.step_info.grad_norms[run.updating] = runner.grad_norm  # type: ignore[assignment]  # set: clipping
         if not self.applied:
             self.loss_scale = raise_if_no_retries_left(t, self.retries)
             return
+        if self._update + 1 < len(self.runners):
+            return  # the step's next update follows (next_update): the step's bookkeeping waits for its last
         run.step_info.step_time = step_time = perf_counter() - self.step_start
         compiled = self.compile_watch.end(run.step, step_time)
         if compiled is not None:
@@ -266,21 +314,24 @@ class Loop:
         for fn in run.dispatch["on_after_step"]:
             fn(t)
         self.settle()
-        if (
-            verdict is not None
-            and verdict.pending
-            and (self.validation_due() or self.checkpoint_due() or self.should_exit())
-        ):
-            self.learn_verdict(run.step)  # nothing is validated, saved or ended on an unread verdict
+        verdicts = self._verdicts
+        if verdicts and any(v.pending for v in verdicts):
+            self.learn_before_leaving(run.step)
 
-    def learn_verdict(self, step: int) -> None:
-        """Read whether the update of ``step`` was skipped on the device; report a skip, or raise past the limit."""
-        t, runner = self.trainer, self.runner
-        verdict = runner.verdict  # type: ignore[union-attr]
-        skipped, scale = verdict.read()  # type: ignore[union-attr]
+    def learn_before_leaving(self, step: int) -> None:
+        """Read this step's verdicts now if the run validates, saves or ends after it: never on an unread one."""
+        if self.validation_due() or self.checkpoint_due() or self.should_exit():
+            for verdict in self._verdicts:
+                if verdict.pending:
+                    self.learn_verdict(step, verdict)
+
+    def learn_verdict(self, step: int, verdict: DeviceVerdict) -> None:
+        """Read whether an update of ``step`` was skipped on the device; report a skip, or raise past the limit."""
+        t = self.trainer
+        skipped, scale = verdict.read()
         if not skipped:
             return
-        in_a_row = verdict.skipped_in_a_row  # type: ignore[union-attr]
+        in_a_row = verdict.skipped_in_a_row
         self.run_state.step_info.skipped_update = step
         if self.machine.trace is not None:
             self.machine.trace.mark_skipped(step)
@@ -324,7 +375,7 @@ class Loop:
                 "Non-finite gradients at step %d; retrying (%d/%d)",
                 t.step, self.retries, t.settings.max_non_finite_grad_retries,
             )
-        t.optimizer.zero_grad()
+        self.zero_grads()
         info = self.run_state.step_info
         info.loss, info.records, info.items = [], [], []
         info.non_finite_grad_retries = self.retries
@@ -384,12 +435,25 @@ class Loop:
         run.step_info = StepInfo()
         self.step_start = perf_counter()
         self.compile_watch.begin()
+        if self._named:  # another update's backward left gradients on this one's parameters
+            self._update = 0
+            self.runner = self.runners[0]
+            run.updating = self._names[0]
+            self.zero_grads()
         self.runner.begin()  # type: ignore[union-attr]
         for fn in run.dispatch["on_before_step"]:
             fn(self.trainer)
 
+    def next_update(self) -> None:
+        """``next_update``: the next optimizer's update of the step, on the step's batches, from zero gradients."""
+        index = self._update = self._update + 1
+        self.runner = self.runners[index]
+        self.run_state.updating = self._names[index]
+        self.zero_grads()
+        self.runner.begin(fresh=False)
+
     def redo_step(self) -> None:
-        """``redo_step``: the same step again, on fresh batches; neither counted nor announced."""
+        """``redo_step``: the refused update again, on fresh batches; the step neither counted nor announced."""
         self.runner.begin()  # type: ignore[union-attr]
 
     # -- the policies --------------------------------------------------------------------------
@@ -403,6 +467,10 @@ class Loop:
     def microsteps_remain(self) -> bool:
         """Whether the step in progress needs another microstep."""
         return self.runner.microsteps_remain()  # type: ignore[union-attr]
+
+    def updates_remain(self) -> bool:
+        """Whether another optimizer's update of the step follows (several optimizers)."""
+        return self._update + 1 < len(self.runners)
 
     def grads_non_finite(self) -> bool:
         """Whether the last update found non-finite gradients and was skipped."""

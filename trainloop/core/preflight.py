@@ -150,7 +150,7 @@ def _contract(
     problems: list[tuple[tuple[Key, ...], str]] = [
         ((), f"{cls.__name__} must implement {name}()") for name in missing if name != "build_optimizer"
     ]
-    if settings.optimizer is None and "build_optimizer" in missing:
+    if settings.optimizer is None and settings.optimizers is None and "build_optimizer" in missing:
         problems.append(
             (("optimizer",), f"optimizer: none declared, and {cls.__name__} does not implement build_optimizer()")
         )

@@ -64,6 +64,7 @@ class RunState:
         restored_position: A plain ``DataLoader``'s position a checkpoint load restored, for
             ``data`` to resume its epoch exactly there (see ``trainloop.core.data_position``).
         error: What ended the run, if an error did.
+        updating: The name of the optimizer whose update is in progress (``SINGLE`` with one).
     """
 
     dispatch: Dispatch
@@ -76,6 +77,7 @@ class RunState:
     restored_rng: dict[str, Any] | None = None
     restored_position: dict[str, Any] | None = None
     error: BaseException | None = None
+    updating: str = SINGLE
 
     @property
     def named_optimizers(self) -> bool:
@@ -200,6 +202,10 @@ class TrainerView(Protocol):
     @property
     def optimizers(self) -> dict[str, torch.optim.Optimizer]:
         """The built optimizers by name, in update order."""
+
+    @property
+    def updating(self) -> str:
+        """The name of the optimizer whose update is in progress."""
 
     @property
     def lr_schedulers(self) -> dict[str, torch.optim.lr_scheduler.LRScheduler]:

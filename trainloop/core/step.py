@@ -16,6 +16,8 @@ other optimizer waits for the verdict before it steps, and a refused update is r
 from __future__ import annotations
 
 import contextlib
+import dataclasses
+import functools
 import inspect
 import warnings
 from collections import defaultdict
@@ -38,6 +40,8 @@ if TYPE_CHECKING:
 
 __all__ = [
     "DeviceVerdict",
+    "trainer_update_plans",
+    "update_plan",
     "LossNoneWarning",
     "check_forward",
     "takes_optimizer",
@@ -81,6 +85,8 @@ class StepPlan:
         autocast: The mixed-precision context ``forward`` runs under (re-enterable).
         before_optimizer_step: Called after the step's gradients are unscaled and normalised,
             before clipping (the trainer's ``on_before_optimizer_step`` hooks).
+        parameters: The parameters the update clips and checks: its optimizer's, when a step
+            updates several; ``None``: the model's.
     """
 
     model: nn.Module
@@ -95,6 +101,11 @@ class StepPlan:
     no_sync: bool = True
     autocast: contextlib.AbstractContextManager[Any] = NO_CONTEXT
     before_optimizer_step: Callable[[], None] | None = None
+    parameters: tuple[nn.Parameter, ...] | None = None
+
+    def params(self) -> Iterable[nn.Parameter]:
+        """The parameters the update clips and checks."""
+        return self.parameters if self.parameters is not None else self.model.parameters()
 
 
 def trainer_step_plan(
@@ -104,12 +115,49 @@ def trainer_step_plan(
     lr_scheduler: torch.optim.lr_scheduler.LRScheduler | None = None,
     before_optimizer_step: Callable[[], None] | None = None,
 ) -> StepPlan:
-    """The step of ``trainer``'s built components under its settings (``lr_find`` runs it too)."""
+    """The step of ``trainer``'s built components and its one optimizer under its settings (``lr_find`` runs it too)."""
+    return update_plan(trainer, trainer.optimizer, trainer.forward, check_grads, lr_scheduler, before_optimizer_step)
+
+
+def trainer_update_plans(
+    trainer: TrainerContract,
+    *,
+    check_grads: bool,
+    before_optimizer_step: Callable[[], None] | None = None,
+) -> dict[str, StepPlan]:
+    """One plan per optimizer of a trainer that updates several: each calls ``forward(batch, name)``.
+
+    Each clips and checks its own optimizer's parameters only (another update's backward may leave
+    gradients on them, which the loop zeroes before each update).
+    """
+    schedulers = trainer.lr_schedulers
+    plans = {}
+    for name, optimizer in trainer.optimizers.items():
+        forward = functools.partial(_call_with_name, trainer.forward, name)
+        plan = update_plan(trainer, optimizer, forward, check_grads, schedulers.get(name), before_optimizer_step)
+        params = tuple(p for group in optimizer.param_groups for p in group["params"])
+        plans[name] = dataclasses.replace(plan, parameters=params)
+    return plans
+
+
+def _call_with_name(forward: Callable[..., Any], name: str, batch: Any) -> Any:
+    return forward(batch, name)
+
+
+def update_plan(
+    trainer: TrainerContract,
+    optimizer: torch.optim.Optimizer,
+    forward: Callable[[Any], Any],
+    check_grads: bool,
+    lr_scheduler: torch.optim.lr_scheduler.LRScheduler | None,
+    before_optimizer_step: Callable[[], None] | None,
+) -> StepPlan:
+    """The plan of one optimizer's update under ``trainer``'s settings."""
     settings = trainer.settings
     return StepPlan(
         model=trainer.model,
-        optimizer=trainer.optimizer,
-        forward=trainer.forward,
+        optimizer=optimizer,
+        forward=forward,
         owner=f"{type(trainer).__name__}.forward()",
         accumulation=settings.gradient_accumulation_steps,
         grad_clip=settings.grad_clip,
@@ -148,12 +196,17 @@ class StepRunner:
             step takes the microsteps that remain in it, and no step crosses into another epoch.
     """
 
-    def __init__(self, plan: StepPlan, data: Iterator[Any], epochs: EpochIterator | None = None) -> None:
+    def __init__(
+        self, plan: StepPlan, data: Iterator[Any], epochs: EpochIterator | None = None, kept: list[Any] | None = None
+    ) -> None:
         self.plan = plan
         self.data = data
         self.epochs = epochs
+        self.kept = kept
+        self._draw = data
+        self._replaying = False
         self.distributed = is_distributed_model(plan.model)  # it also averages gradients over ranks
-        self._device = next((p.device for p in plan.model.parameters()), torch.device("cpu"))
+        self._device = next((p.device for p in plan.params()), torch.device("cpu"))
         # Built once, entered on every microstep but a step's last: DDP's no_sync(), FSDP2's
         # set_requires_gradient_sync(False).
         sync_off = gradient_sync(plan.model, enabled=False)
@@ -162,7 +215,7 @@ class StepRunner:
         self._scaler = plan.grad_scaler if plan.grad_scaler is not None and plan.grad_scaler.is_enabled() else None
         # With clipping on, the total norm clip_grad_norm_ returns answers the check for free.
         self._grad_check = (
-            NonFiniteGradCheck(plan.model.parameters())
+            NonFiniteGradCheck(plan.params())
             if plan.check_grads and self._scaler is None and plan.grad_clip is None
             else None
         )
@@ -180,14 +233,25 @@ class StepRunner:
         self._divisor = plan.accumulation  # what its plain losses are divided by
         self.grad_norm: torch.Tensor | None = None  # the last update's (clipping only)
 
-    def begin(self) -> None:
-        """Start a step (or its retry).
+    def begin(self, fresh: bool = True) -> None:
+        """Start a step, its retry (``fresh``), or another optimizer's update of it (not ``fresh``).
 
         No microstep done, no items counted; with ``epochs``, as many microsteps as the epoch still has batches, up to
-        the accumulation.
+        the accumulation. With ``kept`` (several optimizers), a fresh update keeps the batches it trains on there, and
+        another update replays them.
         """
         self.microsteps = 0
         self.items = None
+        kept = self.kept
+        if kept is not None:
+            self._replaying = not fresh
+            if not fresh:
+                self.data = iter(kept)
+                self.target = self._divisor = len(kept)
+                return
+            kept.clear()
+            self.data = self._draw
+            self.target = self._divisor = self.plan.accumulation
         if self.epochs is not None:
             self.target = self._divisor = min(self.plan.accumulation, self._left_in_epoch())
 
@@ -239,29 +303,44 @@ class StepRunner:
             loss, records = unpack_forward_output(output, plan.owner)
             if loss is not None:
                 break
-            if self.distributed:
-                warnings.warn(
-                    "forward() returned loss=None under DDP/FSDP; the wrapped model must not "
-                    "have been called for this batch, or its next backward may hang or be wrong",
-                    LossNoneWarning,
-                    stacklevel=4,
-                )
-            if self.epochs is not None and self.epochs.remaining == 0:
-                if self.microsteps:  # the step ends with its epoch, on what it accumulated
-                    self.target = self.microsteps
-                    return Microstep(None, {}, data_time)
-                if self.epochs.in_last_epoch:
-                    raise DataExhaustedError(
-                        f"{plan.owner} returned loss=None for every batch of the last epoch's step "
-                        f"(max_epochs={self.epochs.limit}), so it has nothing to update with"
-                    )
-                self.target = self._divisor = min(plan.accumulation, self.epochs.batches_per_epoch or 1)
+            if self._skipped_and_epoch_ended():
+                return Microstep(None, {}, data_time)
+        if self.kept is not None and not self._replaying:
+            self.kept.append(batch)
         backward = self._to_backpropagate(loss)
         if self._scaler is not None:
             backward = self._scaler.scale(backward)
         backward.backward()  # type: ignore[no-untyped-call]  # torch leaves Tensor.backward unannotated
         self.microsteps += 1
         return Microstep(loss, records, data_time)
+
+    def _skipped_and_epoch_ended(self) -> bool:
+        """A batch's ``forward`` returned ``loss=None``: whether the step ends with its epoch (else draw the next)."""
+        plan = self.plan
+        if self._replaying:
+            raise ValueError(
+                f"{plan.owner} returned loss=None for a batch that the step's first update trained on: "
+                "every update of a step trains on the step's batches, so skip a batch in every update or none"
+            )
+        if self.distributed:
+            warnings.warn(
+                "forward() returned loss=None under DDP/FSDP; the wrapped model must not "
+                "have been called for this batch, or its next backward may hang or be wrong",
+                LossNoneWarning,
+                stacklevel=5,
+            )
+        epochs = self.epochs
+        if epochs is not None and epochs.remaining == 0:
+            if self.microsteps:  # the step ends with its epoch, on what it accumulated
+                self.target = self.microsteps
+                return True
+            if epochs.in_last_epoch:
+                raise DataExhaustedError(
+                    f"{plan.owner} returned loss=None for every batch of the last epoch's step "
+                    f"(max_epochs={epochs.limit}), so it has nothing to update with"
+                )
+            self.target = self._divisor = min(plan.accumulation, epochs.batches_per_epoch or 1)
+        return False
 
     def _to_backpropagate(self, loss: Any) -> torch.Tensor:
         plan = self.plan
@@ -320,7 +399,7 @@ class StepRunner:
         if plan.before_optimizer_step is not None:
             plan.before_optimizer_step()
         if plan.grad_clip is not None:
-            grad_norm = nn.utils.clip_grad_norm_(plan.model.parameters(), plan.grad_clip)
+            grad_norm = nn.utils.clip_grad_norm_(plan.params(), plan.grad_clip)
             if hasattr(grad_norm, "full_tensor"):  # an FSDP2 DTensor, replicated: no communication
                 grad_norm = grad_norm.full_tensor()
             self.grad_norm = grad_norm
@@ -404,7 +483,7 @@ class StepRunner:
         return found
 
     def _rescale(self, factor: float) -> None:
-        grads = [p.grad for p in self.plan.model.parameters() if p.grad is not None]
+        grads = [p.grad for p in self.plan.params() if p.grad is not None]
         torch._foreach_mul_(grads, factor)
         self._divisor = self.target
 
@@ -416,7 +495,7 @@ class StepRunner:
             items = items.clone()
             dist.all_reduce(items)  # the total over ranks; stays on the device
             factor = dist.get_world_size() / items
-        grads = [p.grad for p in self.plan.model.parameters() if p.grad is not None]
+        grads = [p.grad for p in self.plan.params() if p.grad is not None]
         torch._foreach_mul_(grads, factor)  # a tensor factor: no host sync
         self.items = None
 

@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING, Any
 
 from trainloop.core.data_position import InexactResumeWarning, batch_size_of
 from trainloop.core.rng import get_rng_state, set_rng_state
+from trainloop.core.run_state import SINGLE
 from trainloop.distributed.ranks import gather_from_ranks, rank, world_size
 from trainloop.settings import optimizer as components
 
@@ -49,22 +50,31 @@ def training_state(trainer: TrainerView, run: RunState) -> dict[str, Any]:
     models give the same layout as plain ones.
     """
     # Imported here: torch.distributed.checkpoint costs ~0.8 s to import, and many runs never save.
-    from torch.distributed.checkpoint.state_dict import get_state_dict
+    from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_optimizer_state_dict
 
-    model_state, optimizer_state = get_state_dict(
-        trainer.model, trainer.optimizer, options=trainer.state_dict_options
-    )
+    model, options = trainer.model, trainer.state_dict_options
+    optimizers, schedulers = trainer.optimizers, trainer.lr_schedulers
+    optimizer_states = {name: get_optimizer_state_dict(model, opt, options=options) for name, opt in optimizers.items()}
+    # Each optimizer's class, for a resume to name a mismatch: torch would load another class's
+    # state silently and fail at the first step with a bare KeyError.
+    classes = {name: _class_name(opt) for name, opt in optimizers.items()}
+    scheduler_states = {name: scheduler.state_dict() for name, scheduler in schedulers.items()}
     data = run.data
     state_dict: dict[str, Any] = {
-        "model": model_state,
+        "model": get_model_state_dict(model, options=options),
         "training_state": {
             "step": run.step,
             "epoch": data.resume_epoch if data is not None else run.epoch,
-            "optimizer": optimizer_state,
-            # Its class, for a resume to name a mismatch: torch would load another class's
-            # state silently and fail at the first step with a bare KeyError.
-            "optimizer_class": _class_name(trainer.optimizer),
-            "lr_scheduler": trainer.lr_scheduler.state_dict() if trainer.lr_scheduler else None,
+            # Several optimizers by name; one as it is (its name is SINGLE).
+            **(
+                {"optimizers": optimizer_states, "optimizer_class": classes, "lr_scheduler": scheduler_states}
+                if run.named_optimizers
+                else {
+                    "optimizer": optimizer_states[SINGLE],
+                    "optimizer_class": classes[SINGLE],
+                    "lr_scheduler": scheduler_states.get(SINGLE),
+                }
+            ),
             "grad_scaler": trainer.grad_scaler.state_dict(),
             # What resumes the run exactly, per rank (each rank has its own).
             "rng": gather_from_ranks(get_rng_state()),
@@ -83,49 +93,74 @@ def training_state(trainer: TrainerView, run: RunState) -> dict[str, Any]:
 def load_training_state(trainer: TrainerView, run: RunState, state_dict: dict[str, Any]) -> None:
     """Restore into ``trainer`` and its run state what ``training_state`` returned."""
     saved = state_dict["training_state"]
-    _check_optimizer_class(trainer, saved.get("optimizer_class"))
+    optimizer_states, classes, scheduler_states = _by_name(trainer, run, saved)
+    for name, optimizer in trainer.optimizers.items():
+        _check_optimizer_class(name if run.named_optimizers else None, optimizer, classes.get(name))
     _check_global_batch(trainer, saved.get("global_batch"))
     run.step = saved["step"]
     run.epoch = saved.get("epoch", 0)
     trainer.logger.info("Resuming from step %d", run.step)
-    if trainer.lr_scheduler is not None:
+    for name, scheduler in trainer.lr_schedulers.items():
         # The scheduler must load before the optimizer: loading it rewrites the optimizer's
         # lr with its own (pytorch/pytorch#119168).
-        trainer.lr_scheduler.load_state_dict(saved["lr_scheduler"])
+        scheduler.load_state_dict(scheduler_states[name])
     trainer.grad_scaler.load_state_dict(saved["grad_scaler"])
     _restore_per_rank(trainer, run, saved)
     _warn_on_changed_settings(trainer, saved.get("settings"))
-    _load_model_and_optimizer(trainer, state_dict["model"], saved["optimizer"])
+    _load_model_and_optimizers(trainer, state_dict["model"], optimizer_states)
     for fn in run.dispatch["on_load_state_dict"]:
         fn(trainer, state_dict)
 
 
-def _load_model_and_optimizer(
-    trainer: TrainerView, model_state: dict[str, Any], optimizer_state: dict[str, Any]
+def _by_name(
+    trainer: TrainerView, run: RunState, saved: dict[str, Any]
+) -> tuple[dict[str, Any], dict[str, str | None], dict[str, Any]]:
+    """The checkpoint's optimizer states, classes and scheduler states by optimizer name.
+
+    Raises:
+        ValueError: The checkpoint's optimizers are not this run's (other names, or one where there are several).
+    """
+    now = list(trainer.optimizers) if run.named_optimizers else None
+    then = list(saved["optimizers"]) if "optimizers" in saved else None
+    if now != then:
+        def described(names: list[str] | None) -> str:
+            return f"optimizers {', '.join(names)}" if names is not None else "one optimizer"
+
+        raise ValueError(
+            f"the checkpoint holds the state of {described(then)}, and this run builds {described(now)}: "
+            "resume with the same optimizers, or start fresh (another workspace, or CheckpointingHook(load=None))"
+        )
+    if then is None:
+        return (
+            {SINGLE: saved["optimizer"]},
+            {SINGLE: saved.get("optimizer_class")},
+            {SINGLE: saved.get("lr_scheduler")},
+        )
+    return saved["optimizers"], saved.get("optimizer_class") or {}, saved.get("lr_scheduler") or {}
+
+
+def _load_model_and_optimizers(
+    trainer: TrainerView, model_state: dict[str, Any], optimizer_states: dict[str, dict[str, Any]]
 ) -> None:
-    """Load the model's and the optimizer's states (saved by ``get_state_dict``: keyed by names).
+    """Load the model's and the optimizers' states (saved by ``get_state_dict``: keyed by parameter names).
 
     A plain or DDP model's optimizer state is renumbered by parameter and loaded directly:
     torch's ``set_state_dict`` would first run a dummy optimizer step to create the state it
     then overwrites (0.7 s at 42M parameters with AdamW). Sharded models keep torch's path.
     """
-    from torch.distributed.checkpoint.state_dict import set_model_state_dict, set_state_dict
+    from torch.distributed.checkpoint.state_dict import set_model_state_dict, set_optimizer_state_dict
 
-    by_index = _optimizer_state_by_index(trainer, optimizer_state)
-    if by_index is None:
-        set_state_dict(
-            trainer.model,
-            trainer.optimizer,
-            model_state_dict=model_state,
-            optim_state_dict=optimizer_state,
-            options=trainer.state_dict_options,
-        )
-        return
-    set_model_state_dict(trainer.model, model_state, options=trainer.state_dict_options)
-    trainer.optimizer.load_state_dict(by_index)
+    model, options = trainer.model, trainer.state_dict_options
+    set_model_state_dict(model, model_state, options=options)
+    for name, optimizer in trainer.optimizers.items():
+        by_index = _optimizer_state_by_index(trainer, optimizer, optimizer_states[name])
+        if by_index is None:
+            set_optimizer_state_dict(model, optimizer, optimizer_states[name], options=options)
+        else:
+            optimizer.load_state_dict(by_index)
 
 
-def _optimizer_state_by_index(trainer: TrainerView, saved: dict[str, Any]) -> dict[str, Any] | None:
+def _optimizer_state_by_index(trainer: TrainerView, optimizer: Any, saved: dict[str, Any]) -> dict[str, Any] | None:
     """``saved`` in ``Optimizer.state_dict``'s own numbering, or ``None`` where torch must do it.
 
     ``saved`` names parameters as ``get_state_dict`` names them. ``None`` leaves it to torch's ``set_state_dict``: a
@@ -149,9 +184,9 @@ def _optimizer_state_by_index(trainer: TrainerView, saved: dict[str, Any]) -> di
         names[param] = next(iter(fqns))
     groups, state, index = [], {}, 0
     saved_groups, saved_state = saved.get("param_groups", []), saved.get("state", {})
-    if len(saved_groups) != len(trainer.optimizer.param_groups):
+    if len(saved_groups) != len(optimizer.param_groups):
         return None
-    for group, saved_group in zip(trainer.optimizer.param_groups, saved_groups, strict=True):
+    for group, saved_group in zip(optimizer.param_groups, saved_groups, strict=True):
         named = [names.get(param) for param in group["params"]]
         if None in named or named != list(saved_group["params"]):
             return None
@@ -165,16 +200,17 @@ def _class_name(obj: Any) -> str:
     return f"{type(obj).__module__}.{type(obj).__qualname__}"
 
 
-def _check_optimizer_class(trainer: TrainerView, saved: str | None) -> None:
+def _check_optimizer_class(name: str | None, optimizer: Any, saved: str | None) -> None:
     """Refuse optimizer state saved by another optimizer class (checkpoints that record it).
 
     Raises:
-        ValueError: The classes differ; the message names both.
+        ValueError: The classes differ; the message names both (and the optimizer, one of several).
     """
-    now = _class_name(trainer.optimizer)
+    now = _class_name(optimizer)
     if saved is not None and saved != now:
+        which = f"optimizer {name!r}" if name is not None else "optimizer"
         raise ValueError(
-            f"the checkpoint's optimizer state was saved by {saved}, and this run's optimizer is "
+            f"the checkpoint's {which} state was saved by {saved}, and this run's {which} is "
             f"{now}: one cannot load the other's state; build the same optimizer to resume, or "
             "start fresh (another workspace, or CheckpointingHook(load=None))"
         )

@@ -269,7 +269,8 @@ class CheckpointingHook(BaseHook):
         saver = self._saver or CheckpointSaver(self.format, self.async_save, trainer.logger)
         self._saver = saver
         error = saver.save(
-            root, step, state_dict, metadata, lambda _: self._prune(root, step, trainer.logger), trainer.optimizer
+            root, step, state_dict, metadata, lambda _: self._prune(root, step, trainer.logger),
+            tuple(trainer.optimizers.values()),
         )
         self._report(trainer, error)
 

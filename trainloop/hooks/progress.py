@@ -222,8 +222,7 @@ class ProgressHook(StatsHook):
         if stats.max_memory is not None:
             parts.append("mem %.2fGiB" if self.show_units else "mem %.2f")
             args.append(stats.max_memory)
-        parts.append("loss %.4f")
-        args.append(stats.loss)
+        _describe_loss(stats, parts, args)
         self._describe_throughput(stats, parts, args)
         if stats.grad_norm is not None:
             parts.append("grad_norm %.4f")
@@ -307,3 +306,13 @@ class ProgressHook(StatsHook):
             logger.setLevel(logging.INFO)
             self._cleanup.callback(logger.setLevel, logging.NOTSET)
 
+
+def _describe_loss(stats: TrainingStats, parts: list[str], args: list[Any]) -> None:
+    """The loss, or each optimizer's (several optimizers)."""
+    if stats.losses:
+        for name, loss in stats.losses.items():
+            parts.append("loss/%s %.4f")
+            args += [name, loss]
+    else:
+        parts.append("loss %.4f")
+        args.append(stats.loss)

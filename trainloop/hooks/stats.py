@@ -23,6 +23,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from pydantic import validate_call
 
+from trainloop.core.run_state import SINGLE
 from trainloop.distributed.ranks import gather_from_ranks, world_size
 from trainloop.hooks.base import BaseHook
 from trainloop.hooks.every import Schedule
@@ -60,7 +61,11 @@ class TrainingStats:
             records it.
         lrs: Learning rate of each optimizer param group at the last step, as the optimizer
             used it (before the scheduler stepped), keyed by the group's ``"name"`` entry or
-            ``group_<i>``.
+            ``group_<i>``; with several optimizers, by the optimizer's name (and
+            ``<optimizer>/<group>`` for one with several groups).
+        losses: With several optimizers, the mean loss of each one's updates, by name (``loss``
+            is then the mean over every microstep of every update).
+        grad_norms: With several optimizers and clipping, each one's mean norm, by name.
         records: ``forward``'s records averaged key by key over every microstep (then over
             ranks); empty when the hook does not collect them.
         throughput: Items per second (``trainloop.hooks.throughput``); ``None`` when nothing
@@ -80,6 +85,8 @@ class TrainingStats:
     non_finite_grad_retries: int
     max_memory: float | None
     lrs: dict[str, float] = field(default_factory=dict)
+    losses: dict[str, float] = field(default_factory=dict)
+    grad_norms: dict[str, float] = field(default_factory=dict)
     records: Records = field(default_factory=dict)
     throughput: Throughput | None = None
     compile_steps: int = 0
@@ -89,15 +96,18 @@ class TrainingStats:
     def to_records(self) -> dict[str, Any]:
         """These statistics as nested records for ``trainer.log``.
 
-        Keys: ``loss``, ``grad_norm`` (when clipping), ``lr`` (a dict by param group),
+        Keys: ``loss``, ``grad_norm`` (when clipping), ``lr`` (a dict by param group; with several
+        optimizers, ``loss``, ``grad_norm`` and ``lr`` are dicts by optimizer: ``loss/generator``),
         ``step_time``, ``data_time``, ``non_finite_grad_retries``, ``max_memory`` (when
         recorded), ``throughput`` (``items_per_second`` and the rest of ``Throughput``, when
         counted), ``compile_steps``, ``compile_time`` and ``recompilations`` (when a step
         compiled) and ``records`` (``forward``'s averaged records, when any). Keeping the
         user's records under their own key means no name of theirs can collide with ours.
         """
-        out: dict[str, Any] = {"loss": self.loss}
-        if self.grad_norm is not None:
+        out: dict[str, Any] = {"loss": dict(self.losses) if self.losses else self.loss}
+        if self.grad_norms:
+            out["grad_norm"] = dict(self.grad_norms)
+        elif self.grad_norm is not None:
             out["grad_norm"] = self.grad_norm
         out["lr"] = dict(self.lrs)
         out["step_time"] = self.step_time
@@ -176,15 +186,17 @@ class StatsHook(BaseHook):
         self.latest: TrainingStats | None = None
         self.schedule = Schedule(interval)
         self._max_steps = 0
-        self._optimizer: Any = None
-        self._lr_names: list[str] = []
-        self._lrs: list[Any] = []
+        self._optimizers: dict[str, Any] = {}
+        self._lr_names: dict[str, list[str]] = {}  # per optimizer, its groups' keys
+        self._lrs: dict[str, list[Any]] = {}  # per optimizer, its groups' last learning rates
         self._reset_window()
 
     def _reset_window(self) -> None:
         self._steps = 0
         self._losses: list[torch.Tensor] = []
         self._grad_norms: list[torch.Tensor] = []
+        self._losses_by: dict[str, list[torch.Tensor]] = {}  # several optimizers only
+        self._grad_norms_by: dict[str, list[torch.Tensor]] = {}
         self._records: list[Mapping[str, Any]] = []
         self._step_time = 0.0  # of the steps that did not compile
         self._compile_steps = 0
@@ -207,7 +219,8 @@ class StatsHook(BaseHook):
     def on_before_train(self, trainer: TrainerView) -> None:
         """Start an empty window."""
         self._max_steps = trainer.max_steps
-        self._optimizer = trainer.optimizer  # built, and not replaced during a run: read once
+        self._optimizers = trainer.optimizers  # built, and not replaced during a run: read once
+        self._lr_names, self._lrs = {}, {}
         self.latest = None
         self._reset_window()
 
@@ -216,23 +229,26 @@ class StatsHook(BaseHook):
         # The scheduler steps right after the optimizer, so this is the last moment the lr is
         # the step's own. It is stored into a list kept across steps: no allocation per step.
         # (param_groups is read each time: loading a state dict replaces the list.)
-        groups = self._optimizer.param_groups
-        lrs = self._lrs
-        if len(lrs) != len(groups):
-            self._name_param_groups(groups)
-            lrs = self._lrs
+        name = trainer.updating
+        groups = self._optimizers[name].param_groups
+        lrs = self._lrs.get(name)
+        if lrs is None or len(lrs) != len(groups):
+            lrs = self._name_param_groups(name, groups)
         for i, group in enumerate(groups):
             lr = group["lr"]
             # Schedulers update a tensor lr in place, so keep a copy of this step's value.
             lrs[i] = lr.detach().clone() if isinstance(lr, torch.Tensor) else lr
 
-    def _name_param_groups(self, groups: list[dict[str, Any]]) -> None:
+    def _name_param_groups(self, optimizer: str, groups: list[dict[str, Any]]) -> list[Any]:
         names: list[str] = []
         for i, group in enumerate(groups):
             name = str(group.get("name", f"group_{i}"))
             names.append(f"{name}_{i}" if name in names else name)
-        self._lr_names = names
-        self._lrs = [None] * len(groups)
+        if list(self._optimizers) != [SINGLE]:  # optimizers by name: learning rates keyed by optimizer
+            names = [optimizer] if len(names) == 1 else [f"{optimizer}/{name}" for name in names]
+        self._lr_names[optimizer] = names
+        lrs = self._lrs[optimizer] = [None] * len(groups)
+        return lrs
 
     def on_after_step(self, trainer: TrainerView) -> None:
         """Add the step to the window (``on_schedule`` emits it when due)."""
@@ -243,6 +259,11 @@ class StatsHook(BaseHook):
         grad_norm = info.grad_norm
         if grad_norm is not None:
             self._grad_norms.append(grad_norm)
+        if info.losses:  # several optimizers
+            for name, losses in info.losses.items():
+                self._losses_by.setdefault(name, []).extend(losses)
+            for name, norm in info.grad_norms.items():
+                self._grad_norms_by.setdefault(name, []).append(norm)
         if self.collect_records:
             self._records.extend(info.records)
         step_time = info.step_time or 0.0
@@ -282,12 +303,16 @@ class StatsHook(BaseHook):
     def _reduce(self, step: int) -> TrainingStats:
         steps = self._steps
         loss = torch.stack(self._losses).float().mean()
+        by_name = [*self._losses_by.values(), *self._grad_norms_by.values()]
+        means = [loss, *(torch.stack(values).float().mean().to(loss.device) for values in by_name)]
         if self._grad_norms:
-            grad_norm = torch.stack(self._grad_norms).float().mean().to(loss.device)
-            # The window's host sync for its tensors: both means read at once.
-            loss_value, grad_norm_value = torch.stack((loss, grad_norm)).tolist()
-        else:
-            loss_value, grad_norm_value = loss.item(), None
+            means.append(torch.stack(self._grad_norms).float().mean().to(loss.device))
+        # The window's host sync for its tensors: every mean read at once.
+        values = torch.stack(means).tolist() if len(means) > 1 else [loss.item()]
+        loss_value = values[0]
+        grad_norm_value = values[-1] if self._grad_norms else None
+        losses = dict(zip(self._losses_by, values[1:], strict=False))
+        grad_norms = dict(zip(self._grad_norms_by, values[1 + len(losses):], strict=False))
         records = key_average(_read_scalar_tensors(self._records)) if self._records else {}
         timed = steps - self._compile_steps
         return TrainingStats(
@@ -299,7 +324,13 @@ class StatsHook(BaseHook):
             data_time=self._data_time / steps,
             non_finite_grad_retries=self._retries,
             max_memory=self._max_memory,
-            lrs={name: float(lr) for name, lr in zip(self._lr_names, self._lrs, strict=True)},
+            lrs={
+                key: float(lr)
+                for optimizer, lrs in self._lrs.items()
+                for key, lr in zip(self._lr_names[optimizer], lrs, strict=True)
+            },
+            losses=losses,
+            grad_norms=grad_norms,
             records=records,
             throughput=throughput(self._items.read(), self._step_time, self.flops_per_item, self.peak_flops),
             compile_steps=self._compile_steps,
@@ -333,6 +364,8 @@ def _combine_ranks(local: TrainingStats) -> TrainingStats:
         non_finite_grad_retries=max(s.non_finite_grad_retries for s in ranks),
         max_memory=max(memories) if memories else None,
         lrs=local.lrs,
+        losses={name: sum(s.losses[name] for s in ranks) / n for name in local.losses},
+        grad_norms={name: sum(s.grad_norms[name] for s in ranks) / n for name in local.grad_norms},
         records=key_average([s.records for s in ranks]) if any(s.records for s in ranks) else {},
         throughput=combine_throughput([s.throughput for s in ranks], local.throughput),
         compile_steps=max(s.compile_steps for s in ranks),

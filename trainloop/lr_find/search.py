@@ -324,6 +324,12 @@ def _trainer_plan(trainer: BaseTrainer) -> Iterator[tuple[StepPlan, Iterable[Any
     loop = trainer.loop
     with loop.components_kept():
         loop.build_components(lr_scheduler=False)  # what train()'s building state does, in its order
+        if loop.run_state.named_optimizers:
+            names = ", ".join(loop.run_state.optimizers)
+            raise ValueError(
+                f"lr_find() sweeps one optimizer's learning rate, and {type(trainer).__name__}.build_optimizer() "
+                f"returned several ({names}): run the test with one of them, e.g. a trainer that returns it alone"
+            )
         # No lr scheduler, no hooks; the sweep checks the loss instead, before each update.
         yield trainer_step_plan(trainer, check_grads=False), trainer.data_loader
 

@@ -25,10 +25,11 @@ class State(str, Enum):
     """Loading a checkpoint (if a hook does), then ``on_before_train``."""
     ACCUMULATING = "accumulating"
     """One microstep: draw a batch, ``forward``, backward. Entered for every microstep of a
-    step, the first included (also without accumulation)."""
+    step, the first included (also without accumulation); with several optimizers, for each
+    update's, which replay the step's batches."""
     STEPPING = "stepping"
-    """The optimizer update of a step: unscale, ``Loss`` normalisation, clipping, the
-    non-finite check, optimizer and scheduler step, ``on_after_step``. A fused optimizer skips
+    """An optimizer update: unscale, ``Loss`` normalisation, clipping, the non-finite check,
+    optimizer and scheduler step; after the step's last update, ``on_after_step``. A fused optimizer skips
     a non-finite update in its own kernel: no edge, the step counts, and the loop learns of it
     a step late (a ``skipped`` mark in the trace; see ``NOTES``)."""
     RETRYING = "retrying"
@@ -94,6 +95,8 @@ TRANSITIONS: tuple[Transition, ...] = (
     Transition("accumulate", _S.ACCUMULATING, _S.ACCUMULATING, "microsteps_remain"),
     Transition("update", _S.ACCUMULATING, _S.STEPPING),
     Transition("retry", _S.STEPPING, _S.RETRYING, "grads_non_finite"),
+    # Several optimizers: each updates in turn, on the step's batches.
+    Transition("next_update", _S.STEPPING, _S.ACCUMULATING, "updates_remain", action="next_update"),
     Transition("validate", _S.STEPPING, _S.VALIDATING, "validation_due"),
     Transition("checkpoint", _S.STEPPING, _S.CHECKPOINTING, "checkpoint_due"),
     Transition("finish", _S.STEPPING, _S.EXITING, "should_exit"),

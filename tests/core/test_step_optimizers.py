@@ -1,0 +1,297 @@
+"""Several optimizers by name: one update each per step, in order, on the step's batches (a GAN)."""
+
+import itertools
+import json
+import logging
+
+import pytest
+import torch
+from cli_process import Cli
+from torch import nn
+
+from trainloop import BaseHook, BaseTrainer, State, TrainerSettings, lr_find
+from trainloop.checkpoint import read_checkpoint
+from trainloop.hooks import CheckpointingHook, LoggingHook
+
+
+def batches(n=64, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randn(8, 2, generator=g) * 0.5 + 1.0 for _ in range(n)]
+
+
+class Gan(nn.Module):
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.generator = nn.Sequential(nn.Linear(3, 8), nn.Tanh(), nn.Linear(8, 2))
+        self.discriminator = nn.Sequential(nn.Linear(2, 8), nn.Tanh(), nn.Linear(8, 1))
+
+
+def gan_loss(model, batch, optimizer):
+    """DCGAN's losses; the noise comes from torch's global generator (which checkpoints restore)."""
+    fake = model.generator(torch.randn(len(batch), 3))
+    bce = nn.functional.binary_cross_entropy_with_logits
+    if optimizer == "discriminator":
+        real, faked = model.discriminator(batch), model.discriminator(fake.detach())
+        return bce(real, torch.ones_like(real)) + bce(faked, torch.zeros_like(faked))
+    logits = model.discriminator(fake)
+    return bce(logits, torch.ones_like(logits))
+
+
+class GanTrainer(BaseTrainer):
+    def __init__(self, *args, hooks=(), data=None, **kwargs):
+        super().__init__(*args, **kwargs)
+        self._hooks = list(hooks)
+        self._data = data
+        self.calls = []
+
+    def build_data_loader(self):
+        return self._data if self._data is not None else itertools.cycle(batches())
+
+    def build_model(self):
+        return Gan()
+
+    def build_optimizer(self):
+        return {
+            "discriminator": torch.optim.Adam(self.model.discriminator.parameters(), lr=0.01, betas=(0.5, 0.999)),
+            "generator": torch.optim.Adam(self.model.generator.parameters(), lr=0.01, betas=(0.5, 0.999)),
+        }
+
+    def build_hooks(self):
+        return self._hooks
+
+    def forward(self, batch, optimizer):
+        self.calls.append((self.step, optimizer, batch.sum().item()))
+        loss = gan_loss(self.model, batch, optimizer)
+        return loss, {f"{optimizer[0]}_loss": loss.detach()}
+
+
+def hand_written(steps, accumulation=1):
+    """``for name, opt in optimizers: opt.zero_grad(); loss = forward(batch, name); loss.backward(); opt.step()``."""
+    model = Gan()
+    optimizers = {
+        "discriminator": torch.optim.Adam(model.discriminator.parameters(), lr=0.01, betas=(0.5, 0.999)),
+        "generator": torch.optim.Adam(model.generator.parameters(), lr=0.01, betas=(0.5, 0.999)),
+    }
+    data = itertools.cycle(batches())
+    for _ in range(steps):
+        step_batches = [next(data) for _ in range(accumulation)]
+        for name, optimizer in optimizers.items():
+            optimizer.zero_grad()
+            for batch in step_batches:
+                loss = gan_loss(model, batch, name)
+                (loss / accumulation if accumulation > 1 else loss).backward()
+            optimizer.step()
+    return model
+
+
+@pytest.mark.parametrize("accumulation", [1, 3])
+def test_weights_equal_the_hand_written_loop_bit_for_bit(accumulation):
+    trainer = GanTrainer(max_steps=12, gradient_accumulation_steps=accumulation, detect_non_finite_grads=False)
+    trainer.train()
+    reference = hand_written(12, accumulation)
+    for mine, theirs in zip(trainer.model.parameters(), reference.parameters(), strict=True):
+        assert torch.equal(mine, theirs)
+
+
+def test_each_update_calls_forward_with_its_name_on_the_steps_batches_in_declaration_order():
+    trainer = GanTrainer(max_steps=2, gradient_accumulation_steps=2)
+    trainer.train()
+    names = [(step, name) for step, name, _ in trainer.calls]
+    assert names == [(1, "discriminator")] * 2 + [(1, "generator")] * 2 + [(2, "discriminator")] * 2 + [
+        (2, "generator")
+    ] * 2
+    sums = [total for _, _, total in trainer.calls]
+    assert sums[0:2] == sums[2:4]  # the generator's update trains on the discriminator's batches
+    assert sums[4:6] == sums[6:8]  # drawn once per step
+    assert sums[4:6] != sums[0:2]
+
+
+def test_the_machine_shows_each_update():
+    updates = []
+    trainer = GanTrainer(max_steps=3, trace=True)
+    trainer.on_enter(State.STEPPING, lambda t: updates.append((t.step, t.updating)))
+    trainer.train()
+    assert updates == [(s, n) for s in (1, 2, 3) for n in ("discriminator", "generator")]
+    counts = trainer.trace.counts()
+    assert counts[(State.STEPPING, State.ACCUMULATING, "next_update")] == 3
+    assert counts[(State.STEPPING, State.ACCUMULATING, "begin_step")] == 2
+
+
+def test_a_one_argument_forward_with_several_optimizers_is_refused():
+    class OneArgument(GanTrainer):
+        def forward(self, batch):
+            return gan_loss(self.model, batch, "generator"), {}
+
+    with pytest.raises(TypeError, match=r"OneArgument.forward\(\) takes no optimizer, but the run updates several "
+                                        r"\(discriminator, generator\)"):
+        OneArgument(max_steps=1).train()
+
+    class Declared(BaseTrainer):
+        def build_data_loader(self):
+            return itertools.cycle(batches())
+
+        def build_model(self):
+            return Gan()
+
+        def forward(self, batch):
+            return None, {}
+
+    declared = {"discriminator": {"name": "SGD", "lr": 0.1, "module": "discriminator"},
+                "generator": {"name": "SGD", "lr": 0.1, "module": "generator"}}
+    with pytest.raises(TypeError, match=r"takes no optimizer"):
+        Declared(max_steps=1, optimizers=declared)  # at construction: the settings say there are several
+
+
+def test_a_forward_that_needs_a_name_with_one_optimizer_is_refused():
+    class OneOptimizer(GanTrainer):
+        def build_optimizer(self):
+            return torch.optim.SGD(self.model.parameters(), lr=0.1)
+
+    with pytest.raises(TypeError, match=r"needs an optimizer's name \(optimizer\), but build_optimizer\(\) returned one"):
+        OneOptimizer(max_steps=1).train()
+
+
+def test_optimizers_declared_in_a_settings_file_each_optimize_their_module(tmp_path):
+    class Declared(GanTrainer):
+        build_optimizer = BaseTrainer.build_optimizer
+
+    path = tmp_path / "run.json"
+    path.write_text(json.dumps({
+        "max_steps": 4,
+        "optimizers": {
+            "discriminator": {"name": "Adam", "lr": 0.01, "betas": [0.5, 0.999], "module": "discriminator"},
+            "generator": {"name": "Adam", "lr": 0.01, "betas": [0.5, 0.999], "module": "generator"},
+        },
+        "lr_schedule": {"name": "linear", "warmup_steps": 2},
+        "detect_non_finite_grads": False,
+    }))
+    trainer = Declared(TrainerSettings.from_file(path))
+    trainer.train()
+    assert list(trainer.optimizers) == ["discriminator", "generator"]
+    model = trainer.model
+    assert [p for g in trainer.optimizers["generator"].param_groups for p in g["params"]] == list(
+        model.generator.parameters()
+    )
+    assert set(trainer.lr_schedulers) == {"discriminator", "generator"}
+    assert [s.last_epoch for s in trainer.lr_schedulers.values()] == [4, 4]  # each stepped once per step
+    with pytest.raises(AttributeError, match=r"trainer.optimizer: this trainer builds several \(discriminator, "
+                                             r"generator\); read trainer.optimizers\[name\]"):
+        _ = trainer.optimizer
+
+
+def test_declaring_both_or_an_unknown_module_is_a_clear_error(tmp_path):
+    path = tmp_path / "run.json"
+    path.write_text(json.dumps({
+        "max_steps": 4, "optimizer": {"name": "SGD", "lr": 0.1}, "optimizers": {"g": {"name": "SGD", "lr": 0.1}},
+    }))
+    result = Cli("validate", "run.json", "--trainer", "tiny_trainer:TinyTrainer", cwd=tmp_path).result()
+    assert result.returncode == 2
+    assert "declare optimizer (one) or optimizers (several by name), not both" in result.stderr
+    assert len(result.stderr.strip().splitlines()) == 1
+
+    class Declared(GanTrainer):
+        build_optimizer = BaseTrainer.build_optimizer
+
+    with pytest.raises(ValueError, match=r"optimizer module='critic': Gan has no such submodule \(its children: "
+                                         r"generator, discriminator\)"):
+        Declared(max_steps=1, optimizers={"critic": {"name": "SGD", "lr": 0.1, "module": "critic"},
+                                          "generator": {"name": "SGD", "lr": 0.1, "module": "generator"}}).train()
+
+
+def test_loss_and_lr_are_logged_per_optimizer(tmp_path):
+    trainer = GanTrainer(max_steps=4, workspace=tmp_path, hooks=[LoggingHook(interval=2)])
+    trainer.train()
+    rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert [row["step"] for row in rows] == [2, 4]
+    for row in rows:
+        assert {"loss/discriminator", "loss/generator", "lr/discriminator", "lr/generator"} <= row.keys()
+        assert "loss" not in row
+        assert row["lr/discriminator"] == 0.01
+
+
+def test_checkpoint_resume_is_bit_exact_and_other_optimizers_are_refused(tmp_path):
+    data = torch.utils.data.DataLoader(torch.cat(batches()), batch_size=8)  # a position a checkpoint records
+
+    def run(steps, workspace, **kwargs):
+        trainer = GanTrainer(max_steps=steps, workspace=workspace, seed=0, data=data,
+                             hooks=[CheckpointingHook(interval=3, exit_signals=[])], **kwargs)
+        trainer.train()
+        return trainer
+
+    unbroken = run(6, tmp_path / "unbroken")
+    run(3, tmp_path / "broken")
+    saved = read_checkpoint(tmp_path / "broken" / "checkpoints" / "3")["training_state"]
+    assert list(saved["optimizers"]) == ["discriminator", "generator"]
+    assert set(saved["lr_scheduler"]) == set()  # none built
+    resumed = run(6, tmp_path / "broken")
+    for mine, theirs in zip(resumed.model.parameters(), unbroken.model.parameters(), strict=True):
+        assert torch.equal(mine, theirs)
+
+    class OneOptimizer(GanTrainer):
+        def build_optimizer(self):
+            return torch.optim.Adam(self.model.parameters(), lr=0.01)
+
+        def forward(self, batch, optimizer=None):
+            return gan_loss(self.model, batch, "generator"), {}
+
+    with pytest.raises(ValueError, match=r"the checkpoint holds the state of optimizers discriminator, generator, "
+                                         r"and this run builds one optimizer"):
+        OneOptimizer(max_steps=6, workspace=tmp_path / "broken",
+                     hooks=[CheckpointingHook(interval=3, exit_signals=[])]).train()
+
+
+def test_a_refused_second_update_is_retried_on_fresh_batches(caplog):
+    class NanOnce(GanTrainer):
+        def forward(self, batch, optimizer):
+            loss, records = super().forward(batch, optimizer)
+            if self.step == 2 and optimizer == "generator" and not getattr(self, "failed", False):
+                self.failed = True
+                loss = loss * float("nan")
+            return loss, records
+
+    trainer = NanOnce(max_steps=3, max_non_finite_grad_retries=1, trace=True)
+    with caplog.at_level(logging.WARNING, logger="trainloop"):
+        trainer.train()
+    assert "Non-finite gradients at step 2; retrying (1/1)" in caplog.text
+    step2 = [(name, total) for step, name, total in trainer.calls if step == 2]
+    assert [name for name, _ in step2] == ["discriminator", "generator", "generator"]
+    assert step2[2][1] != step2[1][1]  # the retry drew a fresh batch
+    assert all(torch.isfinite(p).all() for p in trainer.model.parameters())
+    assert trainer.trace.counts()[(State.RETRYING, State.ACCUMULATING, "redo_step")] == 1
+
+
+def test_lr_find_with_several_optimizers_is_a_clear_error():
+    with pytest.raises(ValueError, match=r"lr_find\(\) sweeps one optimizer's learning rate, and "
+                                         r"GanTrainer.build_optimizer\(\) returned several \(discriminator, generator\)"):
+        lr_find(GanTrainer(max_steps=3))
+
+
+def test_hooks_see_the_update_in_progress():
+    seen = []
+
+    class Watch(BaseHook):
+        def on_before_optimizer_step(self, trainer):
+            seen.append((trainer.step, trainer.updating))
+
+    GanTrainer(max_steps=2, hooks=[Watch()]).train()
+    assert seen == [(1, "discriminator"), (1, "generator"), (2, "discriminator"), (2, "generator")]
+
+
+def test_inspect_and_progress_show_each_optimizer(tmp_path, caplog):
+    from trainloop.hooks import ProgressHook
+
+    trainer = GanTrainer(max_steps=2, workspace=tmp_path, hooks=[CheckpointingHook(interval=2, exit_signals=[]),
+                                                                  ProgressHook(interval=2)])
+    with caplog.at_level(logging.INFO, logger="trainloop"):
+        trainer.train()
+    progress = [r.getMessage() for r in caplog.records if r.getMessage().startswith("Step 2/2")]
+    assert len(progress) == 1
+    assert "loss/discriminator " in progress[0]
+    assert "loss/generator " in progress[0]
+    assert "lr/discriminator 1.00e-02" in progress[0]
+    result = Cli("inspect", str(tmp_path / "checkpoints"), cwd=tmp_path).result()
+    assert result.returncode == 0, result.stderr
+    lines = result.stdout.splitlines()
+    assert any(line.startswith("optimizer discriminator: Adam") for line in lines), result.stdout
+    assert any(line.startswith("optimizer generator: Adam") for line in lines), result.stdout
