@@ -8,7 +8,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Annotated, Any
 
-from pydantic import BeforeValidator, Field
+from pydantic import BeforeValidator, Field, PlainValidator
 
 from trainloop.checkpoint.storage import is_url, lost_slash
 
@@ -40,17 +40,17 @@ NonEmptyPath = Annotated[Path, BeforeValidator(_not_empty)]
 """A path that is not written empty (``"."`` says the current directory)."""
 
 
-def _path_or_url(value: Any) -> Any:
+def _path_or_url(value: Any) -> Path | str:
     value = _not_empty(value)
     if is_url(value):
-        return value  # a URL stays text: Path("s3://b/x") would be the local folder "s3:/b/x"
-    if isinstance(value, (str, Path)):
-        problem = lost_slash(Path(value))
-        if problem is not None:
-            raise ValueError(problem)
-        return Path(value)
-    return value
+        return str(value)  # a URL stays text: Path("s3://b/x") would be the local folder "s3:/b/x"
+    if not isinstance(value, (str, Path)):
+        raise ValueError(f"a path or a URL as text, not {type(value).__name__}")
+    problem = lost_slash(Path(value))
+    if problem is not None:
+        raise ValueError(problem)
+    return Path(value)
 
 
-PathOrUrl = Annotated[Path | str, BeforeValidator(_path_or_url)]
+PathOrUrl = Annotated[Path | str, PlainValidator(_path_or_url, json_schema_input_type=str)]
 """A local path (a :class:`~pathlib.Path`) or an fsspec URL (``s3://bucket/run``, kept as text)."""

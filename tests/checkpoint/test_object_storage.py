@@ -1,0 +1,120 @@
+"""Checkpoints on a real S3 server (moto's server mode on 127.0.0.1): train, resume, prune, and a
+process killed in the middle of an upload, through s3fs as a cloud bucket is reached."""
+
+from __future__ import annotations
+
+import json
+import logging
+import signal
+
+import pytest
+import torch
+from child_process import ChildProcess
+from s3_server import s3  # noqa: F401  # the fixture
+from tiny_trainer import TinyTrainer
+from upload_child import hooks
+
+from trainloop import BaseHook, TrainerSettings
+from trainloop.checkpoint import read_checkpoint
+from trainloop.checkpoint.storage import location
+from trainloop.hooks.checkpointing import CheckpointingHook
+from trainloop.settings.init_from import InitFromSettings
+
+
+def unbroken(max_steps: int) -> dict[str, torch.Tensor]:
+    trainer = TinyTrainer(TrainerSettings(max_steps=max_steps))
+    trainer.train()
+    return trainer.model.state_dict()
+
+
+def assert_same_weights(model: torch.nn.Module, expected: dict[str, torch.Tensor]) -> None:
+    for key, value in model.state_dict().items():
+        assert torch.equal(value, expected[key]), key
+
+
+@pytest.mark.parametrize(("format", "async_save"), [("full", False), ("sharded", True)])
+def test_a_run_saves_prunes_and_resumes_exactly_on_s3(s3, format, async_save):  # noqa: F811
+    url = f"{s3.bucket()}/runs/a/checkpoints"
+
+    def run(max_steps):
+        hook = CheckpointingHook(
+            interval=2, keep_previous=1, path=url, storage_options=s3.options, format=format, async_save=async_save
+        )
+        trainer = TinyTrainer(TrainerSettings(max_steps=max_steps), hooks=[hook])
+        trainer.train()
+        return trainer
+
+    run(5)
+    keys = s3.keys(url)
+    assert {key.split("/")[0] for key in keys} == {"4", "5", "latest"}  # 2 pruned; the layout on disk
+    assert "5/manifest.json" in keys and "4/manifest.json" in keys
+    shard = "5/sharded/__0_0.distcp" if format == "sharded" else "5/model.pt"
+    assert shard in keys
+    assert s3.fs().cat_file(f"{url}/latest") == b"5\n"
+    manifest = json.loads(s3.fs().cat_file(f"{url}/5/manifest.json"))
+    assert set(manifest["files"]) == {key.removeprefix("5/") for key in keys if key.startswith("5/")} - {"manifest.json"}
+
+    resumed = run(8)  # resumes from 5
+    assert resumed.step == 8
+    assert_same_weights(resumed.model, unbroken(8))
+    assert s3.fs().cat_file(f"{url}/latest") == b"8\n"
+    assert {key.split("/")[0] for key in s3.keys(url)} == {"6", "8", "latest"}
+
+
+@pytest.mark.parametrize(("format", "async_save"), [("full", False), ("full", True), ("sharded", False)])
+def test_a_process_killed_mid_upload_leaves_the_previous_checkpoint_which_resumes(
+    s3, tmp_path, caplog, format, async_save  # noqa: F811
+):
+    url = f"{s3.bucket()}/checkpoints"
+    child = ChildProcess(
+        __import__("upload_child").__file__, [url, format, str(int(async_save)), "4"], tmp_path, env=s3.env()
+    )
+    try:
+        child.wait_for("paused 4", timeout=300)
+        partial = [key for key in s3.keys(url) if key.startswith("4/")]
+        if format == "full":  # the files before the paused one are uploaded: a visible partial checkpoint
+            assert partial == ["4/big_state.pt", "4/model.pt", "4/training_state.pt"], partial
+        assert "4/manifest.json" not in partial
+        assert s3.fs().cat_file(f"{url}/latest") == b"2\n"
+        child.proc.send_signal(signal.SIGKILL)
+        assert child.proc.wait(timeout=60) == -signal.SIGKILL
+    finally:
+        if child.proc.poll() is None:
+            child.proc.kill()
+
+    assert read_checkpoint(location(f"{url}/2", s3.options))["training_state"]["step"] == 2
+    trainer = TinyTrainer(TrainerSettings(max_steps=6), hooks=hooks(url, format, async_save, None, s3.options))
+    with caplog.at_level(logging.INFO, logger="trainloop"):
+        trainer.train()
+    said = caplog.text
+    if format == "full":
+        assert f"Removed {url}/4: a save or a removal that did not finish" in said
+    assert f"Resumed from {url}/2 at step 2" in said
+    assert "Skipping checkpoint" not in said  # the partial one was never a candidate
+    assert_same_weights(trainer.model, unbroken(6))
+    assert f"Saved checkpoint {url}/4" in said  # saved anew, complete, then pruned by 6
+    assert {key.split("/")[0] for key in s3.keys(url)} == {"6", "latest"}
+    assert s3.fs().cat_file(f"{url}/latest") == b"6\n"
+
+
+def test_init_from_reads_weights_from_s3_with_declared_storage_options(s3):  # noqa: F811
+    url = f"{s3.bucket()}/pretrain"
+    pretrain = TinyTrainer(
+        TrainerSettings(max_steps=3),
+        hooks=[CheckpointingHook(interval=3, path=url, storage_options=s3.options)],
+    )
+    pretrain.train()
+    settings = TrainerSettings.model_validate(
+        {"max_steps": 1, "init_from": {"path": url, "storage_options": s3.options}}  # as a settings file declares it
+    )
+    assert isinstance(settings.init_from, InitFromSettings) and settings.init_from.path == url
+    started = {}
+
+    class Probe(BaseHook):
+        def on_before_train(self, trainer):
+            started.update({k: v.clone() for k, v in trainer.model.state_dict().items()})
+
+    TinyTrainer(settings, hooks=[Probe()]).train()
+    assert started.keys() == pretrain.model.state_dict().keys()
+    for key, value in pretrain.model.state_dict().items():
+        assert torch.equal(started[key], value), key
