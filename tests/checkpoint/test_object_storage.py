@@ -3,6 +3,7 @@ process killed in the middle of an upload, through s3fs as a cloud bucket is rea
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import logging
 import signal
@@ -10,12 +11,13 @@ import signal
 import pytest
 import torch
 from child_process import ChildProcess
+from cli_process import Cli, assert_one_clean_error, cli_env
 from s3_server import s3  # noqa: F401  # the fixture
 from tiny_trainer import TinyTrainer
 from upload_child import hooks
 
 from trainloop import BaseHook, TrainerSettings
-from trainloop.checkpoint import read_checkpoint
+from trainloop.checkpoint import read_checkpoint, read_weights
 from trainloop.checkpoint.storage import location
 from trainloop.hooks.checkpointing import CheckpointingHook
 from trainloop.settings.init_from import InitFromSettings
@@ -47,7 +49,8 @@ def test_a_run_saves_prunes_and_resumes_exactly_on_s3(s3, format, async_save):  
     run(5)
     keys = s3.keys(url)
     assert {key.split("/")[0] for key in keys} == {"4", "5", "latest"}  # 2 pruned; the layout on disk
-    assert "5/manifest.json" in keys and "4/manifest.json" in keys
+    assert "5/manifest.json" in keys
+    assert "4/manifest.json" in keys
     shard = "5/sharded/__0_0.distcp" if format == "sharded" else "5/model.pt"
     assert shard in keys
     assert s3.fs().cat_file(f"{url}/latest") == b"5\n"
@@ -107,7 +110,8 @@ def test_init_from_reads_weights_from_s3_with_declared_storage_options(s3):  # n
     settings = TrainerSettings.model_validate(
         {"max_steps": 1, "init_from": {"path": url, "storage_options": s3.options}}  # as a settings file declares it
     )
-    assert isinstance(settings.init_from, InitFromSettings) and settings.init_from.path == url
+    assert isinstance(settings.init_from, InitFromSettings)
+    assert settings.init_from.path == url
     started = {}
 
     class Probe(BaseHook):
@@ -118,3 +122,60 @@ def test_init_from_reads_weights_from_s3_with_declared_storage_options(s3):  # n
     assert started.keys() == pretrain.model.state_dict().keys()
     for key, value in pretrain.model.state_dict().items():
         assert torch.equal(started[key], value), key
+
+
+def test_the_command_line_trains_inspects_exports_evaluates_and_reports_through_s3(s3, tmp_path):  # noqa: F811
+    """Every command takes the URL as it takes a path; fsspec's variables reach the server, no flags."""
+    bucket = s3.bucket()
+    url = f"{bucket}/run/checkpoints"
+    hooks = [
+        {"type": "validation", "evaluate": "val_metrics", "interval": 3},
+        {"type": "checkpointing", "interval": 3, "keep_interval": 3, "path": url},
+    ]
+    (tmp_path / "run.json").write_text(json.dumps({"max_steps": 6, "workspace": "ws", "hooks": hooks}))
+    env = cli_env(**s3.env())
+    trainer = ("--trainer", "eval_trainers:EvalTrainer")
+    trained = Cli("run", "run.json", *trainer, cwd=tmp_path, env=env).result()
+    assert trained.returncode == 0, trained.stderr[-3000:]
+    assert {key.split("/")[0] for key in s3.keys(url)} == {"3", "6", "latest"}
+    assert not [p for p in tmp_path.rglob("*") if p.name.endswith(":")]  # no local folder named "s3:"
+
+    runs = {
+        "inspect": Cli("inspect", url, cwd=tmp_path, env=env),
+        "export": Cli("export", url, "--output", f"{bucket}/model.safetensors", cwd=tmp_path, env=env),
+        "export_local": Cli("export", f"{url}/3", "--output", "model3.safetensors", cwd=tmp_path, env=env),
+        "evaluate": Cli("evaluate", "run.json", *trainer, cwd=tmp_path, env=env),
+        "evaluate_3": Cli("evaluate", "run.json", *trainer, "--checkpoint", f"{url}/3", cwd=tmp_path, env=env),
+        "report": Cli("report", "ws", cwd=tmp_path, env=env),
+    }
+    results = {name: run.result() for name, run in runs.items()}
+    for name, result in results.items():
+        assert result.returncode == 0, (name, result.stderr[-3000:])
+    assert f"checkpoint:   {url}/6  (latest of {url})" in results["inspect"].stdout
+    assert "files:        metadata.json" in results["inspect"].stdout
+    assert "model.safetensors" in s3.keys(bucket)
+    assert read_weights(location(f"{bucket}/model.safetensors", s3.options)).step == 6
+    assert read_weights(tmp_path / "model3.safetensors").step == 3
+    latest, third = json.loads(results["evaluate"].stdout), json.loads(results["evaluate_3"].stdout)
+    assert latest.keys() == third.keys() == {"val/loss", "val/count"}
+    assert latest != third
+    page = (tmp_path / "ws" / "report.html").read_text()
+    assert f"{url}/6" in page
+    assert f"{url}/3" in page
+
+
+def test_a_url_whose_filesystem_is_not_installed_is_refused_before_anything_runs(tmp_path):
+    if importlib.util.find_spec("gcsfs") is not None:
+        pytest.skip("gcsfs is installed here: gs:// URLs work")
+    hooks = [{"type": "checkpointing", "interval": 3, "path": "gs://bucket/run"}]
+    settings = {"max_steps": 6, "workspace": "ws", "hooks": hooks, "init_from": "gs://bucket/pretrain"}
+    (tmp_path / "run.json").write_text(json.dumps(settings))
+    for command in ("validate", "run"):
+        result = Cli(command, "run.json", "--trainer", "cli_trainers:CliTrainer", cwd=tmp_path).result()
+        assert result.returncode == 2, result.stderr
+        assert_one_clean_error(
+            result.stderr,
+            "hooks[0].path: gs://bucket/run: the gs:// filesystem is not installed: pip install 'trainloop[gcs]'",
+            "init_from.path: gs://bucket/pretrain: the gs:// filesystem is not installed: pip install 'trainloop[gcs]'",
+        )
+        assert not (tmp_path / "ws").exists()
