@@ -10,8 +10,11 @@ import signal
 
 import pytest
 import torch
+import torch.multiprocessing as mp
+import upload_child
 from child_process import ChildProcess
 from cli_process import Cli, assert_one_clean_error, cli_env
+from ddp_worker import free_port
 from s3_server import s3  # noqa: F401  # the fixture
 from tiny_trainer import TinyTrainer
 from upload_child import hooks
@@ -179,3 +182,24 @@ def test_a_url_whose_filesystem_is_not_installed_is_refused_before_anything_runs
             "init_from.path: gs://bucket/pretrain: the gs:// filesystem is not installed: pip install 'trainloop[gcs]'",
         )
         assert not (tmp_path / "ws").exists()
+
+
+def test_two_fsdp_ranks_write_their_shards_to_s3_and_resume_exactly(s3, tmp_path):  # noqa: F811
+    """Each rank uploads its own shard through DCP's fsspec writer; rank 0 sees them all, then the manifest."""
+    url = f"{s3.bucket()}/checkpoints"
+    mp.start_processes(
+        upload_child.ranks_worker, args=(2, free_port(), url, s3.options, str(tmp_path)), nprocs=2,
+        start_method="spawn",
+    )
+    results = [torch.load(tmp_path / f"rank{rank}.pt", weights_only=True) for rank in range(2)]
+    for result in results:
+        assert result["started"] == 4
+        for resumed, straight in zip(result["resumed"], results[0]["straight"], strict=True):
+            assert torch.equal(resumed, straight)
+    keys = s3.keys(url)
+    assert {key.split("/")[0] for key in keys} == {"4", "8", "latest"}  # 2 pruned
+    assert [key for key in keys if key.startswith("8/sharded/")] == [
+        "8/sharded/.metadata", "8/sharded/__0_0.distcp", "8/sharded/__1_0.distcp",
+    ]
+    manifest = json.loads(s3.fs().cat_file(f"{url}/8/manifest.json"))
+    assert {"sharded/__0_0.distcp", "sharded/__1_0.distcp"} <= set(manifest["files"])

@@ -1,10 +1,11 @@
-"""A training run whose checkpoints go to object storage, to be killed in the middle of an upload.
+"""Runs whose checkpoints go to object storage: one to be killed in the middle of an upload, and gloo ranks.
 
 Run as ``python upload_child.py URL FORMAT ASYNC PAUSE_AT`` with fsspec's configuration in the
 environment (``FSSPEC_S3_ENDPOINT_URL``...). It trains :class:`TinyTrainer` for 10 steps with a
 ``CheckpointingHook(path=URL, interval=2)``; the checkpoint of step ``PAUSE_AT`` pauses in the
 middle of its upload (after model, training state and an 8 MB hook file, while the next file
-is open) and prints ``paused <step>``, waiting to be killed.
+is open) and prints ``paused <step>``, waiting to be killed. :func:`ranks_worker` is one rank
+of a sharded FSDP2 run saving to a URL (started with ``torch.multiprocessing``).
 """
 
 from __future__ import annotations
@@ -73,3 +74,31 @@ def main() -> None:
 
 if __name__ == "__main__":
     main()
+
+
+def ranks_worker(rank: int, world: int, port: int, url: str, options: dict, out: str) -> None:
+    """One of ``world`` gloo ranks: FSDP2 trained straight to step 8; then sharded checkpoints to ``url``
+    at steps 2 and 4, resumed to step 8. Results in ``<out>/rank<rank>.pt``."""
+    import torch.distributed as dist
+    from checkpoint_child import StartedAt, StepDataTrainer, full_params
+
+    from trainloop.distributed import destroy
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    try:
+        straight = StepDataTrainer(max_steps=8, wrap="fsdp")
+        straight.train()
+        hook = CheckpointingHook(interval=2, format="sharded", path=url, storage_options=options)
+        StepDataTrainer(max_steps=4, wrap="fsdp", hooks=[hook]).train()
+        started = StartedAt()
+        hook = CheckpointingHook(
+            interval=100, keep_previous=1, format="sharded", path=url, storage_options=options, async_save=True
+        )
+        resumed = StepDataTrainer(max_steps=8, wrap="fsdp", hooks=[started, hook])
+        resumed.train()
+        results = {"straight": full_params(straight.model), "resumed": full_params(resumed.model), "started": started.step}
+        torch.save(results, os.path.join(out, f"rank{rank}.pt"))
+    finally:
+        destroy(barrier=sys.exc_info()[0] is None)
