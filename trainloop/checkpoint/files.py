@@ -99,16 +99,22 @@ def latest_step(root: Location | str) -> int | None:
     """The step ``root/latest`` names, if it names a checkpoint under ``root`` (unverified)."""
     root = location(root)
     if isinstance(root, UrlPath):
-        try:
-            named = storage.read_bytes(root / LATEST).decode("utf-8", "replace").strip()
-        except FileNotFoundError:
-            return None
-        return int(named) if named.isdigit() and int(named) in checkpoint_steps(root) else None
+        named = _named_latest(root)
+        return named if named is not None and named in checkpoint_steps(root) else None
     link = root / LATEST
     if not link.is_dir():
         return None
     target = link.resolve()
     return int(target.name) if target.parent == root.resolve() and target.name.isdigit() else None
+
+
+def _named_latest(root: UrlPath) -> int | None:
+    """The step the ``latest`` object under ``root`` holds, if it holds one."""
+    try:
+        named = storage.read_bytes(root / LATEST).decode("utf-8", "replace").strip()
+    except FileNotFoundError:
+        return None
+    return int(named) if named.isdigit() else None
 
 
 def latest_checkpoint(
@@ -152,8 +158,8 @@ def checkpoint_candidates(root: Location, logger: Logger | None = None) -> list[
     """
     if isinstance(root, UrlPath):
         steps = checkpoint_steps(root)
-        named = latest_step(root)
-        first = [named] if named is not None else []
+        named = _named_latest(root)
+        first = [named] if named in steps else []
         return [root / str(step) for step in first + [s for s in reversed(steps) if s != named]]
     candidates: list[Location] = []
     link = root / LATEST

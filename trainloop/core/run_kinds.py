@@ -106,7 +106,7 @@ def restore_weights(trainer: TrainerView, hooks: Sequence[BaseHook], source: Wei
 
     if source.checkpoint is None:
         return None
-    path = _latest_root(trainer, hooks) if source.checkpoint == LATEST else source.checkpoint
+    path = _latest_checkpoint(trainer, hooks) if source.checkpoint == LATEST else source.checkpoint
     found = read_weights(path, source.weights)
     loaded = load_weights(trainer.model, found.state_dict, logger=trainer.logger, source=str(found.source))
     at = f" (step {found.step})" if found.step is not None else ""
@@ -114,8 +114,8 @@ def restore_weights(trainer: TrainerView, hooks: Sequence[BaseHook], source: Wei
     return found
 
 
-def _latest_root(trainer: TrainerView, hooks: Sequence[BaseHook]) -> Location:
-    """The directory of the run's checkpoints, which holds a complete one.
+def _latest_checkpoint(trainer: TrainerView, hooks: Sequence[BaseHook]) -> Location:
+    """The run's latest complete checkpoint (verified once here, not looked for again by the reader).
 
     Raises:
         CheckpointError: There is none.
@@ -127,8 +127,9 @@ def _latest_root(trainer: TrainerView, hooks: Sequence[BaseHook]) -> Location:
     if not roots and trainer.workspace is not None:
         roots = [trainer.workspace / "checkpoints"]
     for root in roots:
-        if latest_checkpoint(root, logger=trainer.logger) is not None:
-            return location(root)
+        found = latest_checkpoint(root, logger=trainer.logger)
+        if found is not None:
+            return found
     where = ", ".join(str(r) for r in roots) or "no workspace and no CheckpointingHook"
     raise CheckpointError(
         f"no complete checkpoint to evaluate ({where}): train first, give a checkpoint directory, "

@@ -9,6 +9,7 @@ from pathlib import Path
 from typing import Annotated, Any
 
 from pydantic import BeforeValidator, Field, PlainValidator
+from pydantic_core import PydanticCustomError
 
 from trainloop.checkpoint.storage import is_url, lost_slash
 
@@ -45,7 +46,7 @@ def _path_or_url(value: Any) -> Path | str:
     if is_url(value):
         return str(value)  # a URL stays text: Path("s3://b/x") would be the local folder "s3:/b/x"
     if not isinstance(value, (str, Path)):
-        raise ValueError(f"a path or a URL as text, not {type(value).__name__}")
+        raise PydanticCustomError("path_type", "Input should be a path or a URL")
     problem = lost_slash(Path(value))
     if problem is not None:
         raise ValueError(problem)
