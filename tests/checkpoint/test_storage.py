@@ -155,11 +155,10 @@ def test_a_hook_saves_keeps_the_best_and_resumes_exactly_on_memory(root, format)
         hook = CheckpointingHook(interval=2, path=root, format=format, keep_best=1, monitor="val/loss")
         validation = ValidationHook(lambda t: {"loss": loss[t.step]}, interval=2)
         trainer = TinyTrainer(TrainerSettings(max_steps=max_steps), hooks=[validation, hook])
-        trainer.train()
-        return trainer, hook
+        return trainer, hook, trainer.train()
 
     run(4)
-    trainer, hook = run(8)  # resumes from 4, whose score best.json keeps
+    trainer, hook, result = run(8)  # resumes from 4, whose score best.json keeps
     reference = TinyTrainer(TrainerSettings(max_steps=8))
     reference.train()
     for key, value in reference.model.state_dict().items():
@@ -167,7 +166,7 @@ def test_a_hook_saves_keeps_the_best_and_resumes_exactly_on_memory(root, format)
     assert checkpoint_steps(root) == [4, 8]  # the best and the newest
     best = json.loads(MEMORY.cat_file("/" + root.removeprefix("memory://") + "/best.json"))
     assert best == {"monitor": "val/loss", "mode": "min", "scores": {"4": 0.1, "8": 0.2}, "best": 4}
-    assert str(hook.best_checkpoint) == f"{root}/4"
+    assert str(hook.best_checkpoint) == str(result.best_checkpoint) == f"{root}/4"
 
 
 def test_export_reads_and_writes_urls(root, tmp_path):
