@@ -271,8 +271,7 @@ def test_overrides_address_a_hook_by_its_type():
         (
             "max_steps: 5\nhooks: [{type: checkpointing, interval: 2, exit_code: 300, load: 5}]\n",
             [
-                "run.yaml: hooks[0].load: Input should be 'latest' or Input is not a valid path for <class "
-                "'pathlib.Path'> (got 5)",
+                "run.yaml: hooks[0].load: Input should be 'latest' or a path or a URL (got 5)",
                 "run.yaml: hooks[0].exit_code: Input should be '128+signal' or less than or equal to 255 (got 300)",
             ],
         ),

@@ -1,8 +1,9 @@
-"""Checkpoints on disk: layout, formats (full and sharded), integrity manifest, atomic writes.
+"""Checkpoints on disk or object storage: layout, formats (full and sharded), integrity manifest, atomic writes.
 
 :class:`~trainloop.hooks.checkpointing.CheckpointingHook` saves and resumes a run with these;
 they also serve tools that inspect or convert checkpoints. ``metadata.json`` and
-``manifest.json`` are plain JSON, readable without torch.
+``manifest.json`` are plain JSON, readable without torch. Where a path is taken, an fsspec URL
+is too (see :mod:`trainloop.checkpoint.storage`).
 """
 
 from trainloop.checkpoint.errors import CheckpointError, CheckpointSaveError

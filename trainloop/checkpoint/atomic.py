@@ -1,11 +1,17 @@
 """Crash-safe writes of directories and files: a reader sees the old one or the complete new one.
 
-Work in progress lives beside its target under a hidden name ``.<name>.<kind>-<hex>``:
+Locally, work in progress lives beside its target under a hidden name ``.<name>.<kind>-<hex>``:
 
 - ``tmp``: being written, or a symlink about to replace another; never complete, so removed.
 - ``old``: a complete directory moved aside so a new one can take its name; restored when a
   crash left the name empty, else removed.
 - ``del``: being deleted; removed.
+
+Object storage (a :class:`~trainloop.checkpoint.storage.UrlPath`) has no rename: a directory is
+written in place and counts once its manifest, written last, is there (see
+:mod:`trainloop.checkpoint.manifest`); a directory is removed manifest first, so it stops counting
+at once; a file is one upload, which the store makes visible whole. There, a leftover is a
+numbered directory without a manifest: a save that did not finish, or a removal.
 
 :func:`clean_leftovers` settles what a crash left behind. It assumes a single writer per
 parent directory: a second process writing there at the same time could lose its work.
@@ -17,11 +23,16 @@ import os
 import re
 import secrets
 import shutil
+import tempfile
 from collections.abc import Callable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from contextlib import contextmanager
 from logging import Logger
 from pathlib import Path
+
+from trainloop.checkpoint import storage
+from trainloop.checkpoint.manifest import MANIFEST
+from trainloop.checkpoint.storage import Location, UrlPath
 
 __all__ = [
     "atomic_directory",
@@ -51,22 +62,31 @@ def _fsync(path: Path) -> None:
         os.close(fd)
 
 
-def _remove(path: Path) -> None:
+def _remove(path: Location) -> None:
+    if isinstance(path, UrlPath):
+        _remove_url_directory(path)
     # rmtree refuses symlinks on purpose: never follow one into data outside the tree.
-    if path.is_dir() and not path.is_symlink():
+    elif path.is_dir() and not path.is_symlink():
         shutil.rmtree(path)
     else:
         path.unlink()
 
 
+def _remove_url_directory(directory: UrlPath) -> None:
+    """Remove a directory on object storage: its manifest first (it stops counting at once), then the rest."""
+    storage.remove(directory / MANIFEST)
+    storage.remove(directory)
+
+
 @contextmanager
-def atomic_directory(target: Path, then: Callable[[], None] | None = None) -> Iterator[Path]:
+def atomic_directory(target: Location, then: Callable[[], None] | None = None) -> Iterator[Location]:
     """Yield an empty temporary directory to fill; on success it becomes ``target``.
 
     Every file written into it is fsynced before the directory is renamed into place, so the
     rename publishes complete contents. An existing ``target`` is moved aside first and removed
     after the swap; a crash in between is undone by :func:`clean_leftovers`. On an exception
-    the temporary directory is removed and ``target`` keeps its old contents.
+    the temporary directory is removed and ``target`` keeps its old contents. On object storage
+    the directory yielded is ``target`` itself (see :func:`make_temporary`).
 
     Args:
         target: The directory to create or replace. Its parent is created if needed.
@@ -83,12 +103,19 @@ def atomic_directory(target: Path, then: Callable[[], None] | None = None) -> It
 
 
 @contextmanager
-def atomic_file(target: Path) -> Iterator[Path]:
-    """Yield a temporary path to write one file at; on success it is fsynced and renamed to ``target``.
+def atomic_file(target: Location) -> Iterator[Path]:
+    """Yield a temporary local path to write one file at; on success it is fsynced and renamed to ``target``.
 
     An existing ``target`` is replaced in one rename (it stays whole until then); on an exception
     the temporary file is removed and ``target`` is untouched. The parent is created if needed.
+    On object storage the file is written in a local temporary directory, then uploaded.
     """
+    if isinstance(target, UrlPath):
+        with tempfile.TemporaryDirectory(prefix="trainloop-upload-") as local:
+            tmp = Path(local) / target.name
+            yield tmp
+            target.fs.put_file(str(tmp), target.path)
+        return
     target.parent.mkdir(parents=True, exist_ok=True)
     tmp = _hidden_name(target, "tmp")
     try:
@@ -105,20 +132,26 @@ def atomic_file(target: Path) -> Iterator[Path]:
         raise
 
 
-def make_temporary(target: Path) -> Path:
+def make_temporary(target: Location) -> Location:
     """Create the hidden, empty directory that will become ``target`` (its parent if needed).
 
     For writers that cannot use :func:`atomic_directory` as one block: several processes
     filling one directory, or a write finished on another thread. Hand it to :func:`publish`
     when complete, or to :func:`discard`.
+
+    On object storage, where nothing can be renamed, it is ``target`` itself, emptied: a
+    directory there already (a checkpoint of the same step) is removed first, manifest first.
     """
+    if isinstance(target, UrlPath):
+        _remove_url_directory(target)
+        return target
     target.parent.mkdir(parents=True, exist_ok=True)
     tmp = _hidden_name(target, "tmp")
     tmp.mkdir()
     return tmp
 
 
-def publish(tmp: Path, target: Path, then: Callable[[], None] | None = None) -> None:
+def publish(tmp: Location, target: Location, then: Callable[[], None] | None = None) -> None:
     """Fsync everything in ``tmp`` and rename it to ``target`` (replacing an existing one).
 
     Args:
@@ -129,18 +162,36 @@ def publish(tmp: Path, target: Path, then: Callable[[], None] | None = None) -> 
             old one comes back) and the error propagates. So a step that must succeed for
             the directory to count, such as updating ``latest``, leaves nothing behind when
             it fails.
+
+    On object storage ``tmp`` is ``target``, which its manifest published already: only
+    ``then`` remains (if it fails, the directory is removed).
     """
+    if isinstance(tmp, UrlPath):
+        if then is not None:
+            try:
+                then()
+            except BaseException:
+                _remove_url_directory(tmp)
+                raise
+        return
+    assert isinstance(target, Path)
     for path in tmp.rglob("*"):
         _fsync(path)
     _fsync(tmp)
     _swap_into_place(tmp, target, then)
 
 
-def discard(tmp: Path) -> None:
+def discard(tmp: Location) -> None:
     """Remove an unpublished temporary directory.
 
     What cannot be removed now, a later :func:`clean_leftovers` removes.
     """
+    if isinstance(tmp, UrlPath):
+        try:
+            _remove_url_directory(tmp)
+        except OSError:
+            pass  # a numbered directory without a manifest: clean_leftovers removes it
+        return
     shutil.rmtree(tmp, ignore_errors=True)
 
 
@@ -197,7 +248,7 @@ def replace_symlink(link: Path, target: str) -> None:
     _fsync(link.parent)
 
 
-def remove_directory(path: Path, background: Callable[[OSError], None] | None = None) -> None:
+def remove_directory(path: Location, background: Callable[[OSError], None] | None = None) -> None:
     """Delete a directory so that it disappears from its name at once, even if a crash interrupts.
 
     Args:
@@ -207,12 +258,19 @@ def remove_directory(path: Path, background: Callable[[OSError], None] | None = 
             error if that fails. :func:`wait_for_removals` waits for those deletions, and
             :func:`clean_leftovers` does before it looks.
 
+    On object storage its manifest is removed at once (it stops counting), the rest after.
+
     Raises:
         OSError: It could not be moved aside, or (in the foreground) deleted; what remains
             hidden is retried by :func:`clean_leftovers`.
     """
-    hidden = _hidden_name(path, "del")
-    os.rename(path, hidden)
+    hidden: Location
+    if isinstance(path, UrlPath):
+        storage.remove(path / MANIFEST)
+        hidden = path
+    else:
+        hidden = _hidden_name(path, "del")
+        os.rename(path, hidden)
     if background is None:
         _remove(hidden)
         return
@@ -222,7 +280,7 @@ def remove_directory(path: Path, background: Callable[[OSError], None] | None = 
     _removals.append(_remover.submit(_remove_reporting, hidden, background))
 
 
-def _remove_reporting(path: Path, report: Callable[[OSError], None]) -> None:
+def _remove_reporting(path: Location, report: Callable[[OSError], None]) -> None:
     try:
         _remove(path)
     except OSError as error:
@@ -246,7 +304,7 @@ def wait_for_removals() -> None:
         _remover = None
 
 
-def clean_leftovers(parent: Path, logger: Logger) -> None:
+def clean_leftovers(parent: Location, logger: Logger) -> None:
     """Settle what interrupted writes left in ``parent`` (see the module docstring).
 
     Failures are logged, not raised: a leftover that cannot be removed now is retried next time.
@@ -256,6 +314,9 @@ def clean_leftovers(parent: Path, logger: Logger) -> None:
         logger: Where failures and restorations are reported.
     """
     wait_for_removals()  # a deletion still under way is not a leftover
+    if isinstance(parent, UrlPath):
+        _clean_url_leftovers(parent, logger)
+        return
     if not parent.is_dir():
         return
     for entry in parent.iterdir():
@@ -271,3 +332,19 @@ def clean_leftovers(parent: Path, logger: Logger) -> None:
                 _remove(entry)
         except OSError as error:
             logger.warning("Could not clean up %s: %s", entry, error)
+
+
+def _clean_url_leftovers(parent: UrlPath, logger: Logger) -> None:
+    """Remove the numbered directories under ``parent`` that hold no manifest (see the module docstring)."""
+    listed = storage.files(parent)
+    complete = {rel.split("/", 1)[0] for rel in listed if rel.count("/") == 1 and rel.endswith(f"/{MANIFEST}")}
+    for name in sorted({rel.split("/", 1)[0] for rel in listed if "/" in rel} - complete):
+        if not name.isdigit():
+            continue
+        try:
+            storage.remove(parent / name)
+            logger.warning(
+                "Removed %s: a save or a removal that did not finish (it had no %s)", parent / name, MANIFEST
+            )
+        except OSError as error:
+            logger.warning("Could not clean up %s: %s", parent / name, error)

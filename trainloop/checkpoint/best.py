@@ -13,11 +13,13 @@ from __future__ import annotations
 import json
 import math
 from collections.abc import Mapping
-from pathlib import Path
 from typing import Annotated, Any, Literal
 
 from pydantic import AfterValidator, Field, StrictStr, ValidationInfo
 
+from trainloop.checkpoint import storage
+from trainloop.checkpoint.files import checkpoint_steps
+from trainloop.checkpoint.storage import Location, location
 from trainloop.utils import hint_for_missing_key, strict_json, to_float
 
 __all__ = ["BEST_FILE", "BestCheckpoints", "Monitor", "check_best", "read_best"]
@@ -71,7 +73,7 @@ class BestCheckpoints:
         self.observed: tuple[int, float] | None = None
         self._keys_seen: set[str] = set()  # while the metric is not seen: for a "did you mean"
 
-    def start(self, root: Path) -> None:
+    def start(self, root: Location) -> None:
         """Begin a run: forget what was observed, take the scores of ``root/best.json``."""
         self.observed, self._keys_seen = None, set()
         self.scores.clear()
@@ -120,7 +122,7 @@ class BestCheckpoints:
         ranked = self.ranked()
         return ranked[0] if ranked else None
 
-    def load(self, root: Path) -> None:
+    def load(self, root: Location) -> None:
         """Read the scores of an earlier run from ``root/best.json``, for checkpoints still there.
 
         Scores of another metric or mode are not taken (they would rank wrongly).
@@ -129,30 +131,30 @@ class BestCheckpoints:
         if found is None or (found.get("monitor"), found.get("mode")) != (self.monitor, self.mode):
             return
         scores = found.get("scores")
+        there = set(checkpoint_steps(root))
         for step, value in (scores.items() if isinstance(scores, dict) else ()):
             if isinstance(value, bool) or not isinstance(value, (int, float, type(None))):
                 continue  # not a score (an edited file): the checkpoint is scored again when saved
-            if str(step).isdigit() and (root / str(step)).is_dir():
+            if str(step).isdigit() and int(step) in there:
                 self.scores[int(step)] = math.nan if value is None else float(value)
 
-    def write(self, root: Path) -> None:
-        """Write ``root/best.json`` atomically, forgetting checkpoints no longer on disk."""
-        self.scores = {s: v for s, v in self.scores.items() if (root / str(s)).is_dir()}
+    def write(self, root: Location) -> None:
+        """Write ``root/best.json`` atomically, forgetting checkpoints no longer there."""
+        there = set(checkpoint_steps(root))
+        self.scores = {s: v for s, v in self.scores.items() if s in there}
         data = {
             "monitor": self.monitor,
             "mode": self.mode,
             "scores": {str(s): v for s, v in sorted(self.scores.items())},
             "best": self.best,
         }
-        tmp = root / f".{BEST_FILE}.tmp"
-        tmp.write_text(strict_json(data, indent=2) + "\n", encoding="utf-8")  # inf and NaN as null
-        tmp.replace(root / BEST_FILE)
+        storage.write_bytes(root / BEST_FILE, (strict_json(data, indent=2) + "\n").encode())  # inf and NaN as null
 
 
-def read_best(root: Path) -> dict[str, Any] | None:
+def read_best(root: Location | str) -> dict[str, Any] | None:
     """The contents of ``root/best.json``, or ``None`` when there is none (or it is unreadable)."""
     try:
-        data = json.loads((root / BEST_FILE).read_text(encoding="utf-8"))
+        data = json.loads(storage.read_bytes(location(root) / BEST_FILE).decode("utf-8"))
     except (OSError, ValueError):
         return None
     return data if isinstance(data, dict) else None

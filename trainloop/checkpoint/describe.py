@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import json
 from collections.abc import Iterable
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -16,6 +15,7 @@ import torch
 from trainloop.checkpoint.errors import CheckpointError
 from trainloop.checkpoint.files import checkpoint_format, read_checkpoint
 from trainloop.checkpoint.manifest import read_manifest, read_metadata
+from trainloop.checkpoint.storage import Location, location
 from trainloop.settings.optimizer import OPTIMIZERS
 
 __all__ = ["describe_checkpoint", "format_checkpoint", "jsonable"]
@@ -68,20 +68,21 @@ def _infer_optimizer(groups: list[dict[str, Any]]) -> str | None:
     return " or ".join(name for name, _ in matches) or None
 
 
-def describe_checkpoint(directory: Path) -> dict[str, Any]:
+def describe_checkpoint(directory: Location | str) -> dict[str, Any]:
     """What a checkpoint holds, as plain data (what ``trainloop inspect --json`` prints).
 
     The files are checked against the checkpoint's manifest first, then read with
     ``weights_only=True`` (nothing in them can run code).
 
     Args:
-        directory: One checkpoint directory (``<checkpoints>/<step>``).
+        directory: One checkpoint directory (``<checkpoints>/<step>``), local or a URL.
 
     Raises:
         trainloop.checkpoint.CheckpointError: The checkpoint is incomplete or corrupt; the
             message names the file.
         CheckpointError: The files do not load, or load but are not a trainloop checkpoint.
     """
+    directory = location(directory)
     manifest = read_manifest(directory)
     state = read_checkpoint(directory)  # verified as it is read: each file read once
     try:
@@ -190,7 +191,7 @@ def _tensors_text(stats: dict[str, Any]) -> str:
     return f"{stats['tensors']} tensors, {stats['elements']:,} elements, {_size(stats['bytes'])}{dtypes}"
 
 
-def format_checkpoint(info: dict[str, Any], root: Path | None) -> str:
+def format_checkpoint(info: dict[str, Any], root: Location | None) -> str:
     """The human-readable report of ``describe_checkpoint``."""
     lines = [f"checkpoint:   {info['checkpoint']}" + (f"  (latest of {root})" if root is not None else "")]
     lines.append(f"step:         {info['step']}" + (f"  (epoch {info['epoch']})" if info["epoch"] is not None else ""))

@@ -17,11 +17,11 @@ from __future__ import annotations
 import hashlib
 import json
 from collections.abc import Mapping
-from pathlib import Path
 
 import torch
 
 from trainloop.checkpoint.atomic import atomic_file
+from trainloop.checkpoint.storage import Location, location
 from trainloop.checkpoint.weights import read_weights
 from trainloop.version import __version__
 
@@ -35,7 +35,7 @@ def settings_hash(settings_json: str | None) -> str | None:
 
 def save_weights(
     state_dict: Mapping[str, torch.Tensor],
-    output: str | Path,
+    output: str | Location,
     *,
     step: int | None = None,
     settings_json: str | None = None,
@@ -45,7 +45,7 @@ def save_weights(
 
     Args:
         state_dict: Parameter and buffer names to tensors (any device; copied to the CPU).
-        output: The file to write (its directory is created).
+        output: The file to write (its directory is created), or a URL (uploaded once complete).
         step: The step the weights are of.
         settings_json: The run's settings as JSON (hashed into the metadata).
         weights: What the weights are (``"model"``, an EMA hook's name).
@@ -84,7 +84,7 @@ def save_weights(
     digest = settings_hash(settings_json)
     if digest is not None:
         metadata["settings_sha256"] = digest
-    with atomic_file(Path(output)) as tmp:  # never a half-written file under the name
+    with atomic_file(location(output)) as tmp:  # never a half-written file under the name
         save_file(_unshared(tensors), str(tmp), metadata=metadata)
     return metadata
 
@@ -105,12 +105,12 @@ def _unshared(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     return result
 
 
-def export_checkpoint(checkpoint: str | Path, output: str | Path, weights: str = "model") -> dict[str, str]:
+def export_checkpoint(checkpoint: str | Location, output: str | Location, weights: str = "model") -> dict[str, str]:
     """Export a checkpoint's model (or EMA) weights, consolidated, to one ``.safetensors`` file.
 
     Args:
         checkpoint: A checkpoint directory (full or sharded: every rank's shards are joined),
-            a checkpoints root or a workspace (its latest checkpoint).
+            a checkpoints root or a workspace (its latest checkpoint); local or a URL.
         output: The ``.safetensors`` file to write.
         weights: ``"model"``, ``"ema"`` or an EMA hook's name.
 

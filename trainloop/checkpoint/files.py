@@ -1,6 +1,7 @@
-"""Checkpoint directories on disk: the layout, the full format, finding and reading checkpoints.
+"""Checkpoint directories: the layout, the full format, finding and reading checkpoints.
 
-``<root>/<step>/`` is one checkpoint and ``<root>/latest`` a relative symlink to the newest.
+``<root>/<step>/`` is one checkpoint and ``<root>/latest`` a relative symlink to the newest (on
+object storage, which has no symlinks, an object holding the newest one's step).
 Both formats hold ``metadata.json`` and, written last, ``manifest.json`` (see
 :mod:`trainloop.checkpoint.manifest`). Besides them:
 
@@ -10,7 +11,9 @@ Both formats hold ``metadata.json`` and, written last, ``manifest.json`` (see
   hooks' states, one file per rank), and ``training_state.pt``, the rest of the training
   state (see :mod:`trainloop.checkpoint.sharded`).
 
-A directory only takes its step's name once complete (see :mod:`trainloop.checkpoint.atomic`).
+A directory only takes its step's name once complete (see :mod:`trainloop.checkpoint.atomic`);
+on object storage a checkpoint counts only once its manifest, written last, is there. ``root``
+may be a local path or a :class:`~trainloop.checkpoint.storage.UrlPath` everywhere here.
 """
 
 from __future__ import annotations
@@ -19,13 +22,14 @@ import logging
 import re
 from collections.abc import Callable
 from logging import Logger
-from pathlib import Path
 from typing import Any
 
+from trainloop.checkpoint import storage
 from trainloop.checkpoint.atomic import atomic_directory, remove_directory, replace_symlink
 from trainloop.checkpoint.errors import CheckpointError, CheckpointSaveError
-from trainloop.checkpoint.loading import SHARDED_DIR, load_file, load_verified
+from trainloop.checkpoint.loading import SHARDED_DIR, VerifiedFiles, load_file, load_verified
 from trainloop.checkpoint.manifest import (
+    MANIFEST,
     METADATA,
     FileDigest,
     check_hashes,
@@ -36,6 +40,7 @@ from trainloop.checkpoint.manifest import (
     write_json,
     write_manifest,
 )
+from trainloop.checkpoint.storage import Location, UrlPath, location
 
 __all__ = [
     "LATEST",
@@ -44,6 +49,7 @@ __all__ = [
     "checkpoint_format",
     "checkpoint_steps",
     "latest_checkpoint",
+    "latest_step",
     "point_latest",
     "prune",
     "read_checkpoint",
@@ -71,18 +77,49 @@ def check_keys(state_dict: dict[str, Any]) -> None:
             )
 
 
-def checkpoint_steps(root: Path) -> list[int]:
+def checkpoint_steps(root: Location | str) -> list[int]:
     """The steps of the checkpoints under ``root``, ascending.
 
-    Only a complete save gives a directory its step's name (one being written is hidden);
+    Only a complete save gives a directory its step's name (one being written is hidden; on
+    object storage, a directory without its manifest is not counted);
     whether its files are still intact, :func:`~trainloop.checkpoint.verify_checkpoint` tells.
     """
+    root = location(root)
+    if isinstance(root, UrlPath):
+        return sorted(
+            int(rel.split("/", 1)[0]) for rel in storage.files(root)
+            if rel.count("/") == 1 and rel.endswith(f"/{MANIFEST}") and rel.split("/", 1)[0].isdigit()
+        )
     if not root.is_dir():
         return []
     return sorted(int(p.name) for p in root.iterdir() if p.name.isdigit() and p.is_dir())
 
 
-def latest_checkpoint(root: Path, verify: bool = True, logger: Logger | None = None) -> Path | None:
+def latest_step(root: Location | str) -> int | None:
+    """The step ``root/latest`` names, if it names a checkpoint under ``root`` (unverified)."""
+    root = location(root)
+    if isinstance(root, UrlPath):
+        named = _named_latest(root)
+        return named if named is not None and named in checkpoint_steps(root) else None
+    link = root / LATEST
+    if not link.is_dir():
+        return None
+    target = link.resolve()
+    return int(target.name) if target.parent == root.resolve() and target.name.isdigit() else None
+
+
+def _named_latest(root: UrlPath) -> int | None:
+    """The step the ``latest`` object under ``root`` holds, if it holds one."""
+    try:
+        named = storage.read_bytes(root / LATEST).decode("utf-8", "replace").strip()
+    except FileNotFoundError:
+        return None
+    return int(named) if named.isdigit() else None
+
+
+def latest_checkpoint(
+    root: Location | str, verify: bool = True, logger: Logger | None = None
+) -> Location | None:
     """The newest complete checkpoint under ``root``, or ``None``.
 
     The one ``root/latest`` points to comes first, then the others from the highest step down.
@@ -95,7 +132,7 @@ def latest_checkpoint(root: Path, verify: bool = True, logger: Logger | None = N
             candidate is returned unchecked.
         logger: Where the warnings go; ``logging.getLogger("trainloop")`` if omitted.
     """
-    candidates = checkpoint_candidates(root, logger)
+    candidates = checkpoint_candidates(location(root), logger)
     if not verify:
         return candidates[0] if candidates else None
     for candidate in candidates:
@@ -110,7 +147,7 @@ def latest_checkpoint(root: Path, verify: bool = True, logger: Logger | None = N
     return None
 
 
-def checkpoint_candidates(root: Path, logger: Logger | None = None) -> list[Path]:
+def checkpoint_candidates(root: Location, logger: Logger | None = None) -> list[Location]:
     """The checkpoints under ``root`` to try resuming from, best first, unverified.
 
     The one ``root/latest`` points to, then the others from the highest step down.
@@ -119,7 +156,12 @@ def checkpoint_candidates(root: Path, logger: Logger | None = None) -> list[Path
     skipped with a warning: following it would resume another run's weights and step, and
     pruning would then measure this run's checkpoints against that step.
     """
-    candidates: list[Path] = []
+    if isinstance(root, UrlPath):
+        steps = checkpoint_steps(root)
+        named = _named_latest(root)
+        first = [named] if named in steps else []
+        return [root / str(step) for step in first + [s for s in reversed(steps) if s != named]]
+    candidates: list[Location] = []
     link = root / LATEST
     if link.is_dir():
         target = link.resolve()
@@ -137,14 +179,14 @@ def checkpoint_candidates(root: Path, logger: Logger | None = None) -> list[Path
     return candidates
 
 
-def save_error(target: Path, error: BaseException) -> CheckpointSaveError:
+def save_error(target: Location, error: BaseException) -> CheckpointSaveError:
     """The error to raise when writing the checkpoint ``target`` failed with ``error``."""
     return CheckpointSaveError(f"could not save checkpoint {target}: {error}")
 
 
 def write_checkpoint(
-    root: Path, step: int, state_dict: dict[str, Any], metadata: dict[str, Any] | None = None
-) -> Path:
+    root: Location | str, step: int, state_dict: dict[str, Any], metadata: dict[str, Any] | None = None
+) -> Location:
     """Write ``state_dict`` atomically as a full checkpoint ``root/<step>/`` and point ``root/latest`` at it.
 
     The files (one ``<key>.pt`` per top-level key, ``metadata.json``, then ``manifest.json``)
@@ -153,10 +195,11 @@ def write_checkpoint(
     the new complete one, never a half-written directory under a step name. An existing
     ``root/<step>`` is replaced the same way. If ``latest`` cannot be updated, the new
     directory is taken back out of its name (and one it replaced is put back): the save
-    failed as a whole.
+    failed as a whole. On object storage the files are uploaded in place, the manifest last
+    (what makes the checkpoint count), then ``latest``.
 
     Args:
-        root: The checkpoints directory (created if needed).
+        root: The checkpoints directory (created if needed), or a URL.
         step: The step, which names the directory.
         state_dict: A trainer's ``state_dict()``; each top-level key becomes one file.
         metadata: The contents of ``metadata.json``; by default made from the state's step and
@@ -175,7 +218,7 @@ def write_checkpoint(
     if metadata is None:
         training_state = state_dict.get("training_state") or {}
         metadata = make_metadata(step, training_state.get("epoch", 0), "full")
-    target = root / str(step)
+    target = location(root) / str(step)
     try:
         # `latest` is part of the publication: if it cannot be updated, the directory is
         # taken back out of its name (and one it replaced is put back).
@@ -190,12 +233,15 @@ def write_checkpoint(
     return target
 
 
-def point_latest(checkpoint: Path) -> None:
-    """Point ``<root>/latest`` at ``checkpoint`` (``<root>/<step>``), atomically."""
-    replace_symlink(checkpoint.parent / LATEST, checkpoint.name)
+def point_latest(checkpoint: Location) -> None:
+    """Point ``<root>/latest`` at ``checkpoint`` (``<root>/<step>``), atomically (on object storage: one upload)."""
+    if isinstance(checkpoint, UrlPath):
+        storage.write_bytes(checkpoint.parent / LATEST, f"{checkpoint.name}\n".encode())
+    else:
+        replace_symlink(checkpoint.parent / LATEST, checkpoint.name)
 
 
-def _named(path: Path, write: Any, value: Any) -> FileDigest:
+def _named(path: Location, write: Any, value: Any) -> FileDigest:
     """``write(value, path)``; an OS error that does not name its file is given ``path``."""
     try:
         digest: FileDigest = write(value, path)
@@ -206,12 +252,12 @@ def _named(path: Path, write: Any, value: Any) -> FileDigest:
         raise
 
 
-def checkpoint_format(directory: Path) -> str:
+def checkpoint_format(directory: Location | str) -> str:
     """``"sharded"`` or ``"full"``: the format of the checkpoint in ``directory``."""
-    return "sharded" if (Path(directory) / SHARDED_DIR).is_dir() else "full"
+    return "sharded" if storage.is_dir(location(directory) / SHARDED_DIR) else "full"
 
 
-def read_checkpoint(directory: Path, verify: bool = True) -> dict[str, Any]:
+def read_checkpoint(directory: Location | str, verify: bool = True) -> dict[str, Any]:
     """Read a checkpoint directory back into a trainer state dict (tensors on the CPU).
 
     Full checkpoints are read file by file, sharded ones whole into this one process (their
@@ -223,25 +269,33 @@ def read_checkpoint(directory: Path, verify: bool = True) -> dict[str, Any]:
     Args:
         directory: The checkpoint directory.
         verify: Check the files against the manifest (see
-            :func:`~trainloop.checkpoint.verify_checkpoint`). A full checkpoint's files are
-            checked as they are read, each read once, and unpickled only once they passed.
+            :func:`~trainloop.checkpoint.verify_checkpoint`). Every file is checked as it is
+            read, each read once, and unpickled only once it passed.
 
     Raises:
         CheckpointError: The checkpoint is incomplete (no valid manifest, a missing file), a
             file is truncated, corrupt or holds other objects; the message names the file.
     """
-    directory = Path(directory)
-    if checkpoint_format(directory) == "sharded":
-        if verify:
-            verify_checkpoint(directory)
-        from trainloop.checkpoint.sharded import read_sharded
-
-        return read_sharded(directory)
+    directory = location(directory)
     listing = check_listing(directory) if verify else None
-    return read_full(directory, listing)
+    if listing is None and checkpoint_format(directory) == "full":
+        return read_full(directory, None)
+    if listing is not None and not any(rel.startswith(f"{SHARDED_DIR}/") for rel in listing):
+        return read_full(directory, listing)
+    from trainloop.checkpoint.sharded import read_sharded
+
+    if listing is None:
+        return read_sharded(directory)
+    files = VerifiedFiles(directory, listing)
+    try:
+        for rel in listing:
+            files.contents(rel)  # every file checked, each read once; DCP reads out of memory
+        return read_sharded(directory, files)
+    finally:
+        files.close()
 
 
-def read_full(directory: Path, listing: dict[str, FileDigest] | None) -> dict[str, Any]:
+def read_full(directory: Location, listing: dict[str, FileDigest] | None) -> dict[str, Any]:
     """Read a full checkpoint whose listing (names and sizes) was checked.
 
     Each file is verified against ``listing`` as it is read (unverified when ``None``).
@@ -249,7 +303,8 @@ def read_full(directory: Path, listing: dict[str, FileDigest] | None) -> dict[st
     Raises:
         CheckpointError: As :func:`read_checkpoint`.
     """
-    files = {path.stem: path for path in sorted(directory.glob("*.pt"))}
+    listed = list(listing) if listing is not None else storage.names(directory)
+    files = {name.removesuffix(".pt"): directory / name for name in sorted(listed) if _is_entry(name)}
     missing = [f"{key}.pt" for key in _REQUIRED if key not in files]
     if missing:
         raise CheckpointError(f"{directory} is not a complete checkpoint: missing {', '.join(missing)}")
@@ -259,7 +314,12 @@ def read_full(directory: Path, listing: dict[str, FileDigest] | None) -> dict[st
     return {key: load_verified(path, listing[path.name]) for key, path in files.items()}
 
 
-def prune(root: Path, newest: int, keep_previous: int, kept: Callable[[int], bool], logger: Logger) -> None:
+def _is_entry(name: str) -> bool:
+    """Whether ``name`` (directly in a checkpoint directory) is a full checkpoint's entry file."""
+    return name.endswith(".pt") and "/" not in name and len(name) > len(".pt")
+
+
+def prune(root: Location, newest: int, keep_previous: int, kept: Callable[[int], bool], logger: Logger) -> None:
     """Remove the checkpoints under ``root`` but ``newest``, the ``keep_previous`` before it and the ``kept``.
 
     ``kept(step)`` keeps the best and the kept intervals. Each removed one leaves its step name
@@ -272,7 +332,7 @@ def prune(root: Path, newest: int, keep_previous: int, kept: Callable[[int], boo
             continue
         path = root / str(step)
 
-        def report(error: OSError, path: Path = path) -> None:
+        def report(error: OSError, path: Location = path) -> None:
             logger.warning("Could not remove old checkpoint %s: %s", path, error)
 
         try:

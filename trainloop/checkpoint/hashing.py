@@ -20,6 +20,9 @@ and file I/O all release the GIL on large buffers):
 - :func:`read_verified`: maps a file into memory and hashes it (which reads it, once, the
   kernel reading ahead meanwhile), and compares size and digest with the manifest's before
   anything is unpickled; DCP then reads a sharded checkpoint's pieces out of the mapping.
+
+On object storage a file is written through :class:`HashingWriter` as it is uploaded (there is
+no disk to push to), and read whole into memory, once, by :func:`read_verified`.
 """
 
 from __future__ import annotations
@@ -30,12 +33,13 @@ import mmap
 import os
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any, BinaryIO, Protocol
 
 import xxhash
 
+from trainloop.checkpoint import storage
 from trainloop.checkpoint.errors import CheckpointError
+from trainloop.checkpoint.storage import Location, UrlPath
 
 __all__ = [
     "CHECKSUM",
@@ -86,13 +90,13 @@ class FileDigest:
     hex: str
     checksum: str = CHECKSUM
 
-    def check_size(self, size: int, path: Path) -> None:
+    def check_size(self, size: int, path: Location) -> None:
         """Raise the error for ``path`` if ``size`` is not this digest's."""
         if size != self.size:
             said = f"{size} bytes; its manifest says {self.size}"
             raise CheckpointError(f"{path}: cannot load: truncated or altered ({said})")
 
-    def differs(self, actual: FileDigest, path: Path) -> CheckpointError | None:
+    def differs(self, actual: FileDigest, path: Location) -> CheckpointError | None:
         """The error for ``path`` if ``actual`` (computed the same way) is not this digest, else ``None``."""
         if actual.hex == self.hex:
             return None
@@ -104,7 +108,8 @@ class HashingWriter(io.RawIOBase):
     """A binary file that hashes what is written through it, so a file is never read back.
 
     Large writes are hashed on a helper thread while this one copies them to the file, and
-    the file is pushed to disk in the background as it grows (see the module docstring).
+    the file is pushed to disk in the background as it grows (see the module docstring), if
+    it is on a disk (an upload to object storage has no file descriptor).
     ``error`` keeps the operating system's error of a failed write, which torch's writer
     would otherwise turn into a RuntimeError about positions.
     """
@@ -117,6 +122,10 @@ class HashingWriter(io.RawIOBase):
         self._syncing: Future[None] | None = None
         self._helpers: ThreadPoolExecutor | None = None  # made at the first large write
         self.error: OSError | None = None
+        try:
+            self._fd: int | None = file.fileno()
+        except (AttributeError, OSError):  # io.UnsupportedOperation is an OSError
+            self._fd = None
 
     def writable(self) -> bool:
         """True: this file is written to."""
@@ -149,11 +158,13 @@ class HashingWriter(io.RawIOBase):
 
     def _push_to_disk(self) -> None:
         """Start writing the file's dirty pages to disk, unless a push is still under way."""
+        if self._fd is None:
+            return
         if self._syncing is None or self._syncing.done():
             self._check_sync()
             self._file.flush()
             assert self._helpers is not None
-            self._syncing = self._helpers.submit(os.fdatasync, self._file.fileno())
+            self._syncing = self._helpers.submit(os.fdatasync, self._fd)
 
     def _check_sync(self) -> None:
         syncing, self._syncing = self._syncing, None
@@ -268,16 +279,18 @@ class HashingReader(_Reader):
         return FileDigest(self._size, self._hash.hexdigest())
 
 
-def read_verified(path: Path, expected: FileDigest) -> mmap.mmap | bytes:
+def read_verified(path: Location, expected: FileDigest) -> mmap.mmap | bytes:
     """The contents of ``path``, mapped into memory, read once and checked against its manifest entry.
 
     Hashing the mapping reads the file; the kernel reads ahead while it hashes. Load from it with :class:`BufferReader`,
-    then close it.
+    then close it. A file on object storage is downloaded whole into memory, then hashed there.
 
     Raises:
         CheckpointError: The file is missing, or its size or checksum differs (the message
             names it).
     """
+    if isinstance(path, UrlPath):
+        return _download_verified(path, expected)
     try:
         with open(path, "rb", buffering=0) as file:
             size = os.fstat(file.fileno()).st_size
@@ -297,6 +310,22 @@ def read_verified(path: Path, expected: FileDigest) -> mmap.mmap | bytes:
     if problem is not None:
         if isinstance(contents, mmap.mmap):
             contents.close()
+        raise problem
+    return contents
+
+
+def _download_verified(path: UrlPath, expected: FileDigest) -> bytes:
+    try:
+        contents = storage.read_bytes(path)
+    except FileNotFoundError:
+        raise CheckpointError(
+            f"{path.parent} is not a complete checkpoint: missing {path.name} (listed in its manifest)"
+        ) from None
+    expected.check_size(len(contents), path)
+    hashing = new_hash(expected.checksum)
+    hashing.update(contents)
+    problem = expected.differs(FileDigest(len(contents), hashing.hexdigest(), expected.checksum), path)
+    if problem is not None:
         raise problem
     return contents
 

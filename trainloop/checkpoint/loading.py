@@ -7,16 +7,18 @@ it; a full checkpoint's files are verified in the same read (:func:`load_verifie
 
 from __future__ import annotations
 
+import io
 import mmap
 import os
 from collections.abc import Mapping
-from pathlib import Path
 from typing import Any
 
 import torch
 
+from trainloop.checkpoint import storage
 from trainloop.checkpoint.errors import CheckpointError
 from trainloop.checkpoint.hashing import BufferReader, FileDigest, HashingReader, read_verified
+from trainloop.checkpoint.storage import Location, UrlPath
 
 __all__ = ["SHARDED_DIR", "UnloadableError", "VerifiedFiles", "load_file", "load_verified", "refused_or_corrupt"]
 
@@ -31,31 +33,36 @@ class UnloadableError(CheckpointError):
     """
 
 
-def load_file(path: Path) -> Any:
-    """``torch.load(path, weights_only=True)`` onto the CPU.
+def load_file(path: Location) -> Any:
+    """``torch.load(path, weights_only=True)`` onto the CPU (a file on object storage: downloaded first).
 
     Raises:
         CheckpointError: The file is corrupt, or holds objects that unpickling could run code
             with (the message names the file and what was refused).
     """
     try:
+        if isinstance(path, UrlPath):
+            return torch.load(io.BytesIO(storage.read_bytes(path)), map_location="cpu", weights_only=True)
         return torch.load(path, map_location="cpu", weights_only=True)
     except Exception as error:
         raise refused_or_corrupt(str(path), error) from error
 
 
-def load_verified(path: Path, expected: FileDigest) -> Any:
+def load_verified(path: Location, expected: FileDigest) -> Any:
     """:func:`load_file`, but the file is checked against its manifest entry in the same read.
 
     torch reads the file through a :class:`~trainloop.checkpoint.hashing.HashingReader`, which
     hashes the bytes as they arrive; what was loaded is returned only if the whole file's
     checksum is its manifest's. A file that fails to load is reported as corrupt if its
-    checksum differs, as unloadable otherwise.
+    checksum differs, as unloadable otherwise. A file on object storage is downloaded and
+    checked first, then loaded out of memory.
 
     Raises:
         CheckpointError: The file is missing, or its size or checksum is not its manifest's.
         UnloadableError: It is, but torch cannot load it or refused what it holds.
     """
+    if isinstance(path, UrlPath):
+        return _load_contents(path, read_verified(path, expected))
     try:
         file = open(path, "rb", buffering=0)  # closed below, after the digest
     except FileNotFoundError:
@@ -77,7 +84,7 @@ def load_verified(path: Path, expected: FileDigest) -> Any:
     return loaded
 
 
-def _load_contents(path: Path, contents: mmap.mmap | bytes) -> Any:
+def _load_contents(path: Location, contents: mmap.mmap | bytes) -> Any:
     try:
         with BufferReader(contents) as reader:
             return torch.load(reader, map_location="cpu", weights_only=True)  # type: ignore[arg-type]  # copies out of the mapping
@@ -98,7 +105,7 @@ class VerifiedFiles:
         listing: Its manifest's entries, by path relative to ``directory``.
     """
 
-    def __init__(self, directory: Path, listing: Mapping[str, FileDigest]) -> None:
+    def __init__(self, directory: Location, listing: Mapping[str, FileDigest]) -> None:
         self.directory = directory
         self._listing = listing
         self._contents: dict[str, mmap.mmap | bytes] = {}

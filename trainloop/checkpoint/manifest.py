@@ -15,7 +15,8 @@ Version 1 manifests, written before, record SHA-256 (``"sha256"``) instead; they
 the same way.
 
 A checkpoint without a valid manifest, or whose files differ from it, is incomplete: a save
-that did not finish, or a file truncated or corrupted since.
+that did not finish, or a file truncated or corrupted since. On object storage, where a
+directory cannot be renamed into place, the manifest is what publishes a checkpoint.
 """
 
 from __future__ import annotations
@@ -24,13 +25,15 @@ import json
 import math
 from collections.abc import Iterable, Mapping
 from datetime import UTC, datetime
-from pathlib import Path, PurePosixPath
+from pathlib import PurePosixPath
 from typing import Any
 
 import torch
 
+from trainloop.checkpoint import storage
 from trainloop.checkpoint.errors import CheckpointError
 from trainloop.checkpoint.hashing import CHECKSUM, CHECKSUMS, FileDigest, HashingWriter, new_hash
+from trainloop.checkpoint.storage import Location, location
 from trainloop.utils import flatten_nested_dict, to_float
 from trainloop.version import __version__
 
@@ -56,12 +59,12 @@ MANIFEST_VERSION = 2
 _READABLE_VERSIONS = (1, 2)  # 1: SHA-256 entries
 
 
-def save_torch(obj: Any, path: Path) -> FileDigest:
+def save_torch(obj: Any, path: Location) -> FileDigest:
     """``torch.save(obj, path)``, hashing the bytes on their way to the file.
 
     See :class:`~trainloop.checkpoint.hashing.HashingWriter`.
     """
-    with open(path, "wb") as file:
+    with storage.writing(path) as file:
         hashing = HashingWriter(file)
         try:
             torch.save(obj, hashing)  # type: ignore[arg-type]  # a file object in all but name
@@ -77,23 +80,24 @@ def save_torch(obj: Any, path: Path) -> FileDigest:
     return hashing.digest()
 
 
-def write_json(obj: Any, path: Path) -> FileDigest:
+def write_json(obj: Any, path: Location) -> FileDigest:
     """Write ``obj`` as indented JSON (strict: no NaN) and return the file's digest."""
     data = (json.dumps(obj, indent=2, allow_nan=False) + "\n").encode("utf-8")
-    with open(path, "wb") as file:
+    with storage.writing(path) as file:
         file.write(data)
     hashing = new_hash()
     hashing.update(data)
     return FileDigest(len(data), hashing.hexdigest())
 
 
-def hash_file(path: Path, checksum: str = CHECKSUM) -> FileDigest:
-    """The size and checksum of a file on disk (the one new manifests record, unless ``checksum`` names another)."""
+def hash_file(path: Location, checksum: str = CHECKSUM) -> FileDigest:
+    """The size and checksum of a file (the one new manifests record, unless ``checksum`` names another)."""
     hashing = new_hash(checksum)
-    with open(path, "rb") as file:
+    size = 0
+    with storage.reading(path) as file:
         for chunk in iter(lambda: file.read(1 << 20), b""):
             hashing.update(chunk)
-        size = file.tell()
+            size += len(chunk)
     return FileDigest(size, hashing.hexdigest(), checksum)
 
 
@@ -131,7 +135,7 @@ def _as_floats(metrics: Mapping[str, Any]) -> dict[str, float | None]:
     return floats
 
 
-def write_manifest(directory: Path, known: Mapping[str, FileDigest] | None = None) -> None:
+def write_manifest(directory: Location, known: Mapping[str, FileDigest] | None = None) -> None:
     """Write ``directory/manifest.json`` listing every other file in ``directory``; call it last.
 
     Args:
@@ -141,18 +145,14 @@ def write_manifest(directory: Path, known: Mapping[str, FileDigest] | None = Non
             by another rank): then the checkpoint fails verification here, as it should.
     """
     known = dict(known or {})
-    for rel, path in _files(directory):
+    for rel in storage.files(directory):
         if rel != MANIFEST and rel not in known:
-            known[rel] = hash_file(path)
+            known[rel] = hash_file(directory / rel)
     files = {rel: {"size": known[rel].size, known[rel].checksum: known[rel].hex} for rel in sorted(known)}
     write_json({"manifest_version": MANIFEST_VERSION, "files": files}, directory / MANIFEST)
 
 
-def _files(directory: Path) -> list[tuple[str, Path]]:
-    return sorted((p.relative_to(directory).as_posix(), p) for p in directory.rglob("*") if p.is_file())
-
-
-def verify_checkpoint(directory: Path) -> dict[str, FileDigest]:
+def verify_checkpoint(directory: Location | str) -> dict[str, FileDigest]:
     """Check that ``directory`` is a complete checkpoint: its files match its manifest.
 
     Sizes are compared first (a truncated file is found without hashing), then every file is
@@ -165,24 +165,25 @@ def verify_checkpoint(directory: Path) -> dict[str, FileDigest]:
         CheckpointError: No manifest, an invalid one, or a file missing, truncated, corrupt or
             not listed; the message names the file.
     """
+    directory = location(directory)
     expected = check_listing(directory)
     check_hashes(directory, expected, expected)
     return expected
 
 
-def read_manifest(directory: Path) -> dict[str, FileDigest]:
+def read_manifest(directory: Location | str) -> dict[str, FileDigest]:
     """The entries of ``directory``'s manifest, by relative path.
 
     Raises:
         CheckpointError: No checkpoint directory, no manifest, or an invalid one.
     """
-    directory = Path(directory)
-    if not directory.is_dir():
-        raise CheckpointError(f"{directory}: no checkpoint directory there")
+    directory = location(directory)
     manifest_path = directory / MANIFEST
     try:
-        raw = manifest_path.read_bytes()
-    except FileNotFoundError:
+        raw = storage.read_bytes(manifest_path)
+    except (FileNotFoundError, NotADirectoryError):
+        if not storage.is_dir(directory):
+            raise CheckpointError(f"{directory}: no checkpoint directory there") from None
         raise CheckpointError(
             f"{directory} is not a complete checkpoint: it has no {MANIFEST} (written last, so its "
             "save did not finish, or a trainloop without manifests wrote it)"
@@ -190,8 +191,10 @@ def read_manifest(directory: Path) -> dict[str, FileDigest]:
     return _parse_manifest(manifest_path, raw)
 
 
-def check_listing(directory: Path) -> dict[str, FileDigest]:
+def check_listing(directory: Location | str) -> dict[str, FileDigest]:
     """Check, without hashing, that ``directory`` holds exactly its manifest's files, at their sizes.
+
+    One listing of the directory (one request on object storage) gives every size.
 
     Returns:
         The manifest's entries, by relative path.
@@ -199,27 +202,29 @@ def check_listing(directory: Path) -> dict[str, FileDigest]:
     Raises:
         CheckpointError: As :func:`verify_checkpoint`, but for corrupt contents.
     """
-    directory = Path(directory)
+    directory = location(directory)
     expected = read_manifest(directory)
+    found = storage.files(directory)
     for rel, digest in expected.items():
-        path = directory / rel
-        if not path.is_file():
+        if rel not in found:
             raise CheckpointError(f"{directory} is not a complete checkpoint: missing {rel} (listed in its manifest)")
-        digest.check_size(path.stat().st_size, path)
-    for rel, path in _files(directory):
+        digest.check_size(found[rel], directory / rel)
+    for rel in found:
         if rel != MANIFEST and rel not in expected:
-            raise CheckpointError(f"{path}: not listed in {directory / MANIFEST}; the checkpoint was altered")
+            raise CheckpointError(
+                f"{directory / rel}: not listed in {directory / MANIFEST}; the checkpoint was altered"
+            )
     return expected
 
 
-def check_hashes(directory: Path, expected: Mapping[str, FileDigest], files: Iterable[str]) -> None:
+def check_hashes(directory: Location, expected: Mapping[str, FileDigest], files: Iterable[str]) -> None:
     """Hash ``files`` (relative paths) of ``directory`` and compare them with ``expected``.
 
     Raises:
         CheckpointError: A file is missing or its checksum differs (the message names it).
     """
     for rel in files:
-        path = Path(directory) / rel
+        path = directory / rel
         try:
             actual = hash_file(path, expected[rel].checksum)
         except FileNotFoundError:
@@ -231,7 +236,7 @@ def check_hashes(directory: Path, expected: Mapping[str, FileDigest], files: Ite
             raise problem
 
 
-def _parse_manifest(path: Path, raw: bytes) -> dict[str, FileDigest]:
+def _parse_manifest(path: Location, raw: bytes) -> dict[str, FileDigest]:
     try:
         manifest = json.loads(raw)
         version = manifest["manifest_version"]
@@ -252,15 +257,15 @@ def _parse_manifest(path: Path, raw: bytes) -> dict[str, FileDigest]:
     return files
 
 
-def read_metadata(directory: Path) -> dict[str, Any]:
+def read_metadata(directory: Location | str) -> dict[str, Any]:
     """The contents of a checkpoint's ``metadata.json`` (plain JSON, no torch needed).
 
     Raises:
         CheckpointError: The file is missing or not a JSON object; the message names it.
     """
-    path = Path(directory) / METADATA
+    path = location(directory) / METADATA
     try:
-        metadata = json.loads(path.read_bytes())
+        metadata = json.loads(storage.read_bytes(path))
     except (OSError, ValueError) as error:
         raise CheckpointError(f"{path}: cannot read the checkpoint's metadata ({error})") from None
     if not isinstance(metadata, dict):

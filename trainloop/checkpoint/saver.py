@@ -7,7 +7,7 @@ In the background (``async_save``), the training loop is blocked only while the 
 copied to CPU memory; the files are written on a thread (DCP's ``async_save`` for the sharded
 format). One save is in flight at most: the next one, a load, or the end of the run first
 waits for it. ``latest`` and pruning follow only once the write completed and its directory
-was renamed into place.
+was renamed into place (on object storage: once its manifest was uploaded, last).
 """
 
 from __future__ import annotations
@@ -17,7 +17,6 @@ import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future
 from logging import Logger
-from pathlib import Path
 from typing import Any, cast
 
 import torch
@@ -41,6 +40,7 @@ from trainloop.checkpoint.sharded import (
     visible,
 )
 from trainloop.checkpoint.staging import CpuStage, ReusingStager, stage_to_cpu, stepped_by
+from trainloop.checkpoint.storage import Location
 from trainloop.distributed.ranks import in_process_group, rank
 
 __all__ = ["CheckpointSaver", "agree_on_error", "broadcast_from_rank_zero"]
@@ -75,7 +75,7 @@ class _Background:
     Not a daemon: at interpreter exit Python waits for it, so the write is never cut short.
     """
 
-    def __init__(self, work: Callable[[], None], target: Path) -> None:
+    def __init__(self, work: Callable[[], None], target: Location) -> None:
         self.error: BaseException | None = None
         self._target = target
         self._thread = threading.Thread(target=self._run, args=(work,), name=f"checkpoint-{target.name}")
@@ -132,17 +132,17 @@ class CheckpointSaver:
 
     def save(
         self,
-        root: Path,
+        root: Location,
         step: int,
         state_dict: dict[str, Any],
         metadata: dict[str, Any],
-        published: Callable[[Path], None],
+        published: Callable[[Location], None],
         optimizers: Sequence[torch.optim.Optimizer] = (),
     ) -> BaseException | None:
         """Save ``state_dict`` as ``root/<step>`` (every rank calls, nothing in flight: see :meth:`settle`).
 
         Args:
-            root: The checkpoints directory.
+            root: The checkpoints directory, local or on object storage.
             step: The step, which names the checkpoint.
             state_dict: The trainer's state dict, as this rank built it.
             metadata: The contents of ``metadata.json``.
@@ -171,8 +171,8 @@ class CheckpointSaver:
 
     # -- full: rank 0 writes torch.save files ------------------------------------------------
 
-    def _save_full(self, root: Path, step: int, state_dict: dict[str, Any], metadata: dict[str, Any],
-                   published: Callable[[Path], None],
+    def _save_full(self, root: Location, step: int, state_dict: dict[str, Any], metadata: dict[str, Any],
+                   published: Callable[[Location], None],
                    optimizers: Sequence[torch.optim.Optimizer]) -> BaseException | None:
         def write(state: dict[str, Any]) -> None:
             target = write_checkpoint(root, step, state, metadata)
@@ -238,21 +238,21 @@ class CheckpointSaver:
 
     # -- sharded: every rank writes its shard, rank 0 the rest -------------------------------
 
-    def _save_sharded(self, root: Path, step: int, state_dict: dict[str, Any], metadata: dict[str, Any],
-                      published: Callable[[Path], None],
+    def _save_sharded(self, root: Location, step: int, state_dict: dict[str, Any], metadata: dict[str, Any],
+                      published: Callable[[Location], None],
                       optimizers: Sequence[torch.optim.Optimizer]) -> BaseException | None:
         target = root / str(step)
         prepared: Any = None
         if rank() == 0:
             try:
                 clean_leftovers(root, self.logger)
-                prepared = str(make_temporary(target))
+                prepared = make_temporary(target)
             except OSError as failure:
                 prepared = as_save_failure(target, failure)
         prepared = broadcast_from_rank_zero(prepared)  # every rank writes into rank 0's directory
         if isinstance(prepared, BaseException):
             return prepared
-        tmp = Path(prepared)
+        tmp: Location = prepared
         # Rank 0 made it before telling: a rank that cannot see it has other storage (node-local
         # disk, another working directory for a relative path), where its shards would be lost.
         seen = rank() == 0 or visible(tmp)
@@ -294,8 +294,9 @@ class CheckpointSaver:
         self._pending = _Background(finish, target)
         return None
 
-    def _finish_sharded(self, tmp: Path, target: Path, seen: bool, write_shards: Callable[[], Any],
-                        writer: Any, rest: dict[str, Any], metadata: dict[str, Any], published: Callable[[Path], None],
+    def _finish_sharded(self, tmp: Location, target: Location, seen: bool, write_shards: Callable[[], Any],
+                        writer: Any, rest: dict[str, Any], metadata: dict[str, Any],
+                        published: Callable[[Location], None],
                         group: Any) -> BaseException | None:
         """Finish the checkpoint after every rank wrote its shards.
 
@@ -334,7 +335,7 @@ class CheckpointSaver:
         return None
 
 
-def as_save_failure(target: Path, error: BaseException) -> CheckpointError:
+def as_save_failure(target: Location, error: BaseException) -> CheckpointError:
     """What writing checkpoint ``target`` failing with ``error`` is reported as.
 
     A :class:`CheckpointSaveError` (which ``on_save_error="warn"`` turns into a warning) when

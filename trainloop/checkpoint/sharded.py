@@ -13,6 +13,10 @@ A sharded checkpoint directory holds, besides ``metadata.json`` and ``manifest.j
 
 Loading is as careful as in the full format: entries are read with ``weights_only=True``, and
 DCP's pickled index (``.metadata``) with an unpickler that accepts only DCP's own classes.
+
+On object storage DCP writes through fsspec (its ``FsspecWriter``), each shard hashed as it is
+uploaded, and reads through :class:`~trainloop.checkpoint.loading.VerifiedFiles` (each file
+downloaded once, verified) or its ``FsspecReader``.
 """
 
 from __future__ import annotations
@@ -24,7 +28,7 @@ import time
 import warnings
 from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
-from pathlib import Path
+from pathlib import Path, PurePosixPath
 from typing import Any
 
 import torch
@@ -38,9 +42,11 @@ from torch.distributed.checkpoint.metadata import (
 )
 from torch.distributed.checkpoint.state_dict_loader import load as dcp_load
 
+from trainloop.checkpoint import storage
 from trainloop.checkpoint.errors import CheckpointError
 from trainloop.checkpoint.hashing import FileDigest, HashingWriter
 from trainloop.checkpoint.loading import SHARDED_DIR, VerifiedFiles, load_file, refused_or_corrupt
+from trainloop.checkpoint.storage import Location, UrlPath
 from trainloop.distributed.ranks import in_process_group
 
 __all__ = [
@@ -77,33 +83,52 @@ def join_state(sharded: Mapping[str, Any], rest: Mapping[str, Any]) -> dict[str,
     return state_dict
 
 
-class _HashingFileSystem(FileSystem):
-    """DCP's local file system, hashing every shard file as it is written (never read back)."""
+class _Hashing:
+    """Mixed into a DCP file system: every shard file is hashed as it is written (never read back)."""
 
-    def __init__(self) -> None:
-        super().__init__()
-        self.digests: dict[str, FileDigest] = {}
+    digests: dict[str, FileDigest]
 
     @contextmanager
     def create_stream(self, path: str | os.PathLike[str], mode: str) -> Iterator[io.IOBase]:
-        if mode != "wb" or not str(path).endswith(".distcp"):
-            with super().create_stream(path, mode) as stream:
+        with super().create_stream(path, mode) as stream:  # type: ignore[misc]
+            if mode != "wb" or not str(path).endswith(".distcp"):
                 yield stream
-            return
-        with open(path, "wb") as file:
-            hashing = HashingWriter(file)
+                return
+            hashing = HashingWriter(stream)
             try:
                 yield hashing
             finally:
                 hashing.close()
-        self.digests[f"{SHARDED_DIR}/{Path(path).name}"] = hashing.digest()
+        self.digests[f"{SHARDED_DIR}/{PurePosixPath(str(path)).name}"] = hashing.digest()
 
 
-def shard_writer(directory: Path) -> FileSystemWriter:
+class _HashingFileSystem(_Hashing, FileSystem):
+    """DCP's local file system, hashing the shards."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.digests = {}
+
+
+def shard_writer(directory: Location) -> FileSystemWriter:
     """A DCP writer of ``directory`` that fsyncs and hashes every file it writes, one file per rank.
 
-    See :func:`own_shards` for the digests.
+    On object storage, DCP's fsspec writer (uploads have nothing to fsync). See :func:`own_shards` for the digests.
     """
+    if isinstance(directory, UrlPath):
+        from torch.distributed.checkpoint._fsspec_filesystem import FileSystem as FsspecFileSystem
+        from torch.distributed.checkpoint._fsspec_filesystem import FsspecWriter
+
+        class _HashingFsspec(_Hashing, FsspecFileSystem):
+            """DCP's fsspec file system, hashing the shards."""
+
+        writer: FileSystemWriter = FsspecWriter(
+            str(directory), single_file_per_rank=True, sync_files=False, **directory.fs.storage_options
+        )
+        hashing: Any = _HashingFsspec()
+        hashing.fs, hashing.digests = directory.fs, {}
+        writer.fs = hashing
+        return writer
     writer = FileSystemWriter(directory, single_file_per_rank=True, sync_files=True)
     writer.fs = _HashingFileSystem()
     return writer
@@ -115,7 +140,7 @@ def own_shards(writer: FileSystemWriter) -> dict[str, FileDigest]:
     They were hashed while they were written: no rank reads its shards back.
     """
     fs = writer.fs
-    return dict(fs.digests) if isinstance(fs, _HashingFileSystem) else {}
+    return dict(fs.digests) if isinstance(fs, _Hashing) else {}
 
 
 #: How long a rank waits for a file or directory another rank made to appear (network file
@@ -123,12 +148,18 @@ def own_shards(writer: FileSystemWriter) -> dict[str, FileDigest]:
 VISIBLE_WITHIN = 2.0
 
 
-def visible(path: Path, size: int | None = None, within: float = VISIBLE_WITHIN) -> bool:
-    """Whether ``path`` exists (with ``size`` bytes, if given), waiting up to ``within`` seconds."""
+def visible(path: Location, size: int | None = None, within: float = VISIBLE_WITHIN) -> bool:
+    """Whether ``path`` exists (with ``size`` bytes, if given), waiting up to ``within`` seconds.
+
+    A directory on object storage is taken as seen: there, a directory exists only once
+    something is written in it, and :func:`unshared_storage` checks what each rank wrote.
+    """
+    if isinstance(path, UrlPath) and size is None:
+        return True
     deadline = time.monotonic() + within
     while True:
         try:
-            found = path.stat().st_size
+            found: int | None = path.stat().st_size if isinstance(path, Path) else storage.file_size(path)
         except FileNotFoundError:
             found = None
         if found is not None and size in (None, found):
@@ -138,7 +169,7 @@ def visible(path: Path, size: int | None = None, within: float = VISIBLE_WITHIN)
         time.sleep(0.05)
 
 
-def unshared_storage(target: Path, tmp: Path, gathered: list[tuple[dict[str, FileDigest], bool]]) -> str | None:
+def unshared_storage(target: Location, tmp: Location, gathered: list[tuple[dict[str, FileDigest], bool]]) -> str | None:
     """What rank 0 finds wrong with the other ranks' shards of ``tmp``, or ``None``.
 
     Args:
@@ -174,7 +205,7 @@ def quiet_single_process() -> Iterator[None]:
         yield
 
 
-def load_sharded(directory: Path, template: dict[str, Any], files: VerifiedFiles | None = None) -> dict[str, Any]:
+def load_sharded(directory: Location, template: dict[str, Any], files: VerifiedFiles | None = None) -> dict[str, Any]:
     """Load a sharded checkpoint into ``template``, a trainer's ``state_dict()`` (all ranks).
 
     DCP fills the template's tensors in place (each rank reading the pieces of its shards). A
@@ -199,9 +230,14 @@ def load_sharded(directory: Path, template: dict[str, Any], files: VerifiedFiles
     return join_state(sharded, rest)
 
 
-def read_sharded(directory: Path) -> dict[str, Any]:
-    """Read a whole sharded checkpoint into this process, without a template or process group."""
-    reader = _SafeReader(directory / SHARDED_DIR)
+def read_sharded(directory: Location, files: VerifiedFiles | None = None) -> dict[str, Any]:
+    """Read a whole sharded checkpoint into this process, without a template or process group.
+
+    Args:
+        directory: The checkpoint.
+        files: Read every file through these (verified); unverified reads if ``None``.
+    """
+    reader = _SafeReader(directory / SHARDED_DIR, files)
     metadata = reader.read_metadata()
     tree: dict[Any, Any] = {}
     for fqn, path in _planner_paths(metadata).items():
@@ -214,7 +250,8 @@ def read_sharded(directory: Path) -> dict[str, Any]:
     sharded = _lists_back(tree)
     _dcp_load(directory, sharded, reader, no_dist=True)
     sharded.setdefault("training_state", {}).setdefault("optimizer", {}).setdefault("state", {})
-    return join_state(sharded, load_file(directory / REST_FILE))
+    rest = files.load(REST_FILE) if files is not None else load_file(directory / REST_FILE)
+    return join_state(sharded, rest)
 
 
 def _planner_paths(metadata: Metadata) -> dict[str, tuple[Any, ...]]:
@@ -233,7 +270,7 @@ def _lists_back(node: Any) -> Any:
     return items
 
 
-def _dcp_load(directory: Path, state_dict: dict[str, Any], reader: FileSystemReader, no_dist: bool) -> None:
+def _dcp_load(directory: Location, state_dict: dict[str, Any], reader: FileSystemReader, no_dist: bool) -> None:
     try:
         with quiet_single_process():
             dcp_load(state_dict, storage_reader=reader, planner=_SafeLoadPlanner(), no_dist=no_dist)
@@ -292,30 +329,48 @@ class _IndexUnpickler(pickle.Unpickler):
 
 
 class _VerifiedFileSystem(FileSystem):
-    """DCP's local file system read through :class:`VerifiedFiles`: each file opened once, verified."""
+    """DCP's file system read through :class:`VerifiedFiles`: each file opened once, verified.
+
+    DCP names the files ``<checkpoint>/sharded/<name>``, as :meth:`concat_path` joins them.
+    """
 
     def __init__(self, files: VerifiedFiles) -> None:
         super().__init__()
         self.files = files
 
+    def init_path(self, path: str | os.PathLike[str], **kwargs: Any) -> str:
+        return SHARDED_DIR
+
+    def concat_path(self, path: str | os.PathLike[str], suffix: str) -> str:
+        return f"{path}/{suffix}"
+
     @contextmanager
     def create_stream(self, path: str | os.PathLike[str], mode: str) -> Iterator[io.IOBase]:
         if mode != "rb":
-            raise ValueError(f"{path}: a checkpoint being loaded is read only")
-        with self.files.open(Path(path).relative_to(self.files.directory).as_posix()) as stream:
+            raise ValueError(f"{self.files.directory / str(path)}: a checkpoint being loaded is read only")
+        with self.files.open(str(path)) as stream:
             yield stream
 
 
 class _SafeReader(FileSystemReader):
     """DCP's file reader, unpickling the index only into DCP's own classes.
 
-    Given :class:`VerifiedFiles`, it reads every file through them (and the index once).
+    Given :class:`VerifiedFiles`, it reads every file through them (and the index once);
+    otherwise it reads a local directory, or one on object storage through fsspec.
     """
 
-    def __init__(self, path: Path, files: VerifiedFiles | None = None) -> None:
-        super().__init__(path)
+    def __init__(self, path: Location, files: VerifiedFiles | None = None) -> None:
+        super().__init__(path if isinstance(path, os.PathLike) else str(path))
         if files is not None:
             self.fs = _VerifiedFileSystem(files)
+            self.path = self.fs.init_path(SHARDED_DIR)
+        elif isinstance(path, UrlPath):
+            from torch.distributed.checkpoint._fsspec_filesystem import FileSystem as FsspecFileSystem
+
+            fsspec_fs: Any = FsspecFileSystem()
+            self.fs = fsspec_fs
+            self.path = fsspec_fs.init_path(str(path), **path.fs.storage_options)
+        self._where = path
         self._metadata: Metadata | None = None
 
     def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
@@ -323,12 +378,13 @@ class _SafeReader(FileSystemReader):
         if rank is None and self._metadata is not None:  # DCP asks again: the same index, not read again
             self._metadata.storage_meta.load_id = self.load_id  # type: ignore[union-attr]
             return self._metadata
-        path = Path(self.path) / (".metadata" if rank is None else f"__{rank}.metadata")
+        name = ".metadata" if rank is None else f"__{rank}.metadata"
+        path = self._where / name
         try:
-            with self.fs.create_stream(path, "rb") as file:
+            with self.fs.create_stream(self.fs.concat_path(self.path, name), "rb") as file:
                 metadata = _IndexUnpickler(file).load()
         except FileNotFoundError:
-            raise CheckpointError(f"{path.parent} is not a complete checkpoint: missing {path.name}") from None
+            raise CheckpointError(f"{self._where} is not a complete checkpoint: missing {name}") from None
         except CheckpointError:
             raise  # read through VerifiedFiles: missing or corrupt, said so
         except _Refused as error:

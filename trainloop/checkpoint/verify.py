@@ -15,8 +15,8 @@ rank reads about as many bytes. So no rank waits on the others longer than its o
 to read, however many ranks there are, instead of every rank waiting while rank 0 reads the
 whole checkpoint.
 
-Every rank must see the checkpoint directory (shared storage): a rank that cannot read its
-share refuses the checkpoint, as it could not load it either.
+Every rank must see the checkpoint directory (shared storage, or the same object storage): a
+rank that cannot read its share refuses the checkpoint, as it could not load it either.
 """
 
 from __future__ import annotations
@@ -24,7 +24,6 @@ from __future__ import annotations
 import logging
 import re
 from collections.abc import Mapping
-from pathlib import Path
 from typing import Any
 
 from trainloop.checkpoint.errors import CheckpointError
@@ -32,6 +31,7 @@ from trainloop.checkpoint.files import read_full
 from trainloop.checkpoint.loading import SHARDED_DIR, UnloadableError, VerifiedFiles
 from trainloop.checkpoint.manifest import FileDigest, check_listing
 from trainloop.checkpoint.saver import agree_on_error, broadcast_from_rank_zero
+from trainloop.checkpoint.storage import Location
 from trainloop.distributed.ranks import rank, world_size
 
 __all__ = ["choose_checkpoint", "hash_shares", "open_checkpoint"]
@@ -66,7 +66,9 @@ def hash_shares(expected: Mapping[str, FileDigest], world: int) -> list[list[str
     return shares
 
 
-def choose_checkpoint(candidates: list[Path] | None, explicit: bool, log: logging.Logger | None = None) -> Path | None:
+def choose_checkpoint(
+    candidates: list[Location] | None, explicit: bool, log: logging.Logger | None = None
+) -> Location | None:
     """The first of rank 0's ``candidates`` that every rank finds intact (every rank calls).
 
     Args:
@@ -88,8 +90,8 @@ def choose_checkpoint(candidates: list[Path] | None, explicit: bool, log: loggin
 
 
 def open_checkpoint(
-    candidates: list[Path] | None, explicit: bool, log: logging.Logger | None = None
-) -> tuple[Path, dict[str, Any] | VerifiedFiles] | None:
+    candidates: list[Location] | None, explicit: bool, log: logging.Logger | None = None
+) -> tuple[Location, dict[str, Any] | VerifiedFiles] | None:
     """:func:`choose_checkpoint`, reading the checkpoint in the same pass that verifies it.
 
     Every rank loads the whole of a full checkpoint, so every rank reads each file once,
@@ -110,8 +112,8 @@ def open_checkpoint(
 
 
 def _choose(
-    candidates: list[Path] | None, explicit: bool, log: logging.Logger | None, read: bool
-) -> tuple[Path, dict[str, Any] | VerifiedFiles] | None:
+    candidates: list[Location] | None, explicit: bool, log: logging.Logger | None, read: bool
+) -> tuple[Location, dict[str, Any] | VerifiedFiles] | None:
     log = log or logger
     candidates = broadcast_from_rank_zero(candidates)
     this_rank, world = rank(), world_size()

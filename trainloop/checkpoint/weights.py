@@ -8,11 +8,14 @@ them; ``trainloop export`` (:mod:`trainloop.checkpoint.export`) writes them out.
 - a ``.safetensors`` file;
 - a ``.pt`` / ``.pth`` / ``.bin`` file holding a state dict (read with ``weights_only=True``),
   or a dict with the state dict under ``"model"`` or ``"state_dict"`` (nanoGPT's ``ckpt.pt``).
+
+Each may be local or on object storage (a URL: see :mod:`trainloop.checkpoint.storage`).
 """
 
 from __future__ import annotations
 
 import logging
+import tempfile
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -21,10 +24,12 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import nn
 
+from trainloop.checkpoint import storage
 from trainloop.checkpoint.errors import CheckpointError
-from trainloop.checkpoint.files import LATEST, checkpoint_format, latest_checkpoint
+from trainloop.checkpoint.files import LATEST, checkpoint_format, latest_checkpoint, read_checkpoint
 from trainloop.checkpoint.loading import load_file
-from trainloop.checkpoint.manifest import MANIFEST, read_metadata, verify_checkpoint
+from trainloop.checkpoint.manifest import MANIFEST, read_metadata
+from trainloop.checkpoint.storage import Location, UrlPath, location
 from trainloop.utils import unwrap_model
 
 if TYPE_CHECKING:
@@ -52,13 +57,13 @@ class Weights:
     """
 
     state_dict: dict[str, torch.Tensor]
-    source: Path
+    source: Location
     step: int | None = None
     settings_json: str | None = None
     metadata: dict[str, str] = field(default_factory=dict)
 
 
-def find_checkpoint(path: Path) -> Path:
+def find_checkpoint(path: Location) -> Location:
     """The checkpoint directory ``path`` names.
 
     Itself, or a checkpoints root's (or a workspace's ``checkpoints/``) latest complete checkpoint.
@@ -66,10 +71,10 @@ def find_checkpoint(path: Path) -> Path:
     Raises:
         CheckpointError: Nothing there is a checkpoint; the message names ``path``.
     """
-    if (path / MANIFEST).is_file():
+    if storage.is_file(path / MANIFEST):
         return path
     for root in (path, path / "checkpoints"):
-        if (root / LATEST).exists() or any(p.name.isdigit() for p in root.glob("[0-9]*")):
+        if any(name == LATEST or name.isdigit() for name in storage.names(root)):
             found = latest_checkpoint(root)
             if found is not None:
                 return found
@@ -78,7 +83,7 @@ def find_checkpoint(path: Path) -> Path:
     )
 
 
-def weights_problem(path: Path, weights: str) -> str | None:
+def weights_problem(path: Location, weights: str) -> str | None:
     """Why ``read_weights(path, weights)`` would fail, where the files' names tell (no tensor is read).
 
     A weights file holds only a model; a full checkpoint's averaged weights are an entry file
@@ -87,7 +92,7 @@ def weights_problem(path: Path, weights: str) -> str | None:
     """
     if weights == "model":
         return None
-    if path.is_file():
+    if storage.is_file(path):
         return f"weights={weights!r} needs a checkpoint; {str(path)!r} is a weights file (it holds one model)"
     try:
         directory = find_checkpoint(path)
@@ -95,46 +100,43 @@ def weights_problem(path: Path, weights: str) -> str | None:
         return None  # said when it is read, with the reason
     if checkpoint_format(directory) == "sharded":
         return None
-    entries = sorted(p.stem for p in directory.glob("*.pt") if p.stem not in ("model", _REST))
+    stems = (name.removesuffix(".pt") for name in storage.names(directory) if name.endswith(".pt"))
+    entries = sorted(stem for stem in stems if stem not in ("model", _REST))
     if (weights == "ema" and entries) or weights in entries:
         return None
     listed = ", ".join(entries) or "none"
     return f"weights={weights!r}, but {str(directory)!r} holds no such averaged weights (its hook entries: {listed})"
 
 
-def read_weights(path: str | Path, weights: str = "model") -> Weights:
+def read_weights(path: str | Location, weights: str = "model") -> Weights:
     """Read a model's weights from a checkpoint (verified against its manifest) or a file.
 
     Args:
         path: A checkpoint directory, checkpoints root or workspace; or a ``.safetensors`` or
-            ``.pt`` file.
+            ``.pt`` file; local, or a URL (its filesystem configured by fsspec's configuration,
+            or a :class:`~trainloop.checkpoint.storage.UrlPath` made with its options).
         weights: From a checkpoint: ``"model"``, ``"ema"`` (the one EMA hook's averaged
             weights) or the name of the hook whose averaged weights to take.
 
     Raises:
         CheckpointError: The path is missing, corrupt, or holds no such weights.
     """
-    path = Path(path).expanduser()
-    if not path.exists():
+    path = location(path)
+    if not storage.exists(path):
         raise CheckpointError(f"{path}: no such file or directory")
-    if path.is_dir():
+    if storage.is_dir(path):
         return _from_checkpoint(find_checkpoint(path), weights)
     if weights != "model":
         raise CheckpointError(
             f"{path}: a weights file holds one model's weights; weights={weights!r} needs a checkpoint"
         )
     if path.suffix == ".safetensors":
-        from safetensors import safe_open
-        from safetensors.torch import load_file as load_safetensors
-
-        with safe_open(str(path), framework="pt") as opened:
-            metadata = opened.metadata() or {}
-        try:
-            state = load_safetensors(str(path))
-        except Exception as error:  # safetensors raises its own SafetensorError
-            raise CheckpointError(f"{path}: cannot load: {error}") from error
-        step = metadata.get("step")
-        return Weights(state, path, int(step) if step and step.isdigit() else None, None, metadata)
+        if isinstance(path, UrlPath):
+            with tempfile.TemporaryDirectory(prefix="trainloop-download-") as local:
+                path.fs.get_file(path.path, f"{local}/{path.name}")
+                found = _from_safetensors(Path(local) / path.name, path)
+            return found
+        return _from_safetensors(path, path)
     loaded = load_file(path)
     if isinstance(loaded, Mapping):
         for key in ("model", "state_dict"):  # nanoGPT's ckpt.pt, Lightning's .ckpt
@@ -146,25 +148,32 @@ def read_weights(path: str | Path, weights: str = "model") -> Weights:
     return Weights(dict(loaded), path)
 
 
-def _from_checkpoint(directory: Path, weights: str) -> Weights:
-    verify_checkpoint(directory)
-    step = read_metadata(directory).get("step")
-    if checkpoint_format(directory) == "sharded":
-        from trainloop.checkpoint.sharded import read_sharded
+def _from_safetensors(local: Path, source: Location) -> Weights:
+    """The weights of the ``.safetensors`` file ``local`` (a copy of ``source``, the file named)."""
+    from safetensors import safe_open
+    from safetensors.torch import load_file as load_safetensors
 
-        whole = read_sharded(directory)
-        rest = whole["training_state"]
-        entries = {key: value for key, value in whole.items() if key != _REST}
-        chosen = _choose(directory, weights, entries.__getitem__, list(entries))
-    else:
-        names = sorted(p.stem for p in directory.glob("*.pt") if p.stem != _REST)
-        chosen = _choose(directory, weights, lambda key: load_file(directory / f"{key}.pt"), names)
-        rest = load_file(directory / f"{_REST}.pt")
+    with safe_open(str(local), framework="pt") as opened:
+        metadata = opened.metadata() or {}
+    try:
+        state = load_safetensors(str(local))
+    except Exception as error:  # safetensors raises its own SafetensorError
+        raise CheckpointError(f"{source}: cannot load: {error}") from error
+    step = metadata.get("step")
+    return Weights(state, source, int(step) if step and step.isdigit() else None, None, metadata)
+
+
+def _from_checkpoint(directory: Location, weights: str) -> Weights:
+    whole = read_checkpoint(directory)  # every file verified against the manifest as it is read, once
+    step = read_metadata(directory).get("step")
+    rest = whole["training_state"]
+    entries = {key: value for key, value in whole.items() if key != _REST}
+    chosen = _choose(directory, weights, entries.__getitem__, sorted(entries))
     settings = rest.get("settings") if isinstance(rest, Mapping) else None
     return Weights(chosen, directory, step if isinstance(step, int) else None, settings)
 
 
-def _choose(directory: Path, weights: str, entry: Any, names: list[str]) -> dict[str, torch.Tensor]:
+def _choose(directory: Location, weights: str, entry: Any, names: list[str]) -> dict[str, torch.Tensor]:
     """The state dict ``weights`` names among a checkpoint's top-level entries."""
     if weights == "model":
         if "model" not in names:
@@ -302,7 +311,7 @@ def init_from(trainer: TrainerView) -> None:
             "init_from %s not loaded: the run resumed its own checkpoint at step %d", spec.path, trainer.step
         )
         return
-    found = read_weights(spec.path, spec.weights)
+    found = read_weights(location(spec.path, spec.storage_options), spec.weights)
     loaded = load_weights(
         trainer.model, found.state_dict, strict=spec.strict, strip_prefixes=spec.strip_prefixes,
         ignore=spec.ignore, logger=trainer.logger,

@@ -10,10 +10,10 @@ from __future__ import annotations
 
 import argparse
 import sys
-from pathlib import Path
 
 from trainloop.checkpoint.errors import CheckpointError
 from trainloop.checkpoint.export import export_checkpoint
+from trainloop.checkpoint.storage import StorageError, is_dir, location
 from trainloop.cli.errors import FAILURE, PROG, CliError
 
 __all__ = ["command"]
@@ -21,11 +21,14 @@ __all__ = ["command"]
 
 def command(args: argparse.Namespace) -> int:
     """Write the file, or say in one line why not (a bad ``--output`` before anything is read)."""
-    output = Path(args.output)
-    if output.is_dir():  # an empty --output is refused by the parser (trainloop.cli.path_text)
+    try:  # a URL (either argument) names its filesystem, configured by fsspec's configuration
+        output, checkpoint = location(args.output), location(args.checkpoint)
+    except StorageError as error:
+        raise CliError(str(error)) from None
+    if is_dir(output):  # an empty --output is refused by the parser (trainloop.cli.path_text)
         raise CliError(f"--output {args.output!r} is a directory: give the .safetensors file to write")
     try:
-        metadata = export_checkpoint(args.checkpoint, args.output, args.weights)
+        metadata = export_checkpoint(checkpoint, output, args.weights)
     except CheckpointError as error:
         raise CliError(str(error), FAILURE) from None
     except OSError as error:

@@ -11,6 +11,7 @@ from pathlib import Path
 from trainloop.checkpoint import MANIFEST, METADATA, CheckpointError, latest_checkpoint
 from trainloop.checkpoint.describe import describe_checkpoint, format_checkpoint, jsonable
 from trainloop.checkpoint.loading import SHARDED_DIR
+from trainloop.checkpoint.storage import Location, StorageError, exists, is_dir, location, names
 from trainloop.cli.errors import FAILURE, CliError
 
 __all__ = ["command"]
@@ -30,15 +31,12 @@ def command(args: argparse.Namespace) -> int:
     return 0
 
 
-def _is_checkpoint(directory: Path) -> bool:
+def _is_checkpoint(directory: Location) -> bool:
     """Whether ``directory`` looks like one checkpoint (rather than a root of several)."""
-    return (
-        any(directory.glob("*.pt"))
-        or any((directory / name).exists() for name in (MANIFEST, METADATA, SHARDED_DIR))
-    )
+    return any(name.endswith(".pt") or name in (MANIFEST, METADATA, SHARDED_DIR) for name in names(directory))
 
 
-def _find_checkpoint(path: str) -> tuple[Path, Path | None]:
+def _find_checkpoint(path: str) -> tuple[Location, Location | None]:
     """The checkpoint directory ``path`` names.
 
     Itself, or the latest under a checkpoints root (or under ``<workspace>/checkpoints``).
@@ -49,10 +47,13 @@ def _find_checkpoint(path: str) -> tuple[Path, Path | None]:
     Raises:
         CliError: Nothing there is a checkpoint.
     """
-    given = Path(path)
-    if not given.exists():
+    try:
+        given = location(path)
+    except StorageError as error:
+        raise CliError(str(error)) from None
+    if not exists(given):
         raise CliError(f"{given}: no such file or directory", FAILURE)
-    if not given.is_dir():
+    if not is_dir(given):
         raise CliError(f"{given}: not a directory (give a checkpoint directory or a checkpoints root)", FAILURE)
     if _is_checkpoint(given):
         return given, None
@@ -61,12 +62,12 @@ def _find_checkpoint(path: str) -> tuple[Path, Path | None]:
         found = latest_checkpoint(root, verify=False)
         if found is not None:
             return found, root
-    leftovers = sorted(p.name for p in given.iterdir() if p.name.startswith(".") and "-" in p.name)
+    leftovers = [name for name in names(given) if name.startswith(".") and "-" in name]
     hint = f" (only an interrupted save's leftovers: {', '.join(leftovers)})" if leftovers else ""
     raise CliError(f"{given}: no checkpoint here: no checkpoint files and no complete step directory{hint}", FAILURE)
 
 
-def _intact_alternative(root: Path, broken: Path) -> str:
+def _intact_alternative(root: Location, broken: Location) -> str:
     """Which checkpoint under ``root`` a resume would use instead of the broken one, as a hint."""
     quiet = logging.getLogger("trainloop.cli.inspect.quiet")  # the skipped ones are reported already
     if not quiet.handlers:
@@ -75,6 +76,7 @@ def _intact_alternative(root: Path, broken: Path) -> str:
     found = latest_checkpoint(root, verify=True, logger=quiet)
     if found is None:
         return f"; no checkpoint under {root} is intact"
-    if found.resolve() == broken.resolve():
+    local = isinstance(found, Path) and isinstance(broken, Path)
+    if found == broken or (local and found.resolve() == broken.resolve()):  # type: ignore[union-attr]
         return ""
     return f"; the newest intact checkpoint under {root} is {found}, which a resume from \"latest\" loads"

@@ -37,6 +37,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from trainloop.checkpoint.storage import StorageError, exists, location
 from trainloop.checkpoint.weights import weights_problem
 from trainloop.core.workspace import path_problem
 from trainloop.hooks.base import BaseHook
@@ -260,8 +261,11 @@ def _init_from(settings: TrainerSettings) -> list[tuple[tuple[Key, ...], str]]:
     # Every rank reads the weights itself, so every rank may check that they are there.
     if spec is None:
         return []
-    path = spec.path.expanduser()
-    if not path.exists():
+    try:
+        path = location(spec.path, spec.storage_options)
+    except StorageError as error:
+        return [(("init_from", "path"), f"init_from.path: {error}")]
+    if not exists(path):
         return [(("init_from", "path"), f"init_from.path: no checkpoint or weights file at {str(spec.path)!r}")]
     problem = weights_problem(path, spec.weights)
     return [] if problem is None else [(("init_from", "weights"), f"init_from.weights: {problem}")]

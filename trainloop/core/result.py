@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
 
+from trainloop.checkpoint.storage import Location, UrlPath
 from trainloop.utils import append_line, strict_json
 
 if TYPE_CHECKING:
@@ -59,7 +60,7 @@ class RunResult:
     epoch: int
     exit_code: int
     metrics: dict[str, float]
-    best_checkpoint: Path | None = None
+    best_checkpoint: Location | None = None
     history: list[dict[str, Any]] = field(default_factory=list, repr=False)
     error: str | None = None
     kind: RunKind = "train"
@@ -70,7 +71,7 @@ def run_result(trainer: TrainerView, kind: RunKind = "train") -> RunResult:
     best = None
     for hook in trainer.hooks:
         found = getattr(hook, "best_checkpoint", None)
-        if isinstance(found, Path):
+        if isinstance(found, (Path, UrlPath)):  # a local directory, or one on object storage
             best = found
             break
     error = trainer.error

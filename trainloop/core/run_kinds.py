@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
 
 from trainloop.checkpoint.errors import CheckpointError
+from trainloop.checkpoint.storage import Location, StorageError, is_dir, location
 from trainloop.machine.table import State
 
 if TYPE_CHECKING:
@@ -43,13 +44,13 @@ class WeightsSource:
         checkpoint: ``"latest"``: the run's latest complete checkpoint (in its
             ``CheckpointingHook``'s directory, else ``<workspace>/checkpoints``), an error if
             there is none; a checkpoint directory (full or sharded), a checkpoints root or a
-            workspace (its latest); or ``None``: the model as ``build_model`` made it (with
+            workspace (its latest), local or a URL; or ``None``: the model as ``build_model`` made it (with
             ``settings.init_from`` applied).
         weights: ``"model"``, ``"ema"`` (the one EMA hook's averaged weights in the
             checkpoint) or the name of the EMA hook whose weights to take.
     """
 
-    checkpoint: Literal["latest"] | Path | None = LATEST
+    checkpoint: Literal["latest"] | Location | None = LATEST
     weights: str = "model"
 
     @classmethod
@@ -66,8 +67,11 @@ class WeightsSource:
             return cls(None, weights)
         if checkpoint == LATEST:
             return cls(LATEST, weights)
-        path = Path(checkpoint).expanduser()
-        if not path.is_dir():
+        try:
+            path = location(checkpoint)  # a URL's filesystem configured by fsspec's configuration
+        except StorageError as error:
+            raise CheckpointError(f"checkpoint {error}") from None
+        if not is_dir(path):
             raise CheckpointError(f"checkpoint {checkpoint}: no such directory")
         return cls(path, weights)
 
@@ -102,7 +106,7 @@ def restore_weights(trainer: TrainerView, hooks: Sequence[BaseHook], source: Wei
 
     if source.checkpoint is None:
         return None
-    path = _latest_root(trainer, hooks) if source.checkpoint == LATEST else source.checkpoint
+    path = _latest_checkpoint(trainer, hooks) if source.checkpoint == LATEST else source.checkpoint
     found = read_weights(path, source.weights)
     loaded = load_weights(trainer.model, found.state_dict, logger=trainer.logger, source=str(found.source))
     at = f" (step {found.step})" if found.step is not None else ""
@@ -110,8 +114,8 @@ def restore_weights(trainer: TrainerView, hooks: Sequence[BaseHook], source: Wei
     return found
 
 
-def _latest_root(trainer: TrainerView, hooks: Sequence[BaseHook]) -> Path:
-    """The directory of the run's checkpoints, which holds a complete one.
+def _latest_checkpoint(trainer: TrainerView, hooks: Sequence[BaseHook]) -> Location:
+    """The run's latest complete checkpoint (verified once here, not looked for again by the reader).
 
     Raises:
         CheckpointError: There is none.
@@ -123,8 +127,9 @@ def _latest_root(trainer: TrainerView, hooks: Sequence[BaseHook]) -> Path:
     if not roots and trainer.workspace is not None:
         roots = [trainer.workspace / "checkpoints"]
     for root in roots:
-        if latest_checkpoint(root, logger=trainer.logger) is not None:
-            return Path(root)
+        found = latest_checkpoint(root, logger=trainer.logger)
+        if found is not None:
+            return found
     where = ", ".join(str(r) for r in roots) or "no workspace and no CheckpointingHook"
     raise CheckpointError(
         f"no complete checkpoint to evaluate ({where}): train first, give a checkpoint directory, "

@@ -22,6 +22,7 @@ from trainloop.checkpoint.best import BestCheckpoints, Monitor, check_best
 from trainloop.checkpoint.errors import CheckpointSaveError
 from trainloop.checkpoint.files import checkpoint_candidates, prune
 from trainloop.checkpoint.manifest import make_metadata
+from trainloop.checkpoint.storage import Location, StorageError, UrlPath, is_dir, is_url, location
 from trainloop.distributed.ranks import is_rank_zero
 from trainloop.hooks.base import BaseHook
 from trainloop.hooks.checks import HookProblem, listed, needs_workspace, one_process
@@ -29,7 +30,7 @@ from trainloop.hooks.early_stopping import MonitorNotFoundWarning
 from trainloop.hooks.every import Schedule
 from trainloop.hooks.exit_signals import DEFAULT_EXIT_SIGNALS, ExitCode, ExitOnSignal, ExitSignal, as_signal
 from trainloop.hooks.registry import register_hook
-from trainloop.settings.types import NonEmptyPath, NonNegativeFloat, NonNegativeInt, PositiveInt, StrictBool
+from trainloop.settings.types import NonNegativeFloat, NonNegativeInt, PathOrUrl, PositiveInt, StrictBool
 from trainloop.utils import flatten_nested_dict
 
 if TYPE_CHECKING:
@@ -59,12 +60,18 @@ class CheckpointingHook(BaseHook):
         keep_interval: Also save, and never prune, every ``keep_interval``-th step (0: none).
         keep_steps: Also save, and never prune, these steps.
         path: Directory of the checkpoints; a relative path is resolved under the trainer's
-            ``workspace``.
+            ``workspace``. Or an fsspec URL (``s3://bucket/run``, ``gs://...``, ``memory://...``;
+            ``file://`` is a local path): the same layout on object storage, where a
+            checkpoint counts once its manifest, uploaded last, is there (see
+            docs/checkpointing.md); needs ``trainloop[s3]`` or ``trainloop[gcs]``.
+        storage_options: For a URL ``path`` or ``load``: the options of its fsspec filesystem,
+            passed as given (``{"endpoint_url": "http://minio:9000"}``), over fsspec's own
+            configuration (``FSSPEC_S3_ENDPOINT_URL``...).
         load: What to resume from in ``restoring``: ``"latest"`` (the newest complete
             checkpoint under ``path``, if any: one that fails its manifest is skipped with a
-            warning naming it), a checkpoint directory (relative to the working directory;
-            must exist and be complete, else an error names the bad file), or ``None`` (start
-            fresh).
+            warning naming it), a checkpoint directory (relative to the working directory, or
+            a URL; must exist and be complete, else an error names the bad file), or ``None``
+            (start fresh).
         exit_signals: Signals (names or numbers) that end the run cleanly: the current step
             finishes (under a process group, the step all ranks agree on, a little later), is
             saved, and ``train()`` raises ``SystemExit(exit_code)``. By default SIGTERM
@@ -99,16 +106,25 @@ class CheckpointingHook(BaseHook):
 
     @classmethod
     def check_settings(cls, declared: Any, settings: Any, trainer: Any) -> list[HookProblem]:
-        """A relative ``path`` needs a workspace.
+        """A relative ``path`` needs a workspace; a URL, its filesystem installed.
 
         A ``load`` directory must exist (checked in a single process only: under a launcher, rank 0 checks it for every
         rank when loading).
         """
-        problems = needs_workspace(
-            settings, declared.path, "path", f"checkpoints go to {str(declared.path)!r}, a relative path"
-        )
-        if isinstance(declared.load, Path) and one_process() and not declared.load.expanduser().is_dir():
+        options = declared.storage_options
+        problems: list[HookProblem] = []
+        if is_url(declared.path):
+            problems += _url_problems("path", declared.path, options)
+        else:
+            problems += needs_workspace(
+                settings, declared.path, "path", f"checkpoints go to {str(declared.path)!r}, a relative path"
+            )
+        if is_url(declared.load):
+            problems += _url_problems("load", declared.load, options, must_exist=one_process())
+        elif isinstance(declared.load, Path) and one_process() and not declared.load.expanduser().is_dir():
             problems.append(("load", f"no checkpoint directory at {str(declared.load)!r}"))
+        if options is not None and not (is_url(declared.path) or is_url(declared.load)):
+            problems.append(("storage_options", "they are for a URL path or load, and neither is a URL"))
         return problems
 
     @classmethod
@@ -120,11 +136,13 @@ class CheckpointingHook(BaseHook):
             problems.append(
                 f"{listed(loading)}: each would load a checkpoint into the trainer; set load to null on all but one"
             )
-        by_directory: dict[Path, list[int]] = {}
+        by_directory: dict[Path | str, list[int]] = {}
         for i, spec in declared:
-            path = Path(spec.path).expanduser()
-            if not path.is_absolute() and settings.workspace is not None:
-                path = settings.workspace / path
+            path: Path | str = spec.path
+            if not is_url(path):
+                path = Path(path).expanduser()
+                if not path.is_absolute() and settings.workspace is not None:
+                    path = settings.workspace / path
             by_directory.setdefault(path, []).append(i)
         problems += [
             f"{listed(indices)}: both write checkpoints to {str(path)!r}; give each its own path"
@@ -142,8 +160,9 @@ class CheckpointingHook(BaseHook):
         mode: Literal["min", "max"] = "min",
         keep_interval: NonNegativeInt = 0,
         keep_steps: list[PositiveInt] | None = None,
-        path: NonEmptyPath = Path("checkpoints"),
-        load: Literal["latest"] | NonEmptyPath | None = "latest",
+        path: PathOrUrl = Path("checkpoints"),
+        storage_options: dict[str, Any] | None = None,
+        load: Literal["latest"] | PathOrUrl | None = "latest",
         exit_signals: list[ExitSignal] | None = list(DEFAULT_EXIT_SIGNALS),  # noqa: B006 - never mutated
         exit_code: Literal["128+signal"] | ExitCode = "128+signal",
         exit_wait: NonNegativeFloat = 0.0,
@@ -163,12 +182,15 @@ class CheckpointingHook(BaseHook):
         self.monitor = monitor
         self.mode = mode
         self._best = BestCheckpoints(monitor, mode, keep_best) if monitor is not None else None
-        self._root: Path | None = None
+        self._root: Location | None = None
         self._last_saved_step: int | None = None
         self.keep_interval = keep_interval
         self.keep_steps = frozenset(keep_steps or ())
-        self.path = Path(path).expanduser()
-        self.load = load
+        if storage_options is not None and not (is_url(path) or is_url(load)):
+            raise ValueError("CheckpointingHook storage_options are for a URL path or load, and neither is a URL")
+        self.storage_options = storage_options
+        self.path: Location = location(path, storage_options)
+        self.load: Location | str | None = location(load, storage_options) if load not in (None, "latest") else load
         # Validation gave canonical names (the default holds some already), made signals here;
         # dict.fromkeys drops repeats, keeps order.
         self.exit_signals = tuple(dict.fromkeys(as_signal(s) for s in exit_signals or ()))
@@ -285,7 +307,7 @@ class CheckpointingHook(BaseHook):
         if self._saver is not None:
             self._report(trainer, self._saver.settle(agree))
 
-    def _prune(self, root: Path, newest: int, logger: Logger) -> None:
+    def _prune(self, root: Location, newest: int, logger: Logger) -> None:
         best = self._best.kept() if self._best is not None else set()
         prune(root, newest, self.keep_previous, lambda step: step in best or self._is_kept(step), logger)
         if self._best is not None:
@@ -326,7 +348,7 @@ class CheckpointingHook(BaseHook):
         self._report(trainer, error)
 
     @property
-    def best_checkpoint(self) -> Path | None:
+    def best_checkpoint(self) -> Location | None:
         """The best checkpoint by ``monitor`` still on disk, or ``None``.
 
         ``None`` when there is no ``keep_best``, or no checkpoint was scored yet.
@@ -334,15 +356,15 @@ class CheckpointingHook(BaseHook):
         if self._best is None or self._root is None:
             return None
         best = self._best.best
-        return self._root / str(best) if best is not None and (self._root / str(best)).is_dir() else None
+        return self._root / str(best) if best is not None and is_dir(self._root / str(best)) else None
 
-    def directory(self, trainer: TrainerView) -> Path:
-        """Where this hook's checkpoints live for ``trainer``.
+    def directory(self, trainer: TrainerView) -> Location:
+        """Where this hook's checkpoints live for ``trainer`` (a local directory or a URL's).
 
         Raises:
             ValueError: ``path`` is relative and the trainer has no workspace.
         """
-        if self.path.is_absolute():
+        if isinstance(self.path, UrlPath) or self.path.is_absolute():
             return self.path
         if trainer.workspace is None:
             raise ValueError(
@@ -352,7 +374,7 @@ class CheckpointingHook(BaseHook):
         return trainer.workspace / self.path
 
 
-def load_checkpoint(trainer: TrainerView, root: Path, load: Path | str) -> Path | None:
+def load_checkpoint(trainer: TrainerView, root: Location, load: Location | str) -> Location | None:
     """Load the checkpoint ``load`` names (a directory, or ``"latest"`` under ``root``) into ``trainer``.
 
     Returns:
@@ -377,8 +399,8 @@ def load_checkpoint(trainer: TrainerView, root: Path, load: Path | str) -> Path 
 
 
 def choose_checkpoint(
-    trainer: TrainerView, root: Path, load: Path | str
-) -> tuple[Path, dict[str, Any] | VerifiedFiles] | None:
+    trainer: TrainerView, root: Location, load: Location | str
+) -> tuple[Location, dict[str, Any] | VerifiedFiles] | None:
     """The checkpoint to load: its state dict if full, its files (this rank's share verified) if sharded.
 
     Rank 0 lists the candidates, every rank verifies their files as it reads them (a sharded one: its share; see
@@ -387,17 +409,16 @@ def choose_checkpoint(
     from trainloop.checkpoint.saver import broadcast_from_rank_zero
     from trainloop.checkpoint.verify import open_checkpoint
 
-    candidates: list[Path] | None = None
+    candidates: list[Location] | None = None
     error: BaseException | None = None
     if is_rank_zero():
         try:
-            if isinstance(load, Path):
-                found = load.expanduser()
-                if not found.is_dir():
+            if isinstance(load, (Path, UrlPath)):
+                if not is_dir(load):
                     raise FileNotFoundError(
-                        f"CheckpointingHook load={str(load)!r}: no checkpoint directory at {found}"
+                        f"CheckpointingHook load={str(load)!r}: no checkpoint directory at {load}"
                     )
-                candidates = [found]
+                candidates = [load]
             else:  # "latest"
                 clean_leftovers(root, trainer.logger)
                 candidates = checkpoint_candidates(root, trainer.logger)
@@ -406,7 +427,7 @@ def choose_checkpoint(
     error = broadcast_from_rank_zero(error)
     if error is not None:
         raise error
-    return open_checkpoint(candidates, explicit=isinstance(load, Path), log=trainer.logger)
+    return open_checkpoint(candidates, explicit=load != "latest", log=trainer.logger)
 
 
 def say(logger: Logger, message: str, *args: Any) -> None:
@@ -439,3 +460,14 @@ def sharded_state_dict(trainer: TrainerView) -> Iterator[None]:
         yield
     finally:
         trainer.state_dict_options = saved
+
+
+def _url_problems(name: str, url: str, options: dict[str, Any] | None, must_exist: bool = False) -> list[HookProblem]:
+    """What is wrong with the URL ``url`` of parameter ``name``: its filesystem missing; nothing there to load."""
+    try:
+        where = location(url, options)
+    except StorageError as error:
+        return [(name, str(error))]
+    if must_exist and not is_dir(where):
+        return [(name, f"no checkpoint directory at {url!r}")]
+    return []

@@ -19,7 +19,8 @@ from pathlib import Path
 from typing import Any
 
 from trainloop.checkpoint.best import BEST_FILE, read_best
-from trainloop.checkpoint.files import LATEST, checkpoint_steps
+from trainloop.checkpoint.files import checkpoint_steps, latest_step
+from trainloop.checkpoint.storage import Location, StorageError, location, read_bytes
 from trainloop.core.metrics import METRICS_FILE, read_metrics
 from trainloop.core.result import RUNS_FILE, read_runs
 from trainloop.machine.trace import read_trace, summarize_trace
@@ -216,13 +217,22 @@ def _short(value: Any) -> str:
 
 
 def _checkpoints(workspace: Path, settings: Mapping[str, Any], notes: list[str]) -> list[dict[str, Any]]:
-    """The checkpoints of every ``checkpointing`` hook declared in the settings (or ``checkpoints/``)."""
-    roots = []
+    """The checkpoints of every ``checkpointing`` hook declared in the settings (or ``checkpoints/``).
+
+    A hook's URL ``path`` is read with its ``storage_options`` and fsspec's configuration.
+    """
+    roots: list[Location] = []
     hooks = settings.get("hooks")
     for hook in hooks if isinstance(hooks, list) else []:
         if isinstance(hook, Mapping) and hook.get("type") == "checkpointing":
-            path = Path(hook["path"] if isinstance(hook.get("path"), str) and hook["path"] else "checkpoints")
-            roots.append(path if path.is_absolute() else workspace / path)
+            declared = hook["path"] if isinstance(hook.get("path"), str) and hook["path"] else "checkpoints"
+            options = hook.get("storage_options")
+            try:
+                path = location(declared, options if isinstance(options, Mapping) else None)
+            except StorageError as error:
+                notes.append(f"the checkpoints at {declared} are left out: {error}")
+                continue
+            roots.append(path if not isinstance(path, Path) or path.is_absolute() else workspace / path)
     if not roots and (workspace / "checkpoints").is_dir():
         roots.append(workspace / "checkpoints")
     found = []
@@ -235,7 +245,7 @@ def _checkpoints(workspace: Path, settings: Mapping[str, Any], notes: list[str])
                 notes.append(
                     f"{root / BEST_FILE}: the score of checkpoint {name} is {_short(score)}, not a number; left out"
                 )
-        latest = (root / LATEST).resolve().name if (root / LATEST).exists() else None
+        latest = str(latest_step(root))
         for step in checkpoint_steps(root):
             metadata = _read_json(root / str(step) / "metadata.json")
             found.append({
@@ -264,9 +274,9 @@ def _checkpoint_table(checkpoints: list[dict[str, Any]]) -> str:
     return f"<table><tr><th>checkpoint</th><th>step</th><th>saved</th>{head}<th></th></tr>" + "".join(rows) + "</table>"
 
 
-def _read_json(path: Path) -> dict[str, Any]:
+def _read_json(path: Location) -> dict[str, Any]:
     try:
-        data = json.loads(path.read_text(encoding="utf-8"))
+        data = json.loads(read_bytes(path).decode("utf-8"))
     except (OSError, ValueError):
         return {}
     return data if isinstance(data, dict) else {}

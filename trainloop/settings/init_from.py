@@ -10,7 +10,7 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from trainloop.settings.types import NonEmptyPath, StrictBool
+from trainloop.settings.types import PathOrUrl, StrictBool
 
 __all__ = ["InitFromSettings"]
 
@@ -24,9 +24,13 @@ class InitFromSettings(BaseModel):
 
     model_config = ConfigDict(frozen=True, extra="forbid", use_attribute_docstrings=True)
 
-    path: NonEmptyPath
+    path: PathOrUrl
     """A trainloop checkpoint directory (full or sharded), a checkpoints root or a workspace
-    (its latest checkpoint is used), or a ``.safetensors`` / ``.pt`` state-dict file."""
+    (its latest checkpoint is used), or a ``.safetensors`` / ``.pt`` state-dict file; a local
+    path or an fsspec URL (``s3://bucket/pretrain/checkpoints``)."""
+    storage_options: dict[str, Any] | None = None
+    """For a URL ``path``: the options of its fsspec filesystem, passed as given
+    (``{"endpoint_url": "http://minio:9000"}``), over fsspec's own configuration."""
     weights: str = Field(default="model", min_length=1)
     """From a checkpoint: ``"model"``, ``"ema"`` (the one EMA hook's averaged weights) or the
     name of the hook whose averaged weights to take."""
@@ -45,3 +49,9 @@ class InitFromSettings(BaseModel):
     def _path_alone(cls, value: Any) -> Any:
         # ``init_from: path`` is the common case; it means ``{"path": path}``.
         return {"path": value} if isinstance(value, (str, Path)) else value
+
+    @model_validator(mode="after")
+    def _options_need_url(self) -> InitFromSettings:
+        if self.storage_options is not None and isinstance(self.path, Path):
+            raise ValueError(f"storage_options are for a URL path; {str(self.path)!r} is a local path")
+        return self

@@ -8,9 +8,20 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Annotated, Any
 
-from pydantic import BeforeValidator, Field
+from pydantic import BeforeValidator, Field, PlainValidator
+from pydantic_core import PydanticCustomError
 
-__all__ = ["NonEmptyPath", "NonNegativeFloat", "NonNegativeInt", "PositiveFloat", "PositiveInt", "StrictBool"]
+from trainloop.checkpoint.storage import is_url, lost_slash
+
+__all__ = [
+    "NonEmptyPath",
+    "NonNegativeFloat",
+    "NonNegativeInt",
+    "PathOrUrl",
+    "PositiveFloat",
+    "PositiveInt",
+    "StrictBool",
+]
 
 
 def _not_empty(value: Any) -> Any:
@@ -28,3 +39,19 @@ NonNegativeFloat = Annotated[float, Field(ge=0, strict=True, allow_inf_nan=False
 StrictBool = Annotated[bool, Field(strict=True)]
 NonEmptyPath = Annotated[Path, BeforeValidator(_not_empty)]
 """A path that is not written empty (``"."`` says the current directory)."""
+
+
+def _path_or_url(value: Any) -> Path | str:
+    value = _not_empty(value)
+    if is_url(value):
+        return str(value)  # a URL stays text: Path("s3://b/x") would be the local folder "s3:/b/x"
+    if not isinstance(value, (str, Path)):
+        raise PydanticCustomError("path_type", "Input should be a path or a URL")
+    problem = lost_slash(Path(value))
+    if problem is not None:
+        raise ValueError(problem)
+    return Path(value)
+
+
+PathOrUrl = Annotated[Path | str, PlainValidator(_path_or_url, json_schema_input_type=str)]
+"""A local path (a :class:`~pathlib.Path`) or an fsspec URL (``s3://bucket/run``, kept as text)."""

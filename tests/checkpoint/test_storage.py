@@ -1,0 +1,196 @@
+"""Checkpoints on fsspec's in-memory filesystem (``memory://``): the object-storage logic, fast.
+
+No rename there, as on S3: a checkpoint counts once its manifest is written, ``latest`` is an
+object naming the step, and what an interrupted save left is ignored, then cleaned.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import logging
+import uuid
+from pathlib import Path
+
+import fsspec
+import pytest
+import torch
+from pydantic import ValidationError
+from tiny_trainer import TinyTrainer
+
+from trainloop import TrainerSettings, ValidationHook
+from trainloop.checkpoint import (
+    checkpoint_steps,
+    export_checkpoint,
+    latest_checkpoint,
+    read_checkpoint,
+    read_weights,
+    verify_checkpoint,
+    write_checkpoint,
+)
+from trainloop.checkpoint.atomic import clean_leftovers
+from trainloop.checkpoint.errors import CheckpointError
+from trainloop.checkpoint.files import prune
+from trainloop.checkpoint.storage import StorageError, UrlPath, location
+from trainloop.hooks.checkpointing import CheckpointingHook
+
+MEMORY = fsspec.filesystem("memory")
+
+
+@pytest.fixture
+def root():
+    """A fresh ``memory://`` directory, removed afterwards."""
+    name = f"/trainloop-{uuid.uuid4().hex[:8]}"
+    yield f"memory://{name.lstrip('/')}"
+    if MEMORY.exists(name):
+        MEMORY.rm(name, recursive=True)
+
+
+def keys(url):
+    prefix = "/" + url.removeprefix("memory://") + "/"
+    return sorted(path[len(prefix):] for path in MEMORY.find(prefix))
+
+
+def state(step, value=0.0):
+    return {
+        "model": {"w": torch.full((3,), value)},
+        "training_state": {"step": step, "epoch": 0, "optimizer": {"state": {}, "param_groups": []}},
+    }
+
+
+def test_a_url_is_a_url_and_a_local_path_stays_local(tmp_path):
+    where = location("memory://a/b")
+    assert isinstance(where, UrlPath)
+    assert str(where / "5") == "memory://a/b/5"
+    assert (where / "5").name == "5"
+    assert location("file:///tmp/x") == Path("/tmp/x")  # file:// is the local fast path
+    assert location("checkpoints") == Path("checkpoints")
+    for mangled in ("s3:/bucket/run", Path("s3://bucket/run")):  # what Path() makes of a URL
+        with pytest.raises(StorageError, match="a URL scheme without its '//'"):
+            location(mangled)
+    with pytest.raises(StorageError, match="Protocol not known: nosuch"):
+        location("nosuch://x")
+
+
+def test_storage_options_go_to_the_filesystem_as_given_over_fsspec_config(monkeypatch):
+    pytest.importorskip("s3fs")
+    monkeypatch.setitem(fsspec.config.conf, "s3", {"endpoint_url": "http://configured:9000", "anon": True})
+    configured = location("s3://bucket/run")
+    assert configured.fs.storage_options == {"endpoint_url": "http://configured:9000", "anon": True}
+    declared = location("s3://bucket/run", {"endpoint_url": "http://declared:9000"})
+    assert declared.fs.storage_options == {"endpoint_url": "http://declared:9000", "anon": True}
+    assert declared.path == "bucket/run"
+
+
+@pytest.mark.skipif(importlib.util.find_spec("gcsfs") is not None, reason="gcsfs is installed here")
+def test_a_url_whose_filesystem_is_missing_names_the_extra():
+    with pytest.raises(StorageError, match=r"gs://bucket/run: the gs:// filesystem is not installed: pip install 'trainloop\[gcs\]'"):
+        location("gs://bucket/run")
+
+
+def test_write_read_verify_and_latest_on_object_storage(root):
+    first = write_checkpoint(root, 2, state(2, 1.0))
+    write_checkpoint(root, 4, state(4, 2.0))
+    assert str(first) == f"{root}/2"
+    assert keys(root) == [
+        "2/manifest.json", "2/metadata.json", "2/model.pt", "2/training_state.pt",
+        "4/manifest.json", "4/metadata.json", "4/model.pt", "4/training_state.pt", "latest",
+    ]
+    assert MEMORY.cat_file("/" + root.removeprefix("memory://") + "/latest") == b"4\n"
+    assert checkpoint_steps(root) == [2, 4]
+    assert str(latest_checkpoint(root)) == f"{root}/4"
+    assert torch.equal(read_checkpoint(f"{root}/4")["model"]["w"], torch.full((3,), 2.0))
+    assert set(verify_checkpoint(f"{root}/4")) == {"metadata.json", "model.pt", "training_state.pt"}
+
+
+def test_a_corrupt_newest_checkpoint_falls_back_to_the_previous_one(root, caplog):
+    write_checkpoint(root, 2, state(2, 1.0))
+    write_checkpoint(root, 4, state(4, 2.0))
+    model = "/" + root.removeprefix("memory://") + "/4/model.pt"
+    data = bytearray(MEMORY.cat_file(model))
+    data[-30] ^= 0xFF  # same size, one flipped byte
+    MEMORY.pipe_file(model, bytes(data))
+    with pytest.raises(CheckpointError, match=r"4/model.pt: cannot load: corrupt"):
+        read_checkpoint(f"{root}/4")
+    with caplog.at_level(logging.WARNING, logger="trainloop"):
+        assert str(latest_checkpoint(root)) == f"{root}/2"
+    assert f"Skipping checkpoint {root}/4, which is incomplete or corrupt" in caplog.text
+
+
+def test_a_checkpoint_without_its_manifest_does_not_count_and_is_cleaned(root, caplog):
+    write_checkpoint(root, 2, state(2))
+    write_checkpoint(root, 4, state(4))
+    MEMORY.rm("/" + root.removeprefix("memory://") + "/4/manifest.json")  # as an upload killed before its end
+    MEMORY.pipe_file("/" + root.removeprefix("memory://") + "/6/model.pt", b"partial")
+    assert checkpoint_steps(root) == [2]
+    assert str(latest_checkpoint(root)) == f"{root}/2"  # latest names 4, which does not count
+    with caplog.at_level(logging.WARNING, logger="trainloop"):
+        clean_leftovers(location(root), logging.getLogger("trainloop"))
+    assert [key.split("/")[0] for key in keys(root)] == ["2"] * 4 + ["latest"]
+    assert f"Removed {root}/4: a save or a removal that did not finish" in caplog.text
+    assert f"Removed {root}/6" in caplog.text
+
+
+def test_a_step_saved_again_replaces_the_old_one_whole(root):
+    write_checkpoint(root, 2, {**state(2, 1.0), "extra": {"x": torch.ones(1)}})
+    write_checkpoint(root, 2, state(2, 5.0))
+    assert "2/extra.pt" not in keys(root)
+    assert torch.equal(read_checkpoint(f"{root}/2")["model"]["w"], torch.full((3,), 5.0))
+
+
+def test_pruning_removes_the_manifest_first_and_keeps_the_rest(root):
+    for step in (2, 4, 6, 8):
+        write_checkpoint(root, step, state(step))
+    prune(location(root), 8, 1, lambda step: step == 2, logging.getLogger("trainloop"))
+    clean_leftovers(location(root), logging.getLogger("trainloop"))  # waits for the background removal
+    assert checkpoint_steps(root) == [2, 6, 8]
+    assert {key.split("/")[0] for key in keys(root)} == {"2", "6", "8", "latest"}
+
+
+@pytest.mark.parametrize("format", ["full", "sharded"])
+def test_a_hook_saves_keeps_the_best_and_resumes_exactly_on_memory(root, format):
+    loss = {2: 0.5, 4: 0.1, 6: 0.9, 8: 0.2}
+
+    def run(max_steps):
+        hook = CheckpointingHook(interval=2, path=root, format=format, keep_best=1, monitor="val/loss")
+        validation = ValidationHook(lambda t: {"loss": loss[t.step]}, interval=2)
+        trainer = TinyTrainer(TrainerSettings(max_steps=max_steps), hooks=[validation, hook])
+        return trainer, hook, trainer.train()
+
+    run(4)
+    trainer, hook, result = run(8)  # resumes from 4, whose score best.json keeps
+    reference = TinyTrainer(TrainerSettings(max_steps=8))
+    reference.train()
+    for key, value in reference.model.state_dict().items():
+        assert torch.equal(trainer.model.state_dict()[key], value), key
+    assert checkpoint_steps(root) == [4, 8]  # the best and the newest
+    best = json.loads(MEMORY.cat_file("/" + root.removeprefix("memory://") + "/best.json"))
+    assert best == {"monitor": "val/loss", "mode": "min", "scores": {"4": 0.1, "8": 0.2}, "best": 4}
+    assert str(hook.best_checkpoint) == str(result.best_checkpoint) == f"{root}/4"
+
+
+def test_export_reads_and_writes_urls(root, tmp_path):
+    write_checkpoint(root, 3, state(3, 7.0))
+    export_checkpoint(root, f"{root}/model.safetensors")  # a checkpoints root: its latest
+    export_checkpoint(f"{root}/3", tmp_path / "model.safetensors")
+    for source in (f"{root}/model.safetensors", tmp_path / "model.safetensors"):
+        weights = read_weights(source)
+        assert torch.equal(weights.state_dict["w"], torch.full((3,), 7.0))
+        assert weights.step == 3
+
+
+def test_the_hook_takes_a_url_and_refuses_what_would_be_a_local_folder_named_like_one(tmp_path):
+    declared = TrainerSettings.model_validate(
+        {"max_steps": 2, "hooks": [{"type": "checkpointing", "interval": 2, "path": "memory://ws/ck"}]}
+    )
+    hook = declared.hooks[0].build()
+    assert isinstance(hook.path, UrlPath)
+    assert str(hook.path) == "memory://ws/ck"
+    assert json.loads(declared.model_dump_json())["hooks"][0]["path"] == "memory://ws/ck"
+    with pytest.raises(ValidationError, match="a URL scheme without its '//'"):
+        TrainerSettings.model_validate(
+            {"max_steps": 2, "hooks": [{"type": "checkpointing", "interval": 2, "path": "s3:/bucket/x"}]}
+        )
+    with pytest.raises(ValueError, match="storage_options are for a URL path or load"):
+        CheckpointingHook(interval=2, path=tmp_path, storage_options={"anon": True})
+    assert not any(tmp_path.iterdir())
