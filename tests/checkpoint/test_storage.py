@@ -28,10 +28,9 @@ from trainloop.checkpoint import (
     verify_checkpoint,
     write_checkpoint,
 )
-from trainloop.checkpoint.atomic import clean_leftovers
 from trainloop.checkpoint.errors import CheckpointError
 from trainloop.checkpoint.files import prune
-from trainloop.checkpoint.storage import StorageError, UrlPath, location
+from trainloop.checkpoint.storage import StorageError, UrlPath, clean_leftovers, location
 from trainloop.hooks.checkpointing import CheckpointingHook
 
 MEMORY = fsspec.filesystem("memory")

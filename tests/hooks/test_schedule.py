@@ -16,7 +16,7 @@ from tiny_trainer import TinyTrainer
 
 from trainloop import BaseHook, CheckpointingHook, LoggingHook, ProgressHook, TrainerSettings, ValidationHook
 from trainloop.hooks import Schedule
-from trainloop.hooks.every import Every
+from trainloop.hooks.dispatch import Every
 
 
 class Scheduled(BaseHook):

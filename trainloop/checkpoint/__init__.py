@@ -16,7 +16,8 @@ from trainloop.checkpoint.files import (
     read_checkpoint,
     write_checkpoint,
 )
-from trainloop.checkpoint.manifest import MANIFEST, METADATA, read_metadata, verify_checkpoint
+from trainloop.checkpoint.manifest import METADATA, read_metadata, verify_checkpoint
+from trainloop.checkpoint.storage import MANIFEST
 from trainloop.checkpoint.weights import load_weights, read_weights
 
 __all__ = [

@@ -20,8 +20,7 @@ from collections.abc import Mapping
 
 import torch
 
-from trainloop.checkpoint.atomic import atomic_file
-from trainloop.checkpoint.storage import Location, location
+from trainloop.checkpoint.storage import Location, atomic_file, location
 from trainloop.checkpoint.weights import read_weights
 from trainloop.version import __version__
 

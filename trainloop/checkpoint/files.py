@@ -11,7 +11,7 @@ Both formats hold ``metadata.json`` and, written last, ``manifest.json`` (see
   hooks' states, one file per rank), and ``training_state.pt``, the rest of the training
   state (see :mod:`trainloop.checkpoint.sharded`).
 
-A directory only takes its step's name once complete (see :mod:`trainloop.checkpoint.atomic`);
+A directory only takes its step's name once complete (see :mod:`trainloop.checkpoint.storage`);
 on object storage a checkpoint counts only once its manifest, written last, is there. ``root``
 may be a local path or a :class:`~trainloop.checkpoint.storage.UrlPath` everywhere here.
 """
@@ -25,7 +25,6 @@ from logging import Logger
 from typing import Any
 
 from trainloop.checkpoint import storage
-from trainloop.checkpoint.atomic import atomic_directory, remove_directory, replace_symlink
 from trainloop.checkpoint.errors import CheckpointError, CheckpointSaveError
 from trainloop.checkpoint.loading import SHARDED_DIR, VerifiedFiles, load_file, load_verified
 from trainloop.checkpoint.manifest import (
@@ -40,7 +39,14 @@ from trainloop.checkpoint.manifest import (
     write_json,
     write_manifest,
 )
-from trainloop.checkpoint.storage import Location, UrlPath, location
+from trainloop.checkpoint.storage import (
+    Location,
+    UrlPath,
+    atomic_directory,
+    location,
+    remove_directory,
+    replace_symlink,
+)
 
 __all__ = [
     "LATEST",

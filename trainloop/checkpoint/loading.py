@@ -17,7 +17,7 @@ import torch
 
 from trainloop.checkpoint import storage
 from trainloop.checkpoint.errors import CheckpointError
-from trainloop.checkpoint.hashing import BufferReader, FileDigest, HashingReader, read_verified
+from trainloop.checkpoint.manifest import BufferReader, FileDigest, HashingReader, read_verified
 from trainloop.checkpoint.storage import Location, UrlPath
 
 __all__ = ["SHARDED_DIR", "UnloadableError", "VerifiedFiles", "load_file", "load_verified", "refused_or_corrupt"]
@@ -51,7 +51,7 @@ def load_file(path: Location) -> Any:
 def load_verified(path: Location, expected: FileDigest) -> Any:
     """:func:`load_file`, but the file is checked against its manifest entry in the same read.
 
-    torch reads the file through a :class:`~trainloop.checkpoint.hashing.HashingReader`, which
+    torch reads the file through a :class:`~trainloop.checkpoint.manifest.HashingReader`, which
     hashes the bytes as they arrive; what was loaded is returned only if the whole file's
     checksum is its manifest's. A file that fails to load is reported as corrupt if its
     checksum differs, as unloadable otherwise. A file on object storage is downloaded and
@@ -95,7 +95,7 @@ def _load_contents(path: Location, contents: mmap.mmap | bytes) -> Any:
 class VerifiedFiles:
     """The files of one checkpoint, each opened once and checked against its manifest as it is read.
 
-    A file is read (mapped and hashed: see :func:`~trainloop.checkpoint.hashing.read_verified`) the
+    A file is read (mapped and hashed: see :func:`~trainloop.checkpoint.manifest.read_verified`) the
     first time it is asked for and kept mapped until :meth:`close`, so what verification read is
     what loading reads, out of memory: no file is opened twice. A sharded resume verifies each
     rank's share up front through it, then DCP reads its pieces through it.

@@ -24,7 +24,6 @@ import torch.distributed as dist
 from torch.distributed.checkpoint.state_dict_saver import async_save as dcp_async_save
 from torch.distributed.checkpoint.state_dict_saver import save as dcp_save
 
-from trainloop.checkpoint.atomic import clean_leftovers, discard, make_temporary, publish
 from trainloop.checkpoint.errors import CheckpointError
 from trainloop.checkpoint.files import check_keys, point_latest, save_error, write_checkpoint
 from trainloop.checkpoint.manifest import METADATA, FileDigest, save_torch, write_json, write_manifest
@@ -40,7 +39,7 @@ from trainloop.checkpoint.sharded import (
     visible,
 )
 from trainloop.checkpoint.staging import CpuStage, ReusingStager, stage_to_cpu, stepped_by
-from trainloop.checkpoint.storage import Location
+from trainloop.checkpoint.storage import Location, clean_leftovers, discard, make_temporary, publish
 from trainloop.distributed.ranks import in_process_group, rank
 
 __all__ = ["CheckpointSaver", "agree_on_error", "broadcast_from_rank_zero"]

@@ -44,8 +44,8 @@ from torch.distributed.checkpoint.state_dict_loader import load as dcp_load
 
 from trainloop.checkpoint import storage
 from trainloop.checkpoint.errors import CheckpointError
-from trainloop.checkpoint.hashing import FileDigest, HashingWriter
 from trainloop.checkpoint.loading import SHARDED_DIR, VerifiedFiles, load_file, refused_or_corrupt
+from trainloop.checkpoint.manifest import FileDigest, HashingWriter
 from trainloop.checkpoint.storage import Location, UrlPath
 from trainloop.distributed.ranks import in_process_group
 

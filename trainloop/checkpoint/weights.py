@@ -28,8 +28,8 @@ from trainloop.checkpoint import storage
 from trainloop.checkpoint.errors import CheckpointError
 from trainloop.checkpoint.files import LATEST, checkpoint_format, latest_checkpoint, read_checkpoint
 from trainloop.checkpoint.loading import load_file
-from trainloop.checkpoint.manifest import MANIFEST, read_metadata
-from trainloop.checkpoint.storage import Location, UrlPath, location
+from trainloop.checkpoint.manifest import read_metadata
+from trainloop.checkpoint.storage import MANIFEST, Location, UrlPath, location
 from trainloop.utils import unwrap_model
 
 if TYPE_CHECKING:

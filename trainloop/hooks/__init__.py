@@ -13,13 +13,13 @@ from trainloop.hooks.cuda_memory import CudaMaxMemoryHook
 from trainloop.hooks.dispatch import HOOK_EVENTS
 from trainloop.hooks.early_stopping import EarlyStoppingHook, MonitorNotFoundWarning
 from trainloop.hooks.ema import EmaHook
-from trainloop.hooks.every import Schedule
 from trainloop.hooks.export import ExportHook
 from trainloop.hooks.image_files import ImageFileLoggerHook
 from trainloop.hooks.logging_hook import LoggingHook
 from trainloop.hooks.profiler import ProfilerHook
 from trainloop.hooks.progress import ProgressHook
 from trainloop.hooks.registry import HOOK_TYPES, HookSpec, hook_settings_model, register_hook, unregister_hook
+from trainloop.hooks.schedule import Schedule
 from trainloop.hooks.stats import StatsHook, TrainingStats
 from trainloop.hooks.tensorboard import TensorBoardHook
 from trainloop.hooks.validation import ValidationHook

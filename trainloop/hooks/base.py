@@ -12,7 +12,7 @@ from typing import Any
 from pydantic import ValidationError
 from pydantic_core import InitErrorDetails, PydanticCustomError
 
-from trainloop.hooks.every import Schedule
+from trainloop.hooks.schedule import Schedule
 
 __all__ = ["BaseHook"]
 
@@ -38,7 +38,7 @@ class BaseHook:
     ``trainloop.core.run_state.TrainerView`` (what the built-in hooks use).
 
     A hook that acts periodically declares when, as data: ``self.schedule = Schedule(every=100)``
-    (``trainloop.hooks.every``), and defines ``on_schedule``; the trainer applies the one
+    (``trainloop.hooks.schedule``), and defines ``on_schedule``; the trainer applies the one
     every(n) rule and calls ``on_schedule`` only when it is due, so the steps in between cost
     the hook nothing, and ``trainloop graph``, the docs and the run report show the schedule.
 

@@ -17,19 +17,27 @@ from typing import TYPE_CHECKING, Any, Literal
 
 from pydantic import validate_call
 
-from trainloop.checkpoint.atomic import clean_leftovers, wait_for_removals
 from trainloop.checkpoint.best import BestCheckpoints, Monitor, check_best
 from trainloop.checkpoint.errors import CheckpointSaveError
 from trainloop.checkpoint.files import checkpoint_candidates, prune
 from trainloop.checkpoint.manifest import make_metadata
-from trainloop.checkpoint.storage import Location, StorageError, UrlPath, is_dir, is_url, location
+from trainloop.checkpoint.storage import (
+    Location,
+    StorageError,
+    UrlPath,
+    clean_leftovers,
+    is_dir,
+    is_url,
+    location,
+    wait_for_removals,
+)
 from trainloop.distributed.ranks import is_rank_zero
 from trainloop.hooks.base import BaseHook
 from trainloop.hooks.checks import HookProblem, listed, needs_workspace, one_process
 from trainloop.hooks.early_stopping import MonitorNotFoundWarning
-from trainloop.hooks.every import Schedule
 from trainloop.hooks.exit_signals import DEFAULT_EXIT_SIGNALS, ExitCode, ExitOnSignal, ExitSignal, as_signal
 from trainloop.hooks.registry import register_hook
+from trainloop.hooks.schedule import Schedule
 from trainloop.settings.types import NonNegativeFloat, NonNegativeInt, PathOrUrl, PositiveInt, StrictBool
 from trainloop.utils import flatten_nested_dict
 

@@ -1,6 +1,7 @@
-"""Which hook methods exist, which state each runs in, and the dispatch table that calls them.
+"""Which hook methods exist, which state each runs in, and the dispatch that calls them.
 
-The table calls only the hooks that override a method, and a hook's ``on_schedule`` only when its ``Schedule`` is due.
+The table calls only the hooks that override a method; ``ScheduledCalls`` applies the one every(n) rule (``Every``)
+to the hooks' declared ``Schedule``s, so a hook's ``on_schedule`` runs only when due, in the state it names.
 """
 
 from __future__ import annotations
@@ -11,10 +12,11 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from trainloop.hooks.base import BaseHook
-from trainloop.hooks.every import QUEUED_STATES, Every
+from trainloop.hooks.schedule import QUEUED_STATES, Schedule, Unit
 from trainloop.machine.table import State
 
 __all__ = [
+    "Every",
     "HOOK_EVENTS",
     "HOOK_METHODS",
     "ScheduledCalls",
@@ -76,6 +78,84 @@ def hook_dispatch(
             on_after_train=(calls.after_train,),
         )
     return dispatch
+
+
+class Every:
+    """The every(n) rule over one run, for one schedule.
+
+    Args:
+        n: Act at every multiple of this many steps (or epochs).
+        unit: ``"steps"`` or ``"epochs"``.
+        at_end: Whether the last step of a run counts (the rule); ``False``: only multiples of ``n``.
+
+    Attributes:
+        last_step: The step at which ``due`` or ``due_at_end`` last said yes, or ``None``.
+    """
+
+    def __init__(
+        self,
+        n: int,
+        unit: Unit = "steps",
+        at_end: bool = True,
+        also_every: int = 0,
+        also_at: frozenset[int] = frozenset(),
+    ) -> None:
+        self.schedule = Schedule(n, unit, at_end, also_every=also_every, also_at=also_at)  # checks them
+        self.n = n
+        self.unit = unit
+        self.at_end = at_end
+        self.also_every = also_every
+        self.also_at = also_at
+        self.last_step: int | None = None
+        self._epochs: int | None = None  # epochs completed after the last step seen
+
+    def start(self) -> None:
+        """Begin a run: epochs are counted from the first step's ``epochs_at_start``."""
+        self.last_step = None
+        self._epochs = None
+
+    def due(self, step: int, epochs: int, epochs_at_start: int, last: bool) -> bool:
+        """Whether to act after ``step``.
+
+        Args:
+            step: The step that just finished.
+            epochs: Full passes over the data completed now.
+            epochs_at_start: Full passes completed when the run began drawing.
+            last: Whether the run ends after this step (``max_steps``/``max_epochs`` reached).
+        """
+        if self.unit == "steps":
+            hit = step % self.n == 0
+        else:
+            before = epochs_at_start if self._epochs is None else self._epochs
+            hit = epochs > before and epochs % self.n == 0
+            self._epochs = epochs
+        hit = hit or (self.also_every > 0 and step % self.also_every == 0) or step in self.also_at
+        if hit or (self.at_end and last):
+            self.last_step = step
+            return True
+        return False
+
+    def next_step(self, step: int) -> int:
+        """The first step after ``step`` that the schedule is due at by its steps (multiples and ``also_*``).
+
+        For an ``"epochs"`` schedule, only its ``also_*`` steps count (epochs are watched apart).
+        """
+        candidates = [(step // self.n + 1) * self.n] if self.unit == "steps" else []
+        if self.also_every:
+            candidates.append((step // self.also_every + 1) * self.also_every)
+        candidates += [s for s in self.also_at if s > step]
+        return min(candidates, default=sys.maxsize)
+
+    def mark(self, step: int) -> None:
+        """Note that the hook acted after ``step`` out of turn (a requested save), so the end does not repeat it."""
+        self.last_step = step
+
+    def due_at_end(self, step: int) -> bool:
+        """Whether a run that ended cleanly after ``step`` left it not acted on (``at_end`` only)."""
+        if not self.at_end or step == self.last_step:
+            return False
+        self.last_step = step
+        return True
 
 
 _Act = Callable[[Any], Any]

@@ -47,7 +47,7 @@ class ProgressHook(StatsHook):
     trainer clips; ``retries`` when steps were retried; ``lr/<group>`` per group when the
     optimizer has several; ``| key value ...`` with ``with_records``. The numbers are the
     ``StatsHook`` aggregate of the steps since the last report. Reports follow the
-    ``every(n)`` rule (``trainloop.hooks.every``).
+    ``every(n)`` rule (``trainloop.hooks.schedule``).
 
     When standard output is a terminal, ``bar`` is on, ``tqdm`` is installed and this is rank 0,
     a live progress bar replaces the lines (its postfix carries the same numbers, and the latest

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import torch
 
-from trainloop.checkpoint.atomic import atomic_file
+from trainloop.checkpoint.storage import atomic_file
 from trainloop.version import __version__
 
 __all__ = ["DEFAULT_NAME", "FORMATS", "predictions_path", "write_predictions"]

@@ -8,17 +8,16 @@ last step of a run that ends cleanly (``at_end``), once before the first step (`
 ``state`` says whether ``on_schedule`` runs in ``stepping`` or in a state of its own
 (``validating``, ``checkpointing``) that the machine enters for it.
 
-``Every`` is the rule's bookkeeping for one schedule over one run: arithmetic on the numbers the
-dispatcher gives it.
+The rule's bookkeeping over a run (``Every``) and its application (``ScheduledCalls``) are
+:mod:`trainloop.hooks.dispatch`'s.
 """
 
 from __future__ import annotations
 
-import sys
 from dataclasses import dataclass
 from typing import Literal
 
-__all__ = ["QUEUED_STATES", "Every", "Schedule", "ScheduleState", "Unit"]
+__all__ = ["QUEUED_STATES", "Schedule", "ScheduleState", "Unit"]
 
 Unit = Literal["steps", "epochs"]
 ScheduleState = Literal["stepping", "validating", "checkpointing"]
@@ -85,81 +84,3 @@ class Schedule:
             periodic.append(f"at steps {steps}" if len(self.also_at) > 1 else f"at step {steps}")
         parts = (["at the start"] if self.at_start else []) + periodic + (["at the end"] if self.at_end else [])
         return ", ".join(parts[:-1]) + " and " + parts[-1] if len(parts) > 1 else parts[0]
-
-
-class Every:
-    """The every(n) rule over one run, for one schedule.
-
-    Args:
-        n: Act at every multiple of this many steps (or epochs).
-        unit: ``"steps"`` or ``"epochs"``.
-        at_end: Whether the last step of a run counts (the rule); ``False``: only multiples of ``n``.
-
-    Attributes:
-        last_step: The step at which ``due`` or ``due_at_end`` last said yes, or ``None``.
-    """
-
-    def __init__(
-        self,
-        n: int,
-        unit: Unit = "steps",
-        at_end: bool = True,
-        also_every: int = 0,
-        also_at: frozenset[int] = frozenset(),
-    ) -> None:
-        self.schedule = Schedule(n, unit, at_end, also_every=also_every, also_at=also_at)  # checks them
-        self.n = n
-        self.unit = unit
-        self.at_end = at_end
-        self.also_every = also_every
-        self.also_at = also_at
-        self.last_step: int | None = None
-        self._epochs: int | None = None  # epochs completed after the last step seen
-
-    def start(self) -> None:
-        """Begin a run: epochs are counted from the first step's ``epochs_at_start``."""
-        self.last_step = None
-        self._epochs = None
-
-    def due(self, step: int, epochs: int, epochs_at_start: int, last: bool) -> bool:
-        """Whether to act after ``step``.
-
-        Args:
-            step: The step that just finished.
-            epochs: Full passes over the data completed now.
-            epochs_at_start: Full passes completed when the run began drawing.
-            last: Whether the run ends after this step (``max_steps``/``max_epochs`` reached).
-        """
-        if self.unit == "steps":
-            hit = step % self.n == 0
-        else:
-            before = epochs_at_start if self._epochs is None else self._epochs
-            hit = epochs > before and epochs % self.n == 0
-            self._epochs = epochs
-        hit = hit or (self.also_every > 0 and step % self.also_every == 0) or step in self.also_at
-        if hit or (self.at_end and last):
-            self.last_step = step
-            return True
-        return False
-
-    def next_step(self, step: int) -> int:
-        """The first step after ``step`` that the schedule is due at by its steps (multiples and ``also_*``).
-
-        For an ``"epochs"`` schedule, only its ``also_*`` steps count (epochs are watched apart).
-        """
-        candidates = [(step // self.n + 1) * self.n] if self.unit == "steps" else []
-        if self.also_every:
-            candidates.append((step // self.also_every + 1) * self.also_every)
-        candidates += [s for s in self.also_at if s > step]
-        return min(candidates, default=sys.maxsize)
-
-    def mark(self, step: int) -> None:
-        """Note that the hook acted after ``step`` out of turn (a requested save), so the end does not repeat it."""
-        self.last_step = step
-
-    def due_at_end(self, step: int) -> bool:
-        """Whether a run that ended cleanly after ``step`` left it not acted on (``at_end`` only)."""
-        if not self.at_end or step == self.last_step:
-            return False
-        self.last_step = step
-        return True

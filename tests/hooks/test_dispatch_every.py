@@ -9,7 +9,7 @@ from tiny_trainer import TinyTrainer
 
 from trainloop import CheckpointingHook, LoggingHook, ValidationHook
 from trainloop.checkpoint.files import checkpoint_steps
-from trainloop.hooks.every import Every
+from trainloop.hooks.dispatch import Every
 
 
 class Crash(Exception):

@@ -1,4 +1,4 @@
-"""trainloop.checkpoint.hashing and loading: a full checkpoint's file is checked in the read that loads it.
+"""trainloop.checkpoint.manifest and loading: a full checkpoint's file is checked in the read that loads it.
 
 Every byte is read from the file once (the process's own read counter says so), the checksum is the
 whole file's, and a damaged byte anywhere (in the tensors, read in order, or in the zip's directory at
@@ -14,8 +14,8 @@ import torch
 import xxhash
 
 from trainloop.checkpoint import CheckpointError
-from trainloop.checkpoint.hashing import FileDigest, HashingReader
 from trainloop.checkpoint.loading import load_verified
+from trainloop.checkpoint.manifest import FileDigest, HashingReader
 
 STATES = {
     "one large tensor": {"w": torch.arange(300_000, dtype=torch.float32)},

@@ -1,4 +1,4 @@
-"""trainloop.checkpoint.atomic: a reader sees the old directory or the complete new one, and what
+"""trainloop.checkpoint.storage: a reader sees the old directory or the complete new one, and what
 a crash leaves is settled by ``clean_leftovers``."""
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from trainloop.checkpoint.atomic import (
+from trainloop.checkpoint.storage import (
     atomic_directory,
     clean_leftovers,
     discard,
@@ -124,7 +124,7 @@ def test_clean_leftovers_restores_a_moved_aside_directory_and_removes_the_rest(t
 
 
 def test_atomic_file_replaces_the_target_whole_or_not_at_all(tmp_path):
-    from trainloop.checkpoint.atomic import atomic_file
+    from trainloop.checkpoint.storage import atomic_file
 
     target = tmp_path / "sub" / "out.bin"
     with atomic_file(target) as tmp:
@@ -149,7 +149,7 @@ def test_atomic_file_gives_the_file_the_mode_a_new_file_gets_not_the_writers_pri
     import torch
     from safetensors.torch import save_file
 
-    from trainloop.checkpoint.atomic import atomic_file
+    from trainloop.checkpoint.storage import atomic_file
 
     mask = os.umask(0o022)  # a usual umask, for a known expectation
     try:

@@ -1,0 +1,33 @@
+"""One checkpointed step stays within its modules: the walk of benchmarks/step_walk.py, held to its bounds.
+
+docs/architecture.md gives the figures; a change that makes one step cross more modules (or call back
+into one it just left) more often fails here, and the page says why it matters.
+"""
+
+import importlib.util
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+MODULES = 20  # modules one checkpointed step touches, at most
+PAIRS = 38  # distinct module-to-module call pairs, at most
+DOUBLED_BACK = 5  # pairs A -> B whose B calls back into A, at most
+
+
+def walk():
+    spec = importlib.util.spec_from_file_location("step_walk", ROOT / "benchmarks" / "step_walk.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module.walk_one_step()
+
+
+def test_one_checkpointed_step_stays_within_its_bounds():
+    seen = walk()
+    assert "hooks.checkpointing" in seen.modules  # the walk saw the save
+    assert "checkpoint.saver" in seen.modules
+    assert len(seen.modules) <= MODULES, sorted(seen.modules)
+    assert len(seen.pairs) <= PAIRS, sorted(seen.pairs)
+    assert len(seen.doubled_back) <= DOUBLED_BACK, sorted(seen.doubled_back)
+    # The schedule calls the hook; the hook never asks the loop to call it back.
+    assert ("hooks.checkpointing", "core.loop") not in seen.pairs
+    assert ("hooks.checkpointing", "core.run_state") not in seen.pairs
