@@ -249,9 +249,11 @@ def test_repeat_writes_each_window_and_a_run_ending_mid_window_writes_what_it_re
 
 def test_a_run_that_ends_before_the_window_says_so(tmp_path):
     settings = declared_settings(tmp_path, [{"type": "profiler", "wait": 3}], max_steps=10)
-    logger, _ = quiet_logger("early")
-    with pytest.warns(RuntimeWarning, match="wrote no trace: the run ended before its first active step"):
-        TinyTrainer(settings, hooks=[ExitAt(2)], logger=logger).train()
+    logger, handler = quiet_logger("early")
+    TinyTrainer(settings, hooks=[ExitAt(2)], logger=logger).train()
+    assert [m for m in handler.messages if "wrote no trace" in m] == [
+        "ProfilerHook 'profiler' wrote no trace: the run ended before its first active step (wait=3, warmup=1)"
+    ]
     assert not (tmp_path / "ws" / "profiles").exists()
 
 

@@ -102,16 +102,18 @@ def restore_weights(trainer: TrainerView, hooks: Sequence[BaseHook], source: Wei
 
     if source.checkpoint is None:
         return None
-    path = _latest_root(trainer, hooks) if source.checkpoint == LATEST else source.checkpoint
-    found = read_weights(path, source.weights)
+    if source.checkpoint == LATEST:  # verified (a corrupt one skipped, said once) while it was found
+        found = read_weights(_latest_checkpoint(trainer, hooks), source.weights, verified=True)
+    else:
+        found = read_weights(source.checkpoint, source.weights, logger=trainer.logger)
     loaded = load_weights(trainer.model, found.state_dict, logger=trainer.logger, source=str(found.source))
     at = f" (step {found.step})" if found.step is not None else ""
     trainer.logger.info("Loaded %d %s weights from %s%s", len(loaded), source.weights, found.source, at)
     return found
 
 
-def _latest_root(trainer: TrainerView, hooks: Sequence[BaseHook]) -> Path:
-    """The directory of the run's checkpoints, which holds a complete one.
+def _latest_checkpoint(trainer: TrainerView, hooks: Sequence[BaseHook]) -> Path:
+    """The run's latest complete checkpoint, verified against its manifest.
 
     Raises:
         CheckpointError: There is none.
@@ -123,8 +125,9 @@ def _latest_root(trainer: TrainerView, hooks: Sequence[BaseHook]) -> Path:
     if not roots and trainer.workspace is not None:
         roots = [trainer.workspace / "checkpoints"]
     for root in roots:
-        if latest_checkpoint(root, logger=trainer.logger) is not None:
-            return Path(root)
+        found = latest_checkpoint(root, logger=trainer.logger)
+        if found is not None:
+            return found
     where = ", ".join(str(r) for r in roots) or "no workspace and no CheckpointingHook"
     raise CheckpointError(
         f"no complete checkpoint to evaluate ({where}): train first, give a checkpoint directory, "

@@ -73,7 +73,7 @@ def load_training_state(trainer: TrainerView, run: RunState, state_dict: dict[st
     _check_optimizer_class(trainer, saved.get("optimizer_class"))
     run.step = saved["step"]
     run.epoch = saved.get("epoch", 0)
-    trainer.logger.info("Resuming from step %d", run.step)
+    trainer.logger.debug("Resuming from step %d", run.step)  # the loader says it in one line: "Resumed from ..."
     if trainer.lr_scheduler is not None:
         # The scheduler must load before the optimizer: loading it rewrites the optimizer's
         # lr with its own (pytorch/pytorch#119168).

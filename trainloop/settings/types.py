@@ -8,9 +8,11 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Annotated, Any
 
-from pydantic import BeforeValidator, Field
+from pydantic import AfterValidator, BeforeValidator, Field
 
-__all__ = ["NonEmptyPath", "NonNegativeFloat", "NonNegativeInt", "PositiveFloat", "PositiveInt", "StrictBool"]
+__all__ = [
+    "NonEmptyPath", "NonNegativeFloat", "NonNegativeInt", "PositiveFloat", "PositiveInt", "RecordKey", "StrictBool"
+]
 
 
 def _not_empty(value: Any) -> Any:
@@ -21,6 +23,15 @@ def _not_empty(value: Any) -> Any:
     return value
 
 
+def _record_key(value: str) -> str:
+    # "" or "a..b" would look up no key at all: the whole record, or nothing, at the first emission.
+    if not value.strip():
+        raise ValueError("an empty key: give a key of forward's records (dotted for a nested one: tokens.input)")
+    if any(not part.strip() for part in value.split(".")):
+        raise ValueError(f"{value!r} has an empty part between its dots: give a key such as tokens.input")
+    return value
+
+
 PositiveInt = Annotated[int, Field(gt=0, strict=True)]
 NonNegativeInt = Annotated[int, Field(ge=0, strict=True)]
 PositiveFloat = Annotated[float, Field(gt=0, strict=True, allow_inf_nan=False)]
@@ -28,3 +39,5 @@ NonNegativeFloat = Annotated[float, Field(ge=0, strict=True, allow_inf_nan=False
 StrictBool = Annotated[bool, Field(strict=True)]
 NonEmptyPath = Annotated[Path, BeforeValidator(_not_empty)]
 """A path that is not written empty (``"."`` says the current directory)."""
+RecordKey = Annotated[str, Field(strict=True), AfterValidator(_record_key)]
+"""A key of ``forward``'s records, dotted for a nested one (``"tokens.input"``); never empty."""
