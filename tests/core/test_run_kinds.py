@@ -142,8 +142,9 @@ def test_a_trainer_that_trained_does_not_evaluate_too(tmp_path):
 
 def test_a_corrupt_latest_is_skipped_with_one_warning_and_the_fallback_verified_once(tmp_path, caplog, monkeypatch):
     # Issue 29: evaluate/predict logged the skip twice and hashed the fallback checkpoint three times.
-    import trainloop.checkpoint.manifest as manifest
     from predict_trainers import PredictTrainer
+
+    import trainloop.checkpoint.manifest as manifest
 
     trained(tmp_path)  # checkpoints 3 and 6
     model = tmp_path / "ws" / "checkpoints" / "6" / "model.pt"

@@ -141,7 +141,8 @@ def test_an_output_that_cannot_be_written_is_found_before_anything_is_predicted(
             f"trainloop predict: error: {outputs[output]}"
         ]
         assert "Traceback" not in result.stderr
-        assert "Predicted" not in result.stderr and "Loaded" not in result.stderr  # nothing was built
+        assert "Predicted" not in result.stderr
+        assert "Loaded" not in result.stderr
     assert read_runs(trained) == runs_before  # refused before it was a run
     with pytest.raises(OSError, match=f"^{tmp_path}/afile/x.pt: {tmp_path}/afile: is a file, not a directory$"):
         PredictTrainer(max_steps=4, workspace=trained).predict(output=tmp_path / "afile" / "x.pt")
