@@ -1,5 +1,6 @@
 import itertools
 import math
+import re
 import warnings
 
 import pytest
@@ -541,3 +542,14 @@ def test_optimizer_and_schedule_declared_in_settings_are_built_and_seed_applies(
 def test_no_optimizer_anywhere_is_a_clear_error():
     with pytest.raises(PreflightError, match="optimizer: none declared, and Declared does not implement build_optimizer\\(\\)"):
         Declared(max_steps=1).train()
+
+
+@pytest.mark.parametrize(("run", "said"), [
+    ("train", "what a run trains is forward() and the build_* methods"),
+    ("predict", "what a predict run does per batch is predict_step(), over build_predict_data_loader()'s data"),
+    ("evaluate", "rename your validation method (e.g. val_metrics)"),
+])
+def test_a_trainer_that_overrides_a_run_is_refused_when_the_class_is_defined(run, said):
+    # Issue 29: train() and predict() were not refused, unlike evaluate(): the run would silently be the user's method.
+    with pytest.raises(TypeError, match=rf"^Mine\.{run} overrides BaseTrainer\.{run}\(\), the {run} run: {re.escape(said)}"):
+        type("Mine", (BaseTrainer,), {run: lambda self: None})

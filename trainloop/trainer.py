@@ -318,13 +318,17 @@ class BaseTrainer:
     # -- construction ---------------------------------------------------------------------------
 
     def __init_subclass__(cls, **kwargs: Any) -> None:
-        """Refuse a subclass that overrides ``evaluate``: the run would silently be the user's method."""
+        """Refuse a subclass that overrides a run (``train``, ``evaluate``, ``predict``): it would run instead."""
         super().__init_subclass__(**kwargs)
-        if "evaluate" in vars(cls):
-            raise TypeError(
-                f"{cls.__name__}.evaluate overrides BaseTrainer.evaluate(), the evaluate run: rename your "
-                "validation method (e.g. val_metrics) and point ValidationHook(evaluate=...) at the new name"
-            )
+        instead = {
+            "train": "what a run trains is forward() and the build_* methods",
+            "evaluate": "rename your validation method (e.g. val_metrics) and point ValidationHook(evaluate=...) at "
+            "the new name",
+            "predict": "what a predict run does per batch is predict_step(), over build_predict_data_loader()'s data",
+        }
+        for run, say in instead.items():
+            if run in vars(cls):
+                raise TypeError(f"{cls.__name__}.{run} overrides BaseTrainer.{run}(), the {run} run: {say}")
 
     def __init__(
         self,

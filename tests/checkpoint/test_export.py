@@ -4,6 +4,7 @@ reads back exactly (tied weights included), from the CLI and at the end of a run
 from __future__ import annotations
 
 import json
+import os
 
 import pytest
 import torch
@@ -135,3 +136,62 @@ def test_the_preflight_refuses_ema_weights_when_no_ema_hook_is_declared_or_built
     with_ema = alone.model_copy(update={"hooks": TrainerSettings(hooks=[{"type": "ema"}, export], max_steps=2).hooks})
     assert preflight(with_ema, Declares) == []
     assert preflight(alone, TinyTrainer) == []  # it overrides build_hooks: trusted, and checked before step 1
+
+
+def test_an_output_that_is_not_safetensors_is_refused_and_nothing_is_written(tmp_path):
+    # Issue 29, defect 6: `--output model.pt` exited 0 with safetensors bytes under a torch name, which
+    # torch.load and init_from then failed on.
+    TinyTrainer(max_steps=2, workspace=tmp_path / "ws", hooks=[CheckpointingHook(interval=2)]).train()
+    before = sorted(p.name for p in tmp_path.iterdir())
+    result = Cli("export", "ws", "--output", "model.pt", cwd=tmp_path).result()
+    assert result.returncode == 2
+    assert result.stderr == (
+        "trainloop export: error: --output 'model.pt' ends in '.pt': export writes a .safetensors file; give a name "
+        "ending in .safetensors\n"
+    )
+    assert sorted(p.name for p in tmp_path.iterdir()) == before
+    declared = {"max_steps": 2, "workspace": "ws2", "hooks": [{"type": "export", "path": "model.pt"}]}
+    (tmp_path / "run.json").write_text(json.dumps(declared))
+    refused = Cli("validate", "run.json", "--trainer", "cli_trainers:CliTrainer", cwd=tmp_path).result()
+    assert refused.returncode == 2
+    assert refused.stderr == (
+        "trainloop validate: error: run.json: hooks[0].path: 'model.pt' ends in '.pt': the export is a .safetensors file\n"
+    )
+
+
+def test_an_output_that_cannot_be_created_exits_1_naming_it_before_the_checkpoint_is_read(tmp_path):
+    # Issue 29, defect 5: an uncaught SafetensorError naming a temporary .tmpXXXX file.
+    TinyTrainer(max_steps=2, workspace=tmp_path / "ws", hooks=[CheckpointingHook(interval=2)]).train()
+    (tmp_path / "afile").write_text("")
+    outputs = {"afile/model.safetensors": "--output afile/model.safetensors: afile: is a file, not a directory"}
+    if os.path.isdir("/proc/self"):  # a filesystem that refuses new files whatever the permissions say (root too)
+        outputs["/proc/model.safetensors"] = "--output /proc/model.safetensors: cannot create a file in /proc: No such file or directory"
+    runs = {output: Cli("export", "ws", "--output", output, cwd=tmp_path) for output in outputs}
+    for output, run in runs.items():
+        result = run.result()
+        assert result.returncode == 1, result.stderr
+        assert result.stderr == f"trainloop export: error: {outputs[output]}\n"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["afile", "ws"]
+    if os.path.isdir("/proc/self"):
+        from trainloop.checkpoint import CheckpointError
+
+        with pytest.raises(CheckpointError, match=r"^/proc/model.safetensors: cannot write: Error while serializing: I/O error"):
+            export_checkpoint(tmp_path / "ws", "/proc/model.safetensors")
+
+
+def test_an_export_hook_path_that_cannot_be_written_is_refused_before_the_first_step(tmp_path):
+    # Issue 29, defect 12: a directory in its place failed with IsADirectoryError after the whole run.
+    (tmp_path / "ws" / "model.safetensors").mkdir(parents=True)
+    (tmp_path / "run.json").write_text(json.dumps({"max_steps": 2, "workspace": "ws", "hooks": [{"type": "export"}]}))
+    runs = [Cli(command, "run.json", "--trainer", "cli_trainers:CliTrainer", cwd=tmp_path) for command in ("run", "validate")]
+    for command, run in zip(("run", "validate"), runs, strict=True):
+        result = run.result()
+        assert result.returncode == 2
+        assert result.stderr == (
+            f"trainloop {command}: error: run.json: hooks[0].path: ws/model.safetensors: is a directory, not a file\n"
+        )
+    assert [p.name for p in (tmp_path / "ws").iterdir()] == ["model.safetensors"]
+    built = TinyTrainer(max_steps=2, workspace=tmp_path / "ws", hooks=[ExportHook()], metrics_file=False)
+    with pytest.raises(ValueError, match="ExportHook path: .*ws/model.safetensors: is a directory, not a file"):
+        built.train()
+    assert built.step == 0

@@ -211,3 +211,97 @@ def test_averaged_weights_a_source_lacks_are_refused_before_anything_is_built(tm
         assert not (tmp_path / "ws").exists()
         if source == "pre":
             assert line.endswith("holds no such averaged weights (its hook entries: none)"), line
+
+
+def test_a_model_whose_own_submodule_is_named_module_loads_its_weights_everywhere(tmp_path):
+    # Issue 29, defect 1: every "module." was taken for DDP's and stripped, so such a model could not
+    # load its own checkpoint or export in evaluate, predict and init_from (training and resuming worked).
+    from predict_trainers import ModuleNamedTrainer, PredictSettings
+
+    hooks = [{"type": "validation", "evaluate": "val_metrics", "interval": 4}, {"type": "checkpointing", "interval": 4}]
+    settings = {"max_steps": 4, "workspace": "ws", "trainer": "predict_trainers:ModuleNamedTrainer", "hooks": hooks}
+    (tmp_path / "run.json").write_text(json.dumps(settings))
+    trained = ModuleNamedTrainer(PredictSettings.model_validate({**settings, "workspace": str(tmp_path / "ws")}))
+    trained.train()
+    assert next(iter(trained.model.state_dict())) == "module.0.weight"
+    assert Cli("export", "ws", "-o", "model.safetensors", cwd=tmp_path).result().returncode == 0
+    for name, source in (("from_checkpoint", "ws"), ("from_export", "model.safetensors")):
+        (tmp_path / f"{name}.json").write_text(json.dumps({**settings, "workspace": name, "init_from": source}))
+    runs = {
+        "evaluate": Cli("evaluate", "run.json", cwd=tmp_path),
+        "predict": Cli("predict", "run.json", "-o", "preds.safetensors", cwd=tmp_path),
+        **{name: Cli("evaluate", f"{name}.json", "--checkpoint", "none", cwd=tmp_path) for name in ("from_checkpoint", "from_export")},
+    }
+    expected = {"val/loss": trained.result.metrics["val/loss"]}
+    for name, run in runs.items():
+        result = run.result()
+        assert result.returncode == 0, (name, result.stderr[-2000:])
+        assert "missing key" not in result.stderr
+        assert "Traceback" not in result.stderr
+        if name != "predict":
+            assert json.loads(result.stdout) == expected, name
+    assert "Initialised 4 weights of the model from model.safetensors" in runs["from_export"].result().stderr
+    from safetensors.torch import load_file
+
+    x = torch.stack([x for x, _ in __import__("tiny_trainer").make_data(13, seed=1)])
+    torch.testing.assert_close(load_file(tmp_path / "preds.safetensors")["y"], trained.model(x).detach())
+
+
+def test_a_wrappers_prefix_goes_only_where_the_keys_fit_the_model_better_without_it():
+    from predict_trainers import NamedModule
+
+    model = NamedModule()
+    own = {k: v + 1.0 for k, v in model.state_dict().items()}
+    for saved in (own, {f"module.{k}": v for k, v in own.items()}, {f"_orig_mod.module.{k}": v for k, v in own.items()}):
+        fresh = NamedModule()
+        assert load_weights(fresh, saved) == sorted(own)  # as saved; by DDP around it; compiled DDP around it
+        assert_same(fresh.state_dict(), own)
+    plain = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 1))
+    wrapped = {f"module.{k}": v for k, v in plain.state_dict().items()}
+    assert load_weights(nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 1)), wrapped) == sorted(plain.state_dict())
+
+
+DAMAGED = {
+    "empty": ("w.safetensors", lambda good: b"", "'w.safetensors' is empty"),
+    "header cut": ("w.safetensors", lambda good: good[:100], "'w.safetensors' is not a readable .safetensors file (Error while deserializing header: invalid header length)"),
+    "garbage": ("w.safetensors", lambda good: b"garbage garbage garbage", "'w.safetensors' is not a readable .safetensors file (Error while deserializing header: header too large)"),
+    "data cut": ("w.safetensors", lambda good: good[:-10], "'w.safetensors' is not a readable .safetensors file (Error while deserializing header: incomplete metadata, file not fully covered)"),
+    "safetensors named .pt": ("w.pt", lambda good: good, "'w.pt': it is a .safetensors file under a .pt name: name it .safetensors"),
+}
+
+
+def test_a_damaged_init_from_file_is_refused_before_anything_is_written(tmp_path):
+    # Issue 29, defects 2 and 6: safetensors' own error naming no file (a traceback under `trainloop run`),
+    # after settings.json, metrics.jsonl and runs.jsonl were written.
+    source = weights_of(TinyTrainer(max_steps=1).build_model())
+    save_file(source, tmp_path / "good.safetensors")
+    good = (tmp_path / "good.safetensors").read_bytes()
+    torch.save(source, tmp_path / "good.pt")
+    cases = {**DAMAGED, "torch file named .safetensors": ("w.safetensors", lambda _: (tmp_path / "good.pt").read_bytes(), "'w.safetensors': it is a torch.save file, not a .safetensors file: name it .pt")}
+    cases["torch file cut"] = ("w.pt", lambda _: (tmp_path / "good.pt").read_bytes()[:300], "'w.pt' is not a file torch.save wrote, or it is damaged")
+    runs = {}
+    for i, (name, (file, damage, _)) in enumerate(cases.items()):
+        case = tmp_path / f"case{i}"
+        case.mkdir()
+        (case / file).write_bytes(damage(good))
+        (case / "run.json").write_text(json.dumps({"max_steps": 2, "workspace": "ws", "init_from": file}))
+        runs[name] = Cli("run", "run.json", "--trainer", "cli_trainers:CliTrainer", cwd=case)
+    for i, (name, run) in enumerate(runs.items()):
+        result = run.result()
+        assert result.returncode == 2, (name, result.stderr[-2000:])
+        assert result.stderr.splitlines() == [f"trainloop run: error: run.json: init_from.path: {cases[name][2]}"], name
+        assert sorted(p.name for p in (tmp_path / f"case{i}").iterdir()) == sorted(["run.json", cases[name][0]]), name
+        with pytest.raises(CheckpointError, match=f"^{tmp_path}/case{i}/{cases[name][0]}: cannot load: "):
+            read_weights(tmp_path / f"case{i}" / cases[name][0])
+
+
+def test_keys_that_do_not_fit_end_trainloop_run_with_one_line_per_key(tmp_path):
+    save_file({"other.weight": torch.ones(2)}, tmp_path / "other.safetensors")
+    (tmp_path / "run.json").write_text(json.dumps({"max_steps": 2, "workspace": "ws", "init_from": "other.safetensors"}))
+    result = Cli("run", "run.json", "--trainer", "cli_trainers:CliTrainer", cwd=tmp_path).result()
+    assert result.returncode == 1
+    errors = [line for line in result.stderr.splitlines() if ": error: " in line]
+    assert errors[0] == "trainloop run: error: init_from: missing key 0.weight (the model's own initialisation is kept)"
+    assert errors[-1] == "trainloop run: error: init_from: set strict to false, or list keys in ignore or strip_prefixes"
+    assert "Traceback" not in result.stderr
+    assert json.loads((tmp_path / "ws" / "runs.jsonl").read_text())["error"].startswith("CheckpointError: init_from: missing key")

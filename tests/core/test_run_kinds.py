@@ -138,3 +138,36 @@ def test_a_trainer_that_trained_does_not_evaluate_too(tmp_path):
     trainer, _ = trained(tmp_path)
     with pytest.raises(RuntimeError, match=r"evaluate\(\) runs once per trainer .*state 'exiting': make a new trainer"):
         trainer.evaluate()
+
+
+def test_a_corrupt_latest_is_skipped_with_one_warning_and_the_fallback_verified_once(tmp_path, caplog, monkeypatch):
+    # Issue 29: evaluate/predict logged the skip twice and hashed the fallback checkpoint three times.
+    from predict_trainers import PredictTrainer
+
+    import trainloop.checkpoint.manifest as manifest
+
+    trained(tmp_path)  # checkpoints 3 and 6
+    model = tmp_path / "ws" / "checkpoints" / "6" / "model.pt"
+    damaged = bytearray(model.read_bytes())
+    damaged[200] ^= 0xFF
+    model.write_bytes(bytes(damaged))
+    hashed: list[str] = []
+    real = manifest.check_hashes
+
+    def counting(directory, expected, files):
+        hashed.append(os.path.basename(directory))
+        return real(directory, expected, files)
+
+    monkeypatch.setattr(manifest, "check_hashes", counting)
+    for run in (
+        lambda: EvalTrainer(max_steps=6, workspace=tmp_path / "ws", hooks=hooks()).evaluate(),
+        lambda: PredictTrainer(max_steps=6, workspace=tmp_path / "ws", hooks=hooks()[1:]).predict(),
+    ):
+        caplog.clear()
+        hashed.clear()
+        with caplog.at_level("INFO", logger="trainloop"):
+            run()
+        skipped = [r.getMessage() for r in caplog.records if r.getMessage().startswith("Skipping checkpoint")]
+        assert len(skipped) == 1, skipped
+        assert hashed == ["6", "3"]  # the corrupt one, then the fallback: once each
+        assert any(r.getMessage().startswith("Loaded 4 model weights from") and r.getMessage().endswith("checkpoints/3 (step 3)") for r in caplog.records)

@@ -224,6 +224,19 @@ def test_the_lock_of_a_killed_run_is_taken_over_with_a_message(tmp_path):
     assert (tmp_path / "ws" / LOCK_FILE).read_text() == ""  # released at the end
 
 
+@pytest.mark.parametrize("garbage", [b"\xff\xfe\x80not utf-8", b"\x00\x00\x00", b"not json at all\n"])
+def test_a_lock_file_holding_garbage_is_taken_over(tmp_path, garbage):
+    # Issue 29, defect 7: bytes that are not UTF-8 failed every run of the workspace with UnicodeDecodeError.
+    (tmp_path / "ws").mkdir()
+    (tmp_path / "ws" / LOCK_FILE).write_bytes(garbage)
+    (tmp_path / "run.json").write_text(json.dumps({"max_steps": 2, "workspace": "ws"}))
+    result = Cli("run", "run.json", "--trainer", TRAINER, cwd=tmp_path).result()
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert f"Taking over ws/{LOCK_FILE} from another run, which is gone" in result.stderr
+    assert "Traceback" not in result.stderr
+    assert (tmp_path / "ws" / LOCK_FILE).read_bytes() == b""
+
+
 def test_two_trainers_in_one_process_and_one_workspace(tmp_path):
     # The lock is the OS's, per open file: a trainer training inside another's run is refused too.
     from trainloop.core.workspace import WorkspaceBusyError

@@ -109,3 +109,24 @@ def test_the_architecture_picture_is_drawn_from_the_current_imports(monkeypatch)
     assert "](img/architecture.svg)" in page
     for wing in wings:  # the layout table names every wing
         assert f"| `{wing}` |" in page
+
+
+def test_the_cli_page_counts_every_subcommand_and_lists_each():
+    # Issue 29: docs/cli.md said eight subcommands where there are nine.
+    from trainloop.cli import COMMANDS
+
+    page = (ROOT / "docs" / "cli.md").read_text()
+    words = ["zero", "one", "two", "three", "four", "five", "six", "seven", "eight", "nine", "ten", "eleven", "twelve"]
+    assert f"It has {words[len(COMMANDS)]} subcommands:" in page
+    assert all(f"| `trainloop {command}" in page for command in COMMANDS)
+
+
+def test_the_results_page_shows_the_lr_key_a_declared_optimizer_logs(tmp_path):
+    # Issue 29: docs/results.md showed lr/group_0 where a declared optimizer (as the demo's) logs lr/default.
+    from cli_trainers import CliTrainer
+
+    result = CliTrainer(max_steps=2, workspace=tmp_path, optimizer={"name": "SGD", "lr": 0.1}).train()
+    assert "lr/default" in result.metrics
+    page = (ROOT / "docs" / "results.md").read_text()
+    assert "lr/default" in page
+    assert "lr/group_0" not in page

@@ -126,3 +126,30 @@ def test_graph_with_settings_shows_the_logging_hook_a_run_adds_by_itself(tmp_pat
     assert "logging — LoggingHook, after stepping, every 5 steps" in shown["declares"]
     assert "LoggingHook" not in shown["no_file"]
     assert sorted(p.name for p in tmp_path.iterdir()) == ["adds.json", "declares.json", "no_file.json"]  # drew only
+
+
+@pytest.mark.parametrize(
+    ("items", "said"),
+    [
+        ("", "an empty key: give a key of forward's records (dotted for a nested one: tokens.input) (got '')"),
+        ("tokens..input", "'tokens..input' has an empty part between its dots: give a key such as tokens.input (got 'tokens..input')"),
+    ],
+)
+def test_an_empty_items_key_is_refused_by_validate(tmp_path, items, said):
+    # Issue 29, defect 8: `items: ""` validated, then failed at the first emission with a TypeError.
+    import json
+
+    from cli_process import Cli
+
+    hooks = [{"type": "logging", "interval": 2, "items": items}, {"type": "progress", "interval": 2, "items": items}]
+    (tmp_path / "run.json").write_text(json.dumps({"max_steps": 4, "workspace": "ws", "hooks": hooks}))
+    runs = [Cli(command, "run.json", "--trainer", "cli_trainers:CliTrainer", cwd=tmp_path) for command in ("validate", "run")]
+    for command, run in zip(("validate", "run"), runs, strict=True):
+        result = run.result()
+        assert result.returncode == 2
+        assert result.stderr.splitlines() == [
+            f"trainloop {command}: error: run.json: hooks[{i}].items: {said}" for i in (0, 1)
+        ]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["run.json"]
+    with pytest.raises(ValidationError, match="items"):
+        LoggingHook(items=items)

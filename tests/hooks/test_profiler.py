@@ -249,9 +249,11 @@ def test_repeat_writes_each_window_and_a_run_ending_mid_window_writes_what_it_re
 
 def test_a_run_that_ends_before_the_window_says_so(tmp_path):
     settings = declared_settings(tmp_path, [{"type": "profiler", "wait": 3}], max_steps=10)
-    logger, _ = quiet_logger("early")
-    with pytest.warns(RuntimeWarning, match="wrote no trace: the run ended before its first active step"):
-        TinyTrainer(settings, hooks=[ExitAt(2)], logger=logger).train()
+    logger, handler = quiet_logger("early")
+    TinyTrainer(settings, hooks=[ExitAt(2)], logger=logger).train()
+    assert [m for m in handler.messages if "wrote no trace" in m] == [
+        "ProfilerHook 'profiler_hook' wrote no trace: the run ended before its first active step (wait=3, warmup=1)"
+    ]
     assert not (tmp_path / "ws" / "profiles").exists()
 
 
@@ -334,3 +336,33 @@ def test_each_rank_writes_its_own_trace_under_gloo(tmp_path):
         assert counts[0::2] == [1, 1]
         assert all(count <= 1 for count in counts[1::2])
         assert sum(counts) == len(reduces)
+
+
+def test_a_trace_dir_that_is_a_file_is_refused_before_the_first_step(tmp_path):
+    # Issue 29, defect 12: it failed with FileExistsError after its window, losing the steps since the last checkpoint.
+    (tmp_path / "ws").mkdir()
+    (tmp_path / "ws" / "profiles").write_text("")
+    settings = {"trainer": "tiny_trainer:TinyTrainer", "max_steps": 5, "workspace": "ws", "hooks": [{"type": "profiler"}]}
+    (tmp_path / "run.json").write_text(json.dumps(settings))
+    runs = {command: Cli(command, "run.json", cwd=tmp_path) for command in ("validate", "run")}
+    for command, run in runs.items():
+        result = run.result()
+        assert result.returncode == 2
+        assert result.stderr == f"trainloop {command}: error: run.json: hooks[0].trace_dir: ws/profiles: is a file, not a directory\n"
+    assert [p.name for p in (tmp_path / "ws").iterdir()] == ["profiles"]
+    built = TinyTrainer(max_steps=4, workspace=tmp_path / "ws", hooks=[ProfilerHook(trace_dir=tmp_path / "ws" / "profiles")])
+    with pytest.raises(ValueError, match=r"ProfilerHook 'profiler_hook' trace_dir: .*ws/profiles: is a file, not a directory"):
+        built.train()
+    assert built.step == 0
+
+
+def test_running_a_complete_run_again_says_one_line_and_nothing_about_the_profiler(tmp_path):
+    # Issue 29, first-hour friction: "already complete", then a RuntimeWarning "wrote no trace" and a stray `fn(*args)`.
+    hooks = [{"type": "profiler", "wait": 0, "warmup": 0, "active": 1, "top": 0}, {"type": "checkpointing", "interval": 2}]
+    settings = {"trainer": "tiny_trainer:TinyTrainer", "max_steps": 2, "workspace": "ws", "hooks": hooks}
+    (tmp_path / "run.json").write_text(json.dumps(settings))
+    first = Cli("run", "run.json", cwd=tmp_path).result()
+    assert first.returncode == 0, first.stderr
+    again = Cli("run", "run.json", "--log-level", "warning", cwd=tmp_path, env=cli_env(PYTHONWARNINGS="always")).result()
+    assert again.returncode == 0, again.stderr
+    assert again.stderr == ""  # at WARNING: nothing to say (the INFO line says it resumed complete)

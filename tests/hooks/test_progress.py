@@ -210,8 +210,11 @@ def test_fallback_respects_a_level_set_on_the_logger(capsys):
 # -- terminals ------------------------------------------------------------------------------------
 
 
-def _run_in_pty(code: str) -> tuple[str, str]:
-    """Run ``code`` with standard output on a 100-column pseudo-terminal; return (tty, stderr)."""
+def _run_in_pty(code: str, stderr_too: bool = False) -> tuple[str, str]:
+    """Run ``code`` with standard output (and, ``stderr_too``, standard error) on a 100-column pseudo-terminal.
+
+    Returns (what the terminal showed, what a redirected standard error got).
+    """
     pty = pytest.importorskip("pty")
     import fcntl
     import select
@@ -222,7 +225,8 @@ def _run_in_pty(code: str) -> tuple[str, str]:
     fcntl.ioctl(slave, termios.TIOCSWINSZ, struct.pack("HHHH", 24, 100, 0, 0))
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), str(TESTS / "support")])}
     process = subprocess.Popen(
-        [sys.executable, "-c", textwrap.dedent(code)], stdout=slave, stderr=subprocess.PIPE, env=env, cwd=ROOT
+        [sys.executable, "-c", textwrap.dedent(code)], stdout=slave, stderr=slave if stderr_too else subprocess.PIPE,
+        env=env, cwd=ROOT,
     )
     os.close(slave)
     output = b""
@@ -240,8 +244,8 @@ def _run_in_pty(code: str) -> tuple[str, str]:
         os.close(master)
         if process.poll() is None:
             process.kill()
-    assert process.returncode == 0, stderr.decode()
-    return output.decode(), stderr.decode()
+    assert process.returncode == 0, (stderr or b"").decode() + output.decode()
+    return output.decode(), (stderr or b"").decode()
 
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="pseudo-terminal sizing is Linux-only here")
@@ -255,7 +259,8 @@ def test_a_terminal_gets_a_bar_unless_bar_is_off():
         TinyTrainer(max_steps=20, hooks=[ProgressHook(interval=5, eta_warmup=2)]).train()
         print("-- bar off --", flush=True)
         TinyTrainer(max_steps=4, hooks=[ProgressHook(interval=2, bar=False)]).train()
-        """
+        """,
+        stderr_too=True,
     )
     bar, lines = tty.split("-- bar off --")
     assert "\r" in bar
@@ -263,10 +268,29 @@ def test_a_terminal_gets_a_bar_unless_bar_is_off():
     assert "step/s" in bar
     assert "100%|" in bar
     assert re.search(rf"step/s, step {NUMBER}s data {NUMBER}s eta \d+:\d\d:\d\d loss {NUMBER} lr 5\.00e-02\]", bar)
-    assert "Step 5/20" not in bar + stderr  # the bar replaces the lines
+    assert "Step 5/20" not in bar  # the bar replaces the lines
     assert "%|" not in lines
-    assert "Step 2/4: step" in stderr
-    assert "Step 4/4: step" in stderr
+    assert "Step 2/4: step" in lines
+    assert "Step 4/4: step" in lines
+    assert stderr == ""
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="pseudo-terminal sizing is Linux-only here")
+def test_a_redirected_standard_error_gets_the_lines_and_the_terminal_the_bar():
+    # `trainloop run run.json 2> train.log` in a terminal: the log is complete, the terminal shows the bar.
+    pytest.importorskip("tqdm")
+    tty, stderr = _run_in_pty(
+        """
+        from tiny_trainer import TinyTrainer
+        from trainloop.hooks.progress import ProgressHook
+
+        TinyTrainer(max_steps=20, hooks=[ProgressHook(interval=5, eta_warmup=2)]).train()
+        """
+    )
+    assert "20/20" in tty
+    assert "Step" not in tty
+    assert re.findall(r"Step (\d+)/20: step", stderr) == ["5", "10", "15", "20"]
+    assert "\r" not in stderr
 
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="pseudo-terminal sizing is Linux-only here")

@@ -273,3 +273,23 @@ def test_unconfigured_logging_shows_results_beside_progress_lines_in_a_fresh_pro
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, check=True)
     assert "Step 2/2: step" in result.stderr
     assert "Validation at step 2: val/loss 0.25" in result.stderr
+
+
+@pytest.mark.parametrize("run", ["predict", "train", "evaluate"])
+def test_a_validation_method_named_after_a_run_is_refused_by_validate(tmp_path, run):
+    # Issue 29, defect 11: "evaluate": "predict" passed validate; the run trained, then failed at its first validation.
+    from cli_process import Cli
+
+    hooks = [{"type": "validation", "evaluate": run, "interval": 2}]
+    (tmp_path / "run.json").write_text(json.dumps({"max_steps": 4, "workspace": "ws", "hooks": hooks}))
+    runs = [Cli(command, "run.json", "--trainer", "predict_trainers:PredictTrainer", cwd=tmp_path) for command in ("validate", "run")]
+    for command, process in zip(("validate", "run"), runs, strict=True):
+        result = process.result()
+        assert result.returncode == 2
+        assert result.stderr == (
+            f"trainloop {command}: error: run.json: hooks[0].evaluate: PredictTrainer.{run}() is a run of the trainer, "
+            "not a validation method: name your validation method otherwise (e.g. val_metrics) and point evaluate at it\n"
+        )
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["run.json"]
+    with pytest.raises(TypeError, match=rf"trainer.{run}\(\) is a run of the trainer"):
+        TinyTrainer(max_steps=2, hooks=[ValidationHook(run, interval=1)]).train()

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 
 import pytest
 import torch
@@ -98,3 +99,50 @@ def test_a_terminal_sees_a_progress_bar(tmp_path, trained):
     os.close(controller)
     assert b"predict: 100%" in seen, seen.decode(errors="replace")
     assert b"3/3" in seen  # 9 items, 4 per batch: 3 batches
+
+
+def test_outputs_whose_item_shape_or_dtype_changes_exit_1_naming_the_batch_and_both(tmp_path, trained):
+    # Issue 29, defect 3: the end came in torch.cat's RuntimeError (a traceback naming neither batch nor
+    # shape); a dtype that changed was silently promoted.
+    said = {
+        "wider": "returned a tensor of shape (4, 2) for batch 2, where batch 0's items have shape (1,)",
+        "flat": "returned a tensor of shape (4,) for batch 2, where batch 0's items have shape (1,)",
+        "double": "returned a torch.float64 tensor for batch 2, where batch 0's is torch.float32 (convert in predict_step)",
+    }
+    runs = {
+        kind: Cli("predict", "predict.json", "--set", f"returns={kind}", "--set", "wrong_at_batch=2", "-o", f"{kind}.pt", cwd=tmp_path)
+        for kind in said
+    }
+    for kind, run in runs.items():
+        result = run.result()
+        assert result.returncode == 1, result.stderr[-3000:]
+        errors = [line for line in result.stderr.splitlines() if ": error: " in line]
+        assert errors == [
+            f"trainloop predict: error: PredictTrainer.predict_step() {said[kind]}: every batch must give items of one "
+            "shape and one dtype"
+        ]
+        assert "Traceback" not in result.stderr
+        assert not (tmp_path / f"{kind}.pt").exists()
+
+
+def test_an_output_that_cannot_be_written_is_found_before_anything_is_predicted(tmp_path, trained):
+    # Issue 29, defect 4: FileExistsError, SafetensorError or torch's RuntimeError, with a traceback, after
+    # predicting everything.
+    (tmp_path / "afile").write_text("")
+    outputs = {"afile/preds.safetensors": "afile/preds.safetensors: afile: is a file, not a directory"}
+    if os.path.isdir("/proc/self"):  # refuses new files whatever the permissions say (root too)
+        outputs["/proc/preds.pt"] = "/proc/preds.pt: cannot create a file in /proc: No such file or directory"
+    runs_before = read_runs(trained)
+    runs = {output: Cli("predict", "predict.json", "--output", output, cwd=tmp_path) for output in outputs}
+    for output, run in runs.items():
+        result = run.result()
+        assert result.returncode == 1, result.stderr[-3000:]
+        assert [line for line in result.stderr.splitlines() if ": error: " in line] == [
+            f"trainloop predict: error: {outputs[output]}"
+        ]
+        assert "Traceback" not in result.stderr
+        assert "Predicted" not in result.stderr
+        assert "Loaded" not in result.stderr
+    assert read_runs(trained) == runs_before  # refused before it was a run
+    with pytest.raises(OSError, match=f"^{tmp_path}/afile/x.pt: {tmp_path}/afile: is a file, not a directory$"):
+        PredictTrainer(max_steps=4, workspace=trained).predict(output=tmp_path / "afile" / "x.pt")

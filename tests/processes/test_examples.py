@@ -35,7 +35,7 @@ def test_digits_reaches_95_percent_and_resumes(tmp_path, monkeypatch, caplog):
     caplog.clear()
     with caplog.at_level(logging.INFO, logger="trainloop"):
         assert digits.main([]) == accuracy  # resumed at step 400: nothing left to train
-    assert "Resuming from step 400" in caplog.text
+    assert "at step 400: the run is already complete (400 steps); nothing to train" in caplog.text
     assert "Step " not in caplog.text
 
 

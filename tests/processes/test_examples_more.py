@@ -73,7 +73,7 @@ def test_config_builder_reaches_95_percent_and_resumes(config_builder, tmp_path,
         warnings.simplefilter("error", ChangedSettingsWarning)  # the same config: the same settings
         with caplog.at_level(logging.INFO, logger="trainloop"):
             assert config_builder.main([]) == accuracy  # resumed at step 400: nothing left to train
-    assert "Resuming from step 400" in caplog.text
+    assert "at step 400: the run is already complete (400 steps); nothing to train" in caplog.text
     assert "Step " not in caplog.text
 
 

@@ -86,7 +86,7 @@ def test_a_killed_worker_is_restarted_and_resumes_from_the_latest_checkpoint(tmp
     assert code == 0, err[-3000:]
     assert "final accuracy" in out
     assert "after 300 steps on 2 ranks" in out
-    loaded = [line for line in err.splitlines() if "Loading checkpoint" in line]
+    loaded = [line for line in err.splitlines() if "Resumed from" in line]  # one line says it
     assert len(loaded) == 1, loaded
-    assert loaded[0].endswith(("checkpoints/100", "checkpoints/200")), loaded
+    assert loaded[0].endswith(("checkpoints/100 at step 100", "checkpoints/200 at step 200")), loaded
     assert checkpoint_steps(root) == [300]

@@ -5,6 +5,7 @@ from __future__ import annotations
 import io
 import itertools
 import math
+import re
 
 import pytest
 import torch
@@ -360,3 +361,52 @@ def test_resuming_with_a_larger_max_steps_says_what_the_schedule_does(tmp_path):
     # The learning rate follows the schedule over the new max_steps, not back up a cosine.
     assert [hook.lrs[k] for k in range(5, 9)] == pytest.approx([0.1 * factor(k) for k in range(5, 9)])
     assert hook.lrs[8] == pytest.approx(0.1 * 0.1)
+
+
+# -- what the schedule alone cannot tell (issue 29, defects 9 and 10) -----------------------------
+
+WARMUP_PAST_DECAY = "lr_schedule: decay_steps (3) must be greater than the warmup (warmup_ratio 0.5 of max_steps 10: 5 steps)"
+FLOOR_ABOVE_PEAK = (
+    "lr_schedule: final_lr (1) is above the peak learning rate (0.1): the decay would climb; give a final_lr at most "
+    "the peak, or final_lr_ratio"
+)
+
+
+def test_a_decay_ending_before_a_warmup_ratio_and_a_floor_above_the_peak_are_refused_by_validate(tmp_path):
+    # A warmup_ratio warmed to the peak and dropped to the floor in one step; final_lr 1.0 over lr 0.1 made
+    # the "decay" climb to 10x the peak, both without a word.
+    import json
+
+    from cli_process import Cli
+
+    declared = {
+        "warmup": {"max_steps": 10, "lr_schedule": {"name": "cosine", "warmup_ratio": 0.5, "decay_steps": 3}},
+        "floor": {"max_steps": 10, "optimizer": {"name": "SGD", "lr": 0.1}, "lr_schedule": {"name": "cosine", "final_lr": 1.0}},
+    }
+    runs = {}
+    for name, settings in declared.items():
+        (tmp_path / f"{name}.json").write_text(json.dumps({**settings, "workspace": "ws"}))
+        runs[name] = Cli("validate", f"{name}.json", "--trainer", "cli_trainers:CliTrainer", cwd=tmp_path)
+    for name, said in (("warmup", WARMUP_PAST_DECAY), ("floor", FLOOR_ABOVE_PEAK)):
+        result = runs[name].result()
+        assert result.returncode == 2
+        (line,) = result.stderr.splitlines()
+        assert line.startswith(f"trainloop validate: error: {name}.json: {said} (got "), line
+        with pytest.raises(ValidationError, match=re.escape(said.removeprefix("lr_schedule: "))):
+            TrainerSettings.model_validate(declared[name])
+    assert not (tmp_path / "ws").exists()
+    # Within bounds: a warmup shorter than the decay, a floor at the peak.
+    TrainerSettings.model_validate({"max_steps": 10, "lr_schedule": {"name": "cosine", "warmup_ratio": 0.2, "decay_steps": 3}})
+    TrainerSettings.model_validate({**declared["floor"], "lr_schedule": {"name": "cosine", "final_lr": 0.1}})
+
+
+def test_what_only_the_built_run_knows_is_refused_before_the_first_step():
+    # The optimizer built in code (its lr), the steps of max_epochs: known when the scheduler is built.
+    floor = TinyTrainer(max_steps=4, lr_schedule={"name": "cosine", "final_lr": 1.0})  # TinyTrainer's SGD: lr 0.05
+    with pytest.raises(ValueError, match=r"lr_schedule: final_lr \(1\) is above the peak learning rate \(0.05\)"):
+        floor.train()
+    assert floor.step == 0
+    epochs = TinyTrainer(max_epochs=1, lr_schedule={"name": "cosine", "warmup_ratio": 0.5, "decay_steps": 3})  # 8 steps
+    with pytest.raises(ValueError, match=r"decay_steps \(3\) must be greater than the warmup \(warmup_ratio 0.5 of max_steps 8: 4 steps\)"):
+        epochs.train()
+    assert epochs.step == 0

@@ -8,8 +8,10 @@ from __future__ import annotations
 
 from typing import Literal
 
+import torch
 from pydantic import Field
 from tiny_trainer import TinyTrainer, make_data
+from torch import nn
 from torch.utils.data import DataLoader, DistributedSampler
 
 from trainloop import TrainerSettings
@@ -25,10 +27,12 @@ class PredictSettings(TrainerSettings):
     """The predict loader's batch size."""
     shuffle: bool = False
     """Whether the predict data's sampler shuffles (a DistributedSampler under several ranks)."""
-    returns: Literal["tensor", "dict", "list", "none"] = "dict"
-    """What ``predict_step`` returns: the model's outputs, a dict with the inputs too, or a wrong type."""
+    returns: Literal["tensor", "dict", "list", "none", "wider", "flat", "double"] = "dict"
+    """What ``predict_step`` returns: the model's outputs, a dict with the inputs too, a wrong type, or the outputs
+    twice as wide, flattened to 1-D or in float64."""
     wrong_at_batch: int = 0
-    """The first batch for which ``predict_step`` returns ``returns`` when it is a wrong type (before: a dict)."""
+    """The first batch for which ``predict_step`` returns ``returns`` when it is a wrong one (before: a dict, or the
+    model's outputs for the last three)."""
 
 
 class PredictTrainer(TinyTrainer):
@@ -55,6 +59,10 @@ class PredictTrainer(TinyTrainer):
         self.batches += 1
         if returns == "tensor":
             return y
+        if returns in ("wider", "flat", "double"):
+            if batch_index < self.settings.wrong_at_batch:
+                return y
+            return {"wider": torch.cat([y, y], 1), "flat": y.flatten(), "double": y.double()}[returns]
         if returns == "dict" or batch_index < self.settings.wrong_at_batch:
             return {"y": y, "x": x}
         return [y] if returns == "list" else None
@@ -72,3 +80,26 @@ class TorchrunPredictTrainer(PredictTrainer):
 
     def build_model(self):
         return wrap_model(super().build_model())
+
+
+class NamedModule(nn.Module):
+    """TinyTrainer's MLP inside a submodule named ``module``: the name DDP gives the model it wraps."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.module = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 1))
+
+    def forward(self, x):
+        return self.module(x)
+
+
+class ModuleNamedTrainer(PredictTrainer):
+    """PredictTrainer whose model has its own submodule named ``module`` (its keys: ``module.0.weight``...)."""
+
+    def build_model(self):
+        torch.manual_seed(0)
+        return NamedModule().to(self.device)
+
+    def val_metrics(self) -> dict[str, float]:
+        x, y = make_data(16, seed=2).tensors
+        return {"loss": float(nn.functional.mse_loss(self.model(x.to(self.device)), y.to(self.device)))}

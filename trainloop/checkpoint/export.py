@@ -20,6 +20,7 @@ from collections.abc import Mapping
 
 import torch
 
+from trainloop.checkpoint.errors import CheckpointSaveError
 from trainloop.checkpoint.storage import Location, atomic_file, location
 from trainloop.checkpoint.weights import read_weights
 from trainloop.version import __version__
@@ -51,6 +52,10 @@ def save_weights(
 
     Returns:
         The metadata written.
+
+    Raises:
+        CheckpointSaveError: The file cannot be written; the message names it (not the
+            temporary file it was being written to).
     """
     from safetensors.torch import save_file
 
@@ -83,9 +88,19 @@ def save_weights(
     digest = settings_hash(settings_json)
     if digest is not None:
         metadata["settings_sha256"] = digest
-    with atomic_file(location(output)) as tmp:  # never a half-written file under the name
-        save_file(_unshared(tensors), str(tmp), metadata=metadata)
+    try:
+        with atomic_file(location(output)) as tmp:  # never a half-written file under the name
+            save_file(_unshared(tensors), str(tmp), metadata=metadata)
+    except OSError as error:
+        raise CheckpointSaveError(f"{output}: cannot write: {error.strerror or error}") from error
+    except Exception as error:  # safetensors raises its own SafetensorError, naming the temporary file
+        raise CheckpointSaveError(f"{output}: cannot write: {_without_temporary(str(error))}") from error
     return metadata
+
+
+def _without_temporary(message: str) -> str:
+    """Safetensors' message without its ``at path "…/.tmpXXXX"`` (a name the user never gave)."""
+    return message.split(" at path ", 1)[0]
 
 
 def _unshared(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:

@@ -9,13 +9,16 @@ them; ``trainloop export`` (:mod:`trainloop.checkpoint.export`) writes them out.
 - a ``.pt`` / ``.pth`` / ``.bin`` file holding a state dict (read with ``weights_only=True``),
   or a dict with the state dict under ``"model"`` or ``"state_dict"`` (nanoGPT's ``ckpt.pt``).
 
-Each may be local or on object storage (a URL: see :mod:`trainloop.checkpoint.storage`).
+Each may be local or on object storage (a URL: see :mod:`trainloop.checkpoint.storage`). The
+suffix names the format; a local file whose bytes are the other format's is refused with a line
+that says so (``weights_file_problem`` tells it from the first bytes, for the preflight).
 """
 
 from __future__ import annotations
 
 import logging
 import tempfile
+import zipfile
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -36,7 +39,16 @@ if TYPE_CHECKING:
     from trainloop.core.run_state import TrainerView
     from trainloop.settings.init_from import InitFromSettings
 
-__all__ = ["Weights", "find_checkpoint", "init_from", "load_weights", "read_weights", "tied_keys", "weights_problem"]
+__all__ = [
+    "Weights",
+    "find_checkpoint",
+    "init_from",
+    "load_weights",
+    "read_weights",
+    "tied_keys",
+    "weights_file_problem",
+    "weights_problem",
+]
 
 _MODEL_FILE = "model.pt"
 _REST = "training_state"
@@ -52,6 +64,7 @@ class Weights:
         state_dict: Parameter and buffer names to tensors (on the CPU).
         source: The file or checkpoint directory read.
         step: The checkpoint's step, if the source is a checkpoint.
+        epoch: The checkpoint's epoch (full passes over the data completed), if the source is a checkpoint.
         settings_json: The settings of the run that saved the checkpoint, if known.
         metadata: String metadata of a ``.safetensors`` file.
     """
@@ -61,9 +74,10 @@ class Weights:
     step: int | None = None
     settings_json: str | None = None
     metadata: dict[str, str] = field(default_factory=dict)
+    epoch: int | None = None
 
 
-def find_checkpoint(path: Location) -> Location:
+def find_checkpoint(path: Location, logger: logging.Logger | None = None) -> Location:
     """The checkpoint directory ``path`` names.
 
     Itself, or a checkpoints root's (or a workspace's ``checkpoints/``) latest complete checkpoint.
@@ -71,16 +85,91 @@ def find_checkpoint(path: Location) -> Location:
     Raises:
         CheckpointError: Nothing there is a checkpoint; the message names ``path``.
     """
+    return _find_checkpoint(path, logger)[0]
+
+
+def _find_checkpoint(path: Location, logger: logging.Logger | None = None) -> tuple[Location, bool]:
+    """:func:`find_checkpoint`, and whether the checkpoint was verified on the way (a root's latest is)."""
     if storage.is_file(path / MANIFEST):
-        return path
-    for root in (path, path / "checkpoints"):
-        if any(name == LATEST or name.isdigit() for name in storage.names(root)):
-            found = latest_checkpoint(root)
-            if found is not None:
-                return found
+        return path, False
+    for root in _roots(path):
+        found = latest_checkpoint(root, logger=logger)
+        if found is not None:
+            return found, True
     raise CheckpointError(
         f"{path}: not a checkpoint directory, nor a checkpoints root or workspace with a complete checkpoint"
     )
+
+
+def _roots(path: Location) -> list[Location]:
+    """The checkpoints roots ``path`` may be: itself, or a workspace's ``checkpoints/``, where they hold any."""
+    return [
+        root for root in (path, path / "checkpoints")
+        if any(name == LATEST or name.isdigit() for name in storage.names(root))
+    ]
+
+
+def _content_format(path: Path) -> str | None:
+    """What the first bytes of the file ``path`` say it is: ``"safetensors"``, ``"zip"``, ``"pickle"`` or ``None``.
+
+    A safetensors file starts with its header's length (8 bytes, little-endian) and the header's
+    ``{``; torch.save writes a zip archive (before torch 1.6, a pickle).
+    """
+    with path.open("rb") as file:
+        head = file.read(9)
+    if head[:4] == b"PK\x03\x04":
+        return "zip"
+    if head[:1] == b"\x80":
+        return "pickle"
+    if len(head) == 9 and head[8:9] == b"{" and int.from_bytes(head[:8], "little") <= path.stat().st_size - 8:
+        return "safetensors"
+    return None
+
+
+def _misnamed(path: Path, found: str | None) -> str | None:
+    """What to say when the bytes of ``path`` are the other format's than its suffix names."""
+    if path.suffix == ".safetensors" and found in ("zip", "pickle"):
+        return "it is a torch.save file, not a .safetensors file: name it .pt"
+    if path.suffix != ".safetensors" and found == "safetensors":
+        return f"it is a .safetensors file under a {path.suffix or 'suffix-less'} name: name it .safetensors"
+    return None
+
+
+def weights_file_problem(path: Location) -> str | None:
+    """Why the weights in ``path`` cannot be read, from the names and first bytes of its files (no tensor is read).
+
+    ``None`` when it looks readable. A directory must be a checkpoint, or a checkpoints root or
+    workspace that holds one (verified when it is read); a ``.safetensors`` file's header is read
+    and checked; a torch file must be a complete zip archive (or a pickle). The preflight asks it,
+    so that a damaged ``init_from`` is refused before anything is written. On object storage only
+    the names are checked (reading a file there is a download).
+    """
+    if storage.is_dir(path):
+        if storage.is_file(path / MANIFEST) or _roots(path):
+            return None
+        return f"{str(path)!r} is not a checkpoint directory, nor a checkpoints root or workspace with checkpoints"
+    if isinstance(path, UrlPath):
+        return None
+    try:
+        if path.stat().st_size == 0:
+            return f"{str(path)!r} is empty"
+        found = _content_format(path)
+        misnamed = _misnamed(path, found)
+        if misnamed is not None:
+            return f"{str(path)!r}: {misnamed}"
+        if path.suffix == ".safetensors":
+            from safetensors import safe_open
+
+            with safe_open(str(path), framework="pt"):  # reads and checks the header alone
+                pass
+            return None
+        if found == "pickle" or (found == "zip" and zipfile.is_zipfile(path)):
+            return None
+        return f"{str(path)!r} is not a file torch.save wrote, or it is damaged"
+    except OSError as error:
+        return f"{str(path)!r}: cannot read it: {error.strerror or error}"
+    except Exception as error:  # noqa: BLE001  # safetensors raises its own SafetensorError
+        return f"{str(path)!r} is not a readable .safetensors file ({error})"
 
 
 def weights_problem(path: Location, weights: str) -> str | None:
@@ -108,7 +197,9 @@ def weights_problem(path: Location, weights: str) -> str | None:
     return f"weights={weights!r}, but {str(directory)!r} holds no such averaged weights (its hook entries: {listed})"
 
 
-def read_weights(path: str | Location, weights: str = "model") -> Weights:
+def read_weights(
+    path: str | Location, weights: str = "model", *, verified: bool = False, logger: logging.Logger | None = None
+) -> Weights:
     """Read a model's weights from a checkpoint (verified against its manifest) or a file.
 
     Args:
@@ -117,26 +208,35 @@ def read_weights(path: str | Location, weights: str = "model") -> Weights:
             or a :class:`~trainloop.checkpoint.storage.UrlPath` made with its options).
         weights: From a checkpoint: ``"model"``, ``"ema"`` (the one EMA hook's averaged
             weights) or the name of the hook whose averaged weights to take.
+        verified: ``path`` is a checkpoint directory verified already (``latest_checkpoint``
+            found it): its files are not hashed again.
+        logger: Where a skipped (corrupt) checkpoint is reported.
 
     Raises:
-        CheckpointError: The path is missing, corrupt, or holds no such weights.
+        CheckpointError: The path is missing, corrupt, of another format than its suffix says,
+            or holds no such weights; the message names it.
     """
     path = location(path)
     if not storage.exists(path):
         raise CheckpointError(f"{path}: no such file or directory")
     if storage.is_dir(path):
-        return _from_checkpoint(find_checkpoint(path), weights)
+        directory, checked = _find_checkpoint(path, logger)
+        return _from_checkpoint(directory, weights, verified=verified or checked)
     if weights != "model":
         raise CheckpointError(
             f"{path}: a weights file holds one model's weights; weights={weights!r} needs a checkpoint"
         )
+    if isinstance(path, Path):
+        misnamed = _misnamed(path, _content_format(path))
+        if misnamed is not None:
+            raise CheckpointError(f"{path}: cannot load: {misnamed}")
     if path.suffix == ".safetensors":
-        if isinstance(path, UrlPath):
-            with tempfile.TemporaryDirectory(prefix="trainloop-download-") as local:
-                path.fs.get_file(path.path, f"{local}/{path.name}")
-                found = _from_safetensors(Path(local) / path.name, path)
-            return found
-        return _from_safetensors(path, path)
+        return _read_safetensors(path)
+    return _read_torch_file(path)
+
+
+def _read_torch_file(path: Location) -> Weights:
+    """A ``.pt`` file's state dict: the file's own, or under ``"model"`` or ``"state_dict"``."""
     loaded = load_file(path)
     if isinstance(loaded, Mapping):
         for key in ("model", "state_dict"):  # nanoGPT's ckpt.pt, Lightning's .ckpt
@@ -148,29 +248,43 @@ def read_weights(path: str | Location, weights: str = "model") -> Weights:
     return Weights(dict(loaded), path)
 
 
+def _read_safetensors(path: Location) -> Weights:
+    """A ``.safetensors`` file's weights; on object storage, from a downloaded copy."""
+    if isinstance(path, UrlPath):
+        with tempfile.TemporaryDirectory(prefix="trainloop-download-") as local:
+            path.fs.get_file(path.path, f"{local}/{path.name}")
+            return _from_safetensors(Path(local) / path.name, path)
+    return _from_safetensors(path, path)
+
+
 def _from_safetensors(local: Path, source: Location) -> Weights:
     """The weights of the ``.safetensors`` file ``local`` (a copy of ``source``, the file named)."""
     from safetensors import safe_open
     from safetensors.torch import load_file as load_safetensors
 
-    with safe_open(str(local), framework="pt") as opened:
-        metadata = opened.metadata() or {}
     try:
+        with safe_open(str(local), framework="pt") as opened:
+            metadata = opened.metadata() or {}
         state = load_safetensors(str(local))
-    except Exception as error:  # safetensors raises its own SafetensorError
-        raise CheckpointError(f"{source}: cannot load: {error}") from error
+    except Exception as error:  # safetensors raises its own SafetensorError, naming no file
+        raise CheckpointError(f"{source}: cannot load: not a readable .safetensors file ({error})") from error
     step = metadata.get("step")
     return Weights(state, source, int(step) if step and step.isdigit() else None, None, metadata)
 
 
-def _from_checkpoint(directory: Location, weights: str) -> Weights:
-    whole = read_checkpoint(directory)  # every file verified against the manifest as it is read, once
-    step = read_metadata(directory).get("step")
+def _from_checkpoint(directory: Location, weights: str, verified: bool = False) -> Weights:
+    # Every file verified against the manifest as it is read, once (unless it was, finding it).
+    whole = read_checkpoint(directory, verify=not verified)
+    metadata = read_metadata(directory)
+    step, epoch = metadata.get("step"), metadata.get("epoch")
     rest = whole["training_state"]
     entries = {key: value for key, value in whole.items() if key != _REST}
     chosen = _choose(directory, weights, entries.__getitem__, sorted(entries))
     settings = rest.get("settings") if isinstance(rest, Mapping) else None
-    return Weights(chosen, directory, step if isinstance(step, int) else None, settings)
+    return Weights(
+        chosen, directory, step if isinstance(step, int) else None, settings,
+        epoch=epoch if isinstance(epoch, int) else None,
+    )
 
 
 def _choose(directory: Location, weights: str, entry: Any, names: list[str]) -> dict[str, torch.Tensor]:
@@ -226,6 +340,25 @@ def _strip(key: str, prefixes: Iterable[str]) -> str:
     return key
 
 
+def _without_wrappers(keys: list[str], target: Mapping[str, Any]) -> list[str]:
+    """``keys`` without the prefixes wrappers put before all of them (``_orig_mod.``, ``module.``).
+
+    Prefixes that every key carries are removed, one after the other, as far as the keys fit the
+    model's (``target``) best, and no further: a model whose own submodule is named ``module``
+    keeps its keys; a DDP-wrapped one's lose one ``module.``.
+    """
+    best, fits = keys, sum(key in target for key in keys)
+    while keys:
+        prefix = next((p for p in _WRAPPER_PREFIXES if all(key.startswith(p) for key in keys)), None)
+        if prefix is None:
+            break
+        keys = [key[len(prefix):] for key in keys]
+        found = sum(key in target for key in keys)
+        if found > fits:
+            best, fits = keys, found
+    return best
+
+
 def load_weights(
     model: nn.Module,
     state_dict: Mapping[str, torch.Tensor],
@@ -238,8 +371,9 @@ def load_weights(
 ) -> list[str]:
     """Load ``state_dict`` into ``model`` (a plain, compiled, DDP- or FSDP-wrapped module).
 
-    Keys are matched after removing ``strip_prefixes`` (and the wrappers' own ``_orig_mod.`` /
-    ``module.``); keys matching ``ignore`` are left out on both sides; a key the model ties to
+    Keys are matched after removing ``strip_prefixes`` (and a wrapper's ``_orig_mod.`` /
+    ``module.`` that every key carries, when the keys fit the model better without it); keys
+    matching ``ignore`` are left out on both sides; a key the model ties to
     another (shared embeddings) is not missing when its twin is loaded.
 
     Args:
@@ -258,14 +392,11 @@ def load_weights(
         CheckpointError: A loaded key's shape differs from the model's (one line per key, both
             shapes), or, with ``strict``, keys are missing or unexpected (one line each).
     """
-    ignore = tuple(ignore)
-    prefixes = (*strip_prefixes, *_WRAPPER_PREFIXES)
-    source_state: dict[str, torch.Tensor] = {}
-    for key, value in state_dict.items():
-        clean = _strip(_strip(key, prefixes), _WRAPPER_PREFIXES)
-        if not _matches(clean, ignore):
-            source_state[clean] = value
+    ignore, prefixes = tuple(ignore), tuple(strip_prefixes)
     target = unwrap_model(model).state_dict()
+    given = list(state_dict.items())
+    keys = _without_wrappers([_strip(key, prefixes) for key, _ in given], target)
+    source_state = {key: value for key, (_, value) in zip(keys, given, strict=True) if not _matches(key, ignore)}
     tied = tied_keys(model)
     expected = {key: value for key, value in target.items() if not _matches(key, ignore)}
     mismatched = [
@@ -311,7 +442,7 @@ def init_from(trainer: TrainerView) -> None:
             "init_from %s not loaded: the run resumed its own checkpoint at step %d", spec.path, trainer.step
         )
         return
-    found = read_weights(location(spec.path, spec.storage_options), spec.weights)
+    found = read_weights(location(spec.path, spec.storage_options), spec.weights, logger=trainer.logger)
     loaded = load_weights(
         trainer.model, found.state_dict, strict=spec.strict, strip_prefixes=spec.strip_prefixes,
         ignore=spec.ignore, logger=trainer.logger,

@@ -4,7 +4,8 @@ The settings are validated and preflighted as for ``trainloop run`` (the trainer
 ``build_model``, ``build_predict_data_loader`` and ``predict_step``), then ``trainer.predict()``
 runs (see ``BaseTrainer.predict``). Exit codes: 0 written; 1 the checkpoint cannot be used, or the
 prediction failed (``predict_step`` returned something else than a tensor or a dict of tensors,
-data that cannot give every item once); 2 bad arguments or settings, before anything is built.
+data that cannot give every item once), or the output cannot be written (checked before anything
+is built); 2 bad arguments or settings, before anything is built.
 One line says what went wrong, and no predictions file is written.
 """
 
@@ -21,7 +22,7 @@ from trainloop.cli.settings import checked_settings
 from trainloop.core.preflight import checked
 from trainloop.core.run_kinds import EvaluateError
 from trainloop.distributed.gather import GatherError
-from trainloop.predict.files import predictions_path
+from trainloop.predict.files import PredictionsFileError, predictions_path
 from trainloop.predict.order import PredictDataError
 from trainloop.predict.outputs import PredictionError
 
@@ -43,7 +44,9 @@ def command(args: argparse.Namespace) -> int:
     try:
         with checked(settings, trainer_class):  # the preflight above ran: predict() does not repeat it
             outputs = trainer_class(settings).predict(checkpoint, args.weights, output)
-    except (CheckpointError, EvaluateError, PredictionError, PredictDataError, GatherError) as error:
+    except (
+        CheckpointError, EvaluateError, PredictionError, PredictDataError, GatherError, PredictionsFileError
+    ) as error:
         raise CliError(str(error), FAILURE) from None
     except KeyboardInterrupt:
         print(f"{PROG}: interrupted", file=sys.stderr)

@@ -1,4 +1,9 @@
-"""``trainloop run``: validate and preflight the settings with the trainer's class, then train."""
+"""``trainloop run``: validate and preflight the settings with the trainer's class, then train.
+
+A checkpoint or weights file that cannot be used once the run has started (``init_from``'s keys
+that do not fit the model, a checkpoint that cannot be saved) ends the command with exit code 1
+and one line naming the file; the run's line in ``runs.jsonl`` records the error.
+"""
 
 from __future__ import annotations
 
@@ -7,7 +12,8 @@ import logging
 import signal
 import sys
 
-from trainloop.cli.errors import PROG, CliError
+from trainloop.checkpoint.errors import CheckpointError
+from trainloop.cli.errors import FAILURE, PROG, CliError
 from trainloop.cli.settings import checked_settings
 from trainloop.core.preflight import checked
 from trainloop.core.training_state import ChangedGlobalBatchError
@@ -27,6 +33,8 @@ def command(args: argparse.Namespace) -> int:
             trainer_class(settings).train()
     except (WorkspaceBusyError, ChangedGlobalBatchError) as error:  # refused before the first step
         raise CliError(str(error)) from None
+    except CheckpointError as error:
+        raise CliError(str(error), FAILURE) from None
     except KeyboardInterrupt:
         print(f"{PROG}: interrupted", file=sys.stderr)
         return 128 + signal.SIGINT

@@ -17,7 +17,8 @@ so that a run that validates does not fail later on something that was known all
 - the directories the run will write (the workspace, checkpoint and TensorBoard directories)
   can be made and written: no file in the way, no NUL byte, write permission;
 - the device exists on this machine;
-- the weights ``init_from`` names are there.
+- the weights ``init_from`` names are there and look readable (a file's header, a checkpoint's
+  listing: no tensor is read).
 
 On the command line the preflight runs once: ``trainloop run`` checks the settings (naming the
 file or variable of each value) and then trains under ``checked(...)``, which tells ``train()``
@@ -38,7 +39,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from trainloop.checkpoint.storage import StorageError, exists, location
-from trainloop.checkpoint.weights import weights_problem
+from trainloop.checkpoint.weights import weights_file_problem, weights_problem
 from trainloop.core.workspace import path_problem
 from trainloop.hooks.base import BaseHook
 from trainloop.hooks.checks import listed, one_process
@@ -267,6 +268,9 @@ def _init_from(settings: TrainerSettings) -> list[tuple[tuple[Key, ...], str]]:
         return [(("init_from", "path"), f"init_from.path: {error}")]
     if not exists(path):
         return [(("init_from", "path"), f"init_from.path: no checkpoint or weights file at {str(spec.path)!r}")]
+    unreadable = weights_file_problem(path)
+    if unreadable is not None:
+        return [(("init_from", "path"), f"init_from.path: {unreadable}")]
     problem = weights_problem(path, spec.weights)
     return [] if problem is None else [(("init_from", "weights"), f"init_from.weights: {problem}")]
 

@@ -40,8 +40,10 @@ class RunResult:
 
     Attributes:
         step: The last step run (or resumed at, when nothing was left to run); for a run ended
-            by an error, the step in progress then, whose update may not have been applied.
-        epoch: Full passes over the data completed.
+            by an error, the step in progress then, whose update may not have been applied. An
+            evaluate or predict run: the step of the checkpoint whose weights it used.
+        epoch: Full passes over the data completed; an evaluate or predict run: the epoch of
+            the checkpoint whose weights it used (0 for the model as built).
         exit_code: ``0`` for a clean end; the code an exit signal asked for (``train()`` then
             raises ``SystemExit`` with it); for a run ended by an error, what the process would
             exit with: ``130`` for ``KeyboardInterrupt``, else ``1`` (read the result from
@@ -81,7 +83,7 @@ def run_result(trainer: TrainerView, kind: RunKind = "train") -> RunResult:
         exit_code = 130 if isinstance(error, KeyboardInterrupt) else 1
     return RunResult(
         step=trainer.step,
-        epoch=trainer.run_length.epochs_completed,
+        epoch=trainer.run_length.epochs_completed if kind == "train" else trainer.epoch,
         exit_code=exit_code,
         metrics=dict(trainer.metrics.last),
         best_checkpoint=best,

@@ -106,8 +106,10 @@ def restore_weights(trainer: TrainerView, hooks: Sequence[BaseHook], source: Wei
 
     if source.checkpoint is None:
         return None
-    path = _latest_checkpoint(trainer, hooks) if source.checkpoint == LATEST else source.checkpoint
-    found = read_weights(path, source.weights)
+    if source.checkpoint == LATEST:  # verified (a corrupt one skipped, said once) while it was found
+        found = read_weights(_latest_checkpoint(trainer, hooks), source.weights, verified=True)
+    else:
+        found = read_weights(source.checkpoint, source.weights, logger=trainer.logger)
     loaded = load_weights(trainer.model, found.state_dict, logger=trainer.logger, source=str(found.source))
     at = f" (step {found.step})" if found.step is not None else ""
     trainer.logger.info("Loaded %d %s weights from %s%s", len(loaded), source.weights, found.source, at)

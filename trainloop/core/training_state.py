@@ -99,7 +99,7 @@ def load_training_state(trainer: TrainerView, run: RunState, state_dict: dict[st
     _check_global_batch(trainer, saved.get("global_batch"))
     run.step = saved["step"]
     run.epoch = saved.get("epoch", 0)
-    trainer.logger.info("Resuming from step %d", run.step)
+    trainer.logger.debug("Resuming from step %d", run.step)  # the loader says it in one line: "Resumed from ..."
     for name, scheduler in trainer.lr_schedulers.items():
         # The scheduler must load before the optimizer: loading it rewrites the optimizer's
         # lr with its own (pytorch/pytorch#119168).

@@ -3,6 +3,8 @@
 - :func:`path_problem` says why a directory cannot be used (a file in the way, a NUL byte, no
   write permission), without creating anything: the preflight asks it of every directory a run
   will write, so that ``validate`` says it too and ``run`` says it before any step.
+  :func:`file_problem` says it of a file to write (a directory in the way), and with ``probe``
+  tries to create a file there (a read-only or special filesystem that permissions do not show).
 - :func:`hold_workspace` holds ``<workspace>/run.lock`` for a run's life (an OS lock, released
   by the kernel when the process ends, however it ends). A second run in the same workspace is
   refused with :class:`WorkspaceBusyError` naming the holder's host and PID; a lock file left by
@@ -15,6 +17,7 @@ import fcntl
 import json
 import os
 import socket
+import tempfile
 import time
 from collections.abc import Iterator
 from contextlib import ExitStack, contextmanager
@@ -25,7 +28,7 @@ import torch.distributed as dist
 
 from trainloop.distributed.ranks import in_process_group, rank
 
-__all__ = ["LOCK_FILE", "WorkspaceBusyError", "hold_run_workspace", "hold_workspace", "path_problem"]
+__all__ = ["LOCK_FILE", "WorkspaceBusyError", "file_problem", "hold_run_workspace", "hold_workspace", "path_problem"]
 
 LOCK_FILE = "run.lock"
 
@@ -58,6 +61,37 @@ def path_problem(path: Path) -> str | None:
     return None
 
 
+def file_problem(path: Path, probe: bool = False) -> str | None:
+    """Why a run could not write the file ``path`` (making its directory), else ``None``.
+
+    Args:
+        path: The file.
+        probe: Also create (and remove at once) a hidden file in the nearest existing directory:
+            some filesystems refuse new files whatever the permissions say (read-only mounts,
+            ``/proc``). Without it, nothing is created.
+    """
+    text = str(path)
+    if "\0" in text:
+        return f"{text!r}: a path cannot hold a NUL byte"
+    expanded = path.expanduser()
+    if expanded.is_dir():
+        return f"{text}: is a directory, not a file"
+    problem = path_problem(expanded.parent)
+    if problem is not None:
+        return f"{text}: {problem}"
+    if not probe:
+        return None
+    existing = expanded.parent
+    while not existing.exists():
+        existing = existing.parent
+    try:
+        with tempfile.NamedTemporaryFile(dir=existing, prefix=f".{expanded.name}.probe-"):
+            pass
+    except OSError as error:
+        return f"{text}: cannot create a file in {existing}: {error.strerror or error}"
+    return None
+
+
 @contextmanager
 def hold_workspace(workspace: Path | None, logger: Logger) -> Iterator[None]:
     """Hold ``workspace`` for the duration of the block (nothing to hold without one).
@@ -70,7 +104,8 @@ def hold_workspace(workspace: Path | None, logger: Logger) -> Iterator[None]:
         return
     workspace.mkdir(parents=True, exist_ok=True)
     path = workspace / LOCK_FILE
-    with path.open("a+", encoding="utf-8") as file:
+    # Bytes that are not UTF-8 (a damaged lock file) are garbage to take over like any other.
+    with path.open("a+", encoding="utf-8", errors="replace") as file:
         try:
             fcntl.flock(file, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
@@ -128,7 +163,7 @@ def hold_run_workspace(workspace: Path | None, logger: Logger) -> Iterator[None]
 
 def _holder(path: Path) -> str:
     try:
-        return _describe(path.read_text(encoding="utf-8").strip())
+        return _describe(path.read_text(encoding="utf-8", errors="replace").strip())
     except OSError:
         return "another run"
 

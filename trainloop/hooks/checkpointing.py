@@ -232,7 +232,9 @@ class CheckpointingHook(BaseHook):
             return
         directory = load_checkpoint(trainer, root, self.load)
         if directory is None:
-            say(trainer.logger, "No checkpoint in %s: starting from scratch", root)
+            init = trainer.settings.init_from
+            start = "scratch" if init is None else f"the init_from weights ({init.path})"
+            say(trainer.logger, "No checkpoint in %s: starting from %s", root, start)
             return
         planned = trainer.run_length.planned_steps
         self.resumed_complete = planned is not None and trainer.step >= planned
@@ -392,7 +394,7 @@ def load_checkpoint(trainer: TrainerView, root: Location, load: Location | str) 
     if chosen is None:
         return None
     directory, state = chosen
-    trainer.logger.info("Loading checkpoint %s", directory)
+    trainer.logger.debug("Loading checkpoint %s", directory)  # the hook says what the run starts from, in one line
     if isinstance(state, dict):  # a full checkpoint, read and verified by choose_checkpoint
         trainer.load_state_dict(state)
         return directory

@@ -7,9 +7,10 @@ from typing import TYPE_CHECKING, Annotated, Any
 
 from pydantic import Field, validate_call
 
+from trainloop.core.workspace import file_problem
 from trainloop.distributed.ranks import is_rank_zero
 from trainloop.hooks.base import BaseHook
-from trainloop.hooks.checks import HookProblem, needs_workspace
+from trainloop.hooks.checks import HookProblem, needs_workspace, one_process, output_problem
 from trainloop.hooks.registry import register_hook
 from trainloop.settings.types import NonEmptyPath
 
@@ -31,7 +32,8 @@ class ExportHook(BaseHook):
     every rank gathers the full weights (FSDP needs every rank) and rank 0 writes.
 
     Args:
-        path: The file; a relative path is under the workspace.
+        path: The ``.safetensors`` file; a relative path is under the workspace. The preflight
+            checks that it can be written (no directory in its place, its directory writable).
         weights: ``"model"``, or ``"ema"`` for the EMA hook's averaged weights.
     """
 
@@ -47,7 +49,7 @@ class ExportHook(BaseHook):
 
     @classmethod
     def check_settings(cls, declared: Any, settings: Any, trainer: Any) -> list[HookProblem]:
-        """A relative ``path`` needs a workspace; ``weights="ema"`` needs an EMA hook.
+        """``path``: a ``.safetensors`` file the run can write (relative: needs a workspace); ``"ema"``: an EMA hook.
 
         The EMA hook may be declared in ``settings.hooks`` or built by the trainer's
         ``build_hooks()``, which is not called here: a trainer that overrides it is trusted.
@@ -55,6 +57,7 @@ class ExportHook(BaseHook):
         problems = needs_workspace(
             settings, declared.path, "path", f"the weights go to {str(declared.path)!r}, a relative path"
         )
+        problems += _suffix_problem(declared.path) + output_problem(settings, declared.path, "path", "file")
         if declared.weights == "ema" and not any(spec.type == "ema" for spec in settings.hooks):
             trainer_class = trainer if isinstance(trainer, type) else type(trainer)
             build_hooks = getattr(trainer_class, "build_hooks", None)
@@ -67,9 +70,24 @@ class ExportHook(BaseHook):
         return problems
 
     def on_before_train(self, trainer: TrainerView) -> None:
-        """Refuse ``weights="ema"`` without exactly one EMA hook now, not after the run trained."""
+        """Refuse now, not after the run trained: ``weights="ema"`` without one EMA hook, a file it cannot write.
+
+        (The preflight said it already of a hook declared in settings; a hook built in Python is checked here.)
+
+        Raises:
+            ValueError: No single EMA hook, or the file cannot be written.
+        """
         if self.weights == "ema":
             self._ema_hook(trainer)
+        problem = next((message for _, message in _suffix_problem(self.path)), None)
+        if problem is None and one_process():  # under a launcher a rank alone must not refuse (see one_process)
+            problem = file_problem(self._target(trainer))
+        if problem is not None:
+            raise ValueError(f"ExportHook path: {problem}")
+
+    def _target(self, trainer: TrainerView) -> Path:
+        """The file written: ``path``, under the workspace when relative."""
+        return self.path if self.path.is_absolute() or trainer.workspace is None else trainer.workspace / self.path
 
     def _ema_hook(self, trainer: TrainerView) -> EmaHook:
         """The run's one EMA hook."""
@@ -100,12 +118,19 @@ class ExportHook(BaseHook):
             state = _tied_as_in(trainer, state)
         if not is_rank_zero():
             return
-        target = self.path if self.path.is_absolute() or trainer.workspace is None else trainer.workspace / self.path
+        target = self._target(trainer)
         save_weights(
             state, target, step=trainer.step, settings_json=trainer.settings.model_dump_json(), weights=self.weights
         )
         self.written = target
         trainer.logger.info("Exported the %s weights of step %d to %s", self.weights, trainer.step, target)
+
+
+def _suffix_problem(path: Path) -> list[HookProblem]:
+    """The file is safetensors: under another suffix ``torch.load`` and ``init_from`` would take it for a torch file."""
+    if path.suffix == ".safetensors":
+        return []
+    return [("path", f"{str(path)!r} ends in {path.suffix or 'no suffix'!r}: the export is a .safetensors file")]
 
 
 def _tied_as_in(trainer: TrainerView, state: dict[str, Any]) -> dict[str, Any]:

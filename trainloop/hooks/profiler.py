@@ -11,9 +11,10 @@ from typing import TYPE_CHECKING, Any
 from pydantic import validate_call
 from torch.profiler import ProfilerAction, ProfilerActivity, profile, record_function, schedule
 
+from trainloop.core.workspace import path_problem
 from trainloop.distributed.ranks import is_rank_zero, rank
 from trainloop.hooks.base import BaseHook
-from trainloop.hooks.checks import HookProblem, listed, needs_workspace
+from trainloop.hooks.checks import HookProblem, listed, needs_workspace, one_process, output_problem
 from trainloop.hooks.profiler_table import RANGE_PREFIX, ops_per_state
 from trainloop.hooks.registry import register_hook
 from trainloop.settings.types import NonEmptyPath, NonNegativeInt, PositiveInt, StrictBool
@@ -28,6 +29,8 @@ __all__ = ["ProfilerHook"]
 #: The table's action on the edges that begin a new step (``Transition.action``): a profiler step begins there.
 _NEW_STEP = "begin_step"
 _RECORDING = (ProfilerAction.RECORD, ProfilerAction.RECORD_AND_SAVE)
+#: The traces' folder under the workspace when no ``trace_dir`` is given.
+_DEFAULT_DIR = "profiles"
 
 
 @register_hook("profiler")
@@ -71,10 +74,11 @@ class ProfilerHook(BaseHook):
 
     @classmethod
     def check_settings(cls, declared: Any, settings: Any, trainer: Any) -> list[HookProblem]:
-        """Traces under a workspace need one, and the first window must fit in ``max_steps``."""
+        """Traces under a workspace need one, their folder can be made and written, the first window fits the run."""
         given = declared.trace_dir
         where = f"{str(given)!r}, a relative path" if given is not None else "<workspace>/profiles"
         problems = needs_workspace(settings, given, "trace_dir", f"traces go to {where}")
+        problems += output_problem(settings, given if given is not None else Path(_DEFAULT_DIR), "trace_dir")
         first = declared.wait + declared.warmup + declared.active
         if settings.max_steps is not None and first > settings.max_steps:
             problems.append(
@@ -114,22 +118,34 @@ class ProfilerHook(BaseHook):
         self._range: record_function | None = None
         self._directory = Path()
         self._recording_from: int | None = None  # the first step of the window being recorded
+        self._first_step = 0  # the step the run started from
 
     def on_before_train(self, trainer: TrainerView) -> None:
-        """Resolve the trace folder and follow the machine's edges; the profiler starts with the first step."""
+        """Resolve the trace folder and follow the machine's edges; the profiler starts with the first step.
+
+        Raises:
+            ValueError: The trace folder cannot be made or written (said before the first step,
+                not after the window: the preflight says it of a hook declared in settings).
+        """
         self.traces = []
         self._directory = self._resolve_trace_dir(trainer)
+        problem = path_problem(self._directory) if one_process() else None
+        if problem is not None:
+            raise ValueError(f"{type(self).__name__} {self.name!r} trace_dir: {problem}")
+        self._first_step = trainer.step
         self._edges = trainer.on_edge(self._on_edge)
 
     def on_after_train(self, trainer: TrainerView) -> None:
-        """Stop a profiler still running (a window the run ended in is written), and detach."""
+        """Stop a profiler still running (a window the run ended in is written), and detach.
+
+        A run that trained steps but ended before the first active one says so (one line on the
+        logger); a run that trained nothing (resumed complete) had nothing to profile.
+        """
         self._stop()
-        if not self.traces and trainer.error is None:
-            warnings.warn(
-                f"{type(self).__name__} {self.name!r} wrote no trace: the run ended before its first active step "
-                f"(wait={self.wait}, warmup={self.warmup})",
-                RuntimeWarning,
-                stacklevel=2,
+        if not self.traces and trainer.error is None and trainer.step > self._first_step:
+            trainer.logger.warning(
+                "%s %r wrote no trace: the run ended before its first active step (wait=%d, warmup=%d)",
+                type(self).__name__, self.name, self.wait, self.warmup,
             )
 
     def _resolve_trace_dir(self, trainer: TrainerView) -> Path:
@@ -137,10 +153,11 @@ class ProfilerHook(BaseHook):
             return self.trace_dir
         if trainer.workspace is None:
             raise ValueError(
-                f"{type(self).__name__} {self.name!r} writes traces to <workspace>/{self.trace_dir or 'profiles'}, but "
-                "the trainer's `workspace` setting is None; set workspace=... or give the hook an absolute trace_dir"
+                f"{type(self).__name__} {self.name!r} writes traces to "
+                f"<workspace>/{self.trace_dir or _DEFAULT_DIR}, but the trainer's `workspace` setting is None; "
+                "set workspace=... or give the hook an absolute trace_dir"
             )
-        return trainer.workspace / (self.trace_dir or "profiles")
+        return trainer.workspace / (self.trace_dir or _DEFAULT_DIR)
 
     def _on_edge(self, trainer: TrainerView, transition: Transition) -> None:
         """Close the range of the state left, step the profiler if a step begins, open the entered state's range."""

@@ -18,7 +18,7 @@ from trainloop.hooks.logging_hook import LoggingHook
 from trainloop.hooks.registry import register_hook
 from trainloop.hooks.stats import StatsHook, TrainingStats
 from trainloop.hooks.throughput import THROUGHPUT_SETTINGS, ItemCount, adopted_throughput
-from trainloop.settings.types import NonNegativeInt, PositiveFloat, PositiveInt, StrictBool
+from trainloop.settings.types import NonNegativeInt, PositiveFloat, PositiveInt, RecordKey, StrictBool
 from trainloop.utils import flatten_nested_dict
 
 if TYPE_CHECKING:
@@ -50,11 +50,13 @@ class ProgressHook(StatsHook):
     ``every(n)`` rule (``trainloop.hooks.schedule``).
 
     When standard output is a terminal, ``bar`` is on, ``tqdm`` is installed and this is rank 0,
-    a live progress bar replaces the lines (its postfix carries the same numbers, and the latest
+    a live progress bar is drawn there (its postfix carries the same numbers, and the latest
     values logged under the ``show_logged`` keys, such as a ``ValidationHook``'s ``val/...``,
     as they are logged), and console log handlers on the root logger write above the bar while
-    it runs (the validation hook's own line among them). A non-interactive output
-    (a file, a pipe, a job log) always gets lines.
+    it runs (the validation hook's own line among them). The bar replaces the lines only when
+    standard error, where the log goes, is that terminal too: a redirected standard error
+    (``trainloop run run.json 2> train.log``, a job log) gets the lines, so the log is complete,
+    and a non-interactive standard output (a file, a pipe) gets no bar.
 
     If no logging handler is configured anywhere on ``trainer.logger``'s way to the root
     logger, Python would show only warnings (its last-resort handler), and the lines would be
@@ -95,7 +97,7 @@ class ProgressHook(StatsHook):
         show_units: StrictBool = True,
         bar: StrictBool = True,
         show_logged: list[str] | None = None,
-        items: str | None = None,
+        items: RecordKey | None = None,
         flops_per_item: PositiveFloat | None = None,
         peak_flops: PositiveFloat | None = None,
     ) -> None:
@@ -116,6 +118,7 @@ class ProgressHook(StatsHook):
         self._eta_start: float | None = None
         self._eta_excluded = (0, 0.0)  # steps spent compiling since the ETA clock started, and their time
         self._bar: Any = None
+        self._lines = True  # whether reports are logged as lines (with or without the bar)
         self._cleanup = contextlib.ExitStack()
 
     @classmethod
@@ -143,8 +146,10 @@ class ProgressHook(StatsHook):
         self._eta_start = perf_counter() if self.eta_warmup == 0 else None
         self._eta_excluded = (0, 0.0)
         self._bar = self._open_bar(trainer) if self.bar else None
+        stderr = sys.stderr
+        self._lines = self._bar is None or stderr is None or not stderr.isatty()  # a log file keeps the lines
         self._logged, self._postfix = {}, ""
-        if self._bar is None:
+        if self._lines:
             self._make_lines_visible(trainer.logger)
 
     def _adopt_throughput(self, hooks: Sequence[Any]) -> None:
@@ -178,16 +183,15 @@ class ProgressHook(StatsHook):
             self._cleanup.close()
 
     def emit(self, trainer: TrainerView, stats: TrainingStats) -> None:
-        """Show one report: update the bar, or log a line."""
+        """Show one report: update the bar, log a line, or both (a bar on the terminal, standard error redirected)."""
         bar = self._bar
         if bar is not None:
             fmt, args = self._describe(trainer, stats)
             self._postfix = fmt % tuple(args)
             bar.set_postfix_str(self._postfix + self._logged_text(), refresh=False)
             bar.update(trainer.step - bar.n)
-            return
         logger = trainer.logger
-        if logger.isEnabledFor(logging.INFO):
+        if self._lines and logger.isEnabledFor(logging.INFO):
             fmt, args = self._describe(trainer, stats)
             fmt = "Step %d/%d: " + fmt  # a %-format with its arguments: formatted by logging, lazily
             logger.info(fmt, trainer.step, trainer.max_steps, *args)
@@ -289,8 +293,12 @@ class ProgressHook(StatsHook):
             bar_format=_BAR_FORMAT,
         )
         self._cleanup.callback(bar.close)
-        # Other log lines on the console would tear the bar; route them through tqdm.write.
-        self._cleanup.enter_context(logging_redirect_tqdm([logging.root], tqdm_class=tqdm))
+        # Other log lines on the terminal would tear the bar: route them through tqdm.write. A
+        # redirected standard error tears nothing, and its handlers are left as they are.
+        stderr = sys.stderr
+        on_stdout = any(isinstance(h, logging.StreamHandler) and h.stream is stdout for h in logging.root.handlers)
+        if on_stdout or (stderr is not None and stderr.isatty()):
+            self._cleanup.enter_context(logging_redirect_tqdm([logging.root], tqdm_class=tqdm))
         return bar
 
     def _make_lines_visible(self, logger: logging.Logger) -> None:

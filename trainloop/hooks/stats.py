@@ -29,7 +29,7 @@ from trainloop.hooks.base import BaseHook
 from trainloop.hooks.registry import register_hook
 from trainloop.hooks.schedule import Schedule
 from trainloop.hooks.throughput import ItemCount, Throughput, combine_throughput, throughput
-from trainloop.settings.types import PositiveFloat, PositiveInt, StrictBool
+from trainloop.settings.types import PositiveFloat, PositiveInt, RecordKey, StrictBool
 from trainloop.utils import Records, key_average
 
 if TYPE_CHECKING:
@@ -171,7 +171,7 @@ class StatsHook(BaseHook):
         self,
         interval: PositiveInt = 10,
         sync: StrictBool = True,
-        items: str | None = None,
+        items: RecordKey | None = None,
         flops_per_item: PositiveFloat | None = None,
         peak_flops: PositiveFloat | None = None,
     ) -> None:

@@ -28,7 +28,7 @@ MethodName = Annotated[str, Field(pattern=r"^[A-Za-z_][A-Za-z0-9_]*$")]
 
 _MISSING = object()
 #: The trainer's own runs: a validation method by one of these names would call a run inside a run.
-_RUNS = ("train", "evaluate")
+_RUNS = ("train", "evaluate", "predict")
 _RENAME = "name your validation method otherwise (e.g. val_metrics) and point evaluate at it"
 
 
@@ -60,7 +60,7 @@ class ValidationHook(BaseHook):
     (``trainloop evaluate``) runs every validation hook once on restored weights.
 
     In Python ``evaluate`` may be any callable; in a settings file it is the name of a trainer
-    method (any name but ``evaluate``, which is the trainer's evaluate run)::
+    method (any name but ``train``, ``evaluate`` and ``predict``, which are the trainer's runs)::
 
         ValidationHook(lambda trainer: {"loss": compute_val_loss(trainer.model)}, interval=500)
         {"type": "validation", "evaluate": "val_metrics", "interval": 500}   # trainer.val_metrics()
@@ -140,7 +140,8 @@ class ValidationHook(BaseHook):
 
         Raises:
             AttributeError: The trainer has no attribute of that name.
-            TypeError: The attribute is not callable, or is one of the trainer's runs (``evaluate``).
+            TypeError: The attribute is not callable, or is one of the trainer's runs (``train``,
+                ``evaluate``, ``predict``).
         """
         if not isinstance(self.evaluate, str):
             return

@@ -8,8 +8,10 @@ ranks is ``trainloop.distributed.gather``'s.
 """
 
 from trainloop.distributed.gather import GatherError
-from trainloop.predict.files import DEFAULT_NAME
+from trainloop.predict.files import DEFAULT_NAME, PredictionsFileError
 from trainloop.predict.order import PredictDataError
 from trainloop.predict.outputs import PREDICTIONS_KEY, PredictionError
 
-__all__ = ["DEFAULT_NAME", "PREDICTIONS_KEY", "GatherError", "PredictDataError", "PredictionError"]
+__all__ = [
+    "DEFAULT_NAME", "PREDICTIONS_KEY", "GatherError", "PredictDataError", "PredictionError", "PredictionsFileError"
+]

@@ -14,7 +14,12 @@ PREDICTIONS_KEY = "predictions"
 
 
 class PredictionError(TypeError):
-    """A ``predict_step`` returned something that is not a tensor or a dict of tensors per item."""
+    """A ``predict_step`` returned something that is not a tensor or a dict of tensors per item.
+
+    Or tensors whose item shape or dtype differ from the first batch's: the items of all batches
+    are joined into one tensor per name, which needs one shape and one dtype (promoting a dtype
+    silently would change what ``predict_step`` returned).
+    """
 
 
 def _describe(value: Any) -> str:
@@ -39,16 +44,20 @@ class PredictionOutputs:
         self.items = 0
         self._names: tuple[str, ...] | None = None
         self._parts: dict[str, list[torch.Tensor]] = {}
+        self._kinds: dict[str, tuple[tuple[int, ...], torch.dtype]] = {}  # each name's item shape and dtype
 
     def add(self, returned: Any) -> None:
         """Check what ``predict_step`` returned for the next batch, and keep it.
 
         Raises:
             PredictionError: It is not a tensor or a dict of tensors with one first dimension
-                (the batch's items), or its names differ from the first batch's. The error
-                names the batch (0-based, in the order this rank drew them).
+                (the batch's items), or its names, a tensor's item shape (the dimensions after
+                the first) or its dtype differ from the first batch's. The error names the batch
+                (0-based, in the order this rank drew them).
         """
         outputs = self._checked(returned)
+        for name, tensor in outputs.items():
+            self._check_kind(name, tensor, not isinstance(returned, torch.Tensor))
         for name, tensor in outputs.items():
             self._parts.setdefault(name, []).append(tensor.detach().cpu())
         self.items += next(iter(outputs.values())).shape[0]
@@ -81,6 +90,22 @@ class PredictionOutputs:
         elif set(names) != set(self._names):
             self._refuse(f"returned the names {sorted(names)}, the first batch {sorted(self._names)}")
         return dict(outputs)
+
+    def _check_kind(self, name: str, tensor: torch.Tensor, named: bool) -> None:
+        """Refuse a tensor whose item shape or dtype is not the first batch's under ``name``."""
+        kind = (tuple(tensor.shape[1:]), tensor.dtype)
+        first = self._kinds.setdefault(name, kind)
+        if kind == first:
+            return
+        where, batch = f"[{name!r}]" if named else "", self.batches
+        if kind[0] != first[0]:
+            shape = tuple(tensor.shape)
+            said = f"a tensor of shape {shape} for batch {batch}, where batch 0's items have shape {first[0]}"
+        else:
+            said = f"a {kind[1]} tensor for batch {batch}, where batch 0's is {first[1]} (convert in predict_step)"
+        raise PredictionError(
+            f"{self.owner} returned{where} {said}: every batch must give items of one shape and one dtype"
+        )
 
     def _refuse(self, problem: str) -> NoReturn:
         raise PredictionError(

@@ -22,7 +22,7 @@ from trainloop.core.run_kinds import WeightsSource, restore_weights
 from trainloop.distributed.gather import gather_items
 from trainloop.distributed.ranks import is_rank_zero, rank, world_size
 from trainloop.machine.table import State
-from trainloop.predict.files import write_predictions
+from trainloop.predict.files import PredictionsFileError, output_problem, write_predictions
 from trainloop.predict.order import item_order
 from trainloop.predict.outputs import PredictionOutputs
 from trainloop.utils import module_modes_kept
@@ -64,7 +64,14 @@ class PredictRun:
         return {State.BUILDING: self.build, State.RESTORING: self.restore, State.PREDICTING: self.predict}
 
     def build(self) -> None:
-        """The work of ``building``: seed, then the predict data and the model, in that order."""
+        """The work of ``building``: the output checked, then seed, the predict data and the model, in that order.
+
+        Raises:
+            PredictionsFileError: The predictions file cannot be written; nothing was built.
+        """
+        problem = output_problem(self.output)
+        if problem is not None:
+            raise PredictionsFileError(problem)
         t = self.trainer
         if t.settings.seed is not None:
             seed_all(t.settings.seed)
@@ -79,8 +86,9 @@ class PredictRun:
         self.restored = found = restore_weights(t, roots, self.source)
         if found is None:
             init_from(t)  # the model as built: a fine-tune's starting weights, if declared
-        elif found.step is not None:
-            self.run_state.step = found.step
+        else:  # the run is of the checkpoint's step and epoch (runs.jsonl records them)
+            self.run_state.step = found.step if found.step is not None else 0
+            self.run_state.epoch = found.epoch if found.epoch is not None else 0
 
     def predict(self) -> None:
         """The work of ``predicting``: see :func:`predict_items`."""

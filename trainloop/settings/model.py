@@ -19,6 +19,7 @@ from pydantic import (
     Field,
     ModelWrapValidatorHandler,
     ValidationError,
+    ValidationInfo,
     field_validator,
     model_validator,
 )
@@ -163,6 +164,22 @@ class TrainerSettings(BaseModel):
         if self.max_steps is None and self.max_epochs is None:
             raise ValueError("give max_steps, max_epochs or both: the run needs an end")
         return self
+
+    @field_validator("lr_schedule")
+    @classmethod
+    def _schedule_fits_the_run(
+        cls, value: LrScheduleSettings | None, info: ValidationInfo
+    ) -> LrScheduleSettings | None:
+        # What the schedule alone cannot tell: its warmup_ratio of max_steps, the declared optimizer's lr
+        # (both validated before it, in field order; a field that failed is absent and not checked).
+        if value is not None:
+            optimizer = info.data.get("optimizer")
+            lr = optimizer.kwargs.get("lr") if optimizer is not None else None
+            peaks = [lr] if isinstance(lr, (int, float)) and not isinstance(lr, bool) else []
+            problems = value.problems_in(info.data.get("max_steps"), peaks)
+            if problems:
+                raise ValueError("; ".join(problems))
+        return value
 
     @model_validator(mode="after")
     def _one_way_to_declare_optimizers(self) -> Self:

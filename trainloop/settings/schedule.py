@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import math
 import warnings
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from typing import Annotated, Any, Literal
 
 import torch
@@ -90,6 +90,32 @@ class LrScheduleSettings(BaseModel):
             return math.ceil(self.warmup_ratio * max_steps)
         return self.warmup_steps or 0
 
+    def problems_in(self, max_steps: int | None, peak_lrs: Sequence[float]) -> list[str]:
+        """What this schedule cannot do in a run of ``max_steps`` steps whose groups peak at ``peak_lrs``.
+
+        ``warmup_ratio`` makes a warmup of the run's length, which may reach past ``decay_steps``
+        (a warmup to the peak, then the floor in one step); an absolute ``final_lr`` above a
+        group's peak would make the "decay" climb. ``max_steps`` ``None`` (bounded by epochs) or
+        no ``peak_lrs``: that part is checked once they are known (``lr_factor``).
+        """
+        problems = []
+        if max_steps is not None and self.warmup_ratio is not None and self.decay_steps is not None:
+            warmup = self.warmup_steps_for(max_steps)
+            if self.decay_steps <= warmup:
+                problems.append(
+                    f"decay_steps ({self.decay_steps}) must be greater than the warmup (warmup_ratio "
+                    f"{self.warmup_ratio} of max_steps {max_steps}: {warmup} steps)"
+                )
+        if self.final_lr is not None:
+            below = sorted({lr for lr in peak_lrs if lr < self.final_lr})
+            if below:
+                problems.append(
+                    f"final_lr ({self.final_lr:g}) is above the peak learning rate "
+                    f"({', '.join(f'{lr:g}' for lr in below)}): the decay would climb; give a final_lr at most the "
+                    "peak, or final_lr_ratio"
+                )
+        return problems
+
 
 def lr_factor(settings: LrScheduleSettings, max_steps: int, initial_lr: float | None = None) -> Callable[[int], float]:
     """The schedule as a function: completed steps -> multiplier of a group's initial lr.
@@ -105,11 +131,14 @@ def lr_factor(settings: LrScheduleSettings, max_steps: int, initial_lr: float | 
         initial_lr: The param group's initial lr; needed with ``final_lr``, an absolute floor.
 
     Raises:
-        ValueError: ``max_steps`` is not a positive integer, or ``final_lr`` is declared and
-            ``initial_lr`` not given.
+        ValueError: ``max_steps`` is not a positive integer, ``final_lr`` is declared and
+            ``initial_lr`` not given, or the schedule cannot run (``LrScheduleSettings.problems_in``).
     """
     if isinstance(max_steps, bool) or not isinstance(max_steps, int) or max_steps < 1:
         raise ValueError(f"max_steps must be a positive integer, got {max_steps!r}")
+    problems = settings.problems_in(max_steps, [] if initial_lr is None else [initial_lr])
+    if problems:
+        raise ValueError("\n".join(f"lr_schedule: {problem}" for problem in problems))
     warmup = settings.warmup_steps_for(max_steps)
     if warmup >= max_steps:
         warnings.warn(

@@ -8,7 +8,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Annotated, Any
 
-from pydantic import BeforeValidator, Field, PlainValidator
+from pydantic import AfterValidator, BeforeValidator, Field, PlainValidator
 from pydantic_core import PydanticCustomError
 
 from trainloop.checkpoint.storage import is_url, lost_slash
@@ -20,6 +20,7 @@ __all__ = [
     "PathOrUrl",
     "PositiveFloat",
     "PositiveInt",
+    "RecordKey",
     "StrictBool",
 ]
 
@@ -29,6 +30,15 @@ def _not_empty(value: Any) -> Any:
     # would silently mean the current directory.
     if isinstance(value, (str, bytes)) and not value.strip():
         raise ValueError("an empty path; give a directory (\".\" for the current one)")
+    return value
+
+
+def _record_key(value: str) -> str:
+    # "" or "a..b" would look up no key at all: the whole record, or nothing, at the first emission.
+    if not value.strip():
+        raise ValueError("an empty key: give a key of forward's records (dotted for a nested one: tokens.input)")
+    if any(not part.strip() for part in value.split(".")):
+        raise ValueError(f"{value!r} has an empty part between its dots: give a key such as tokens.input")
     return value
 
 
@@ -55,3 +65,5 @@ def _path_or_url(value: Any) -> Path | str:
 
 PathOrUrl = Annotated[Path | str, PlainValidator(_path_or_url, json_schema_input_type=str)]
 """A local path (a :class:`~pathlib.Path`) or an fsspec URL (``s3://bucket/run``, kept as text)."""
+RecordKey = Annotated[str, Field(strict=True), AfterValidator(_record_key)]
+"""A key of ``forward``'s records, dotted for a nested one (``"tokens.input"``); never empty."""
