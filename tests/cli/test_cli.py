@@ -563,3 +563,15 @@ def test_run_without_a_trainer_says_how_to_name_one(tmp_path, capsys):
     code, _, err = call(capsys, "run", "run.json")
     assert code == 2
     assert err == "trainloop run: error: run.json: trainer: Input should be a valid string (got 5)\n"
+
+
+def test_a_warning_is_one_line_naming_the_command_not_a_line_of_trainloops_source(tmp_path):
+    (tmp_path / "run.yaml").write_text("max_steps: 2\nworkspace: ws\nhooks:\n  - {type: checkpointing, interval: 2}\n")
+    first = Cli("run", "run.yaml", "--trainer", "cli_trainers:CliTrainer", cwd=tmp_path).result()
+    assert first.returncode == 0, first.stderr
+    resumed = Cli("run", "run.yaml", "--trainer", "cli_trainers:CliTrainer", "--set", "max_steps=3", cwd=tmp_path).result()
+    assert resumed.returncode == 0, resumed.stderr
+    lines = resumed.stderr.splitlines()
+    assert "trainloop run: warning: resuming with settings that differ from the checkpoint's: max_steps " \
+           "(ChangedSettingsWarning)" in lines
+    assert not [line for line in lines if "load_training_state(" in line or ".py:" in line]

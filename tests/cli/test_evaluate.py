@@ -59,7 +59,7 @@ def test_evaluate_errors_are_one_line_and_write_nothing(tmp_path):
     expected = {
         "novalidation": (2, "nothing to evaluate: EvalTrainer has no ValidationHook"),
         "missing": (1, "checkpoint nowhere: no such directory"),
-        "nocheckpoint": (1, "no complete checkpoint to evaluate"),
+        "nocheckpoint": (1, "no complete checkpoint to load"),
     }
     for name, run in runs.items():
         result = run.result()

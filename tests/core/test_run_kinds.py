@@ -87,7 +87,7 @@ def test_evaluate_the_ema_weights(tmp_path):
 
 def test_without_a_checkpoint_latest_is_an_error_and_none_evaluates_the_model_as_built(tmp_path):
     workspace = tmp_path / "ws"
-    with pytest.raises(CheckpointError, match=r"no complete checkpoint to evaluate \(.*ws/checkpoints\)"):
+    with pytest.raises(CheckpointError, match=r"no complete checkpoint to load \(.*ws/checkpoints\)"):
         EvalTrainer(max_steps=6, workspace=workspace, hooks=hooks()).evaluate()
     assert not workspace.exists()  # nothing written
     as_built = EvalTrainer(max_steps=6, workspace=workspace, hooks=hooks()).evaluate(None)

@@ -449,3 +449,14 @@ def test_sigterm_mid_run_saves_exits_143_and_resumes(tmp_path):
     ]
     assert resumed.lines[-1] == f"exiting exiting {last + 3}"
     assert os.readlink(root / "latest") == str(last + 3)
+
+
+def test_a_built_hooks_checkpoints_path_that_is_a_file_is_refused_before_the_first_step(tmp_path):
+    from tiny_trainer import TinyTrainer
+
+    (tmp_path / "checkpoints").write_text("not a directory")
+    trainer = TinyTrainer(max_steps=5, workspace=tmp_path, hooks=[CheckpointingHook(interval=4, exit_signals=[])])
+    with pytest.raises(ValueError, match=r"CheckpointingHook path: .*checkpoints"):
+        trainer.train()
+    assert trainer.step == 0  # refused in restoring, before any step
+    assert (tmp_path / "checkpoints").read_text() == "not a directory"

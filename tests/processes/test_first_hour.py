@@ -142,10 +142,6 @@ def test_predict_records_the_checkpoints_step_and_epoch(tmp_path, twenty_steps):
     assert page.count('<td class="num">20</td><td class="num">2</td>') == 2
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="needs trainloop.core.loop.Loop.restore_weights to set run.epoch = found.epoch (the loop is the lead's)",
-)
 def test_evaluate_records_the_checkpoints_step_and_epoch(tmp_path, twenty_steps):
     from cli_process import Cli
 

@@ -31,7 +31,9 @@ from __future__ import annotations
 import argparse
 import importlib
 import sys
+import warnings
 from collections.abc import Callable, Sequence
+from typing import Any
 
 from trainloop.cli.errors import PROG, CliError
 
@@ -219,6 +221,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         The exit code. A run ended by an exit signal raises ``SystemExit`` with its code instead.
     """
     args = _build_parser().parse_args(argv)
+    shown = warnings.showwarning
+    warnings.showwarning = _one_line_warning(args.command)
     try:
         # The command's module, and torch with it, is imported only now.
         command: Callable[[argparse.Namespace], int] = importlib.import_module(f"trainloop.cli.{args.command}").command
@@ -227,3 +231,15 @@ def main(argv: Sequence[str] | None = None) -> int:
         for line in str(error).splitlines():  # one line per problem, each saying which command
             print(f"{PROG} {args.command}: error: {line}", file=sys.stderr)
         return error.exit_code
+    finally:
+        warnings.showwarning = shown
+
+
+def _one_line_warning(command: str) -> Callable[..., None]:
+    """Show a warning as one line naming the command, not Python's two (the second a line of trainloop's source)."""
+
+    def show(message: Warning | str, category: type[Warning], filename: str, lineno: int, file: Any = None,
+             line: str | None = None) -> None:
+        print(f"{PROG} {command}: warning: {message} ({category.__name__})", file=file or sys.stderr)
+
+    return show

@@ -219,6 +219,7 @@ class Loop:
         t, run = self.trainer, self.run_state
         found = restore_weights(t, self.of_kind.built_hooks, self.of_kind.source)
         run.step = found.step if found is not None and found.step is not None else 0
+        run.epoch = found.epoch if found is not None and found.epoch is not None else 0
         if found is None:
             init_from(t)  # the model as built: a fine-tune's starting weights, if declared
         for fn in run.dispatch["on_before_train"]:

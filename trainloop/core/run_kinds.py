@@ -134,8 +134,8 @@ def _latest_checkpoint(trainer: TrainerView, hooks: Sequence[BaseHook]) -> Locat
             return found
     where = ", ".join(str(r) for r in roots) or "no workspace and no CheckpointingHook"
     raise CheckpointError(
-        f"no complete checkpoint to evaluate ({where}): train first, give a checkpoint directory, "
-        "or evaluate the model as built (checkpoint=None, --checkpoint none)"
+        f"no complete checkpoint to load ({where}): train first, give a checkpoint directory, "
+        "or use the model as built (checkpoint=None, --checkpoint none)"
     )
 
 

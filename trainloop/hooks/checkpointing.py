@@ -31,6 +31,7 @@ from trainloop.checkpoint.storage import (
     location,
     wait_for_removals,
 )
+from trainloop.core.workspace import path_problem
 from trainloop.distributed.ranks import is_rank_zero
 from trainloop.hooks.base import BaseHook
 from trainloop.hooks.checks import HookProblem, listed, needs_workspace, one_process
@@ -218,6 +219,10 @@ class CheckpointingHook(BaseHook):
     def on_enter_restoring(self, trainer: TrainerView) -> None:
         """Load the checkpoint ``load`` names, if any, into the trainer."""
         root = self.directory(trainer)  # fails early on a relative path without workspace
+        if isinstance(root, Path) and one_process():  # a hook built in code: the preflight did not see its path
+            problem = path_problem(root)
+            if problem is not None:
+                raise ValueError(f"CheckpointingHook path: {problem}")
         self._settle(trainer, agree=False)  # a hook used again: its last run's save completes first
         # Imported here: torch.distributed.checkpoint costs ~0.8 s to import, paid only by runs
         # that checkpoint.
