@@ -80,7 +80,7 @@ class RunValue(Generic[T]):
         """The loop's value (the descriptor itself on the class)."""
         if trainer is None:
             return self
-        value: T = getattr(trainer.loop.run_state, self.source)  # type: ignore[arg-type]
+        value: T = getattr(trainer._run, self.source)  # type: ignore[arg-type]
         return value
 
     def __set__(self, trainer: Any, value: NoReturn) -> NoReturn:

@@ -232,6 +232,8 @@ class StepRunner:
         self.target = plan.accumulation  # the microsteps the step in progress takes
         self._divisor = plan.accumulation  # what its plain losses are divided by
         self.grad_norm: torch.Tensor | None = None  # the last update's (clipping only)
+        if self._sync_off is None:  # nothing to switch: a microstep is the microstep itself (one call fewer)
+            self.microstep = self._microstep  # type: ignore[method-assign]
 
     def begin(self, fresh: bool = True) -> None:
         """Start a step, its retry (``fresh``), or another optimizer's update of it (not ``fresh``).
@@ -300,14 +302,21 @@ class StepRunner:
             else:
                 with autocast:
                     output = plan.forward(batch)
-            loss, records = unpack_forward_output(output, plan.owner)
+            if type(output) is tuple and len(output) == 2 and type(output[1]) is dict:  # the usual return
+                loss, records = output
+            else:
+                loss, records = unpack_forward_output(output, plan.owner)
             if loss is not None:
                 break
             if self._skipped_and_epoch_ended():
                 return Microstep(None, {}, data_time)
         if self.kept is not None and not self._replaying:
             self.kept.append(batch)
-        backward = self._to_backpropagate(loss)
+        if type(loss) is torch.Tensor and not loss.ndim and self.items is None:  # a plain scalar loss
+            divisor = self._divisor
+            backward = loss / divisor if divisor > 1 else loss
+        else:
+            backward = self._to_backpropagate(loss)
         if self._scaler is not None:
             backward = self._scaler.scale(backward)
         backward.backward()  # type: ignore[no-untyped-call]  # torch leaves Tensor.backward unannotated
@@ -489,14 +498,17 @@ class StepRunner:
 
     def _normalise_by_items(self) -> None:
         """Divide the step's summed gradients by its item count, over all ranks of a DDP/FSDP model."""
-        items = torch.as_tensor(self.items, dtype=torch.float32, device=self._device)
-        factor = 1.0 / items
-        if self.distributed and dist.is_initialized():
-            items = items.clone()
-            dist.all_reduce(items)  # the total over ranks; stays on the device
-            factor = dist.get_world_size() / items
         grads = [p.grad for p in self.plan.params() if p.grad is not None]
-        torch._foreach_mul_(grads, factor)  # a tensor factor: no host sync
+        count = self.items
+        assert count is not None  # a Loss was returned
+        if self.distributed and dist.is_initialized():
+            total = torch.as_tensor(count, dtype=torch.float32, device=self._device).clone()
+            dist.all_reduce(total)  # the total over ranks; stays on the device
+            torch._foreach_mul_(grads, dist.get_world_size() / total)  # a tensor factor: no host sync
+        else:
+            if isinstance(count, torch.Tensor) and (count.device != self._device or count.ndim):
+                count = count.to(self._device, non_blocking=True).reshape(())
+            torch._foreach_div_(grads, count)  # one kernel; a tensor count is not read on the host
         self.items = None
 
 
