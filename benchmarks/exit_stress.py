@@ -81,7 +81,7 @@ def worker(workspace: str, max_steps: int, format: str) -> None:
             loss = nn.functional.mse_loss(self.model(x), y)
             return loss, {}
 
-    with init_distributed():
+    with init_distributed(backend="gloo", device="cpu"):
         Trainer(max_steps=max_steps, workspace=workspace).train()
 
 

@@ -37,6 +37,7 @@ from trainloop.distributed import (
     world_size,
     wrap_model,
 )
+from trainloop.distributed.process_group import gpus_for_ranks_problem
 
 WORLD = 2
 TORCHRUN_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
@@ -186,6 +187,41 @@ def test_gradient_sync_on_a_plain_model_does_nothing():
         with off:
             model(x).sum().backward()
     torch.testing.assert_close(model.weight.grad, 2 * x)
+
+
+# -- more ranks than GPUs under NCCL: one line before anything starts --------------------------------
+
+
+def test_more_local_ranks_than_gpus_is_one_line_saying_how_many_and_what_to_do(monkeypatch):
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
+    problem = gpus_for_ranks_problem(local_ranks=2, gpus=1)
+    assert problem == (
+        "2 ranks were started on this machine, which has 1 visible GPU: NCCL needs a GPU per rank; "
+        "start at most 1 per machine (torchrun --nproc_per_node=1), or run on the CPU with "
+        'init_distributed(backend="gloo", device="cpu")'
+    )
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "0,3")
+    assert gpus_for_ranks_problem(local_ranks=8, gpus=2).startswith(
+        "8 ranks were started on this machine, which has 2 visible GPUs (CUDA_VISIBLE_DEVICES=0,3): "
+    )
+
+
+@pytest.mark.parametrize(("local_ranks", "gpus"), [(1, 1), (2, 2), (4, 8), (None, 1)])
+def test_as_many_gpus_as_local_ranks_or_an_unknown_count_is_no_problem(local_ranks, gpus):
+    # None: no LOCAL_WORLD_SIZE (not torchrun), where a launcher may give each process its own GPU.
+    assert gpus_for_ranks_problem(local_ranks, gpus) is None
+
+
+@pytest.mark.cuda
+def test_init_distributed_refuses_more_local_ranks_than_gpus_before_joining(no_torchrun_env, monkeypatch):
+    ranks = torch.cuda.device_count() + 1
+    env = {"RANK": "0", "WORLD_SIZE": str(ranks), "LOCAL_RANK": "0", "LOCAL_WORLD_SIZE": str(ranks),
+           "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port())}
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+    with pytest.raises(RuntimeError, match=f"^{ranks} ranks were started on this machine, which has "):
+        init_distributed()
+    assert not dist.is_initialized()  # refused before the rendezvous, which would wait for the others
 
 
 # -- two processes under torchrun's environment ----------------------------------------------------

@@ -9,6 +9,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from child_process import HIDDEN_GPUS
 from eval_trainers import VAL_SIZE, EvalTrainer
 
 from trainloop.checkpoint.files import checkpoint_format
@@ -22,7 +23,7 @@ TORCHRUN_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT
 def test_two_rank_evaluate_of_a_sharded_checkpoint_equals_a_single_process_evaluation(tmp_path):
     assert VAL_SIZE % 2 == 1  # the validation set does not divide by the world size
     env = {k: v for k, v in os.environ.items() if k not in TORCHRUN_VARS}
-    env.update(OMP_NUM_THREADS="1", GLOO_SOCKET_IFNAME="lo", PYTHONPATH=os.pathsep.join([str(SUPPORT), str(REPO)]))
+    env.update(OMP_NUM_THREADS="1", GLOO_SOCKET_IFNAME="lo", **HIDDEN_GPUS, PYTHONPATH=os.pathsep.join([str(SUPPORT), str(REPO)]))
     command = [
         sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
         str(SUPPORT / "eval_ddp_worker.py"), str(tmp_path / "ws"), str(tmp_path),

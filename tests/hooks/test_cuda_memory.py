@@ -31,7 +31,7 @@ def test_cpu_device_is_a_no_op_with_one_warning():
     assert trainer.step == 4
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.cuda
 def test_cuda_peak_is_recorded_per_step():
     class Allocating(CaptureHook):
         # Runs after the memory hook reset the peak, so step 2's big allocation shows at step 2

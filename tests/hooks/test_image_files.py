@@ -10,6 +10,7 @@ import textwrap
 from pathlib import Path
 
 import pytest
+from child_process import HIDDEN_GPUS
 from PIL import Image
 from pydantic import ValidationError
 from tiny_trainer import TinyTrainer
@@ -171,7 +172,7 @@ def _free_port() -> int:
 def test_only_rank_zero_writes(tmp_path):
     script = tmp_path / "rank.py"
     script.write_text(RANK_SCRIPT)
-    env = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(_free_port()), "WORLD_SIZE": "2"}
+    env = {**os.environ, **HIDDEN_GPUS, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(_free_port()), "WORLD_SIZE": "2"}
     procs = [
         subprocess.Popen(
             [sys.executable, str(script), str(TESTS_DIR), str(tmp_path / "ws")],

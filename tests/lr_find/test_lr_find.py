@@ -12,6 +12,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from child_process import HIDDEN_GPUS
 from pydantic import ValidationError
 from tiny_trainer import TinyTrainer, make_data
 from torch import nn
@@ -574,7 +575,7 @@ def test_under_ddp_ranks_average_the_loss_and_stop_together_and_matplotlib_stays
 
     script = tmp_path / "ddp_lr_find.py"
     script.write_text(DDP_SCRIPT)
-    env = {"PYTHONPATH": f"{REPO}:{REPO / 'tests' / 'support'}", "PATH": "/usr/bin:/bin"}
+    env = {"PYTHONPATH": f"{REPO}:{REPO / 'tests' / 'support'}", "PATH": "/usr/bin:/bin", **HIDDEN_GPUS}
     port = str(free_port())
     ranks = [
         subprocess.Popen([sys.executable, str(script), str(rank), port, str(tmp_path)], env=env, stderr=subprocess.PIPE)

@@ -13,6 +13,7 @@ import sys
 
 import pytest
 import torch
+from child_process import HIDDEN_GPUS
 from cli_process import cli_env
 from predict_trainers import PredictTrainer
 from safetensors.torch import load_file
@@ -32,7 +33,7 @@ def checkpoint(tmp_path_factory):
 def torchrun_predict(tmp_path, checkpoint, shuffle):
     (tmp_path / "predict.json").write_text(f'{{"max_steps": 5, "items": 13, "batch_size": 4, "shuffle": {str(shuffle).lower()}}}')
     env = {k: v for k, v in cli_env().items() if k not in TORCHRUN_VARS}
-    env.update(OMP_NUM_THREADS="1", GLOO_SOCKET_IFNAME="lo", TORCH_DISABLE_SHARE_RDZV_TCP_STORE="1")
+    env.update(OMP_NUM_THREADS="1", GLOO_SOCKET_IFNAME="lo", TORCH_DISABLE_SHARE_RDZV_TCP_STORE="1", **HIDDEN_GPUS)
     command = [
         sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", "-m", "trainloop",
         "predict", "predict.json", "--trainer", "predict_trainers:TorchrunPredictTrainer",
@@ -69,7 +70,7 @@ def test_without_a_distributed_sampler_two_ranks_are_refused(tmp_path, checkpoin
     )
     (tmp_path / "predict.json").write_text('{"max_steps": 5}')
     env = {k: v for k, v in os.environ.items() if k not in TORCHRUN_VARS and not k.startswith("TRAINLOOP_")}
-    env.update(OMP_NUM_THREADS="1", GLOO_SOCKET_IFNAME="lo", TORCH_DISABLE_SHARE_RDZV_TCP_STORE="1")
+    env.update(OMP_NUM_THREADS="1", GLOO_SOCKET_IFNAME="lo", TORCH_DISABLE_SHARE_RDZV_TCP_STORE="1", **HIDDEN_GPUS)
     command = [
         sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", "-m", "trainloop",
         "predict", "predict.json", "--trainer", "plain_predict:Plain", "--checkpoint", str(checkpoint),

@@ -20,7 +20,7 @@ from typing import Any
 
 import pytest
 import torch
-from child_process import ChildProcess
+from child_process import HIDDEN_GPUS, ChildProcess
 from ddp_worker import free_port
 
 from trainloop import State
@@ -76,7 +76,7 @@ def ranks(tmp: Path, runs: list[dict[str, Any]], world: int = 2) -> list[Child]:
             runs,
             env={
                 "RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": str(world),
-                "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": port,
+                "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": port, **HIDDEN_GPUS,
             },
         )
         for rank in range(world)

@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from child_process import HIDDEN_GPUS
 
 ROOT = Path(__file__).resolve().parents[2]
 TORCHRUN_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT", "TORCHELASTIC_RUN_ID")
@@ -27,7 +28,7 @@ def load(path: Path):
 
 def torchrun(script: Path, workspace: Path) -> subprocess.CompletedProcess:
     env = {k: v for k, v in os.environ.items() if k not in TORCHRUN_VARS}
-    env["OMP_NUM_THREADS"] = "1"
+    env.update(OMP_NUM_THREADS="1", **HIDDEN_GPUS)  # the examples on the CPU, gloo (their default there)
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH")]))
     command = [
         sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",

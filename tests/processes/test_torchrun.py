@@ -18,6 +18,7 @@ import time
 from pathlib import Path
 
 import pytest
+from child_process import HIDDEN_GPUS
 
 from trainloop.checkpoint import checkpoint_steps, read_metadata
 
@@ -30,7 +31,7 @@ pytestmark = pytest.mark.skipif(pytest.importorskip("sklearn") is None, reason="
 
 def start(workspace: Path, max_steps: int) -> subprocess.Popen:
     env = {k: v for k, v in os.environ.items() if k not in TORCHRUN_VARS}
-    env.update(OMP_NUM_THREADS="1", GLOO_SOCKET_IFNAME="lo", TORCH_DISABLE_SHARE_RDZV_TCP_STORE="1")
+    env.update(OMP_NUM_THREADS="1", GLOO_SOCKET_IFNAME="lo", TORCH_DISABLE_SHARE_RDZV_TCP_STORE="1", **HIDDEN_GPUS)
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH")]))
     command = [
         sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", "--max-restarts=1",

@@ -315,7 +315,21 @@ def test_optimizer_json_schema_describes_each_optimizer():
     assert adamw["additionalProperties"] is False
     assert adamw["properties"]["lr"]["type"] == "number"
     assert adamw["properties"]["lr"]["default"] == 1e-3
-    assert "learning rate" in adamw["properties"]["lr"]["description"]
+    assert adamw["properties"]["lr"]["description"] == "``lr`` of ``torch.optim.AdamW`` (see its documentation)."
     assert adamw["properties"]["no_weight_decay"]["items"]["enum"] == ["bias", "norm", "embedding"]
     assert "no_weight_decay" not in schema["$defs"]["LBFGSSettings"]["properties"]
     json.dumps(schema)
+
+
+def test_the_schema_embeds_no_torch_docstring(monkeypatch):
+    # The committed schema must not change with torch's docstrings (they differ between versions).
+    from trainloop.settings.optimizer import _optimizer_args_model
+
+    before = {name: _optimizer_args_model(name).model_json_schema() for name in ("AdamW", "SGD")}
+    for name in before:
+        monkeypatch.setattr(OPTIMIZERS[name], "__doc__", "Another version's words.\n\nArgs:\n    lr (float): other words\n")
+    _optimizer_args_model.cache_clear()  # made again, from the changed docstrings
+    try:
+        assert {name: _optimizer_args_model(name).model_json_schema() for name in before} == before
+    finally:
+        _optimizer_args_model.cache_clear()

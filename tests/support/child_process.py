@@ -9,6 +9,10 @@ import sys
 import threading
 from pathlib import Path
 
+#: What hides the CUDA devices from a process (read when it first asks torch for them): the ranks a
+#: test means to run on the CPU get it, so that two of them never share a GPU under NCCL.
+HIDDEN_GPUS = {"CUDA_VISIBLE_DEVICES": ""}
+
 SUPPORT = Path(__file__).resolve().parent  # tests/support: the test helpers
 REPO = SUPPORT.parents[1]
 

@@ -166,3 +166,39 @@ def ddp_token_loss(rank: int, world_size: int, port: int, out: str) -> None:
         torch.save([p.detach() for p in trainer.unwrapped_model.parameters()], os.path.join(out, f"rank{rank}.pt"))
     finally:
         destroy(barrier=sys.exc_info()[0] is None)  # wait for every rank: a clean gloo exit
+
+
+def agreements_closed(rank: int, world_size: int, port: int, out: str, rounds: int) -> None:
+    """Close ``rounds`` exit agreements, with a reduction in flight and without; then the end of a
+    run as issue 29 met it (DDP, 16 steps of 2 microsteps, a throughput-counting ``LoggingHook``
+    every 4 steps, whose last agreement starts at the last step). Record, after each close and
+    after the run, whether anything was still in flight; the run ends with a bare
+    ``destroy_process_group()`` (its DDP module keeps the group alive until the process ends)."""
+    from tiny_trainer import ItemsTrainer
+
+    from trainloop.distributed.agreement import ExitAgreement
+    from trainloop.hooks.logging_hook import LoggingHook
+
+    class DDPItemsTrainer(ItemsTrainer):
+        def build_data_loader(self):
+            return DataLoader(make_data(64), batch_size=4, sampler=DistributedSampler(make_data(64), shuffle=False))
+
+        def build_model(self):
+            return nn.parallel.DistributedDataParallel(super().build_model())
+
+    init(rank, world_size, port)
+    closed = []
+    for round_ in range(rounds):
+        # interval 0: an agreement starts at every step, one is in flight at close; 10 s: they
+        # start at steps 1 and 2 only, none is in flight after 3 (close reduces once more).
+        agreement = ExitAgreement(interval=0.0 if round_ % 2 else 10.0)
+        for _ in range(3):
+            agreement.settle(0)
+        pending = agreement._pending is not None
+        agreement.close()
+        closed.append((pending, agreement.in_flight))
+    trainer = DDPItemsTrainer(max_steps=16, gradient_accumulation_steps=2, hooks=[LoggingHook(interval=4)])
+    trainer.train()
+    result = {"closed": closed, "run_in_flight": trainer.loop.requests.in_flight, "step": trainer.step}
+    torch.save(result, os.path.join(out, f"rank{rank}.pt"))
+    dist.destroy_process_group()

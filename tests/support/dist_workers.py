@@ -12,6 +12,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from child_process import HIDDEN_GPUS
 from helper_hooks import CaptureHook
 from tiny_trainer import TinyTrainer, make_data
 from torch import nn
@@ -37,13 +38,19 @@ FULL_STATE = StateDictOptions(full_state_dict=True, cpu_offload=True)
 
 
 def set_torchrun_env(rank_: int, world: int, port: int) -> None:
-    """The variables ``torchrun --standalone`` gives each of its processes."""
+    """The variables ``torchrun --standalone`` gives each of its processes, the GPUs hidden.
+
+    These ranks mean the CPU: without GPUs, ``init_distributed()``'s defaults are gloo and the
+    CPU on any machine (on one GPU, they would be NCCL with two ranks on that GPU).
+    """
     os.environ.update(
         RANK=str(rank_),
         WORLD_SIZE=str(world),
         LOCAL_RANK=str(rank_),
+        LOCAL_WORLD_SIZE=str(world),
         MASTER_ADDR="127.0.0.1",
         MASTER_PORT=str(port),
+        **HIDDEN_GPUS,
     )
     torch.set_num_threads(1)
 
@@ -213,7 +220,7 @@ def fsdp_trainer(rank_: int, world: int, port: int, out: str) -> None:
 
     set_torchrun_env(rank_, world, port)
     result: dict[str, Any] = {}
-    with init_distributed():
+    with init_distributed(backend="gloo", device="cpu"):
         norms = GradNormTypes()
         trainer = FSDPTrainer(max_steps=4, gradient_accumulation_steps=2, grad_clip=0.5, hooks=[norms])
         trainer.train()

@@ -36,7 +36,7 @@ def hooks():
 
 def main() -> None:
     workspace, out = Path(sys.argv[1]), Path(sys.argv[2])
-    with init_distributed(device="cpu") as ctx:
+    with init_distributed(backend="gloo", device="cpu") as ctx:
         trained = DDPEvalTrainer(max_steps=4, workspace=workspace, seed=0, hooks=hooks()).train()
         evaluator = DDPEvalTrainer(max_steps=4, workspace=workspace, seed=0, hooks=hooks())
         metrics = evaluator.evaluate()

@@ -75,7 +75,7 @@ class TorchrunPredictTrainer(PredictTrainer):
     """
 
     def __init__(self, settings: PredictSettings | None = None, /, **kwargs):
-        init_distributed()  # the group lives as long as the process (torchrun's workers exit after the command)
+        init_distributed(backend="gloo", device="cpu")  # the group lives as long as the process (torchrun's workers exit after the command)
         super().__init__(settings, **kwargs)
 
     def build_model(self):

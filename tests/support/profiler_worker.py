@@ -26,7 +26,7 @@ def profiled_ranks(rank_: int, world: int, port: int, out: str) -> None:
     """Train 4 steps with the profiler declared; write the hook's trace paths to ``<out>/rank<r>.txt``."""
     os.environ["GLOO_SOCKET_IFNAME"] = "lo"
     set_torchrun_env(rank_, world, port)
-    with init_distributed():
+    with init_distributed(backend="gloo", device="cpu"):
         trainer = DDPTinyTrainer(
             max_steps=4, workspace=Path(out) / "ws", data=DataLoader(make_data(seed=rank_), batch_size=8),
             hooks=[ProfilerHook(wait=0, warmup=1, active=2)], metrics_file=False,

@@ -32,7 +32,7 @@ class Emissions(StatsHook):
 def counted_ranks(rank_: int, world: int, port: int, out: str) -> None:
     """Train 6 steps of 2 microsteps on this rank's data; save the throughput of each emission."""
     set_torchrun_env(rank_, world, port)
-    with init_distributed(backend="gloo"):
+    with init_distributed(backend="gloo", device="cpu"):
         hook = Emissions()
         data = DataLoader(make_data(seed=rank_), batch_size=8)
         ItemsTrainer(max_steps=6, gradient_accumulation_steps=2, data=data, rank_items=rank_, hooks=[hook]).train()

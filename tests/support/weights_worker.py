@@ -69,7 +69,7 @@ def sharded_tied_run(rank_: int, world: int, port: int, out: str) -> None:
     """Train a tied DDP model 3 steps, save a sharded checkpoint, export at the end; rank 0
     keeps the unwrapped model's state dict as the reference."""
     set_torchrun_env(rank_, world, port)
-    with init_distributed():
+    with init_distributed(backend="gloo", device="cpu"):
         trainer = TiedTrainer(
             max_steps=3, workspace=os.path.join(out, "ws"), seed=0,
             hooks=[CheckpointingHook(interval=3, format="sharded"), ExportHook(path="end.safetensors")],
@@ -103,7 +103,7 @@ def identical_batches(rank_: int, world: int, port: int, out: str) -> None:
 
     set_torchrun_env(rank_, world, port)
     seen = {}
-    with init_distributed():
+    with init_distributed(backend="gloo", device="cpu"):
         for name, cls, extra in [
             ("get_batch", GetBatchTrainer, {}),
             ("get_batch_seed_per_rank", GetBatchTrainer, {"seed_per_rank": True}),

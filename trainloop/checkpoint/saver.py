@@ -270,7 +270,7 @@ class CheckpointSaver:
             # interleave with the training loop's and deadlock.
             self._group = dist.new_group(backend="gloo")
         staged_rest = stage_to_cpu(rest) if rank() == 0 else rest
-        # Shards on an accelerator are staged by DCP itself (fresh buffers each time).
+        # Shards on an accelerator other than CUDA are staged by DCP itself (fresh buffers each time).
         suits = ReusingStager.suits(shards)
         stager = ReusingStager(self._stage, *self._defer_until_step(optimizers)) if suits else None
         with quiet_single_process():  # here only the staging; DCP's thread may still say it

@@ -409,7 +409,8 @@ class Loop:
             return call_each(run.dispatch["on_after_train"], t)
         finally:
             t.metrics.close()
-            self.requests.close()
+            # After an error, the other ranks may not get here: no last collective then.
+            self.requests.close(clean=self.run_state.error is None)
             if run.data is not None:
                 run.data.close()
                 run.epoch = run.data.epoch
@@ -527,10 +528,15 @@ class RunRequests:
             if agreed > 1:
                 self.exit_code = agreed - 1
 
-    def close(self) -> None:
-        """Wait for the agreement in flight, so no collective is left dangling at exit."""
+    @property
+    def in_flight(self) -> bool:
+        """Whether the exit agreement has a collective pending, or its tensor still with the backend."""
+        return self._agreement is not None and self._agreement.in_flight
+
+    def close(self, clean: bool = True) -> None:
+        """Wait for the agreement in flight; at a ``clean`` end, for the backend to let go too (``ExitAgreement``)."""
         if self._agreement is not None:
-            self._agreement.close()
+            self._agreement.close(drain=clean)
 
 
 def raise_if_no_retries_left(

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import time
 
 import torch
@@ -10,6 +11,11 @@ import torch.distributed as dist
 from trainloop.distributed.ranks import world_size
 
 __all__ = ["ExitAgreement"]
+
+logger = logging.getLogger(__name__)
+
+#: How long ``close`` waits for the backend to let go of the agreement's tensor (normally < 1 ms).
+_RELEASE_TIMEOUT = 10.0
 
 
 class ExitAgreement:
@@ -33,6 +39,13 @@ class ExitAgreement:
     Requests are encoded as integers: 0 none, ``1 + exit_code`` otherwise (an exit without a code
     is ``1``), so MAX agrees on the highest exit code asked for.
 
+    One tensor, made once, carries every reduction, and the agreement keeps it: gloo's worker
+    thread may still hold a collective's tensor a little after ``wait()`` returns (about one wait
+    in twenty here), and if it then drops the last reference, it takes the GIL to free it. At the
+    end of a run that can come when the interpreter is already shutting down, which aborts the
+    process ("terminate called without an active exception"). So :meth:`close` also waits until
+    the backend has let go of the tensor.
+
     Attributes:
         active: Whether there are ranks to agree with.
         started: How many agreements (collectives) this rank started so far.
@@ -50,7 +63,8 @@ class ExitAgreement:
         self._interval = interval
         self._max_every = max_every
         self._group = None
-        self._pending: tuple[dist.Work, torch.Tensor] | None = None
+        self._flag = torch.zeros(2, dtype=torch.int64)  # [request, -proposal]; reduced in place
+        self._pending: dist.Work | None = None
         self._steps = 0  # settled steps so far
         self._next = 1  # the step (count) at which the next agreement starts
         self._last: tuple[int, float] | None = None  # the step and clock of the last start
@@ -64,10 +78,9 @@ class ExitAgreement:
         self._steps += 1
         agreed = 0
         if self._pending is not None:  # the step after a start: every rank reads it here
-            work, flag = self._pending
-            work.wait()
+            self._pending.wait()
             self._pending = None
-            agreed, every = (int(value) for value in flag.tolist())  # a CPU tensor: no device sync
+            agreed, every = (int(value) for value in self._flag.tolist())  # a CPU tensor: no device sync
             self._next = self._last[0] + -every  # type: ignore[index]
             if agreed:
                 return agreed
@@ -84,13 +97,42 @@ class ExitAgreement:
             # Never more steps apart than the run has steps so far: early requests are quick.
             proposal = max(1, min(self._max_every, self._steps, int(self._interval / max(step_time, 1e-9))))
         self._last = (self._steps, now)
-        flag = torch.tensor([request, -proposal], dtype=torch.int64)
-        work = dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self._group, async_op=True)
-        self._pending = (work, flag)
+        self._flag[0], self._flag[1] = request, -proposal
+        self._pending = dist.all_reduce(self._flag, op=dist.ReduceOp.MAX, group=self._group, async_op=True)
         self.started += 1
 
-    def close(self) -> None:
-        """Wait for the reduction in flight, so no collective is left dangling at exit."""
+    @property
+    def in_flight(self) -> bool:
+        """Whether a reduction is pending, or the backend still holds the agreement's tensor."""
+        return self._pending is not None or self._held_elsewhere()
+
+    def close(self, drain: bool = True) -> None:
+        """Wait for the reduction in flight; with ``drain``, leave the backend nothing of this run's.
+
+        Draining (every rank must then call, as at the clean end of a run) reduces once more if
+        nothing was in flight, and waits until the backend's threads let go of the tensor. The
+        wait sleeps, which lets any of its threads still waiting for the GIL, to free an earlier
+        collective's tensors, run now rather than while the interpreter shuts down.
+
+        Args:
+            drain: Reduce once more if needed and wait for the backend to let go (see above);
+                ``False`` after an error, when the other ranks may not call.
+        """
+        if not self.active:
+            return
+        if self._pending is None and drain:
+            self._flag.zero_()
+            self._pending = dist.all_reduce(self._flag, op=dist.ReduceOp.MAX, group=self._group, async_op=True)
         if self._pending is not None:
-            self._pending[0].wait()
+            self._pending.wait()
             self._pending = None
+        deadline = time.monotonic() + _RELEASE_TIMEOUT
+        while drain and self._held_elsewhere():
+            if time.monotonic() > deadline:
+                logger.warning("The backend still holds the exit agreement's tensor after %.0f s", _RELEASE_TIMEOUT)
+                return
+            time.sleep(0.0001)
+
+    def _held_elsewhere(self) -> bool:
+        """Whether something besides this agreement (a backend thread's work) references its tensor."""
+        return int(self._flag._use_count()) > 1  # type: ignore[attr-defined]  # torch's count of C++ references

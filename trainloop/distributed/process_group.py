@@ -20,7 +20,15 @@ from pydantic import ConfigDict, StrictStr, validate_call
 
 from trainloop.distributed.ranks import is_rank_zero
 
-__all__ = ["DistributedContext", "destroy", "get_device", "init_distributed", "is_main", "local_rank"]
+__all__ = [
+    "DistributedContext",
+    "destroy",
+    "get_device",
+    "gpus_for_ranks_problem",
+    "init_distributed",
+    "is_main",
+    "local_rank",
+]
 
 logger = logging.getLogger(__name__)
 
@@ -111,7 +119,9 @@ def init_distributed(
         on exit.
 
     Raises:
-        RuntimeError: The torchrun environment is incomplete or not numbers (names the variable).
+        RuntimeError: The torchrun environment is incomplete or not numbers (names the variable); or
+            NCCL would put two of this machine's ranks on one GPU (more ranks than GPUs, see
+            ``gpus_for_ranks_problem``), before any step.
         pydantic.ValidationError: An argument has the wrong type; the error names it.
     """
     chosen = torch.device(device) if device is not None else None
@@ -130,9 +140,14 @@ def init_distributed(
         raise RuntimeError("torchrun's environment is set but this torch build has no torch.distributed")
     target = chosen or get_device(env["LOCAL_RANK"])
     accelerator = target.type != "cpu"
+    backend = backend or _default_backend(target)
+    if chosen is None and target.type == "cuda" and "nccl" in backend:
+        # Before NCCL's own "Duplicate GPU detected", which comes only once the ranks meet.
+        problem = gpus_for_ranks_problem(_env_local_world_size(), torch.cuda.device_count())
+        if problem is not None:
+            raise RuntimeError(problem)
     if accelerator and target.index is not None:
         torch.accelerator.set_device_index(target.index)  # collectives and kernels default to it
-    backend = backend or _default_backend(target)
     logger.debug(
         "Joining the process group: rank %d of %d, local rank %d, %s, backend %s",
         env["RANK"], env["WORLD_SIZE"], env["LOCAL_RANK"], target, backend,
@@ -169,6 +184,33 @@ def _torchrun_env() -> dict[str, int] | None:
     if not 0 <= env["RANK"] < env["WORLD_SIZE"]:
         raise RuntimeError(f"RANK={env['RANK']} is not in [0, WORLD_SIZE={env['WORLD_SIZE']})")
     return env
+
+
+def gpus_for_ranks_problem(local_ranks: int | None, gpus: int) -> str | None:
+    """Why NCCL cannot give each rank on this machine a GPU of its own, in one line; ``None`` if it can.
+
+    NCCL refuses two ranks on one GPU ("Duplicate GPU detected"), and says so only once the ranks
+    first communicate; ``get_device`` hands GPUs out modulo their count. The count of local ranks
+    is torchrun's ``LOCAL_WORLD_SIZE``; a launcher that does not set it may give every process a
+    GPU of its own (``CUDA_VISIBLE_DEVICES`` per process), so nothing is checked then.
+
+    Args:
+        local_ranks: The ranks started on this machine, or ``None`` when unknown.
+        gpus: The GPUs this process sees.
+    """
+    if local_ranks is None or local_ranks <= gpus:
+        return None
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    seen = f"{gpus} visible GPU{'s' if gpus != 1 else ''}" + (f" (CUDA_VISIBLE_DEVICES={visible})" if visible else "")
+    return (
+        f"{local_ranks} ranks were started on this machine, which has {seen}: NCCL needs a GPU per rank; "
+        f"start at most {gpus} per machine (torchrun --nproc_per_node={gpus}), or run on the CPU with "
+        'init_distributed(backend="gloo", device="cpu")'
+    )
+
+
+def _env_local_world_size() -> int | None:
+    return _env_int("LOCAL_WORLD_SIZE") if os.environ.get("LOCAL_WORLD_SIZE") else None
 
 
 def _env_int(name: str) -> int:

@@ -3,15 +3,21 @@
 A scheduler that preempts a job sends SIGTERM (Kubernetes, torchrun forwarding its own), or the
 signal ``sbatch --signal`` names (SIGUSR1 here by convention); a person presses Ctrl-C
 (SIGINT). The first such signal is only recorded: the step in progress finishes, the run saves
-and exits with ``128 + signal``. A SIGINT after that means "now": it raises
-``KeyboardInterrupt`` at once, saying so, and the exit save is given up. Any other repeated signal is ignored until
-the run has exited, so a scheduler that signals twice does not kill the exit save.
+and exits with ``128 + signal``. A SIGINT after that means "now": the process ends at once with
+code 130 (``128 + SIGINT``), saying so in one line, whatever it is doing (a save, a wait for a
+background save, another hook's exit): no exception is raised that code on the way could catch,
+turn into another error or print as a traceback, and no thread is waited for. Checkpoints are
+written atomically, so the save given up leaves at most a hidden leftover, removed by the next
+save or load. Any other repeated signal is ignored until the run has exited, so a scheduler that
+signals twice does not kill the exit save.
 """
 
 from __future__ import annotations
 
 import logging
+import os
 import signal
+import sys
 import threading
 import time
 from types import FrameType
@@ -24,11 +30,22 @@ if TYPE_CHECKING:
 
     from trainloop.core.run_state import TrainerView
 
-__all__ = ["DEFAULT_EXIT_SIGNALS", "ExitCode", "ExitOnSignal", "ExitSignal", "ExitSignals", "as_signal"]
+__all__ = [
+    "DEFAULT_EXIT_SIGNALS",
+    "INTERRUPTED_EXIT_CODE",
+    "ExitCode",
+    "ExitOnSignal",
+    "ExitSignal",
+    "ExitSignals",
+    "as_signal",
+]
 
 
 DEFAULT_EXIT_SIGNALS = ("SIGTERM", "SIGUSR1", "SIGINT")
 """What a ``CheckpointingHook`` catches unless told otherwise."""
+
+INTERRUPTED_EXIT_CODE = 128 + signal.SIGINT
+"""The exit code of a second Ctrl-C (130, a shell's code for SIGINT)."""
 
 
 def as_signal(value: str | int) -> signal.Signals:
@@ -66,7 +83,7 @@ class ExitSignals:
         self.name = name
         self.caught: signal.Signals | None = None
         self.caught_at: float | None = None  # time.monotonic() of the first signal
-        self.abandoned = False  # a second Ctrl-C: exit at once, without the exit save
+        self.abandoned = False  # a second Ctrl-C came: the process is ending at once
         self._previous: dict[signal.Signals, Any] = {}
         self._logger = logging.getLogger("trainloop")
 
@@ -107,11 +124,24 @@ class ExitSignals:
             # Only record: the step in progress finishes, and the hook acts on it after the step.
             self.caught, self.caught_at = signal.Signals(signum), time.monotonic()
             return
-        if signum == signal.SIGINT and not self.abandoned:
+        if signum == signal.SIGINT:
             self.abandoned = True
-            self._logger.error("Second Ctrl-C: exiting at once, without the exit checkpoint")
-            raise KeyboardInterrupt
+            self._logger.error(
+                "Second Ctrl-C: exiting at once with code %d, without the exit checkpoint", INTERRUPTED_EXIT_CODE
+            )
+            _exit_now(INTERRUPTED_EXIT_CODE)
         # A repeated SIGTERM (a scheduler, torchrun) must not cut the exit save short.
+
+
+def _exit_now(code: int) -> None:
+    """End the process with ``code`` now, once what was logged and printed is written out."""
+    logging.shutdown()  # flushes every handler
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except (OSError, ValueError, AttributeError):  # closed, or replaced by something without flush
+            pass
+    os._exit(code)
 
 
 def _signal_name(value: str | int) -> str:

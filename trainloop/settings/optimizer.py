@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import difflib
 import inspect
-import re
 import types
 import typing
 from functools import cache
@@ -152,24 +151,6 @@ def _settings_tuple(args: tuple[Any, ...]) -> Any:
     return tuple[tuple(mapped)]  # type: ignore[misc]
 
 
-def _argument_descriptions(cls: type) -> dict[str, str]:
-    """Descriptions of a torch optimizer's arguments, read from its docstring's ``Args:``."""
-    doc = inspect.getdoc(cls) or ""
-    match = re.search(r"^Args:\n((?:[ \t]+\S.*\n?|\n)+)", doc, re.MULTILINE)
-    if not match:
-        return {}
-    descriptions: dict[str, str] = {}
-    current: str | None = None
-    for line in match.group(1).splitlines():
-        head = re.match(r"^ {4}(\w+) \([^)]*\):\s*(.*)$", line)
-        if head:
-            current = head.group(1)
-            descriptions[current] = head.group(2)
-        elif current is not None and line.startswith("     "):
-            descriptions[current] += " " + line.strip()
-    return {name: " ".join(text.split()) for name, text in descriptions.items()}
-
-
 class _OptimizerArgs(BaseModel):
     """Base of each optimizer's settings model: its name and constructor arguments."""
 
@@ -270,7 +251,6 @@ def _optimizer_args_model(name: str) -> type[_OptimizerArgs] | None:
     init = inspect.unwrap(cls.__init__)
     signature = inspect.signature(init)
     hints = typing.get_type_hints(init)
-    descriptions = _argument_descriptions(cls)
     fields: dict[str, Any] = {"name": (Literal[name], ...)}
     for param_name, param in list(signature.parameters.items())[2:]:  # self, params
         if param.kind in (param.VAR_POSITIONAL, param.VAR_KEYWORD):
@@ -282,7 +262,10 @@ def _optimizer_args_model(name: str) -> type[_OptimizerArgs] | None:
                 return None
             continue  # left to the constructor's default
         default = ... if required else param.default
-        fields[param_name] = (field_type, Field(default, description=descriptions.get(param_name)))
+        # Named, not described: torch's docstrings change between versions, and the committed
+        # schema (schemas/trainer_settings.schema.json) must not.
+        description = f"``{param_name}`` of ``torch.optim.{name}`` (see its documentation)."
+        fields[param_name] = (field_type, Field(default, description=description))
     base = _DecayOptimizerArgs if "weight_decay" in fields else _OptimizerArgs
     doc = f"Settings of ``torch.optim.{name}``: its constructor's keyword arguments."
     return create_model(f"{name}Settings", __base__=base, __doc__=doc, **fields)
