@@ -100,7 +100,8 @@ class CheckpointingHook(BaseHook):
             full format, parameters and optimizer state are copied in the background too, and
             the next optimizer step waits for that copy); ``latest`` and pruning follow once
             the write is complete. One save is in flight at most: the next save, a load and
-            the end of the run wait for it. The copy is held only while a save is in flight.
+            the end of the run wait for it. The copy is held only while a save is in flight
+            (from CUDA, its pinned buffers are kept for the next save).
         on_save_error: When the system refuses a write (disk full, permission denied...),
             nothing partial is left and earlier checkpoints are intact; then ``"raise"`` a
             :class:`CheckpointSaveError` naming the checkpoint and the error, or ``"warn"``
@@ -343,8 +344,7 @@ class CheckpointingHook(BaseHook):
             warnings.warn(f"{type(self).__name__}: {missing}", MonitorNotFoundWarning, stacklevel=2)
         try:
             self._settle_at_exit(trainer)
-            if not self._signals.abandoned:
-                wait_for_removals()  # pruned checkpoints are gone when train() returns
+            wait_for_removals()  # pruned checkpoints are gone when train() returns
         finally:
             self._signals.restore()
 
@@ -352,8 +352,6 @@ class CheckpointingHook(BaseHook):
         saver, self._saver = self._saver, None
         if saver is None:
             return
-        if self._signals.abandoned:
-            return  # a second Ctrl-C: no waiting (a write in flight is atomic, and ends on its own)
         # No agreement across ranks here: exiting may follow an error on one rank only.
         error = saver.settle(agree=False)
         saver.close()

@@ -83,7 +83,6 @@ class ExitSignals:
         self.name = name
         self.caught: signal.Signals | None = None
         self.caught_at: float | None = None  # time.monotonic() of the first signal
-        self.abandoned = False  # a second Ctrl-C came: the process is ending at once
         self._previous: dict[signal.Signals, Any] = {}
         self._logger = logging.getLogger("trainloop")
 
@@ -93,7 +92,7 @@ class ExitSignals:
         Raises:
             RuntimeError: Not in the main thread, and the signals were asked for explicitly.
         """
-        self.caught, self.caught_at, self.abandoned = None, None, False
+        self.caught, self.caught_at = None, None
         self._logger = logger
         if not self.signals:
             return
@@ -125,7 +124,6 @@ class ExitSignals:
             self.caught, self.caught_at = signal.Signals(signum), time.monotonic()
             return
         if signum == signal.SIGINT:
-            self.abandoned = True
             self._logger.error(
                 "Second Ctrl-C: exiting at once with code %d, without the exit checkpoint", INTERRUPTED_EXIT_CODE
             )
