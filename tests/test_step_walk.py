@@ -5,18 +5,20 @@ into one it just left) more often fails here, and the page says why it matters.
 """
 
 import importlib.util
+import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 
 MODULES = 20  # modules one checkpointed step touches, at most
-PAIRS = 38  # distinct module-to-module call pairs, at most
+PAIRS = 37  # distinct module-to-module call pairs, at most
 DOUBLED_BACK = 5  # pairs A -> B whose B calls back into A, at most
 
 
 def walk():
     spec = importlib.util.spec_from_file_location("step_walk", ROOT / "benchmarks" / "step_walk.py")
     module = importlib.util.module_from_spec(spec)
+    sys.modules["step_walk"] = module  # its dataclass looks itself up there
     spec.loader.exec_module(module)
     return module.walk_one_step()
 

@@ -18,7 +18,7 @@ import signal
 import subprocess
 import time
 from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import ExitStack, contextmanager
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
 
@@ -393,16 +393,36 @@ def test_a_failed_background_save_raises_at_the_next_save_or_at_the_end(tmp_path
     assert_untouched(root, [1, 2], "2")
 
 
+class LockedOnceTraining(BaseHook):
+    """Makes the checkpoint directory refuse new entries once training began, past the check before step 1."""
+
+    def __init__(self, root: Path, stack: ExitStack) -> None:
+        self.root = root
+        self.stack = stack
+
+    def on_before_train(self, trainer) -> None:
+        self.stack.enter_context(unwritable(self.root))
+
+
 @pytest.mark.parametrize("format", FORMATS)
-def test_unwritable_directory_raises_or_warns_naming_the_checkpoint(tmp_path, format, caplog):
+def test_unwritable_directory_is_refused_before_step_one_and_a_save_refused_later_raises_or_warns(
+    tmp_path, format, caplog
+):
     root = tmp_path / "checkpoints"
     run(tmp_path, 2, CheckpointingHook(interval=1, keep_previous=5, format=format))
     with unwritable(root):
         trainer = TinyTrainer(max_steps=3, workspace=tmp_path, hooks=[CheckpointingHook(interval=1, format=format)])
-        with pytest.raises(CheckpointSaveError, match=rf"could not save checkpoint {root / '3'}: \[Errno (1|13)\]"):
+        with pytest.raises(ValueError, match=rf"^CheckpointingHook path: {root}: the directory is not writable$"):
             trainer.train()
-        with caplog.at_level(logging.WARNING, logger="trainloop"):
-            run(tmp_path, 4, CheckpointingHook(interval=1, format=format, on_save_error="warn"))
+        assert trainer.step == 0  # refused in restoring, before anything was loaded or run
+    with ExitStack() as stack:
+        hooks = [LockedOnceTraining(root, stack), CheckpointingHook(interval=1, format=format)]
+        with pytest.raises(CheckpointSaveError, match=rf"could not save checkpoint {root / '3'}: \[Errno (1|13)\]"):
+            run(tmp_path, 3, *hooks)
+    with ExitStack() as stack, caplog.at_level(logging.WARNING, logger="trainloop"):
+        hooks = [LockedOnceTraining(root, stack), CheckpointingHook(interval=1, format=format, on_save_error="warn")]
+        trainer = run(tmp_path, 4, *hooks)
+    assert trainer.step == 4  # warned, trained on
     assert "could not save checkpoint" in caplog.text
     assert str(root / "4") in caplog.text
     assert_untouched(root, [1, 2], "2")

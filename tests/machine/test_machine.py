@@ -93,7 +93,7 @@ def test_every_decision_after_an_update_leaves_from_stepping():
     assert {(t.dest, t.condition) for t in TRANSITIONS if t.source is State.ACCUMULATING and t.trigger != "fail"} == {
         (State.ACCUMULATING, "microsteps_remain"), (State.STEPPING, None)
     }
-    assert {t.action for t in TRANSITIONS if t.dest is State.ACCUMULATING} == {"begin_step", "redo_step", None}
+    assert {t.action for t in TRANSITIONS if t.dest is State.ACCUMULATING} == {"begin_step", "redo_step", "next_update", None}
 
 
 def test_validating_at_the_start_then_the_first_step_or_the_end():

@@ -201,11 +201,14 @@ def test_the_machine_is_weighted_by_the_trace_with_the_hooks_beside_their_state(
     assert "checkpoint [checkpoint_due] (n=" in diagram
     assert 'class="edge" data-edge="stepping-&gt;exiting:fail"' not in diagram  # no run failed: folded
     assert 'class="edge folded" data-edge="stepping-&gt;exiting:fail"' in diagram
-    notes = re.search(r'<g class="notes" data-state="stepping">(.*?)</g>', diagram, re.S)
-    assert notes is not None
-    lines = " ".join(re.findall(r">([^<]*)</text>", notes.group(1)))  # wrapped to fit the page
-    assert "checkpointing — CheckpointingHook, after stepping, every 4 steps and at the end" in lines
-    assert "logging — LoggingHook, after stepping, every step" in lines
+
+    def notes(state: str) -> str:
+        found = re.search(rf'<g class="notes" data-state="{state}">(.*?)</g>', diagram, re.S)
+        assert found is not None, state
+        return " ".join(re.findall(r">([^<]*)</text>", found.group(1)))  # wrapped to fit the page
+
+    assert "checkpointing — CheckpointingHook, in checkpointing, every 4 steps and at the end" in notes("checkpointing")
+    assert "logging — LoggingHook, after stepping, every step" in notes("stepping")
     # Each state shows its share of the traced time.
     assert re.search(r'data-state="accumulating">.*?\d+%</text>', diagram, re.S)
 

@@ -149,7 +149,7 @@ def test_unknown_argument_is_named_and_the_valid_ones_listed():
     message = str(info.value)
     assert "'lrr'" in message
     assert "'beta'" in message
-    assert "valid arguments: no_weight_decay, lr, betas, eps, weight_decay" in message
+    assert "valid arguments: module, no_weight_decay, lr, betas, eps, weight_decay" in message
 
 
 def test_no_weight_decay_needs_an_optimizer_with_weight_decay():

@@ -87,7 +87,11 @@ class RunState:
     @property
     def optimizers(self) -> dict[str, Any]:
         """The built optimizers by name, in update order; one optimizer is named ``SINGLE``."""
-        built = self.built["optimizer"]
+        built = self.built.get("optimizer")
+        if built is None:
+            raise AttributeError(
+                "trainer.optimizers is not built yet: train() builds it with build_optimizer() in 'building'"
+            )
         return dict(built) if isinstance(built, Mapping) else {SINGLE: built}
 
     @property

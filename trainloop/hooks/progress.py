@@ -16,8 +16,7 @@ from pydantic import validate_call
 from trainloop.distributed.ranks import is_rank_zero
 from trainloop.hooks.logging_hook import LoggingHook
 from trainloop.hooks.registry import register_hook
-from trainloop.hooks.stats import StatsHook, TrainingStats
-from trainloop.hooks.throughput import THROUGHPUT_SETTINGS, ItemCount, adopted_throughput
+from trainloop.hooks.stats import THROUGHPUT_SETTINGS, ItemCount, StatsHook, TrainingStats, adopted_throughput
 from trainloop.settings.types import NonNegativeInt, PositiveFloat, PositiveInt, RecordKey, StrictBool
 from trainloop.utils import flatten_nested_dict
 
