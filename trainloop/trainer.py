@@ -471,7 +471,7 @@ class BaseTrainer:
                             step; on_after_step
               retrying:     (non-finite gradients) zero grads, reset the step's records, count;
                             then redo_step (edge) back to accumulating, the step not advanced
-              checkpointing: on_enter_checkpointing hooks save
+              checkpointing: every save due (the hooks' on_schedule), after on_enter_checkpointing
             exiting:        on_after_train; close the data iterator
 
         The next state is chosen by ``trainloop.machine.table.TRANSITIONS``; every decision about what

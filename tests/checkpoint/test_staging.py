@@ -190,9 +190,9 @@ def test_an_async_save_of_a_cuda_run_writes_each_saved_steps_state(tmp_path, for
 
         def build_hooks(self):
             class Snapshot(CheckpointingHook):
-                def on_enter_checkpointing(self, trainer):
+                def on_schedule(self, trainer):
                     Keep.saved[trainer.step] = {k: v.detach().cpu().clone() for k, v in trainer.model.state_dict().items()}
-                    super().on_enter_checkpointing(trainer)
+                    super().on_schedule(trainer)
 
             return [Snapshot(interval=2, keep_previous=3, format=format, async_save=True)]
 

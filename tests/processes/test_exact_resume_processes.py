@@ -138,6 +138,7 @@ def finish_single(how: str, run: dict[str, Any], child: Child) -> dict[str, Any]
     result["lines"], result["stderr"] = child.lines, child.stderr()
     result["steps_on_disk"] = checkpoint_steps(root)
     result["latest"] = latest_checkpoint(root)
+    assert result["latest"] is not None, f"{how}: no checkpoint; exit {result['code']}, {result['lines']}\n{result['stderr']}"
     # Read now: the resume saves its last step and prunes this one.
     result["checkpoint"] = read_checkpoint(result["latest"])
     return result

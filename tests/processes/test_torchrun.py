@@ -65,7 +65,11 @@ def test_sigterm_to_torchrun_saves_on_every_worker_and_torchrun_exits_1(tmp_path
     wait_for_a_checkpoint(proc, root)
     proc.send_signal(signal.SIGTERM)
     code, out, err = finish(proc)
-    assert code == 1, err[-3000:]  # torchrun's own SignalException, however the workers ended
+    # torchrun's own SignalException, however the workers ended. Under load its agent sometimes
+    # aborts while the interpreter shuts down after raising it (torch's C++ store thread:
+    # "terminate called without an active exception"): torchrun's exit, not the workers'.
+    aborted_on_its_way_out = code == -signal.SIGABRT and "terminate called without an active exception" in err
+    assert code == 1 or aborted_on_its_way_out, err[-3000:]
     assert "SignalException" in err
     assert "got signal: 15" in err
     stop = checkpoint_steps(root)[-1]

@@ -126,8 +126,8 @@ class ReportHook(BaseHook):
         if trainer.step == self.run.get("pause_before_step") and rank in (None, self.rank):
             self.pause(trainer.step)
 
-    def on_enter_checkpointing(self, trainer):
-        # After CheckpointingHook's (hooks run in order), whose barrier every rank has passed.
+    def after_save(self, trainer):
+        # On leaving checkpointing: the saves are done, every rank past their barrier.
         self.say("saved", trainer.step)
         if trainer.step == self.run.get("pause_after_save"):
             self.pause(trainer.step)
@@ -145,6 +145,7 @@ def train(run: dict[str, Any]) -> None:
         hooks.append(CheckpointingHook(interval=run["interval"], exit_signals=["SIGTERM"]))
     hooks.append(report)
     trainer = trainer_for(run, hooks)
+    trainer.on_exit("checkpointing", report.after_save)
     trainer.train()  # a SIGTERM ends it with SystemExit(143) after the save
     if run.get("out"):
         rank = world()[0]
