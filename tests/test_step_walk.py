@@ -10,8 +10,8 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 
-MODULES = 20  # modules one checkpointed step touches, at most
-PAIRS = 37  # distinct module-to-module call pairs, at most
+MODULES = 19  # modules one checkpointed step touches, at most
+PAIRS = 35  # distinct module-to-module call pairs, at most
 DOUBLED_BACK = 5  # pairs A -> B whose B calls back into A, at most
 
 

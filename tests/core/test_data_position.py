@@ -15,8 +15,7 @@ import pytest
 import torch
 from torch.utils.data import BatchSampler, DataLoader, Dataset, DistributedSampler, RandomSampler, WeightedRandomSampler
 
-from trainloop.core.data import EpochIterator
-from trainloop.core.data_position import InexactResumeWarning
+from trainloop.core.data import EpochIterator, InexactResumeWarning
 
 SEED = 5
 

@@ -10,7 +10,7 @@ from torch import nn
 from torch.utils.data import DataLoader
 
 from trainloop import BaseTrainer, State
-from trainloop.core.data_position import InexactResumeWarning
+from trainloop.core.data import InexactResumeWarning
 from trainloop.core.training_state import ChangedGlobalBatchError, global_batch_refusal
 
 StatefulDataLoader = pytest.importorskip("torchdata.stateful_dataloader").StatefulDataLoader

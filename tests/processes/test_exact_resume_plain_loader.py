@@ -17,7 +17,7 @@ from tiny_trainer import TinyTrainer, make_data
 from torch.utils.data import DataLoader
 
 from trainloop.checkpoint import read_checkpoint
-from trainloop.core.data_position import InexactResumeWarning
+from trainloop.core.data import InexactResumeWarning
 from trainloop.hooks.checkpointing import CheckpointingHook
 
 CHILD = Path(__file__).resolve().parents[1] / "support" / "resume_child.py"

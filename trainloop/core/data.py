@@ -1,21 +1,61 @@
-"""Drawing batches across epochs from whatever ``build_data_loader`` returned."""
+"""The data: batches drawn epoch after epoch, and where a plain ``DataLoader`` is in its epoch.
+
+``EpochIterator`` draws the batches from whatever ``build_data_loader`` returned, one epoch after
+another. The rest is the position, to resume exactly there on any number of ranks. A
+``DataLoader`` over a map-style dataset has no state to save, but its epoch is a function of two
+things: the generators its sampler shuffles with, as they were when the epoch began, and how many
+batches were drawn since. ``EpochIterator`` records the first as each epoch begins; a checkpoint
+saves both; a resume sets the generators back, starts the epoch again and skips the batches
+already drawn *at the sampler*, so their data is never loaded (as Accelerate's
+``skip_first_batches`` does). The rest of the epoch, and every later one, is then the unbroken
+run's.
+
+That replay is per rank, so it needs as many ranks, each drawing batches of the same size. For a
+sampler trainloop knows (``DistributedSampler``, ``RandomSampler``, ``SequentialSampler``), each
+epoch also has a *global* order, the one a ``DistributedSampler`` strides over the ranks (a whole
+single-process epoch otherwise), and a position in it: the samples all ranks consumed together.
+On another number of ranks or another batch size, the rest of that order is dealt out as the new
+loader's sampler deals an epoch (padded to, or cut to, a multiple of its ranks, as its
+``drop_last`` says) and batched as the new loader batches; later epochs are the new loader's own.
+
+What stays inexact: a loader whose workers draw random numbers (augmentation) hands the
+remaining batches to its workers in another rotation than the unbroken run did; a loader with
+neither a sampler nor a state (an ``IterableDataset``, a generator) cannot be positioned at all;
+nor, on another number of ranks, can a sampler trainloop does not know. The resume says so in a
+warning.
+"""
 
 from __future__ import annotations
 
+import contextlib
+import warnings
 from collections.abc import Iterable, Iterator
+from dataclasses import dataclass
 from typing import Any
 
-from trainloop.core.data_position import (
-    batch_size_of,
-    capture_epoch_start,
-    describe_order,
-    has_sampler,
-    per_draw,
-    resume_in_epoch,
-    warn_inexact_resume,
-)
+import torch
+from torch.utils.data import BatchSampler, DataLoader, Dataset, DistributedSampler, RandomSampler, SequentialSampler
 
-__all__ = ["DataExhaustedError", "EpochIterator", "batches_per_epoch"]
+__all__ = [
+    "DataExhaustedError",
+    "EpochIterator",
+    "InexactResumeWarning",
+    "Resumed",
+    "batch_size_of",
+    "batches_per_epoch",
+    "capture_epoch_start",
+    "dealt_epoch",
+    "describe_order",
+    "epoch_order",
+    "has_sampler",
+    "per_draw",
+    "replayed_epoch",
+    "resume_in_epoch",
+    "warn_inexact_resume",
+]
+
+
+# -- drawing batches, epoch after epoch -------------------------------------------------------
 
 
 def batches_per_epoch(loader: Iterable[Any]) -> int | None:
@@ -48,7 +88,7 @@ class EpochIterator:
         limit: The epochs the run declares (``max_epochs``): none beyond them is begun.
         position: What :meth:`position` returned when the checkpoint was made (this rank's, or
             any rank's on another number of ranks): a ``DataLoader`` with a sampler resumes its
-            epoch exactly there (see :mod:`trainloop.core.data_position`).
+            epoch exactly there (see ``resume_in_epoch``).
     """
 
     def __init__(
@@ -227,3 +267,409 @@ class _FirstBatchTap:
         self.owner._iterator = self.iterator
         self.fn(batch)
         return batch
+
+
+# -- the position in an epoch, and resuming there ---------------------------------------------
+
+
+class InexactResumeWarning(UserWarning):
+    """A resumed run cannot draw the data the unbroken run would have."""
+
+
+def has_sampler(loader: Any) -> bool:
+    """Whether ``loader`` is a ``DataLoader`` that draws indices from a sampler and keeps no state of its own.
+
+    A sampler means a map-style dataset; ``StatefulDataLoader`` saves its own position.
+    """
+    return (
+        isinstance(loader, DataLoader)
+        and not callable(getattr(loader, "state_dict", None))
+        and loader._dataset_kind == 0
+    )
+
+
+def batch_size_of(loader: Any) -> int | None:
+    """The samples in each batch a ``DataLoader`` draws (its batch sampler's), or ``None`` when it does not say."""
+    if not isinstance(loader, DataLoader):
+        return None
+    size = loader.batch_size if loader.batch_size is not None else getattr(loader.batch_sampler, "batch_size", None)
+    return size if isinstance(size, int) else None
+
+
+def _known_sampler(loader: Any) -> Any:
+    """The sampler whose order a loader batches, if trainloop knows how that order is made and dealt; else ``None``.
+
+    Only torch's own ``BatchSampler`` (or none) over a ``DistributedSampler``, ``RandomSampler`` or
+    ``SequentialSampler``: a subclass may order or deal otherwise.
+    """
+    if not has_sampler(loader):
+        return None
+    batch_sampler = loader.batch_sampler
+    if batch_sampler is not None and type(batch_sampler) is not BatchSampler:
+        return None
+    sampler = loader.sampler if batch_sampler is None else batch_sampler.sampler
+    return sampler if type(sampler) in (DistributedSampler, RandomSampler, SequentialSampler) else None
+
+
+def _dataset_length(sampler: Any) -> int:
+    data: Any = sampler.dataset if isinstance(sampler, DistributedSampler) else sampler.data_source
+    return len(data)
+
+
+class _Indices(Dataset[int]):
+    """A stand-in map-style dataset of ``length`` items, item ``i`` being ``i``: what torch's samplers order."""
+
+    def __init__(self, length: int) -> None:
+        self.length = length
+
+    def __len__(self) -> int:
+        return self.length
+
+    def __getitem__(self, index: int) -> int:
+        return index
+
+
+def _sharing(sampler: Any) -> tuple[int, int, bool]:
+    """How a sampler shares an epoch among ranks: their number, this one's, whether it cuts (else pads) the order."""
+    if isinstance(sampler, DistributedSampler):
+        return sampler.num_replicas, sampler.rank, sampler.drop_last
+    return 1, 0, False
+
+
+def per_draw(loader: Any) -> int | None:
+    """The indices of the global order that one batch drawn on every rank consumes, for a loader with a known sampler.
+
+    ``None`` for any other loader.
+    """
+    sampler = _known_sampler(loader)
+    if sampler is None:
+        return None
+    size = batch_size_of(loader) if loader.batch_sampler is not None else 1
+    return None if size is None else size * _sharing(sampler)[0]
+
+
+def _generators(loader: DataLoader[Any]) -> list[torch.Generator]:
+    """The generators a loader's epoch may draw from besides torch's global one, each once."""
+    found: list[torch.Generator] = []
+    batch_sampler = loader.batch_sampler
+    for owner in (loader, loader.sampler, getattr(batch_sampler, "sampler", None)):
+        generator = getattr(owner, "generator", None)
+        if isinstance(generator, torch.Generator) and all(generator is not g for g in found):
+            found.append(generator)
+    return found
+
+
+def _draws_from_torch(loader: DataLoader[Any]) -> bool:
+    """Whether the loader's order may come from torch's global generator.
+
+    Any sampler but one whose order is fixed (``SequentialSampler``) or seeded by itself (``DistributedSampler``).
+    """
+    sampler = getattr(loader.batch_sampler, "sampler", loader.sampler)
+    return not isinstance(sampler, (SequentialSampler, DistributedSampler))
+
+
+def capture_epoch_start(loader: DataLoader[Any]) -> dict[str, Any]:
+    """The generator states an epoch's shuffle is drawn from, taken just before ``iter(loader)``.
+
+    Torch's global one (5 KB) is included only when the order may come from it.
+    """
+    return {
+        "torch": torch.get_rng_state() if _draws_from_torch(loader) else None,
+        "generators": [g.get_state() for g in _generators(loader)],
+    }
+
+
+def describe_order(loader: Any, epoch_start: dict[str, Any]) -> dict[str, Any] | None:
+    """How the global order of the epoch that begins now is made, for :func:`epoch_order`; ``None`` if unknown.
+
+    Called after ``set_epoch`` and :func:`capture_epoch_start`, before ``iter(loader)``. A ``DistributedSampler``'s
+    order is its permutation (or range) before it is strided over the ranks; a single-process sampler's, all it yields.
+    A ``RandomSampler``'s is kept as the generator states it is drawn from, and which of the loader and the sampler
+    hold a generator of their own.
+    """
+    sampler = _known_sampler(loader)
+    if sampler is None:
+        return None
+    length = _dataset_length(sampler)
+    if isinstance(sampler, DistributedSampler):
+        return {"kind": "distributed", "length": length, "shuffle": sampler.shuffle, "seed": sampler.seed,
+                "epoch": sampler.epoch}
+    if isinstance(sampler, SequentialSampler):
+        return {"kind": "sequential", "length": length}
+    own = sampler.generator
+    return {
+        "kind": "random", "length": length, "replacement": sampler.replacement, "num_samples": sampler.num_samples,
+        "loader_generator": loader.generator is not None,
+        "sampler_generator": None if own is None else "loader" if own is loader.generator else "own",
+        "epoch_start": epoch_start,
+    }
+
+
+def epoch_order(order: dict[str, Any]) -> list[int]:
+    """The dataset indices of an epoch in its global order, made again from what :func:`describe_order` returned.
+
+    Made by torch's own samplers: a one-rank ``DistributedSampler`` with the same seed and epoch; a ``RandomSampler``
+    in a stand-in ``DataLoader`` of the same shape, from the generator states the epoch began with.
+    """
+    length = order["length"]
+    if order["kind"] == "sequential":
+        return list(range(length))
+    if order["kind"] == "distributed":
+        sampler: DistributedSampler[int] = DistributedSampler(
+            _Indices(length), num_replicas=1, rank=0, shuffle=order["shuffle"], seed=order["seed"], drop_last=False
+        )
+        sampler.set_epoch(order["epoch"])
+        return list(sampler)
+    loader_generator = torch.Generator() if order["loader_generator"] else None
+    shared = {"loader": loader_generator, "own": torch.Generator(), None: None}[order["sampler_generator"]]
+    stand_in = DataLoader(
+        _Indices(length), batch_size=None, generator=loader_generator,
+        sampler=RandomSampler(_Indices(length), replacement=order["replacement"], num_samples=order["num_samples"],
+                              generator=shared),
+    )
+    with _epoch_generators(stand_in, order["epoch_start"]):
+        with _index_sampler_swapped(stand_in, _Recorded) as recorded:
+            iter(stand_in)  # its base seed first, as the epoch's loader drew it
+        return list(recorded.made[-1])
+
+
+@contextlib.contextmanager
+def _epoch_generators(loader: DataLoader[Any], epoch_start: dict[str, Any]) -> Iterator[None]:
+    """Set the loader's generators to ``epoch_start``; torch's global one is given back its state afterwards."""
+    now = torch.get_rng_state()
+    generators = _generators(loader)
+    if len(generators) != len(epoch_start["generators"]):
+        raise ValueError("the data loader's samplers use other generators than the checkpoint's")
+    if epoch_start["torch"] is not None:
+        torch.set_rng_state(epoch_start["torch"])
+    for generator, state in zip(generators, epoch_start["generators"]):
+        generator.set_state(state)
+    try:
+        yield
+    finally:
+        torch.set_rng_state(now)
+
+
+@contextlib.contextmanager
+def _index_sampler_swapped(loader: DataLoader[Any], make: Any, *args: Any) -> Iterator[Any]:
+    """Put ``make(index_sampler, *args)`` in place of the loader's index sampler while the block makes an iterator.
+
+    ``DataLoader`` forbids setting its samplers after construction; its iterator reads them once, as it is made (a
+    multi-worker one iterates them twice as it starts), so swapping them for that moment is invisible afterwards.
+    Persistent workers keep iterating the stand-in in later epochs: it then gives the original's iterators.
+    """
+    name = "batch_sampler" if loader.batch_sampler is not None else "sampler"
+    original = getattr(loader, name)
+    stand_in = make(original, *args)
+    object.__setattr__(loader, name, stand_in)
+    try:
+        yield stand_in
+    finally:
+        object.__setattr__(loader, name, original)
+        stand_in.settle()
+
+
+class _StandIn:
+    """An index sampler in place of ``original`` while an iterator is made; the original itself afterwards."""
+
+    def __init__(self, original: Any) -> None:
+        self.original = original
+        self.active = True
+
+    def __len__(self) -> int:
+        return len(self.original)
+
+    def __iter__(self) -> Iterator[Any]:
+        return self.made_iterator() if self.active else iter(self.original)
+
+    def made_iterator(self) -> Iterator[Any]:
+        raise NotImplementedError
+
+    def settle(self) -> None:
+        """The iterator is made: later iterations are the original's."""
+        self.active = False
+
+
+class _Recorded(_StandIn):
+    """Keeps the iterators it gives, to read the order from them directly."""
+
+    def __init__(self, original: Any) -> None:
+        super().__init__(original)
+        self.made: list[Iterator[Any]] = []
+
+    def made_iterator(self) -> Iterator[Any]:
+        self.made.append(iter(self.original))
+        return self.made[-1]
+
+
+class _SkipFirst(_StandIn):
+    """The original's iterators, each dropping the first ``skip`` items as it is first advanced.
+
+    A multi-worker ``DataLoader`` makes two as it starts, and draws from the second at once. The one made last is
+    advanced past the skipped items as the iterator is made, from the epoch's generators, if it was not yet.
+    """
+
+    def __init__(self, original: Any, skip: int) -> None:
+        super().__init__(original)
+        self.skip = skip
+        self.last: _Skipping | None = None
+
+    def made_iterator(self) -> Iterator[Any]:
+        self.last = _Skipping(iter(self.original), self.skip)
+        return self.last
+
+    def settle(self) -> None:
+        super().settle()
+        if self.last is not None:
+            self.last.advance()
+
+
+class _Skipping:
+    """An iterator that drops its first ``skip`` items when first advanced (or told to)."""
+
+    def __init__(self, iterator: Iterator[Any], skip: int) -> None:
+        self.iterator = iterator
+        self.skip = skip
+
+    def advance(self) -> None:
+        """Drop the items to skip now, if not yet (drawing the shuffle, if it has not been drawn)."""
+        for _ in range(self.skip):
+            next(self.iterator)
+        self.skip = 0
+
+    def __iter__(self) -> _Skipping:
+        return self
+
+    def __next__(self) -> Any:
+        self.advance()
+        return next(self.iterator)
+
+
+class _Dealt(_StandIn):
+    """Gives the indices (or batches of them) dealt to this rank, in place of what the original would."""
+
+    def __init__(self, original: Any, dealt: list[Any]) -> None:
+        super().__init__(original)
+        self.dealt = dealt
+
+    def made_iterator(self) -> Iterator[Any]:
+        return iter(self.dealt)
+
+
+def replayed_epoch(loader: DataLoader[Any], epoch_start: dict[str, Any], drawn: int) -> Iterator[Any]:
+    """The loader's iterator of an epoch begun with the generators at ``epoch_start``, past ``drawn`` batches.
+
+    The data of the first ``drawn`` batches is not loaded.
+
+    The draws happen in the unbroken run's order: the iterator's base seed as it is made, then
+    the sampler's shuffle. Torch's global generator is left as it was: the checkpoint restores
+    it afterwards.
+    """
+    if drawn == 0:
+        with _epoch_generators(loader, epoch_start):
+            return iter(loader)
+    # The skipping happens as the stand-in settles, inside the epoch's generators.
+    with _epoch_generators(loader, epoch_start), _index_sampler_swapped(loader, _SkipFirst, drawn):
+        return iter(loader)
+
+
+def dealt_epoch(loader: DataLoader[Any], order: list[int], consumed: int) -> tuple[Iterator[Any], int]:
+    """The loader's iterator over the rest of an epoch's global ``order``, past its first ``consumed`` indices.
+
+    The rest is dealt as the loader's sampler deals a whole epoch (a ``DistributedSampler`` pads it with its first
+    indices, or cuts it, to a multiple of its ranks, then strides it; others take it all), and batched as the loader
+    batches. Returns the iterator and the number of batches it yields.
+    """
+    sampler = _known_sampler(loader)
+    rest = order[consumed:]
+    replicas, rank, cut = _sharing(sampler)
+    dealing: DistributedSampler[int] = DistributedSampler(
+        _Indices(len(rest)), num_replicas=replicas, rank=rank, shuffle=False, drop_last=cut
+    )
+    mine = [rest[i] for i in dealing] if rest else []
+    dealt: list[Any] = mine
+    batch_sampler: Any = loader.batch_sampler
+    if batch_sampler is not None:
+        dealt = list(BatchSampler(mine, batch_size=batch_sampler.batch_size, drop_last=batch_sampler.drop_last))
+    with _index_sampler_swapped(loader, _Dealt, dealt):
+        return iter(loader), len(dealt)
+
+
+@dataclass
+class Resumed:
+    """An epoch resumed where a checkpoint's position says, as :func:`resume_in_epoch` found it.
+
+    Attributes:
+        iterator: The loader's iterator over the rest of the epoch.
+        epoch_start: The generator states a per-rank replay of this epoch needs (``None`` once the epoch was dealt).
+        order: How the epoch's global order is made (``None`` for a sampler trainloop does not know).
+        consumed: The indices of that order consumed before ``iterator``'s first batch.
+        drawn: The batches of this epoch counted as drawn before ``iterator``'s first one.
+        length: The batches of this epoch on this rank, ``drawn`` included (``None``: the loader's length).
+    """
+
+    iterator: Iterator[Any]
+    epoch_start: dict[str, Any] | None
+    order: dict[str, Any] | None
+    consumed: int
+    drawn: int
+    length: int | None
+
+
+def resume_in_epoch(loader: DataLoader[Any], position: dict[str, Any], epoch: int) -> Resumed | None:
+    """Resume the loader's epoch where ``position`` (what a checkpoint saved) says, exactly; or ``None`` and a warning.
+
+    The same batch size on as many ranks (a ``position`` with its ``epoch_start``) replays this rank's epoch. Any
+    other change deals the rest of the epoch's global order out, when both samplers are ones trainloop knows and the
+    dataset kept its length. Otherwise the warning says that the epoch starts over.
+    """
+    size = batch_size_of(loader)
+    if position.get("epoch_start") is not None and position.get("batch_size", size) == size:
+        start = position["epoch_start"]
+        iterator = replayed_epoch(loader, start, position["drawn"])
+        return Resumed(iterator, start, position.get("order"), 0, position["drawn"], None)
+    order, sampler = position.get("order"), _known_sampler(loader)
+    if order is None or sampler is None or per_draw(loader) is None:
+        unknown = "the checkpoint's" if order is None else f"this run's ({_sampler_name(loader)})"
+        _warn(f"the data loader's position cannot be carried to other ranks or another batch size: {unknown} sampler "
+              "is not a DistributedSampler, RandomSampler or SequentialSampler batched by torch's BatchSampler", epoch)
+        return None
+    length = _dataset_length(sampler)
+    if length != order["length"]:
+        _warn(f"the dataset has {length} items and the checkpoint's epoch had {order['length']}", epoch)
+        return None
+    iterator, length = dealt_epoch(loader, epoch_order(order), position["consumed"])
+    return Resumed(iterator, None, order, position["consumed"], 0, length)
+
+
+def _sampler_name(loader: DataLoader[Any]) -> str:
+    batch_sampler = loader.batch_sampler
+    if batch_sampler is not None and type(batch_sampler) is not BatchSampler:
+        return type(batch_sampler).__name__
+    return type(loader.sampler if batch_sampler is None else batch_sampler.sampler).__name__
+
+
+def _warn(why: str, epoch: int) -> None:
+    warnings.warn(
+        f"resuming mid-epoch inexactly: {why}; epoch {epoch} starts over from its beginning, so batches the stopped "
+        "run drew in it are drawn again",
+        InexactResumeWarning,
+        stacklevel=5,
+    )
+
+
+def warn_inexact_resume(loader: Any, epoch: int) -> None:
+    """Say, once per resume, that ``loader`` cannot continue where the stopped run was."""
+    name = type(loader).__name__
+    if isinstance(loader, Iterator):
+        what = ("the newly built iterator yields from its own beginning, which is where the stopped run was only if it "
+                "draws nothing but the random generators the checkpoint restores")
+    else:
+        what = (f"epoch {epoch} starts over from its beginning, so batches the stopped run drew in it are "
+                "drawn again and the order may differ from an unbroken run")
+    warnings.warn(
+        f"resuming with a data loader ({name}, from build_data_loader()) that has neither a sampler nor a saved "
+        f"state: {what}; use a DataLoader over a map-style dataset or a StatefulDataLoader for an exact resume",
+        InexactResumeWarning,
+        stacklevel=3,
+    )

@@ -62,7 +62,7 @@ class RunState:
         restored_rng: Random states a checkpoint load restored before ``data`` existed; applied
             once it does (creating it draws from torch's generator).
         restored_position: A plain ``DataLoader``'s position a checkpoint load restored, for
-            ``data`` to resume its epoch exactly there (see ``trainloop.core.data_position``).
+            ``data`` to resume its epoch exactly there (see ``trainloop.core.data``).
         error: What ended the run, if an error did.
         updating: The name of the optimizer whose update is in progress (``SINGLE`` with one).
     """

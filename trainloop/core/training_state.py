@@ -10,7 +10,7 @@ import json
 import warnings
 from typing import TYPE_CHECKING, Any
 
-from trainloop.core.data_position import InexactResumeWarning, batch_size_of
+from trainloop.core.data import InexactResumeWarning, batch_size_of
 from trainloop.core.rng import get_rng_state, set_rng_state
 from trainloop.core.run_state import SINGLE
 from trainloop.distributed.ranks import gather_from_ranks, rank, world_size
@@ -220,7 +220,7 @@ def _restore_per_rank(trainer: TrainerView, run: RunState, saved: dict[str, Any]
     """Restore this rank's generators and data position, if saved for as many ranks.
 
     On another number of ranks the generators are left as seeded, and a plain ``DataLoader``'s
-    position goes on from any rank's (see :mod:`trainloop.core.data_position`).
+    position goes on from any rank's (see :mod:`trainloop.core.data`).
     """
     rngs, loaders = saved.get("rng"), saved.get("data_loader")
     this_rank, world = rank(), world_size()
@@ -240,7 +240,7 @@ def _restore_per_rank(trainer: TrainerView, run: RunState, saved: dict[str, Any]
     state = loaders[this_rank] if same_ranks else next(state for state in loaders if state is not None)
     if state is None:
         return
-    if SAMPLER_POSITION in state:  # a plain DataLoader's (see trainloop.core.data_position)
+    if SAMPLER_POSITION in state:  # a plain DataLoader's (see trainloop.core.data)
         position = state[SAMPLER_POSITION]
         # Another rank's epoch cannot be replayed here: only its global part goes on.
         run.restored_position = position if same_ranks else {**position, "epoch_start": None}
