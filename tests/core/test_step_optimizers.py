@@ -295,3 +295,39 @@ def test_inspect_and_progress_show_each_optimizer(tmp_path, caplog):
     lines = result.stdout.splitlines()
     assert any(line.startswith("optimizer discriminator: Adam") for line in lines), result.stdout
     assert any(line.startswith("optimizer generator: Adam") for line in lines), result.stdout
+
+
+ONE_ARGUMENT_TRAINER = """
+import itertools
+
+import torch
+from torch import nn
+
+from trainloop import BaseTrainer
+
+
+class OneArgument(BaseTrainer):
+    def build_data_loader(self):
+        return itertools.cycle([torch.zeros(2, 2)])
+
+    def build_model(self):
+        return nn.ModuleDict({"a": nn.Linear(2, 2), "b": nn.Linear(2, 2)})
+
+    def forward(self, batch):
+        return self.model["a"](batch).sum(), {}
+"""
+
+
+@pytest.mark.parametrize("command", ["validate", "run"])
+def test_declared_optimizers_and_a_one_argument_forward_are_one_line_before_anything_is_written(tmp_path, command):
+    (tmp_path / "one_argument.py").write_text(ONE_ARGUMENT_TRAINER)
+    (tmp_path / "run.json").write_text(json.dumps({
+        "max_steps": 2, "workspace": "ws",
+        "optimizers": {"a": {"name": "SGD", "lr": 0.1, "module": "a"}, "b": {"name": "SGD", "lr": 0.1, "module": "b"}},
+    }))
+    result = Cli(command, "run.json", "--trainer", "one_argument:OneArgument", cwd=tmp_path).result()
+    assert result.returncode == 2, result.stderr
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1, result.stderr
+    assert "optimizers: OneArgument.forward() takes no optimizer, but the run updates several (a, b)" in lines[0]
+    assert not (tmp_path / "ws").exists()

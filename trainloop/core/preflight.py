@@ -29,6 +29,7 @@ Problems are reported all at once, one line each, naming the field as a settings
 
 from __future__ import annotations
 
+import functools
 import signal
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -40,6 +41,7 @@ import torch
 
 from trainloop.checkpoint.storage import StorageError, exists, location
 from trainloop.checkpoint.weights import weights_file_problem, weights_problem
+from trainloop.core.step import check_forward
 from trainloop.core.workspace import path_problem
 from trainloop.hooks.base import BaseHook
 from trainloop.hooks.checks import listed, one_process
@@ -156,6 +158,13 @@ def _contract(
         problems.append(
             (("optimizer",), f"optimizer: none declared, and {cls.__name__} does not implement build_optimizer()")
         )
+    if settings.optimizers is not None and "build_optimizer" in missing and "forward" not in missing:
+        # The optimizers come from the settings: forward's signature can be checked before anything is built.
+        forward = trainer.forward if not isinstance(trainer, type) else functools.partial(cls.forward, None)
+        try:
+            check_forward(forward, f"{cls.__name__}.forward()", list(settings.optimizers))
+        except TypeError as error:
+            problems.append((("optimizers",), f"optimizers: {error}"))
     return problems
 
 
