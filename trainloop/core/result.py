@@ -80,7 +80,8 @@ def run_result(trainer: TrainerView, kind: RunKind = "train") -> RunResult:
     if error is None or isinstance(error, SystemExit):
         exit_code = trainer.exit_code or 0
     else:
-        exit_code = 130 if isinstance(error, KeyboardInterrupt) else 1
+        # An error refused before the first step carries the code the command line exits with.
+        exit_code = 130 if isinstance(error, KeyboardInterrupt) else getattr(error, "exit_code", 1)
     return RunResult(
         step=trainer.step,
         epoch=trainer.run_length.epochs_completed if kind == "train" else trainer.epoch,

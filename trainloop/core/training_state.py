@@ -37,7 +37,13 @@ class ChangedSettingsWarning(UserWarning):
 
 
 class ChangedGlobalBatchError(ValueError):
-    """A run resumes with another global batch (ranks x batch size x accumulation) than the checkpoint's."""
+    """A run resumes with another global batch (ranks x batch size x accumulation) than the checkpoint's.
+
+    Refused before the first step: the command line exits with ``exit_code`` (a usage error), and the
+    run's line in ``runs.jsonl`` records the same code.
+    """
+
+    exit_code = 2
 
 
 def training_state(trainer: TrainerView, run: RunState) -> dict[str, Any]:
