@@ -184,6 +184,27 @@ def test_a_url_whose_filesystem_is_not_installed_is_refused_before_anything_runs
         assert not (tmp_path / "ws").exists()
 
 
+def test_a_missing_bucket_or_an_endpoint_that_does_not_answer_is_one_line(s3, tmp_path):  # noqa: F811
+    """What the storage's client says when the run first touches the URL, as one line, exit 1."""
+    hooks = [{"type": "checkpointing", "interval": 3, "path": "s3://no-such-bucket/run"}]
+    (tmp_path / "run.json").write_text(json.dumps({"max_steps": 6, "workspace": "ws", "hooks": hooks}))
+    ran = Cli("run", "run.json", "--trainer", "cli_trainers:CliTrainer", cwd=tmp_path, env=cli_env(**s3.env())).result()
+    assert ran.returncode == 1, ran.stderr[-3000:]
+    assert_one_clean_error(
+        ran.stderr, "object storage: FileNotFoundError: The specified bucket does not exist"
+    )
+    assert len(ran.stderr.strip().splitlines()) == 1, ran.stderr
+    assert not s3.fs().exists("no-such-bucket")  # no bucket is ever created
+
+    closed = cli_env(**{**s3.env(), "FSSPEC_S3_ENDPOINT_URL": f"http://127.0.0.1:{free_port()}"})
+    inspected = Cli("inspect", "s3://bucket/run", cwd=tmp_path, env=closed).result()
+    assert inspected.returncode == 1, inspected.stderr[-3000:]
+    assert len(inspected.stderr.strip().splitlines()) == 1, inspected.stderr
+    assert_one_clean_error(
+        inspected.stderr, "object storage: EndpointConnectionError: Could not connect to the endpoint URL"
+    )
+
+
 def test_two_fsdp_ranks_write_their_shards_to_s3_and_resume_exactly(s3, tmp_path):  # noqa: F811
     """Each rank uploads its own shard through DCP's fsspec writer; rank 0 sees them all, then the manifest."""
     url = f"{s3.bucket()}/checkpoints"

@@ -35,7 +35,7 @@ import warnings
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from trainloop.cli.errors import PROG, CliError
+from trainloop.cli.errors import FAILURE, PROG, CliError, storage_failure
 
 __all__ = ["COMMANDS", "CliError", "main"]
 
@@ -231,6 +231,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         for line in str(error).splitlines():  # one line per problem, each saying which command
             print(f"{PROG} {args.command}: error: {line}", file=sys.stderr)
         return error.exit_code
+    except Exception as error:
+        said = storage_failure(error)
+        if said is None:
+            raise
+        print(f"{PROG} {args.command}: error: {said}", file=sys.stderr)
+        return FAILURE
     finally:
         warnings.showwarning = shown
 
