@@ -35,7 +35,7 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from contextvars import ContextVar
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -160,7 +160,8 @@ def _contract(
         )
     if settings.optimizers is not None and "build_optimizer" in missing and "forward" not in missing:
         # The optimizers come from the settings: forward's signature can be checked before anything is built.
-        forward = trainer.forward if not isinstance(trainer, type) else functools.partial(cls.forward, None)
+        unbound: Any = cls.forward  # read as bound: its first parameter (self) left out
+        forward = trainer.forward if not isinstance(trainer, type) else functools.partial(unbound, None)
         try:
             check_forward(forward, f"{cls.__name__}.forward()", list(settings.optimizers))
         except TypeError as error:
