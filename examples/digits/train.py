@@ -91,7 +91,9 @@ def main(argv: list[str]) -> float:
     trainer = DigitsTrainer(settings)
     result = trainer.train()
     # An evaluate run: the latest checkpoint's weights, every validation once (also when resumed
-    # with nothing left to train); `trainloop evaluate settings.json --trainer train:DigitsTrainer` does the same.
+    # with nothing left to train). From the repository root, where README's command ran this,
+    # `trainloop evaluate examples/digits/settings.json --trainer examples.digits.train:DigitsTrainer`
+    # does the same.
     metrics = DigitsTrainer(settings).evaluate()
     accuracy, loss = metrics["val/accuracy"], metrics["val/loss"]
     print(f"validation accuracy {accuracy:.4f} (loss {loss:.4f}) after {result.step} steps")
