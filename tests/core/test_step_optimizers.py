@@ -266,6 +266,15 @@ def test_lr_find_with_several_optimizers_is_a_clear_error():
                                          r"GanTrainer.build_optimizer\(\) returned several \(discriminator, generator\)"):
         lr_find(GanTrainer(max_steps=3))
 
+    class Declared(GanTrainer):
+        build_optimizer = BaseTrainer.build_optimizer
+
+    declared = {"discriminator": {"name": "SGD", "lr": 0.1, "module": "discriminator"},
+                "generator": {"name": "SGD", "lr": 0.1, "module": "generator"}}
+    with pytest.raises(ValueError, match=r"and the settings declare several \(discriminator, generator\): run the test "
+                                         r"with one of them, e.g. settings with optimizer: that one alone"):
+        lr_find(Declared(max_steps=3, optimizers=declared))
+
 
 def test_hooks_see_the_update_in_progress():
     seen = []

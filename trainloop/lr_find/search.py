@@ -326,9 +326,12 @@ def _trainer_plan(trainer: BaseTrainer) -> Iterator[tuple[StepPlan, Iterable[Any
         loop.build_components(lr_scheduler=False)  # what train()'s building state does, in its order
         if loop.run_state.named_optimizers:
             names = ", ".join(loop.run_state.optimizers)
+            declared = trainer.settings.optimizers is not None
+            source = "the settings declare" if declared else f"{type(trainer).__name__}.build_optimizer() returned"
+            alone = "settings with optimizer: that one alone" if declared else "a trainer that returns it alone"
             raise ValueError(
-                f"lr_find() sweeps one optimizer's learning rate, and {type(trainer).__name__}.build_optimizer() "
-                f"returned several ({names}): run the test with one of them, e.g. a trainer that returns it alone"
+                f"lr_find() sweeps one optimizer's learning rate, and {source} several ({names}): run the test "
+                f"with one of them, e.g. {alone}"
             )
         # No lr scheduler, no hooks; the sweep checks the loss instead, before each update.
         yield trainer_step_plan(trainer, check_grads=False), trainer.data_loader
