@@ -16,12 +16,11 @@ from safetensors.torch import load_file
 from tiny_trainer import TinyTrainer
 from weights_worker import TiedTrainer, sharded_tied_run
 
-from trainloop import TrainerSettings
+from trainloop import TrainerSettings, __version__
 from trainloop.checkpoint.export import export_checkpoint, settings_hash
 from trainloop.hooks.checkpointing import CheckpointingHook
 from trainloop.hooks.ema import EmaHook
 from trainloop.hooks.export import ExportHook
-from trainloop.version import __version__
 
 
 def metadata_of(path):
