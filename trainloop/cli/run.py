@@ -32,7 +32,7 @@ def command(args: argparse.Namespace) -> int:
         with checked(settings, trainer_class):  # the preflight above ran: train() does not repeat it
             trainer_class(settings).train()
     except (WorkspaceBusyError, ChangedGlobalBatchError) as error:  # refused before the first step
-        raise CliError(str(error)) from None
+        raise CliError(str(error), error.exit_code) from None
     except CheckpointError as error:
         raise CliError(str(error), FAILURE) from None
     except KeyboardInterrupt:

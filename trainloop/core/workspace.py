@@ -34,7 +34,9 @@ LOCK_FILE = "run.lock"
 
 
 class WorkspaceBusyError(RuntimeError):
-    """Another run holds the workspace; nothing was written."""
+    """Another run holds the workspace; nothing was written (the command line exits with ``exit_code``)."""
+
+    exit_code = 2
 
 
 def path_problem(path: Path) -> str | None:
