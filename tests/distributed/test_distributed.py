@@ -250,6 +250,8 @@ def test_wrap_model_strategies_under_two_ranks(wrapping):
         # Rows split over 2 ranks: 8 -> 4 + 4, and the last layer's 1 row -> 1 + 0.
         assert result["fsdp_local_rows"] == [4, 4, 4, 4, 1, 1] if r == 0 else [4, 4, 4, 4, 0, 0]
         assert "shard_modules=(<class 'torch.nn.modules.conv.Conv2d'>,) matched no submodule" in result["no_match"]
+        # Activation checkpointing applied before DDP or FSDP2: the same gradients, the same keys.
+        assert result["activation_checkpointing"] == {"ddp": True, "fsdp": True}
 
 
 @pytest.mark.parametrize("wrapper", ["ddp", "fsdp"])

@@ -107,6 +107,22 @@ def accumulate(model: nn.Module, rank_: int) -> dict[str, Any]:
     return {"first": first, "grads": grads}
 
 
+def checkpointed_grads_equal(rank_: int) -> dict[str, bool]:
+    """Per strategy: whether the MLP with its Linear layers' activations checkpointed (applied before
+    wrapping) gets the very gradients and state-dict keys of the MLP without."""
+    x, y = microbatches()
+    equal = {}
+    for strategy, options in (("ddp", {}), ("fsdp", {"shard_modules": (nn.Linear,)})):
+        grads, keys = [], []
+        for checkpointed in (None, nn.Linear):
+            model = wrap_model(mlp(), strategy, activation_checkpointing=checkpointed, **options)
+            nn.functional.mse_loss(model(x[rank_, 0]), y[rank_, 0]).backward()
+            grads.append([(p.grad.full_tensor() if isinstance(p.grad, DTensor) else p.grad) for p in model.parameters()])
+            keys.append(list(model.state_dict()))
+        equal[strategy] = keys[0] == keys[1] and all(torch.equal(a, b) for a, b in zip(*grads, strict=True))
+    return equal
+
+
 def context_and_wrapping(rank_: int, world: int, port: int, out: str) -> None:
     """init_distributed under torchrun's environment, wrap_model's strategies, gradient_sync."""
     set_torchrun_env(rank_, world, port)
@@ -144,6 +160,7 @@ def context_and_wrapping(rank_: int, world: int, port: int, out: str) -> None:
         except ValueError as error:
             result["no_match"] = str(error)
 
+        result["activation_checkpointing"] = checkpointed_grads_equal(rank_)
         result["reference"] = reference_grads()
         result["ddp_accumulation"] = accumulate(ddp, rank_)
         result["fsdp_accumulation"] = accumulate(by_class, rank_)

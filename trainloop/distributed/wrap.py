@@ -1,13 +1,14 @@
-"""``wrap_model``: DDP or FSDP2 (``fully_shard``) around the user's model, with validated options.
+"""``wrap_model``: activation checkpointing, then DDP or FSDP2 (``fully_shard``), with validated options.
 
 The trainer wraps nothing; a ``build_model`` calls this when it wants to::
 
     def build_model(self):
-        return wrap_model(Net().to(self.device), "fsdp", shard_modules=(Block,))
+        return wrap_model(Net().to(self.device), "fsdp", shard_modules=(Block,), activation_checkpointing=Block)
 """
 
 from __future__ import annotations
 
+import functools
 import logging
 from collections.abc import Callable
 from typing import Annotated, Any, Literal
@@ -16,9 +17,10 @@ import torch.distributed as dist
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 from torch import nn
 from torch.distributed.fsdp import MixedPrecisionPolicy, OffloadPolicy, fully_shard
+from torch.utils.checkpoint import checkpoint
 
 from trainloop.distributed.ranks import world_size
-from trainloop.settings.types import PositiveFloat, StrictBool
+from trainloop.settings.types import PositiveFloat, PositiveInt, StrictBool
 
 try:  # DeviceMesh is only importable where torch.distributed is built in
     from torch.distributed.device_mesh import DeviceMesh
@@ -32,9 +34,6 @@ logger = logging.getLogger(__name__)
 Strategy = Literal["auto", "ddp", "fsdp", "none"]
 """How ``wrap_model`` wraps: DDP, FSDP2 ``fully_shard``, nothing, or DDP when there are
 two or more ranks (``"auto"``)."""
-
-_ARBITRARY = ConfigDict(arbitrary_types_allowed=True, strict=True)
-
 
 
 
@@ -62,6 +61,23 @@ class DDPOptions(BaseModel):
 
 
 ShardPredicate = Callable[[nn.Module], bool]
+ModuleRule = tuple[type[nn.Module], ...] | ShardPredicate
+"""Which submodules an option applies to: module classes, or a predicate ``fn(module) -> bool``."""
+
+
+def _one_class_is_a_tuple(value: Any) -> Any:
+    # A class is callable too: without this it would be taken for a predicate.
+    if isinstance(value, type):
+        return (value,)
+    if isinstance(value, list):
+        return tuple(value)
+    return value
+
+
+def _matches(rule: ModuleRule, module: nn.Module) -> bool:
+    if isinstance(rule, tuple):
+        return isinstance(module, rule)
+    return bool(rule(module))
 
 
 class FSDPOptions(BaseModel):
@@ -93,12 +109,7 @@ class FSDPOptions(BaseModel):
     @field_validator("shard_modules", mode="before")
     @classmethod
     def _one_class_is_a_tuple(cls, value: Any) -> Any:
-        # A class is callable too: without this it would be taken for a predicate.
-        if isinstance(value, type):
-            return (value,)
-        if isinstance(value, list):
-            return tuple(value)
-        return value
+        return _one_class_is_a_tuple(value)
 
     @field_validator("shard_modules")
     @classmethod
@@ -109,12 +120,7 @@ class FSDPOptions(BaseModel):
 
     def matches(self, module: nn.Module) -> bool:
         """Whether ``module`` gets its own ``fully_shard`` group."""
-        rule = self.shard_modules
-        if rule is None:
-            return False
-        if isinstance(rule, tuple):
-            return isinstance(module, rule)
-        return bool(rule(module))
+        return self.shard_modules is not None and _matches(self.shard_modules, module)
 
     def fully_shard_kwargs(self) -> dict[str, Any]:
         """The keyword arguments for ``fully_shard``, leaving torch's defaults where unset."""
@@ -132,6 +138,13 @@ class _WrapArguments(BaseModel):
 
     model: nn.Module
     strategy: Strategy
+    activation_checkpointing: ModuleRule | None = None
+    activation_checkpointing_every: PositiveInt = 1
+
+    @field_validator("activation_checkpointing", mode="before")
+    @classmethod
+    def _one_class_is_a_tuple(cls, value: Any) -> Any:
+        return _one_class_is_a_tuple(value)
 
 
 _OPTIONS: dict[str, type[BaseModel]] = {
@@ -142,10 +155,21 @@ _OPTIONS: dict[str, type[BaseModel]] = {
 }
 
 
-def wrap_model(model: nn.Module, strategy: Strategy = "auto", **options: Any) -> nn.Module:
+def wrap_model(
+    model: nn.Module,
+    strategy: Strategy = "auto",
+    *,
+    activation_checkpointing: ModuleRule | type[nn.Module] | None = None,
+    activation_checkpointing_every: int = 1,
+    **options: Any,
+) -> nn.Module:
     """Wrap ``model`` for data-parallel training; a one-liner for ``build_model``.
 
-    Move the model to its device first (``model.to(self.device)``).
+    Move the model to its device first (``model.to(self.device)``). Activation checkpointing, when
+    asked for, is applied first, before sharding (and so before a ``torch.compile`` of the result):
+    each checkpointed module's activations are dropped after its forward and recomputed in
+    backward (``torch.utils.checkpoint``, non-reentrant, RNG state preserved), so losses and
+    gradients are those of the model without it and its state-dict keys do not change.
 
     - ``"ddp"``: ``DistributedDataParallel(model, **options)`` (see ``DDPOptions``).
     - ``"fsdp"``: FSDP2. Every submodule that ``shard_modules`` matches is passed to
@@ -160,6 +184,11 @@ def wrap_model(model: nn.Module, strategy: Strategy = "auto", **options: Any) ->
     Args:
         model: The module to wrap, on its device.
         strategy: One of ``"auto"``, ``"ddp"``, ``"fsdp"``, ``"none"``.
+        activation_checkpointing: Which submodules to checkpoint: a module class, a tuple of
+            classes, or a predicate ``fn(module) -> bool``. Only the outermost matches count (a
+            match inside a match is recomputed with it).
+        activation_checkpointing_every: Checkpoint every n-th match: matches are counted from 1
+            in module order, and those whose count is a multiple of n are checkpointed.
         **options: The chosen strategy's options (``DDPOptions`` or ``FSDPOptions``).
 
     Returns:
@@ -169,10 +198,17 @@ def wrap_model(model: nn.Module, strategy: Strategy = "auto", **options: Any) ->
         pydantic.ValidationError: An argument or option is invalid or does not belong to the
             strategy; the error names it.
         RuntimeError: ``"ddp"`` or ``"fsdp"`` without an initialised process group.
-        ValueError: ``shard_modules`` matched no submodule.
+        ValueError: ``shard_modules`` or ``activation_checkpointing`` matched no submodule.
     """
-    _WrapArguments(model=model, strategy=strategy)
+    arguments = _WrapArguments.model_validate({
+        "model": model,
+        "strategy": strategy,
+        "activation_checkpointing": activation_checkpointing,
+        "activation_checkpointing_every": activation_checkpointing_every,
+    })
     settings = _OPTIONS[strategy].model_validate(options)
+    if arguments.activation_checkpointing is not None:
+        checkpoint_activations(model, arguments.activation_checkpointing, arguments.activation_checkpointing_every)
     if strategy == "auto":
         strategy = "ddp" if world_size() > 1 else "none"
     if strategy == "none":
@@ -205,3 +241,38 @@ def _fully_shard(model: nn.Module, options: FSDPOptions) -> nn.Module:
     fully_shard(model, **kwargs)
     logger.debug("fully_shard: %d submodule groups and the root", len(groups))
     return model
+
+
+def checkpoint_activations(model: nn.Module, rule: ModuleRule, every: int = 1) -> list[str]:
+    """Checkpoint the activations of every ``every``-th outermost submodule of ``model`` that ``rule`` matches.
+
+    The module keeps its class, parameters and state-dict keys: only its ``forward`` is replaced by
+    one that runs the original under ``torch.utils.checkpoint`` (non-reentrant, so it composes with
+    ``fully_shard``, DDP and ``torch.compile``; under ``no_grad`` it runs once and saves nothing).
+
+    Returns:
+        The names of the checkpointed submodules, in module order.
+
+    Raises:
+        ValueError: ``rule`` matched no submodule.
+    """
+    matched: list[tuple[str, nn.Module]] = []
+    for name, module in model.named_modules():
+        inside = any(name.startswith(f"{outer}.") for outer, _ in matched)
+        if module is not model and not inside and _matches(rule, module):
+            matched.append((name, module))
+    if not matched:
+        raise ValueError(
+            f"wrap_model activation_checkpointing={_describe(rule)} matched no submodule of {type(model).__name__}"
+        )
+    chosen = [(name, module) for count, (name, module) in enumerate(matched, start=1) if count % every == 0]
+    for _, module in chosen:
+        module.forward = functools.partial(checkpoint, module.forward, use_reentrant=False)
+    logger.debug("activation checkpointing: %d of %d matched submodules", len(chosen), len(matched))
+    return [name for name, _ in chosen]
+
+
+def _describe(rule: ModuleRule) -> str:
+    if isinstance(rule, tuple):
+        return "(" + ", ".join(cls.__name__ for cls in rule) + ("," if len(rule) == 1 else "") + ")"
+    return repr(rule)
