@@ -9,42 +9,10 @@ catches. Everything else lives in documented namespaces: ``trainloop.settings``,
 
 from __future__ import annotations
 
-import importlib
-from collections.abc import Callable, Mapping
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
-__version__ = "0.1.0"
-
-
-def _lazy_exports(package: str, exports: Mapping[str, str]) -> tuple[Callable[[str], Any], Callable[[], list[str]]]:
-    """A module ``__getattr__`` and ``__dir__`` serving ``exports`` from their modules (PEP 562).
-
-    A package's ``__init__`` that imported every name it exports would import their modules'
-    dependencies too (torch...) for anyone importing one light submodule or asking ``trainloop --help``.
-
-    Args:
-        package: The package's ``__name__``.
-        exports: Each exported name -> the module that defines it.
-
-    Returns:
-        ``(__getattr__, __dir__)`` for the package's namespace. A name is imported on its first
-        use and then stored in the namespace, so later uses are plain attribute reads.
-    """
-    namespace = importlib.import_module(package).__dict__
-
-    def __getattr__(name: str) -> Any:
-        module = exports.get(name)
-        if module is None:
-            raise AttributeError(f"module {package!r} has no attribute {name!r}")
-        value = getattr(importlib.import_module(module), name)
-        namespace[name] = value
-        return value
-
-    def __dir__() -> list[str]:
-        return sorted({*namespace, *exports})
-
-    return __getattr__, __dir__
-
+from trainloop.lazy import lazy_exports
+from trainloop.version import __version__ as __version__  # the package face shows its version
 
 if TYPE_CHECKING:  # what type checkers and editors see; at run time each name is imported on first use
     from trainloop.checkpoint.errors import CheckpointError, CheckpointSaveError
@@ -111,7 +79,7 @@ _EXPORTS: dict[str, str] = {
     "LossNoneWarning": "trainloop.trainer",
 }
 
-__getattr__, __dir__ = _lazy_exports(__name__, _EXPORTS)
+__getattr__, __dir__ = lazy_exports(__name__, _EXPORTS)
 
 __all__ = [
     # the trainer and the hooks: what a user subclasses and declares

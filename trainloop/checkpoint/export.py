@@ -20,10 +20,10 @@ from collections.abc import Mapping
 
 import torch
 
-from trainloop import __version__
 from trainloop.checkpoint.errors import CheckpointSaveError
 from trainloop.checkpoint.storage import Location, atomic_file, location
 from trainloop.checkpoint.weights import read_weights
+from trainloop.version import __version__
 
 __all__ = ["export_checkpoint", "save_weights", "settings_hash"]
 

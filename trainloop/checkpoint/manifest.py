@@ -29,11 +29,11 @@ from typing import Any, BinaryIO, Protocol
 import torch
 import xxhash
 
-from trainloop import __version__
 from trainloop.checkpoint import storage
 from trainloop.checkpoint.errors import CheckpointError
 from trainloop.checkpoint.storage import MANIFEST, Location, UrlPath, location
 from trainloop.utils import flatten_nested_dict, to_float
+from trainloop.version import __version__
 
 __all__ = [
     "BufferReader",

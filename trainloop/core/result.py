@@ -143,7 +143,7 @@ def _environment(trainer: TrainerView, started: float | None) -> dict[str, Any]:
     """When the run started, and on what: the device and the versions of torch and trainloop."""
     import torch
 
-    from trainloop import __version__
+    from trainloop.version import __version__
 
     return {"started": started, "device": str(trainer.device), "torch": torch.__version__, "trainloop": __version__}
 

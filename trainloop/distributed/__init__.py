@@ -18,7 +18,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from trainloop import _lazy_exports
+from trainloop.lazy import lazy_exports
 
 if TYPE_CHECKING:  # at run time each name is imported on first use
     from trainloop.distributed.process_group import (
@@ -51,7 +51,7 @@ _EXPORTS: dict[str, str] = {
     "wrap_model": "trainloop.distributed.wrap",
 }
 
-__getattr__, __dir__ = _lazy_exports(__name__, _EXPORTS)
+__getattr__, __dir__ = lazy_exports(__name__, _EXPORTS)
 
 __all__ = [
     "DDPOptions",

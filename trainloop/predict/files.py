@@ -15,10 +15,10 @@ from pathlib import Path
 
 import torch
 
-from trainloop import __version__
 from trainloop.checkpoint.storage import atomic_file
 from trainloop.core.workspace import file_problem
 from trainloop.distributed.ranks import gather_from_ranks, is_rank_zero, world_size
+from trainloop.version import __version__
 
 __all__ = [
     "DEFAULT_NAME", "FORMATS", "PredictionsFileError", "output_problem", "predictions_path", "write_predictions"
