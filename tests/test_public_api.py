@@ -20,7 +20,9 @@ from pathlib import Path
 import pytest
 
 import trainloop
-from trainloop import BaseTrainer, CheckpointingHook, LoggingHook, ProgressHook  # the seed's import: keeps working
+
+# the top-level import a training script writes
+from trainloop import BaseTrainer, CheckpointingHook, LoggingHook, ProgressHook
 
 ROOT = Path(__file__).resolve().parents[1]
 

@@ -112,7 +112,7 @@ __all__ = [
     "LossNoneWarning",
     "PreflightError",
     "WorkspaceBusyError",
-    # helpers the seed taught at the top level
+    # helpers a training script imports at the top level
     "lr_find",
     "map_nested_tensor",
     "seed_all",

@@ -57,9 +57,9 @@ class StepInfo:
     compiled: Any = None  # a trainloop.core.compiling.CompileMark
     extras: dict[str, Any] = field(default_factory=dict)
 
-    # Read and written like the seed's dict too (``step_info["loss"]``, ``step_info["max_memory"] =
-    # ...``): a field by its name, any other key in ``extras``. A field that holds ``None`` (no
-    # clipping: no ``grad_norm``) is absent, as the seed's dict had no such key.
+    # Read and written like a dict too (``step_info["loss"]``, ``step_info["max_memory"] = ...``): a
+    # field by its name, any other key in ``extras``. A field that holds ``None`` (no clipping: no
+    # ``grad_norm``) is absent, as a dict without that key.
 
     def __getitem__(self, key: str) -> Any:
         """A field by its name (``KeyError`` while it holds ``None``), else ``extras[key]``."""

@@ -1,5 +1,5 @@
 """The run state is the loop's: the trainer shows it read-only, hooks read it and request, and
-``step_info`` reads and takes records like the seed's dict while staying typed."""
+``step_info`` reads and takes records like a dict while staying typed."""
 
 import ast
 import re

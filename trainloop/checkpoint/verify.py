@@ -34,7 +34,7 @@ from trainloop.checkpoint.saver import agree_on_error, broadcast_from_rank_zero
 from trainloop.checkpoint.storage import Location
 from trainloop.distributed.ranks import rank, world_size
 
-__all__ = ["choose_checkpoint", "hash_shares", "open_checkpoint"]
+__all__ = ["hash_shares", "open_checkpoint"]
 
 logger = logging.getLogger("trainloop")
 
@@ -66,37 +66,14 @@ def hash_shares(expected: Mapping[str, FileDigest], world: int) -> list[list[str
     return shares
 
 
-def choose_checkpoint(
-    candidates: list[Location] | None, explicit: bool, log: logging.Logger | None = None
-) -> Location | None:
-    """The first of rank 0's ``candidates`` that every rank finds intact (every rank calls).
-
-    Args:
-        candidates: Rank 0's list, best first (other ranks pass ``None``: rank 0's is used).
-        explicit: The user named the checkpoint: a bad one is an error, not skipped.
-        log: Where skipped checkpoints are reported (rank 0); the ``trainloop`` logger if omitted.
-
-    Returns:
-        The checkpoint, the same on every rank; ``None`` if none is intact.
-
-    Raises:
-        CheckpointError: ``explicit``, and the checkpoint is incomplete or corrupt (every rank
-            raises; the message names the file).
-    """
-    chosen = _choose(candidates, explicit, log, read=False)
-    if chosen is not None and isinstance(chosen[1], VerifiedFiles):
-        chosen[1].close()
-    return chosen[0] if chosen is not None else None
-
-
 def open_checkpoint(
     candidates: list[Location] | None, explicit: bool, log: logging.Logger | None = None
 ) -> tuple[Location, dict[str, Any] | VerifiedFiles] | None:
-    """:func:`choose_checkpoint`, reading the checkpoint in the same pass that verifies it.
+    """The first of rank 0's ``candidates`` that every rank finds intact, read in the pass that verifies it.
 
     Every rank loads the whole of a full checkpoint, so every rank reads each file once,
     checks it against the manifest as it reads it, and keeps what it loaded: no file is read
-    twice. A sharded checkpoint's files are hashed by shares as in :func:`choose_checkpoint`,
+    twice. A sharded checkpoint's files are hashed by shares,
     each rank keeping its share mapped for DCP to read its pieces from (the caller closes them).
 
     Returns:
@@ -104,9 +81,10 @@ def open_checkpoint(
         share this rank verified held in memory); ``None`` if no candidate is intact.
 
     Raises:
-        CheckpointError: As :func:`choose_checkpoint`; or a file matches the manifest but
-            cannot be loaded or is refused (an :class:`~trainloop.checkpoint.loading.UnloadableError`,
-            raised, not skipped: the manifest vouches that it is what was saved).
+        CheckpointError: ``explicit``, and the checkpoint is incomplete or corrupt (every rank
+            raises; the message names the file); or a file matches the manifest but cannot be
+            loaded or is refused (an :class:`~trainloop.checkpoint.loading.UnloadableError`, raised,
+            not skipped: the manifest vouches that it is what was saved).
     """
     return _choose(candidates, explicit, log, read=True)
 
