@@ -74,9 +74,10 @@ def test_in_one_process_any_loader_gives_the_whole_set_mean():
     for loader in (DataLoader(data, batch_size=3), DataLoader(data, batch_size=2, shuffle=True), [data[:4], data[4:]]):
         means = ItemMeans(loader)
         for x, tokens in loader:
-            means.add(first=x[:, 0], row=x)
+            means.add(first=x[:, 0], row=x, positive=x[:, 0] > 0)
             means.add(tokens=(x[:, 1] * tokens, tokens))  # each name counts its own items
-        assert means.reduce() == pytest.approx(one_process(7), rel=1e-12, abs=0)
+        positive = (data.tensors[0][:, 0] > 0).double().mean().item()
+        assert means.reduce() == pytest.approx({**one_process(7), "positive": positive}, rel=1e-12, abs=0)
     assert ItemMeans(DataLoader(data)).reduce() == {}
     empty = ItemMeans(DataLoader(data))
     empty.add(tokens=(torch.zeros(2), torch.zeros(2, dtype=torch.long)))

@@ -82,7 +82,7 @@ class ItemMeans:
             )
         self._added: dict[str, int] = {}
         self._sums: dict[str, torch.Tensor] = {}
-        self._counts: dict[str, torch.Tensor] = {}
+        self._counts: dict[str, torch.Tensor | int] = {}  # an int while only plain values were added: no copy
 
     def add(self, **values: ItemValues) -> None:
         """Add the per-item values of the next items of this rank's data, by name.
@@ -103,13 +103,9 @@ class ItemMeans:
             if kept.device.type == "mps":  # no float64 there
                 kept, counts = kept.cpu(), None if counts is None else counts.cpu()
             total = kept.sum(dtype=torch.float64)
-            count = (
-                torch.tensor(float(kept.numel()), dtype=torch.float64, device=kept.device)
-                if counts is None
-                else counts[:keep].sum(dtype=torch.float64)
-            )
+            count = kept.numel() if counts is None else counts[:keep].sum(dtype=torch.float64)
             self._sums[name] = self._sums[name] + total if name in self._sums else total
-            self._counts[name] = self._counts[name] + count if name in self._counts else count
+            self._counts[name] = self._counts.get(name, 0) + count
 
     def reduce(self) -> dict[str, float]:
         """The mean of each name over every item, the same on every rank (every rank must call it).
@@ -130,7 +126,8 @@ class ItemMeans:
         if not names:
             return {}
         device = self._sums[names[0]].device
-        totals = torch.stack([*(self._sums[n].to(device) for n in names), *(self._counts[n].to(device) for n in names)])
+        counts = [torch.as_tensor(self._counts[n], dtype=torch.float64).to(device) for n in names]
+        totals = torch.stack([*(self._sums[n].to(device) for n in names), *counts])
         if self._world > 1:
             dist.all_reduce(totals)
         found = totals.tolist()
