@@ -45,12 +45,16 @@ def test_the_means_over_ranks_are_one_process_means_the_padding_left_out(ranks, 
         assert results[0][case]["naive"] != pytest.approx(expected["first"], rel=1e-3)
 
 
-def test_a_sampler_that_leaves_items_out_is_refused_when_built(ranks):
+def test_data_without_a_distributed_sampler_or_that_leaves_items_out_is_refused_when_built(ranks):
     world, results = ranks
     for rank_result in results:
         assert rank_result["drop_last"] == (
             f"ItemMeans: the data's DistributedSampler has drop_last=True: it leaves out {7 % world} of the 7 items; "
             "build it with drop_last=False (its padding is left out of the means)"
+        )
+        assert rank_result["unsharded"] == (
+            f"ItemMeans under {world} ranks needs a DataLoader with a DistributedSampler (shuffled or not), so that "
+            "every item counts once; the data is a DataLoader with a SequentialSampler"
         )
 
 

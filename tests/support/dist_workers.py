@@ -298,7 +298,7 @@ def means_data(items: int) -> torch.utils.data.TensorDataset:
 
 
 def item_means(rank_: int, world: int, port: int, out: str) -> None:
-    """ItemMeans over a DistributedSampler's loader for each of MEANS_CASES; a sampler that drops items, two loops that add wrongly."""
+    """ItemMeans over a DistributedSampler's loader for each of MEANS_CASES; data refused, two loops that add wrongly."""
     set_torchrun_env(rank_, world, port)
     result: dict[Any, Any] = {}
     with init_distributed():
@@ -313,10 +313,14 @@ def item_means(rank_: int, world: int, port: int, out: str) -> None:
             dist.all_reduce(naive)
             result[items, batch_size, shuffle] = {"means": means.reduce(), "naive": (naive[0] / naive[1]).item()}
         data = means_data(7)
-        try:
-            ItemMeans(DataLoader(data, sampler=DistributedSampler(data, drop_last=True)))
-        except ItemMeansError as error:
-            result["drop_last"] = str(error)
+        for refused, loader in (
+            ("drop_last", DataLoader(data, sampler=DistributedSampler(data, drop_last=True))),
+            ("unsharded", DataLoader(data, batch_size=2)),
+        ):
+            try:
+                ItemMeans(loader)
+            except ItemMeansError as error:
+                result[refused] = str(error)
         for wrong in ("short", "names"):
             loader = DataLoader(data, batch_size=2, sampler=DistributedSampler(data))
             means = ItemMeans(loader)

@@ -99,11 +99,11 @@ class ItemMeans:
             done = self._added.get(name, 0)
             self._added[name] = done + items
             keep = items if self._real is None else min(items, max(0, self._real - done))
-            kept = sums[:keep]
+            kept = sums[:keep].detach()
             if kept.device.type == "mps":  # no float64 there
                 kept, counts = kept.cpu(), None if counts is None else counts.cpu()
             total = kept.sum(dtype=torch.float64)
-            count = kept.numel() if counts is None else counts[:keep].sum(dtype=torch.float64)
+            count = kept.numel() if counts is None else counts[:keep].detach().sum(dtype=torch.float64)
             self._sums[name] = self._sums[name] + total if name in self._sums else total
             self._counts[name] = self._counts.get(name, 0) + count
 
