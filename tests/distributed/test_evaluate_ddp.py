@@ -1,4 +1,4 @@
-"""``evaluate()`` under torchrun, 2 gloo ranks: every rank takes part; the reduced metrics equal one process's."""
+"""``evaluate()`` under torchrun, 2 and 3 gloo ranks: every rank takes part; the reduced metrics equal one process's."""
 
 from __future__ import annotations
 
@@ -10,7 +10,8 @@ from pathlib import Path
 
 import pytest
 from child_process import HIDDEN_GPUS
-from eval_trainers import VAL_SIZE, EvalTrainer
+from cli_process import cli_env
+from eval_trainers import VAL_SIZE, EvalTrainer, ItemMeansTrainer
 
 from trainloop.checkpoint.files import checkpoint_format
 from trainloop.hooks.validation import ValidationHook
@@ -43,3 +44,56 @@ def test_two_rank_evaluate_of_a_sharded_checkpoint_equals_a_single_process_evalu
     assert alone["val/count"] == VAL_SIZE
     assert alone["val/loss"] == pytest.approx(ranks[0]["evaluated"]["val/loss"], rel=1e-9)
     assert checkpoint_format(tmp_path / "ws" / "checkpoints" / "4") == "sharded"
+
+
+def torchrun_cli(ranks, *args, cwd):
+    """``torchrun --nproc_per_node=RANKS -m trainloop ARGS`` started now (gloo on the CPU); ``.wait()`` for it."""
+    env = {k: v for k, v in cli_env().items() if k not in TORCHRUN_VARS}
+    env.update(OMP_NUM_THREADS="1", GLOO_SOCKET_IFNAME="lo", TORCH_DISABLE_SHARE_RDZV_TCP_STORE="1", **HIDDEN_GPUS)
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={ranks}", "-m", "trainloop", *args]
+    return subprocess.Popen(command, cwd=cwd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+
+def finished(process):
+    out, err = process.communicate(timeout=300)
+    assert process.returncode == 0, err[-4000:]
+    return out
+
+
+def test_validation_and_trainloop_evaluate_over_ranks_count_each_item_once_as_one_process_does(tmp_path):
+    # Validation sets that do not divide by the ranks: 7 items on 2, 10 (shuffled) on 3. Each rank's
+    # DistributedSampler pads them; val_metrics reduces with ItemMeans, which leaves the padding out.
+    hooks = [
+        {"type": "validation", "evaluate": "val_metrics", "interval": 2},
+        {"type": "checkpointing", "interval": 2, "keep_interval": 2},
+    ]
+    (tmp_path / "run.json").write_text(json.dumps({"max_steps": 4, "workspace": "ws", "val_items": 7, "hooks": hooks}))
+    trainer = ("--trainer", "eval_trainers:TorchrunItemMeansTrainer")
+    finished(torchrun_cli(2, "run", "run.json", *trainer, cwd=tmp_path))
+    on_two = torchrun_cli(2, "evaluate", "run.json", *trainer, "--checkpoint", "ws/checkpoints/2", cwd=tmp_path)
+    on_three = torchrun_cli(
+        3, "evaluate", "run.json", *trainer, "--checkpoint", "ws/checkpoints/4", "--set", "val_items=10",
+        "--set", "val_shuffle=true", cwd=tmp_path,
+    )  # fmt: skip
+    validated = {
+        line["step"]: line
+        for line in map(json.loads, (tmp_path / "ws" / "metrics.jsonl").read_text().splitlines())
+        if "val/loss" in line
+    }
+    evaluated = {2: json.loads(finished(on_two)), "10 items": json.loads(finished(on_three))}
+
+    def alone(step, **settings):  # one process, no process group, the same weights
+        single = ItemMeansTrainer(max_steps=4, hooks=[ValidationHook("val_metrics", interval=2)], **settings)
+        return single.evaluate(tmp_path / "ws" / "checkpoints" / str(step))
+
+    expected = {2: alone(2), 4: alone(4), "10 items": alone(4, val_items=10, val_shuffle=True)}
+    found = {2: validated[2], 4: validated[4]}  # the training run's validations, through ValidationHook
+    pairs = [(found[2], expected[2]), (found[4], expected[4]), (evaluated[2], expected[2]), (evaluated["10 items"], expected["10 items"])]
+    for ranks, one in pairs:
+        # The targets are data: the reduction alone, float64 sums in another order. The loss is the
+        # model's: a batch of other items may round an item's output otherwise in float32.
+        assert ranks["val/target"] == pytest.approx(one["val/target"], rel=1e-12)
+        assert ranks["val/loss"] == pytest.approx(one["val/loss"], rel=1e-6)
+        # Summing and counting what each rank drew counts the padding (item 0 twice on 2 ranks).
+        assert ranks["val/naive/loss"] != pytest.approx(one["val/loss"], rel=1e-3)
+        assert one["val/naive/loss"] == pytest.approx(one["val/loss"], rel=1e-12)

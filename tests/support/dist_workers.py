@@ -23,6 +23,8 @@ from torch.utils.data import DataLoader, DistributedSampler
 
 from trainloop import BaseHook
 from trainloop.distributed import (
+    ItemMeans,
+    ItemMeansError,
     gradient_sync,
     init_distributed,
     is_main,
@@ -299,3 +301,56 @@ def loss_token_reference() -> list[torch.Tensor]:
     reference = mean_over_tokens_trainer([stack(sequences()[:4])], max_steps=1)
     reference.train()
     return model_params(reference)
+
+
+#: (items, batch size, shuffled) of the data ``item_means`` reduces: 7 and 10 do not divide by 3 ranks, 7 not by 2,
+#: and 2 items on 3 ranks leave the last rank nothing but padding.
+MEANS_CASES = ((7, 2, False), (7, 3, True), (10, 4, True), (2, 1, False))
+
+
+def means_data(items: int) -> torch.utils.data.TensorDataset:
+    """Per item three float32 values and a token count (1 to 4)."""
+    g = torch.Generator().manual_seed(items)
+    return torch.utils.data.TensorDataset(torch.randn(items, 3, generator=g), torch.randint(1, 5, (items,), generator=g))
+
+
+def item_means(rank_: int, world: int, port: int, out: str) -> None:
+    """ItemMeans over a DistributedSampler's loader for each of MEANS_CASES; data refused, two loops that add wrongly."""
+    set_torchrun_env(rank_, world, port)
+    result: dict[Any, Any] = {}
+    with init_distributed():
+        for items, batch_size, shuffle in MEANS_CASES:
+            data = means_data(items)
+            loader = DataLoader(data, batch_size=batch_size, sampler=DistributedSampler(data, shuffle=shuffle, seed=5))
+            means = ItemMeans(loader)
+            naive = torch.zeros(2, dtype=torch.float64)  # the all-reduce of sums and counts over what each rank drew
+            for x, tokens in loader:
+                means.add(first=x[:, 0], row=x, tokens=(x[:, 1] * tokens, tokens))
+                naive += torch.tensor([x[:, 0].double().sum().item(), len(x)], dtype=torch.float64)
+            dist.all_reduce(naive)
+            result[items, batch_size, shuffle] = {"means": means.reduce(), "naive": (naive[0] / naive[1]).item()}
+        data = means_data(7)
+        for refused, loader in (
+            ("drop_last", DataLoader(data, sampler=DistributedSampler(data, drop_last=True))),
+            ("unsharded", DataLoader(data, batch_size=2)),
+        ):
+            try:
+                ItemMeans(loader)
+            except ItemMeansError as error:
+                result[refused] = str(error)
+        for wrong in ("short", "names"):
+            loader = DataLoader(data, batch_size=2, sampler=DistributedSampler(data))
+            means = ItemMeans(loader)
+            batches = list(loader)
+            if wrong == "short" and rank_ == world - 1:
+                batches = batches[:-1]  # the last rank leaves its last batch out
+            for x, _ in batches:
+                means.add(first=x[:, 0])
+                if wrong == "names" and rank_ == 0:
+                    means.add(extra=x[:, 1])
+            try:
+                means.reduce()
+            except ItemMeansError as error:
+                result[wrong] = str(error)
+        dist.barrier()  # the group still works: no rank was left waiting in the reduction
+    save(out, rank_, result)

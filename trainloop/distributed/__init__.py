@@ -10,8 +10,8 @@ A script launched by ``torchrun`` joins the process group, wraps its model and t
             return wrap_model(Net().to(self.device), "fsdp", shard_modules=(Block,))
 
 The process group (``process_group``), wrapping (``wrap``), ranks (``ranks``), gradient
-synchronisation during accumulation (``sync``) and the ranks' agreement on exit requests
-(``agreement``) each have a module.
+synchronisation during accumulation (``sync``), the ranks' agreement on exit requests
+(``agreement``) and means over a dataset's items, each counted once (``means``) each have a module.
 """
 
 from __future__ import annotations
@@ -21,6 +21,7 @@ from typing import TYPE_CHECKING
 from trainloop.lazy import lazy_exports
 
 if TYPE_CHECKING:  # at run time each name is imported on first use
+    from trainloop.distributed.means import ItemMeans, ItemMeansError
     from trainloop.distributed.process_group import (
         DistributedContext,
         destroy,
@@ -36,6 +37,8 @@ if TYPE_CHECKING:  # at run time each name is imported on first use
 # Imported on first use: a user of `ranks` or `sync` (the checkpoint hook is one) does not pay for
 # wrap's import of torch.distributed.fsdp (about 0.3 s, a sympy import inside).
 _EXPORTS: dict[str, str] = {
+    "ItemMeans": "trainloop.distributed.means",
+    "ItemMeansError": "trainloop.distributed.means",
     "DistributedContext": "trainloop.distributed.process_group",
     "destroy": "trainloop.distributed.process_group",
     "get_device": "trainloop.distributed.process_group",
@@ -57,6 +60,8 @@ __all__ = [
     "DDPOptions",
     "DistributedContext",
     "FSDPOptions",
+    "ItemMeans",
+    "ItemMeansError",
     "Strategy",
     "destroy",
     "get_device",

@@ -65,7 +65,9 @@ class ValidationHook(BaseHook):
         ValidationHook(lambda trainer: {"loss": compute_val_loss(trainer.model)}, interval=500)
         {"type": "validation", "evaluate": "val_metrics", "interval": 500}   # trainer.val_metrics()
 
-    Every rank runs the evaluation, so it may use collectives (e.g. to average a metric).
+    Every rank runs the evaluation, so it may use collectives: ``trainloop.distributed.ItemMeans``
+    averages per-item values over a ``DistributedSampler``'s items, its padding left out, so every
+    rank gets the numbers one process gets.
 
     Args:
         evaluate: ``fn(trainer) -> records`` (a nested dict of numbers or scalar tensors), or
