@@ -25,6 +25,7 @@ import itertools
 import json
 import os
 import signal
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -175,16 +176,12 @@ def roots(tmp_path_factory) -> dict[str, Path]:
     return {case.id: tmp / f"case{i}" for i, case in enumerate(CASES)}
 
 
-def s3_target(case: Case, server: Any) -> dict[str, Any] | None:
-    return {"bucket": server.bucket(), "options": server.options} if case.storage == "s3" else None
-
-
-@pytest.fixture(scope="module")
-def targets(request, roots) -> dict[str, dict[str, Any] | None]:
-    """Each case's S3 bucket and options (``None`` off S3)."""
-    need = any(case.storage == "s3" for case in CASES)
-    server = request.getfixturevalue("s3") if need else None
-    return {case.id: s3_target(case, server) for case in CASES}
+def s3_target(case: Case, request: pytest.FixtureRequest) -> dict[str, Any] | None:
+    """The case's own S3 bucket and the options to reach it (``None`` off S3)."""
+    if case.storage != "s3":
+        return None
+    server = request.getfixturevalue("s3")
+    return {"bucket": server.bucket(), "options": server.options}
 
 
 def job(case: Case, root: Path, run: str, target: dict[str, Any] | None) -> dict[str, Any]:
@@ -194,38 +191,39 @@ def job(case: Case, root: Path, run: str, target: dict[str, Any] | None) -> dict
 
 
 @pytest.fixture(scope="module")
-def signalled(roots, targets, tmp_path_factory) -> dict[str, dict[str, Any]]:
-    """The stopped runs of the signal cases, in one child process: each blocks in the middle of
-    its stop step's accumulation, gets a real SIGTERM, finishes the step, saves and exits."""
-    cases = [case for case in CASES if case.stop == "signal"]
-    if not cases:
-        return {}
-    jobs = [job(c, roots[c.id], "stopped", targets[c.id]) for c in cases]
-    child = ChildProcess(SCRIPT, [json.dumps(jobs)], tmp_path_factory.mktemp("signal"))
-    found = {}
+def signal_child(tmp_path_factory) -> Iterator[ChildProcess]:
+    """A child process that runs the stopped runs of the signal cases, one per line sent."""
+    child = ChildProcess(SCRIPT, ["serve"], tmp_path_factory.mktemp("signal"))
     try:
-        for case in cases:
-            child.wait_for(f"paused {case.id}", timeout=TIMEOUT, exact=True)
-            child.proc.send_signal(signal.SIGTERM)
-            child.send("")
-            child.wait_for(f"0 done {case.id} stopped", timeout=TIMEOUT)
-            found[case.id] = torch.load(roots[case.id] / "stopped.rank0.pt", weights_only=False)  # our own file
+        yield child
+        child.proc.stdin.close()  # type: ignore[union-attr]
         assert child.finish(timeout=TIMEOUT) == 0, child.stderr()
     finally:
         if child.proc.poll() is None:
             child.proc.kill()
             child.proc.wait()
-    return found
+
+
+def signalled(child: ChildProcess, case: Case, root: Path, target: dict[str, Any] | None) -> dict[str, Any]:
+    """The stopped run of a signal case, in ``child``: it blocks in the middle of its stop step's
+    accumulation, gets a real SIGTERM, finishes the step, saves and exits the run (code 143)."""
+    child.send(json.dumps(job(case, root, "stopped", target)))
+    child.wait_for(f"paused {case.id}", timeout=TIMEOUT, exact=True)
+    child.proc.send_signal(signal.SIGTERM)
+    child.send("")
+    child.wait_for(f"0 done {case.id} stopped", timeout=TIMEOUT)
+    return torch.load(root / "stopped.rank0.pt", weights_only=False)  # our own record
 
 
 @pytest.fixture(scope="module")
-def on_two_ranks(roots, targets, tmp_path_factory) -> dict[str, dict[str, Any]]:
+def on_two_ranks(roots, request, tmp_path_factory) -> dict[str, dict[str, Any]]:
     """The runs on 2 gloo ranks, in two child processes: each case's unbroken and stopped runs,
     and its resume where it resumes on 2 ranks. Records by case, run and rank."""
     cases = [case for case in CASES if case.world == 2]
     if not cases:
         return {}
     port = free_port()
+    targets = {case.id: s3_target(case, request) for case in cases}
     jobs: list[list[dict[str, Any]]] = []
     for rank in range(2):
         plan: list[dict[str, Any]] = [{"join": {"rank": rank, "world": 2, "port": port}}]
@@ -243,14 +241,15 @@ def on_two_ranks(roots, targets, tmp_path_factory) -> dict[str, dict[str, Any]]:
             if child.proc.poll() is None:
                 child.proc.kill()
                 child.proc.wait()
-    return {
-        case.id: {
-            (run, rank): torch.load(roots[case.id] / f"{run}.rank{rank}.pt", weights_only=False)
+    found: dict[str, dict[Any, Any]] = {}
+    for case in cases:
+        records = {
+            (run, rank): torch.load(roots[case.id] / f"{run}.rank{rank}.pt", weights_only=False)  # our own records
             for run in ("unbroken", "stopped", "resumed") for rank in range(2)
             if (roots[case.id] / f"{run}.rank{rank}.pt").exists()
         }
-        for case in cases
-    }
+        found[case.id] = {**records, "target": targets[case.id]}
+    return found
 
 
 def merged(draws: list[tuple[int, str, tuple[int, ...]]]) -> dict[tuple[int, str], list[int]]:
@@ -262,23 +261,27 @@ def merged(draws: list[tuple[int, str, tuple[int, ...]]]) -> dict[tuple[int, str
 
 
 @pytest.mark.parametrize("case", [param(case) for case in CASES])
-def test_a_stopped_and_resumed_run_is_the_unbroken_run(case, roots, targets, signalled, on_two_ranks):
-    root, target = roots[case.id], targets[case.id]
+def test_a_stopped_and_resumed_run_is_the_unbroken_run(case, roots, request):
+    root = roots[case.id]
     if case.ranks == "1":
+        target = s3_target(case, request)
         unbroken = train(case, root / "unbroken", "unbroken", s3=target)
-        stopped = signalled[case.id] if case.stop == "signal" else train(case, root, "stopped", s3=target)
+        if case.stop == "signal":
+            stopped = signalled(request.getfixturevalue("signal_child"), case, root, target)
+        else:
+            stopped = train(case, root, "stopped", s3=target)
         resumed = train(case, root, "resumed", s3=target)
         check(case, stopped, divergences(case, unbroken, stopped, resumed))
         assert stopped["code"] == (143 if case.stop == "signal" else 0)
         return
-    runs = on_two_ranks[case.id]
+    runs = request.getfixturevalue("on_two_ranks")[case.id]
     if case.ranks == "2":
         found = [f"rank {rank}: {line}" for rank in range(2)
                  for line in divergences(case, runs["unbroken", rank], runs["stopped", rank], runs["resumed", rank])]
         check(case, runs["stopped", 0], found)
         return
     # 2 -> 1: the global order of samples goes on, with a warning that random draws differ.
-    resumed = train(case, root, "resumed", s3=target)
+    resumed = train(case, root, "resumed", s3=runs["target"])
     stop = case.stop_step
     both = [d for rank in range(2) for d in runs["unbroken", rank]["draws"]]
     want = {key: items for key, items in merged(both).items() if key[0] > stop}

@@ -14,6 +14,7 @@ Also a script, for the stops that need a real process (needs ``tests/support`` a
 repository root on ``PYTHONPATH``)::
 
     python resume_matrix.py '<JSON list of jobs>'
+    python resume_matrix.py serve        # one JSON job per stdin line, as they come
 
 Each job is ``{"case": {...}, "root": ..., "run": "unbroken" | "stopped" | "resumed", "record":
 ..., "s3": ...}`` (the :func:`train` arguments; the record goes to ``<record>.rank<r>.pt``) or
@@ -439,20 +440,29 @@ def _pause_for_signal(case: Case) -> Any:
     return pause
 
 
+def run_job(job: dict[str, Any]) -> None:
+    """Run one job (see the module's docstring)."""
+    if "join" in job:
+        _join(**job["join"])
+        return
+    case = Case(**job["case"])
+    rank = dist.get_rank() if dist.is_initialized() else 0
+    pause = _pause_for_signal(case) if job["run"] == "stopped" and case.stop == "signal" else None
+    result = train(case, Path(job["root"]), job["run"], s3=job.get("s3"), pause=pause)
+    torch.save(result, f"{job['record']}.rank{rank}.pt")
+    print(rank, "done", case.id, job["run"], result["code"], flush=True)
+
+
 def main() -> None:
-    """Run the jobs of ``sys.argv[1]`` one after another (see the module's docstring)."""
+    """Run the jobs of ``sys.argv[1]`` one after another, or with ``serve``, each JSON line of
+    stdin as it comes (see the module's docstring)."""
     torch.set_num_threads(1)  # as the test process: the same arithmetic
+    if sys.argv[1] == "serve":
+        while line := sys.stdin.readline():
+            run_job(json.loads(line))
+        return
     for job in json.loads(sys.argv[1]):
-        if "join" in job:
-            _join(**job["join"])
-            continue
-        case = Case(**job["case"])
-        root = Path(job["root"])
-        rank = dist.get_rank() if dist.is_initialized() else 0
-        pause = _pause_for_signal(case) if job["run"] == "stopped" and case.stop == "signal" else None
-        result = train(case, root, job["run"], s3=job.get("s3"), pause=pause)
-        torch.save(result, f"{job['record']}.rank{rank}.pt")
-        print(rank, "done", case.id, job["run"], result["code"], flush=True)
+        run_job(job)
     if dist.is_initialized():
         dist.barrier()
         dist.destroy_process_group()
