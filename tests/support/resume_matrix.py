@@ -3,12 +3,13 @@ from its checkpoint, compared sample for sample and tensor for tensor.
 
 A :class:`Case` is one point of the product of features (optimizers, checkpoint format, storage,
 stop point, accumulation, loss, precision, EMA, schedule, run length, a non-finite update just
-after the resume point, ranks). :func:`unbroken` trains it without a stop; :func:`stopped` trains it
-until the stop point (a checkpoint of that step is saved by the hook's interval, then the run asks
-to exit); :func:`resumed` trains it again from that checkpoint to the end. Every run records which
-items each forward drew (with the step and the optimizer it was for), and ends with its final
-state: model, optimizers, schedulers, grad scaler, EMA and torch's generator.
-:func:`divergences` lists where a stopped-then-resumed run differs from the unbroken one.
+after the resume point, ranks). :func:`train` runs it ``"unbroken"``; ``"stopped"``, until the
+stop step, whose checkpoint the hook's interval saves (then one process asks to exit, several
+ranks end as if preempted; a ``"signal"`` stop is the script's, below); or ``"resumed"`` from that
+checkpoint to the end. Every run records which items each forward drew (with the step and the
+optimizer it was for), and ends with its final state: model, optimizers, schedulers, grad
+scaler, EMA and torch's generator. :func:`divergences` lists where a stopped-then-resumed run
+differs from the unbroken one.
 
 Also a script, for the stops that need a real process (needs ``tests/support`` and the
 repository root on ``PYTHONPATH``)::
@@ -20,8 +21,9 @@ Each job is ``{"case": {...}, "root": ..., "run": "unbroken" | "stopped" | "resu
 ..., "s3": ...}`` (the :func:`train` arguments; the record goes to ``<record>.rank<r>.pt``) or
 ``{"join": {"rank": r, "world": w, "port": p}}``, which joins a gloo group of ``w`` ranks). A
 ``stopped`` run of a case whose stop is ``"signal"`` blocks in ``forward`` at the stop step's
-last microstep, after printing ``paused <case id>``, until a line arrives on stdin: the parent
-sends SIGTERM meanwhile, so the signal lands mid-accumulation. Each job ends with
+second-to-last microstep (its only one without accumulation), after printing ``paused <case
+id>``, until a line arrives on stdin: the parent sends SIGTERM meanwhile, so the signal lands
+mid-accumulation. Each job ends with
 ``<rank> done <case id> <run> <exit code>``.
 """
 
