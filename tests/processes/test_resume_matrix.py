@@ -144,8 +144,8 @@ def selected() -> list[Case]:
 
 def param(case: Case) -> Any:
     """The sample's known divergences are strict xfails; the whole product's are decided by
-    ``known_cause`` once the stopped run is known (see ``check``)."""
-    cause = KNOWN_DIVERGENT.get(case.id) if WHOLE is False else None
+    ``known_cause`` once the unbroken run is known (see ``check``)."""
+    cause = None if WHOLE else KNOWN_DIVERGENT.get(case.id)
     marks = [pytest.mark.xfail(strict=True, reason=cause)] if cause else []
     return pytest.param(case, id=case.id, marks=marks)
 
