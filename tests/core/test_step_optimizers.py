@@ -3,6 +3,7 @@
 import itertools
 import json
 import logging
+import shutil
 
 import pytest
 import torch
@@ -340,3 +341,57 @@ def test_declared_optimizers_and_a_one_argument_forward_are_one_line_before_anyt
     assert len(lines) == 1, result.stderr
     assert "optimizers: OneArgument.forward() takes no optimizer, but the run updates several (a, b)" in lines[0]
     assert not (tmp_path / "ws").exists()
+
+
+
+TWO_PARTS = {"body": {"name": "SGD", "lr": 0.05, "module": "body"}, "head": {"name": "SGD", "lr": 0.05, "module": "head"}}
+
+
+def two_part_run(tmp_path, optimizers, *overrides, name="run.json"):
+    """``trainloop run`` of ``cli_trainers:TwoPartTrainer`` with these ``optimizers``, in the workspace ``ws``; started."""
+    settings = tmp_path / name
+    settings.write_text(json.dumps({
+        "max_steps": 2, "workspace": "ws", "optimizers": optimizers,
+        "hooks": [{"type": "checkpointing", "interval": 2, "exit_signals": []}],
+    }))
+    return Cli("run", settings, "--trainer", "cli_trainers:TwoPartTrainer", *overrides, cwd=tmp_path)
+
+
+def files(workspace):
+    """Every file of ``workspace`` but ``runs.jsonl``, with its bytes."""
+    return {p: p.read_bytes() for p in workspace.rglob("*") if p.is_file() and p.name != "runs.jsonl"}
+
+
+def test_a_resume_with_other_optimizers_is_refused_in_one_line_exit_2_writing_nothing(tmp_path):
+    first = two_part_run(tmp_path, TWO_PARTS).result()
+    assert first.returncode == 0, first.stderr
+    changed = {
+        "order": ({"head": TWO_PARTS["head"], "body": TWO_PARTS["body"]},
+                  "the checkpoint holds the state of optimizers body, head, and this run builds optimizers head, body"),
+        "names": ({"body": TWO_PARTS["body"], "top": TWO_PARTS["head"]},
+                  "the checkpoint holds the state of optimizers body, head, and this run builds optimizers body, top"),
+        "class": ({"body": TWO_PARTS["body"], "head": {**TWO_PARTS["head"], "name": "Adam", "lr": 0.01}},
+                  "the checkpoint's optimizer 'head' state was saved by torch.optim.sgd.SGD, and this run's optimizer "
+                  "'head' is torch.optim.adam.Adam"),
+    }
+    kept = {}
+    for case in changed:  # each resumes its own copy of the workspace
+        shutil.copytree(tmp_path / "ws", tmp_path / case)
+        kept[case] = files(tmp_path / case)
+    refused = {
+        case: two_part_run(tmp_path, optimizers, "--set", "max_steps=4", "--set", f"workspace={case}", name=f"{case}.json")
+        for case, (optimizers, _) in changed.items()
+    }
+    for case, (_, said) in changed.items():
+        result = refused[case].result()
+        assert result.returncode == 2, result.stderr
+        assert "Traceback" not in result.stderr
+        errors = [line for line in result.stderr.splitlines() if line.startswith("trainloop run: error:")]
+        assert len(errors) == 1, result.stderr
+        assert errors[0].startswith(f"trainloop run: error: {said}"), errors[0]
+        assert errors[0].endswith("or start fresh (another workspace, or CheckpointingHook(load=None))")
+        # No checkpoint, metric, settings.json or trace written; the refused run's line records its exit code.
+        workspace = tmp_path / case
+        assert files(workspace) == kept[case]
+        runs = [json.loads(line) for line in (workspace / "runs.jsonl").read_text().splitlines()]
+        assert [run["exit_code"] for run in runs] == [0, 2]

@@ -11,6 +11,7 @@ import warnings
 from typing import TYPE_CHECKING, Any
 
 from trainloop.core.data import InexactResumeWarning, batch_size_of
+from trainloop.core.result import RefusedRunError
 from trainloop.core.rng import get_rng_state, set_rng_state
 from trainloop.core.run_state import SINGLE
 from trainloop.distributed.ranks import gather_from_ranks, rank, world_size
@@ -25,6 +26,7 @@ SAMPLER_POSITION = "trainloop_sampler_position"
 
 __all__ = [
     "ChangedGlobalBatchError",
+    "ChangedOptimizersError",
     "ChangedSettingsWarning",
     "global_batch_refusal",
     "load_training_state",
@@ -36,14 +38,18 @@ class ChangedSettingsWarning(UserWarning):
     """A run resumes from a checkpoint made with different settings."""
 
 
-class ChangedGlobalBatchError(ValueError):
+class ChangedGlobalBatchError(RefusedRunError):
     """A run resumes with another global batch (ranks x batch size x accumulation) than the checkpoint's.
 
-    Refused before the first step: the command line exits with ``exit_code`` (a usage error), and the
-    run's line in ``runs.jsonl`` records the same code.
+    Refused before the first step, as every ``RefusedRunError``.
     """
 
-    exit_code = 2
+
+class ChangedOptimizersError(RefusedRunError):
+    """A run resumes with other optimizers than the checkpoint's: other names, another order, another class.
+
+    Refused before the first step, as every ``RefusedRunError``: one optimizer's state cannot load into another.
+    """
 
 
 def training_state(trainer: TrainerView, run: RunState) -> dict[str, Any]:
@@ -124,7 +130,8 @@ def _by_name(
     """The checkpoint's optimizer states, classes and scheduler states by optimizer name.
 
     Raises:
-        ValueError: The checkpoint's optimizers are not this run's (other names, or one where there are several).
+        ChangedOptimizersError: The checkpoint's optimizers are not this run's (other names, another order, or one
+            where there are several).
     """
     now = list(trainer.optimizers) if run.named_optimizers else None
     then = list(saved["optimizers"]) if "optimizers" in saved else None
@@ -132,7 +139,7 @@ def _by_name(
         def described(names: list[str] | None) -> str:
             return f"optimizers {', '.join(names)}" if names is not None else "one optimizer"
 
-        raise ValueError(
+        raise ChangedOptimizersError(
             f"the checkpoint holds the state of {described(then)}, and this run builds {described(now)}: "
             "resume with the same optimizers, or start fresh (another workspace, or CheckpointingHook(load=None))"
         )
@@ -210,12 +217,12 @@ def _check_optimizer_class(name: str | None, optimizer: Any, saved: str | None) 
     """Refuse optimizer state saved by another optimizer class (checkpoints that record it).
 
     Raises:
-        ValueError: The classes differ; the message names both (and the optimizer, one of several).
+        ChangedOptimizersError: The classes differ; the message names both (and the optimizer, one of several).
     """
     now = _class_name(optimizer)
     if saved is not None and saved != now:
         which = f"optimizer {name!r}" if name is not None else "optimizer"
-        raise ValueError(
+        raise ChangedOptimizersError(
             f"the checkpoint's {which} state was saved by {saved}, and this run's {which} is "
             f"{now}: one cannot load the other's state; build the same optimizer to resume, or "
             "start fresh (another workspace, or CheckpointingHook(load=None))"
