@@ -3,15 +3,18 @@
 import itertools
 import json
 import logging
+import re
 import shutil
 
 import pytest
 import torch
 from cli_process import Cli
+from pydantic import ValidationError
 from torch import nn
 
 from trainloop import BaseHook, BaseTrainer, State, TrainerSettings, lr_find
 from trainloop.checkpoint import read_checkpoint
+from trainloop.core.result import RefusedRunError
 from trainloop.hooks import CheckpointingHook, LoggingHook
 
 
@@ -395,3 +398,37 @@ def test_a_resume_with_other_optimizers_is_refused_in_one_line_exit_2_writing_no
         assert files(workspace) == kept[case]
         runs = [json.loads(line) for line in (workspace / "runs.jsonl").read_text().splitlines()]
         assert [run["exit_code"] for run in runs] == [0, 2]
+
+
+def test_an_empty_mapping_from_build_optimizer_is_one_line_before_step_one():
+    class NoOptimizer(GanTrainer):
+        def build_optimizer(self):
+            return {}
+
+    trainer = NoOptimizer(max_steps=2)
+    with pytest.raises(RefusedRunError) as refused:
+        trainer.train()
+    assert str(refused.value) == "NoOptimizer.build_optimizer() returned an empty mapping: no optimizer: give at least one"
+    assert trainer.step == 0
+
+
+def test_names_from_build_optimizer_are_checked_as_the_settings_check_them():
+    class Slashed(GanTrainer):
+        def build_optimizer(self):  # "g/x" and group "x" of "g" would both log lr/g/x
+            gan = self.model
+            return {
+                "g": torch.optim.SGD([{"params": gan.generator[0].parameters(), "name": "x"},
+                                      {"params": gan.generator[2].parameters(), "name": "y"}], lr=0.1),
+                "g/x": torch.optim.SGD(gan.discriminator.parameters(), lr=0.1),
+            }
+
+    said = ("'g/x' cannot name an optimizer: a name begins with a letter or '_' and holds letters, digits, '_', '.' "
+            "and '-' (a '/' would mix it up with another optimizer's param groups in lr/<name>/<group>)")
+    trainer = Slashed(max_steps=2)
+    with pytest.raises(RefusedRunError) as refused:
+        trainer.train()
+    assert str(refused.value) == f"Slashed.build_optimizer() returned optimizers 'g', 'g/x': {said}"
+    assert trainer.step == 0
+    assert trainer.calls == []
+    with pytest.raises(ValidationError, match=re.escape(said)):  # the same line where the settings declare it
+        TrainerSettings(max_steps=2, optimizers={"g": {"name": "SGD", "lr": 0.1}, "g/x": {"name": "SGD", "lr": 0.1}})

@@ -11,7 +11,7 @@ lives here too.
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from time import perf_counter
 from typing import TYPE_CHECKING, Any
 
@@ -19,6 +19,7 @@ from trainloop.checkpoint.weights import init_from
 from trainloop.core.compiling import CompileWatch, note_compiled
 from trainloop.core.data import EpochIterator
 from trainloop.core.metrics import METRICS_FILE
+from trainloop.core.result import RefusedRunError
 from trainloop.core.rng import seed_all, set_rng_state
 from trainloop.core.run_kinds import RunOfKind, Work, restore_weights
 from trainloop.core.run_state import SINGLE, RunState
@@ -40,6 +41,7 @@ from trainloop.loss import Loss
 from trainloop.machine.runner import StateMachine
 from trainloop.machine.table import State
 from trainloop.machine.trace import start_run_record, write_settings
+from trainloop.settings.optimizer import optimizer_names_problem
 from trainloop.step_info import StepInfo
 
 if TYPE_CHECKING:
@@ -166,7 +168,12 @@ class Loop:
         built["model"] = t.build_model()
         if t.settings.seed_per_rank:  # validated: seed is set
             seed_ranks_apart(t.settings.seed)  # type: ignore[arg-type]
-        built["optimizer"] = t.build_optimizer()
+        built["optimizer"] = optimizers = t.build_optimizer()
+        if isinstance(optimizers, Mapping):  # named as declared ones must be: the same check
+            problem = optimizer_names_problem(list(optimizers))
+            if problem is not None:
+                returned = f"optimizers {', '.join(map(repr, optimizers))}" if optimizers else "an empty mapping"
+                raise RefusedRunError(f"{type(t).__name__}.build_optimizer() returned {returned}: {problem}")
         named = list(self.run_state.optimizers) if self.run_state.named_optimizers else None
         check_forward(t.forward, f"{type(t).__name__}.forward()", named)
         if lr_scheduler:

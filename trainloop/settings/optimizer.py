@@ -20,8 +20,10 @@ from __future__ import annotations
 
 import difflib
 import inspect
+import re
 import types
 import typing
+from collections.abc import Collection
 from functools import cache
 from typing import TYPE_CHECKING, Annotated, Any, Literal, Union
 
@@ -55,6 +57,7 @@ __all__ = [
     "build_optimizer",
     "describe_schedule_change",
     "lr_factor",
+    "optimizer_names_problem",
 ]
 
 # -- optimizers ----------------------------------------------------------------------------------
@@ -281,6 +284,23 @@ else:
 
 #: What an optimizer may be named in ``optimizers`` (it becomes ``forward``'s argument and a metric key).
 OPTIMIZER_NAME = r"^[A-Za-z_][A-Za-z0-9_.-]*$"
+
+
+def optimizer_names_problem(names: Collection[object]) -> str | None:
+    """Why ``names`` cannot name a run's optimizers, else ``None``: the one check of declared and built ones.
+
+    At least one, each as ``OPTIMIZER_NAME`` says: the records key by it (``loss/<name>``, ``lr/<name>``, and
+    ``lr/<name>/<group>`` for several param groups), so a ``/`` in it could make one optimizer's key another's.
+    """
+    if not names:
+        return "no optimizer: give at least one"
+    for name in names:
+        if not isinstance(name, str) or re.fullmatch(OPTIMIZER_NAME, name) is None:
+            return (
+                f"{name!r} cannot name an optimizer: a name begins with a letter or '_' and holds letters, digits, "
+                "'_', '.' and '-' (a '/' would mix it up with another optimizer's param groups in lr/<name>/<group>)"
+            )
+    return None
 
 
 class OptimizerSettings(RootModel[_OptimizerArgsUnion]):
