@@ -252,7 +252,12 @@ class Loop:
             self.runners = (StepRunner(self.step_plan(), data, epochs=epochs),)
             self._names = (SINGLE,)
         self.runner = self.runners[0]
-        self._verdicts = tuple(r.verdict for r in self.runners if r.verdict is not None)
+        run.verdicts = {name: r.verdict for name, r in zip(self._names, self.runners, strict=True) if r.verdict}
+        self._verdicts = tuple(run.verdicts.values())
+        restored, run.restored_verdicts = run.restored_verdicts or {}, None
+        for name, verdict in run.verdicts.items():
+            if name in restored:  # the resumed run decides as the unbroken one would have
+                verdict.load_state_dict(restored[name])
 
     def zero_grads(self) -> None:
         """Zero the gradients of every optimizer's parameters."""

@@ -636,6 +636,9 @@ class DeviceVerdict:
         ready: Whether updates may be decided on the device (after the first applied one).
         pending: Whether a recorded verdict has not been read yet.
         skipped_in_a_row: Skipped updates read in a row, up to the last read.
+
+    A checkpoint keeps ``ready`` and ``skipped_in_a_row`` (``state_dict``): a resumed run decides its first update
+    where the unbroken run does, and bounds the skips in a row across the resume.
     """
 
     def __init__(self, device: torch.device) -> None:
@@ -647,6 +650,16 @@ class DeviceVerdict:
         self.ready = False
         self.pending = False
         self.skipped_in_a_row = 0
+
+    def state_dict(self) -> dict[str, Any]:
+        """Whether updates are decided on the device yet, and the skips read in a row (none may be unread)."""
+        assert not self.pending, "a verdict is read before the run saves"
+        return {"ready": self.ready, "skipped_in_a_row": self.skipped_in_a_row}
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        """Go on from what ``state_dict`` returned."""
+        self.ready = bool(state["ready"])
+        self.skipped_in_a_row = int(state["skipped_in_a_row"])
 
     def record(self, found: torch.Tensor, scale: torch.Tensor | None = None) -> None:
         """Copy the update's flag (and the loss scale after it) to host memory, without waiting."""

@@ -88,6 +88,8 @@ def training_state(trainer: TrainerView, run: RunState) -> dict[str, Any]:
                 }
             ),
             "grad_scaler": trainer.grad_scaler.state_dict(),
+            # Where the non-finite guard decides and how many updates it skipped in a row (fused optimizers).
+            "device_verdicts": {name: verdict.state_dict() for name, verdict in run.verdicts.items()},
             # What resumes the run exactly, per rank (each rank has its own).
             "rng": gather_from_ranks(get_rng_state()),
             "data_loader": gather_from_ranks(_loader_state(trainer.data_loader, data)),
@@ -117,6 +119,7 @@ def load_training_state(trainer: TrainerView, run: RunState, state_dict: dict[st
         # lr with its own (pytorch/pytorch#119168).
         scheduler.load_state_dict(scheduler_states[name])
     trainer.grad_scaler.load_state_dict(saved["grad_scaler"])
+    _restore_verdicts(run, saved.get("device_verdicts") or {})
     _restore_per_rank(trainer, run, saved)
     _warn_on_changed_settings(trainer, saved.get("settings"))
     _load_model_and_optimizers(trainer, state_dict["model"], optimizer_states)
@@ -227,6 +230,16 @@ def _check_optimizer_class(name: str | None, optimizer: Any, saved: str | None) 
             f"{now}: one cannot load the other's state; build the same optimizer to resume, or "
             "start fresh (another workspace, or CheckpointingHook(load=None))"
         )
+
+
+def _restore_verdicts(run: RunState, saved: dict[str, Any]) -> None:
+    """Restore the device verdicts' states, or keep them for the verdicts made in ``restoring``."""
+    if not run.verdicts:
+        run.restored_verdicts = saved
+        return
+    for name, verdict in run.verdicts.items():
+        if name in saved:
+            verdict.load_state_dict(saved[name])
 
 
 def _restore_per_rank(trainer: TrainerView, run: RunState, saved: dict[str, Any]) -> None:
