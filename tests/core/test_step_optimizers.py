@@ -9,6 +9,7 @@ import shutil
 import pytest
 import torch
 from cli_process import Cli
+from helper_hooks import CaptureHook
 from pydantic import ValidationError
 from torch import nn
 
@@ -263,6 +264,32 @@ def test_a_refused_second_update_is_retried_on_fresh_batches(caplog):
     assert step2[2][1] != step2[1][1]  # the retry drew a fresh batch
     assert all(torch.isfinite(p).all() for p in trainer.model.parameters())
     assert trainer.trace.counts()[(State.RETRYING, State.ACCUMULATING, "redo_step")] == 1
+
+
+def test_a_retried_update_keeps_the_applied_losses_and_drops_the_refused_ones(tmp_path):
+    class NanOnce(GanTrainer):
+        def forward(self, batch, optimizer):
+            loss, records = super().forward(batch, optimizer)
+            if self.step == 2 and optimizer == "generator" and not getattr(self, "failed", False):
+                self.failed = True
+                loss = loss * float("nan")
+            return loss, records
+
+    capture = CaptureHook()
+    trainer = NanOnce(max_steps=3, max_non_finite_grad_retries=1, workspace=tmp_path, gradient_accumulation_steps=2,
+                      hooks=[capture, LoggingHook(interval=1)])
+    trainer.train()
+    info = capture.step_infos[1]
+    assert info.non_finite_grad_retries == 1
+    assert [len(info.losses[name]) for name in ("discriminator", "generator")] == [2, 2]
+    assert all(torch.isfinite(loss) for losses in info.losses.values() for loss in losses)
+    # Every applied microstep's loss, in order: the discriminator's update, then the generator's retried one.
+    assert [loss.item() for loss in info.loss] == [loss.item() for name in info.losses for loss in info.losses[name]]
+    assert [list(records) for records in info.records] == [["d_loss"]] * 2 + [["g_loss"]] * 2
+    rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert rows[1]["step"] == 2
+    assert rows[1]["loss/generator"] is not None
+    assert rows[1]["loss/discriminator"] is not None
 
 
 def test_lr_find_with_several_optimizers_is_a_clear_error():

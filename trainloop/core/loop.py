@@ -72,6 +72,7 @@ class Loop:
         self.runner: StepRunner | None = None  # the update in progress
         self.runners: tuple[StepRunner, ...] = ()  # one per optimizer, in update order
         self._update = 0  # the index of the update in progress in its step
+        self._recorded = (0, 0, 0)  # the step's losses, records and items recorded before the update in progress
         self._names: tuple[str, ...] = ()  # the optimizers' names, in update order
         self._named = False  # several optimizers by name: losses and grad norms kept by name
         self._optimizers: tuple[torch.optim.Optimizer, ...] = ()
@@ -375,7 +376,7 @@ class Loop:
         self.of_kind.pass_done()
 
     def retry(self) -> None:
-        """The work of ``retrying``: drop the step whose gradients were not finite."""
+        """The work of ``retrying``: drop the update whose gradients were not finite, and what its try recorded."""
         t = self.trainer
         self.retries += 1
         if t.grad_scaler.is_enabled():  # expected at the start of fp16 runs: not a warning
@@ -389,8 +390,11 @@ class Loop:
                 t.step, self.retries, t.settings.max_non_finite_grad_retries,
             )
         self.zero_grads()
-        info = self.run_state.step_info
-        info.loss, info.records, info.items = [], [], []
+        # The refused try's records go; those of the step's updates applied before it stay.
+        info, (losses, records, items) = self.run_state.step_info, self._recorded
+        del info.loss[losses:], info.records[records:], info.items[items:]
+        info.losses.pop(self.run_state.updating, None)
+        info.grad_norms.pop(self.run_state.updating, None)
         info.non_finite_grad_retries = self.retries
 
     def checkpoint(self) -> None:
@@ -449,6 +453,7 @@ class Loop:
         run.step_info = StepInfo()
         self.step_start = perf_counter()
         self.compile_watch.begin()
+        self._recorded = (0, 0, 0)
         if self._named:  # another update's backward left gradients on this one's parameters
             self._update = 0
             self.runner = self.runners[0]
@@ -461,6 +466,8 @@ class Loop:
     def next_update(self) -> None:
         """``next_update``: the next optimizer's update of the step, on the step's batches, from zero gradients."""
         index = self._update = self._update + 1
+        info = self.run_state.step_info
+        self._recorded = (len(info.loss), len(info.records), len(info.items))
         self.runner = self.runners[index]
         self.run_state.updating = self._names[index]
         self.zero_grads()
