@@ -357,16 +357,37 @@ def _warn_on_changed_settings(trainer: TrainerView, saved: str | None) -> None:
     note = components.describe_schedule_change(then, trainer.settings, trainer.step)
     if note is not None:  # what a declared schedule does now, beyond "settings differ"
         warnings.warn(note, ChangedSettingsWarning, stacklevel=3)
-    if "optimizer" in changed and now.get("optimizer") is not None:
-        # The optimizer state loaded below carries the checkpoint's param groups (lr, betas,
-        # weight decay): a changed declaration would otherwise look applied and not be.
+    # The optimizer state loaded below carries the checkpoint's param groups (lr, betas, weight
+    # decay): a changed declaration would otherwise look applied and not be.
+    for which, fields in _changed_optimizer_fields(then, now).items():
         warnings.warn(
-            "optimizer: the checkpoint's optimizer state is restored, its learning rates and other "
-            "param-group values included, so the changed optimizer settings take effect only in a "
+            f"{'; '.join(fields)}: the checkpoint's {which} state is restored, its learning rates and "
+            "other param-group values included, so the changed optimizer settings take effect only in a "
             "fresh run",
             ChangedSettingsWarning,
             stacklevel=3,
         )
+
+
+def _changed_optimizer_fields(then: dict[str, Any], now: dict[str, Any]) -> dict[str, list[str]]:
+    """Per declared optimizer both settings have, its changed fields as ``optimizers.head.lr 0.01 -> 0.02``."""
+    declared: dict[str, tuple[str, Any, Any]] = {}
+    if then.get("optimizer") is not None and now.get("optimizer") is not None:
+        declared["optimizer"] = ("optimizer", then["optimizer"], now["optimizer"])
+    for name, spec in (now.get("optimizers") or {}).items():
+        before = (then.get("optimizers") or {}).get(name)
+        if before is not None:
+            declared[f"optimizer {name!r}"] = (f"optimizers.{name}", before, spec)
+    changes = {}
+    for which, (where, before, after) in declared.items():
+        fields = [
+            f"{where}.{key} {before.get(key)!r} -> {after.get(key)!r}"
+            for key in sorted(before.keys() | after.keys())
+            if before.get(key) != after.get(key)
+        ]
+        if fields:
+            changes[which] = fields
+    return changes
 
 
 def _loader_state(loader: Any, data: EpochIterator | None) -> Any:
