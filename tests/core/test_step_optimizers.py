@@ -5,6 +5,7 @@ import json
 import logging
 import re
 import shutil
+import warnings
 
 import pytest
 import torch
@@ -16,6 +17,7 @@ from torch import nn
 from trainloop import BaseHook, BaseTrainer, State, TrainerSettings, lr_find
 from trainloop.checkpoint import read_checkpoint
 from trainloop.core.result import RefusedRunError
+from trainloop.core.step import NoGradientWarning
 from trainloop.hooks import CheckpointingHook, LoggingHook
 
 
@@ -198,8 +200,8 @@ def test_declaring_both_or_an_unknown_module_is_a_clear_error(tmp_path):
     class Declared(GanTrainer):
         build_optimizer = BaseTrainer.build_optimizer
 
-    with pytest.raises(ValueError, match=r"optimizer module='critic': Gan has no such submodule \(its children: "
-                                         r"generator, discriminator\)"):
+    with pytest.raises(RefusedRunError, match=r"^optimizers.critic.module: 'critic': Gan has no such submodule \(its "
+                                              r"children: generator, discriminator\)$"):
         Declared(max_steps=1, optimizers={"critic": {"name": "SGD", "lr": 0.1, "module": "critic"},
                                           "generator": {"name": "SGD", "lr": 0.1, "module": "generator"}}).train()
 
@@ -290,6 +292,41 @@ def test_a_retried_update_keeps_the_applied_losses_and_drops_the_refused_ones(tm
     assert rows[1]["step"] == 2
     assert rows[1]["loss/generator"] is not None
     assert rows[1]["loss/discriminator"] is not None
+
+
+def test_an_optimizer_whose_update_cannot_move_its_parameters_is_said_once():
+    class Unreached(GanTrainer):
+        def build_model(self):
+            model = super().build_model()
+            model.spare = nn.Linear(2, 2)  # no loss reaches it
+            return model
+
+        def build_optimizer(self):
+            return {**super().build_optimizer(), "spare": torch.optim.SGD(self.model.spare.parameters(), lr=0.1)}
+
+        def forward(self, batch, optimizer):
+            return super().forward(batch, "generator" if optimizer == "spare" else optimizer)
+
+    class Frozen(GanTrainer):
+        def build_model(self):
+            model = super().build_model()
+            model.generator.requires_grad_(False)
+            return model
+
+    for trainer, which, params in ((Unreached(max_steps=3), "spare", 2), (Frozen(max_steps=3), "generator", 4)):
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            trainer.train()
+        said = [str(w.message) for w in caught if issubclass(w.category, NoGradientWarning)]
+        assert said == [  # once, though every step updates it
+            f"optimizer {which!r} ({type(trainer.optimizers[which]).__name__}, {params} parameter(s)) moves none of "
+            f"its parameters: none got a gradient in its first update, so {type(trainer).__name__}.forward()'s loss "
+            "does not reach them or they are frozen (requires_grad=False); its updates change nothing"
+        ]
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        GanTrainer(max_steps=3).train()
+    assert not [w for w in caught if issubclass(w.category, NoGradientWarning)]
 
 
 def test_lr_find_with_several_optimizers_is_a_clear_error():
@@ -459,3 +496,18 @@ def test_names_from_build_optimizer_are_checked_as_the_settings_check_them():
     assert trainer.calls == []
     with pytest.raises(ValidationError, match=re.escape(said)):  # the same line where the settings declare it
         TrainerSettings(max_steps=2, optimizers={"g": {"name": "SGD", "lr": 0.1}, "g/x": {"name": "SGD", "lr": 0.1}})
+
+
+def test_a_module_the_model_lacks_is_one_line_naming_the_entry_exit_2_before_step_one(tmp_path):
+    typo = {"body": TWO_PARTS["body"], "head": {**TWO_PARTS["head"], "module": "torch.optim.AdamWW"}}
+    result = two_part_run(tmp_path, typo).result()
+    assert result.returncode == 2, result.stderr
+    assert "Traceback" not in result.stderr
+    errors = [line for line in result.stderr.splitlines() if line.startswith("trainloop run: error:")]
+    assert errors == [
+        "trainloop run: error: optimizers.head.module: 'torch.optim.AdamWW': ModuleDict has no such submodule (its "
+        "children: body, head)"
+    ], result.stderr
+    workspace = tmp_path / "ws"  # refused while building: no checkpoint, settings.json, metrics or trace
+    assert sorted(path.name for path in workspace.iterdir()) == ["run.lock", "runs.jsonl"]
+    assert [json.loads(line)["exit_code"] for line in (workspace / "runs.jsonl").read_text().splitlines()] == [2]

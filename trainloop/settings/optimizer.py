@@ -57,6 +57,7 @@ __all__ = [
     "build_optimizer",
     "describe_schedule_change",
     "lr_factor",
+    "module_problem",
     "optimizer_names_problem",
 ]
 
@@ -366,6 +367,18 @@ def _no_decay_ids(model: nn.Module, rules: tuple[str, ...]) -> set[int]:
     return exempt
 
 
+def module_problem(settings: OptimizerSettings, model: nn.Module) -> str | None:
+    """Why ``model`` has no submodule ``settings.module`` (the value, then what the model has), else ``None``."""
+    if settings.module is None:
+        return None
+    try:
+        model.get_submodule(settings.module)
+    except AttributeError:
+        children = ", ".join(name for name, _ in model.named_children()) or "none"
+        return f"{settings.module!r}: {type(model).__name__} has no such submodule (its children: {children})"
+    return None
+
+
 def build_optimizer(settings: OptimizerSettings, model: nn.Module) -> torch.optim.Optimizer:
     """Build the optimizer that ``settings`` declare over ``model``'s trainable parameters.
 
@@ -386,15 +399,11 @@ def build_optimizer(settings: OptimizerSettings, model: nn.Module) -> torch.opti
         ValueError: The model has no trainable parameter, or the optimizer rejects its
             parameters (``Muon`` takes only 2-D ones).
     """
+    problem = module_problem(settings, model)
+    if problem is not None:
+        raise ValueError(f"optimizer module={problem}")
     if settings.module is not None:
-        try:
-            model = model.get_submodule(settings.module)
-        except AttributeError:
-            children = ", ".join(name for name, _ in model.named_children()) or "none"
-            raise ValueError(
-                f"optimizer module={settings.module!r}: {type(model).__name__} has no such submodule "
-                f"(its children: {children})"
-            ) from None
+        model = model.get_submodule(settings.module)
     params = [param for param in model.parameters() if param.requires_grad]
     if not params:
         raise ValueError(f"{type(model).__name__} has no trainable parameter to optimize")
