@@ -678,8 +678,11 @@ class DeviceVerdict:
         self.skipped_in_a_row = 0
 
     def state_dict(self) -> dict[str, Any]:
-        """Whether updates are decided on the device yet, and the skips read in a row (none may be unread)."""
-        assert not self.pending, "a verdict is read before the run saves"
+        """Whether updates are decided on the device yet, and the skips in a row up to the last read verdict.
+
+        The loop reads a pending verdict before it saves; a state taken earlier (a hook's ``on_after_step``) counts
+        up to the verdict before.
+        """
         return {"ready": self.ready, "skipped_in_a_row": self.skipped_in_a_row}
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
