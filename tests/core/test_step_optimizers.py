@@ -511,3 +511,17 @@ def test_a_module_the_model_lacks_is_one_line_naming_the_entry_exit_2_before_ste
     workspace = tmp_path / "ws"  # refused while building: no checkpoint, settings.json, metrics or trace
     assert sorted(path.name for path in workspace.iterdir()) == ["run.lock", "runs.jsonl"]
     assert [json.loads(line)["exit_code"] for line in (workspace / "runs.jsonl").read_text().splitlines()] == [2]
+
+
+def test_evaluate_refuses_a_module_the_model_lacks_in_one_line(tmp_path):
+    typo = {"body": TWO_PARTS["body"], "head": {**TWO_PARTS["head"], "module": "haed"}}
+    (tmp_path / "run.json").write_text(json.dumps({"max_steps": 2, "optimizers": typo,
+                                                   "hooks": [{"type": "validation", "evaluate": "forward", "interval": 1}]}))
+    result = Cli("evaluate", "run.json", "--trainer", "cli_trainers:TwoPartTrainer", "--checkpoint", "none",
+                 cwd=tmp_path).result()
+    assert result.returncode == 2, result.stderr
+    assert "Traceback" not in result.stderr
+    assert [line for line in result.stderr.splitlines() if "error" in line] == [
+        "trainloop evaluate: error: optimizers.head.module: 'haed': ModuleDict has no such submodule (its children: "
+        "body, head)"
+    ]
