@@ -29,6 +29,7 @@ __all__ = ["RUNS_FILE", "RefusedRunError", "RunKind", "RunResult", "finish_run",
 
 RUNS_FILE = "runs.jsonl"
 
+
 class RefusedRunError(ValueError):
     """What the run declares cannot run, found before its first step: one line per problem.
 
