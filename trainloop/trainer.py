@@ -20,7 +20,7 @@ from torch import nn
 from trainloop.core import preflight
 from trainloop.core.loop import Loop
 from trainloop.core.metrics import MetricsLog
-from trainloop.core.result import RunKind, RunResult, finish_run
+from trainloop.core.result import RefusedRunError, RunKind, RunResult, finish_run
 from trainloop.core.run_kinds import WeightsSource
 from trainloop.core.run_length import RunLength
 from trainloop.core.run_state import SINGLE, RunState
@@ -231,12 +231,22 @@ class BaseTrainer:
         """
         settings = self.settings
         if settings.optimizers is not None:
-            return {name: components.build_optimizer(spec, self.model) for name, spec in settings.optimizers.items()}
-        if settings.optimizer is None:
+            declared = {f"optimizers.{name}": spec for name, spec in settings.optimizers.items()}
+        elif settings.optimizer is not None:
+            declared = {"optimizer": settings.optimizer}
+        else:
             raise NotImplementedError(
                 f"{type(self).__name__} must implement build_optimizer() or declare settings.optimizer"
             )
-        return components.build_optimizer(settings.optimizer, self.model)
+        # A submodule the model lacks is a mistake in the settings: said as they name it, before step 1.
+        problems = [f"{field}.module: {problem}" for field, spec in declared.items()
+                    if (problem := components.module_problem(spec, self.model)) is not None]
+        if problems:
+            raise RefusedRunError("\n".join(problems))
+        built = {field: components.build_optimizer(spec, self.model) for field, spec in declared.items()}
+        if settings.optimizers is not None:
+            return {name: built[f"optimizers.{name}"] for name in settings.optimizers}
+        return built["optimizer"]
 
     def build_lr_scheduler(
         self,

@@ -314,3 +314,43 @@ def test_a_declared_fused_optimizer_skips_and_an_unfused_one_retries_from_the_cl
         assert read_skipped_updates(trace) == []
         assert retries == [3]
         assert "Non-finite gradients at step 3; retrying (1/1)" in run.stderr
+
+
+def resumable(workspace, max_steps, nan_at_steps, resumed_at=0, **kwargs):
+    """A fused AdamW run in ``workspace`` saving every ``max_steps``, NaN at the steps of ``nan_at_steps`` (counted
+    over the whole run: a run resumed at ``resumed_at`` counts its own forward calls from there)."""
+    nan_at = {"all"} if nan_at_steps == "all" else {step - resumed_at for step in nan_at_steps if step > resumed_at}
+    return FlakyTrainer(max_steps=max_steps, nan_at=nan_at, make_optimizer=fused_adamw, workspace=workspace,
+                        hooks=[CheckpointingHook(interval=4, exit_signals=[])], trace=True, **kwargs)
+
+
+def test_a_run_resumed_right_before_a_skipped_update_skips_it_on_the_device_as_the_unbroken_run(tmp_path):
+    unbroken = resumable(tmp_path / "unbroken", 8, {5}, max_non_finite_grad_retries=1)
+    unbroken.train()
+    assert unbroken.trace.skipped == [5]
+    resumable(tmp_path / "stopped", 4, {5}, max_non_finite_grad_retries=1).train()
+    resumed = resumable(tmp_path / "stopped", 8, {5}, resumed_at=4, max_non_finite_grad_retries=1)
+    resumed.train()
+    assert resumed.trace.skipped == [5]  # on the device, as the unbroken run: no synced retry on fresh batches
+    assert resumed.trace.counts()[(State.STEPPING, State.RETRYING, "retry")] == 0
+    assert resumed.calls == 4
+    assert_same(params(resumed), params(unbroken))
+    assert_same(resumed.optimizer.state_dict(), unbroken.optimizer.state_dict())
+
+
+def test_skips_in_a_row_are_counted_across_a_resume():
+    # Skipped: 4, 5 (saved at 5: two in a row), then 6, the third, which max_non_finite_grad_retries=2 refuses.
+    said = (r"non-finite gradients at step 6 \(its update skipped on the device; the run stopped at step 7\) after 3 "
+            r"skipped updates in a row \(max_non_finite_grad_retries=2\)$")
+    unbroken = FlakyTrainer(max_steps=10, nan_at=set(range(4, 100)), max_non_finite_grad_retries=2,
+                            make_optimizer=fused_adamw)
+    with pytest.raises(RuntimeError, match=said):
+        unbroken.train()
+    stopped = FlakyTrainer(max_steps=5, nan_at={4, 5}, max_non_finite_grad_retries=2, make_optimizer=fused_adamw)
+    stopped.train()
+    saved = stopped.state_dict()
+    resumed = FlakyTrainer(max_steps=10, nan_at={"all"}, max_non_finite_grad_retries=2, make_optimizer=fused_adamw)
+    resumed.on_enter(State.RESTORING, lambda t: t.load_state_dict(saved))
+    with pytest.raises(RuntimeError, match=said):
+        resumed.train()
+    assert resumed.step == unbroken.step == 7

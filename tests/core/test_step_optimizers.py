@@ -3,14 +3,21 @@
 import itertools
 import json
 import logging
+import re
+import shutil
+import warnings
 
 import pytest
 import torch
 from cli_process import Cli
+from helper_hooks import CaptureHook
+from pydantic import ValidationError
 from torch import nn
 
 from trainloop import BaseHook, BaseTrainer, State, TrainerSettings, lr_find
 from trainloop.checkpoint import read_checkpoint
+from trainloop.core.result import RefusedRunError
+from trainloop.core.step import NoGradientWarning
 from trainloop.hooks import CheckpointingHook, LoggingHook
 
 
@@ -193,8 +200,8 @@ def test_declaring_both_or_an_unknown_module_is_a_clear_error(tmp_path):
     class Declared(GanTrainer):
         build_optimizer = BaseTrainer.build_optimizer
 
-    with pytest.raises(ValueError, match=r"optimizer module='critic': Gan has no such submodule \(its children: "
-                                         r"generator, discriminator\)"):
+    with pytest.raises(RefusedRunError, match=r"^optimizers.critic.module: 'critic': Gan has no such submodule \(its "
+                                              r"children: generator, discriminator\)$"):
         Declared(max_steps=1, optimizers={"critic": {"name": "SGD", "lr": 0.1, "module": "critic"},
                                           "generator": {"name": "SGD", "lr": 0.1, "module": "generator"}}).train()
 
@@ -259,6 +266,67 @@ def test_a_refused_second_update_is_retried_on_fresh_batches(caplog):
     assert step2[2][1] != step2[1][1]  # the retry drew a fresh batch
     assert all(torch.isfinite(p).all() for p in trainer.model.parameters())
     assert trainer.trace.counts()[(State.RETRYING, State.ACCUMULATING, "redo_step")] == 1
+
+
+def test_a_retried_update_keeps_the_applied_losses_and_drops_the_refused_ones(tmp_path):
+    class NanOnce(GanTrainer):
+        def forward(self, batch, optimizer):
+            loss, records = super().forward(batch, optimizer)
+            if self.step == 2 and optimizer == "generator" and not getattr(self, "failed", False):
+                self.failed = True
+                loss = loss * float("nan")
+            return loss, records
+
+    capture = CaptureHook()
+    trainer = NanOnce(max_steps=3, max_non_finite_grad_retries=1, workspace=tmp_path, gradient_accumulation_steps=2,
+                      hooks=[capture, LoggingHook(interval=1)])
+    trainer.train()
+    info = capture.step_infos[1]
+    assert info.non_finite_grad_retries == 1
+    assert [len(info.losses[name]) for name in ("discriminator", "generator")] == [2, 2]
+    assert all(torch.isfinite(loss) for losses in info.losses.values() for loss in losses)
+    # Every applied microstep's loss, in order: the discriminator's update, then the generator's retried one.
+    assert [loss.item() for loss in info.loss] == [loss.item() for name in info.losses for loss in info.losses[name]]
+    assert [list(records) for records in info.records] == [["d_loss"]] * 2 + [["g_loss"]] * 2
+    rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert rows[1]["step"] == 2
+    assert rows[1]["loss/generator"] is not None
+    assert rows[1]["loss/discriminator"] is not None
+
+
+def test_an_optimizer_whose_update_cannot_move_its_parameters_is_said_once():
+    class Unreached(GanTrainer):
+        def build_model(self):
+            model = super().build_model()
+            model.spare = nn.Linear(2, 2)  # no loss reaches it
+            return model
+
+        def build_optimizer(self):
+            return {**super().build_optimizer(), "spare": torch.optim.SGD(self.model.spare.parameters(), lr=0.1)}
+
+        def forward(self, batch, optimizer):
+            return super().forward(batch, "generator" if optimizer == "spare" else optimizer)
+
+    class Frozen(GanTrainer):
+        def build_model(self):
+            model = super().build_model()
+            model.generator.requires_grad_(False)
+            return model
+
+    for trainer, which, params in ((Unreached(max_steps=3), "spare", 2), (Frozen(max_steps=3), "generator", 4)):
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            trainer.train()
+        said = [str(w.message) for w in caught if issubclass(w.category, NoGradientWarning)]
+        assert said == [  # once, though every step updates it
+            f"optimizer {which!r} ({type(trainer.optimizers[which]).__name__}, {params} parameter(s)) moves none of "
+            f"its parameters: none got a gradient in its first update, so {type(trainer).__name__}.forward()'s loss "
+            "does not reach them or they are frozen (requires_grad=False); its updates change nothing"
+        ]
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        GanTrainer(max_steps=3).train()
+    assert not [w for w in caught if issubclass(w.category, NoGradientWarning)]
 
 
 def test_lr_find_with_several_optimizers_is_a_clear_error():
@@ -340,3 +408,120 @@ def test_declared_optimizers_and_a_one_argument_forward_are_one_line_before_anyt
     assert len(lines) == 1, result.stderr
     assert "optimizers: OneArgument.forward() takes no optimizer, but the run updates several (a, b)" in lines[0]
     assert not (tmp_path / "ws").exists()
+
+
+
+TWO_PARTS = {"body": {"name": "SGD", "lr": 0.05, "module": "body"}, "head": {"name": "SGD", "lr": 0.05, "module": "head"}}
+
+
+def two_part_run(tmp_path, optimizers, *overrides, name="run.json"):
+    """``trainloop run`` of ``cli_trainers:TwoPartTrainer`` with these ``optimizers``, in the workspace ``ws``; started."""
+    settings = tmp_path / name
+    settings.write_text(json.dumps({
+        "max_steps": 2, "workspace": "ws", "optimizers": optimizers,
+        "hooks": [{"type": "checkpointing", "interval": 2, "exit_signals": []}],
+    }))
+    return Cli("run", settings, "--trainer", "cli_trainers:TwoPartTrainer", *overrides, cwd=tmp_path)
+
+
+def files(workspace):
+    """Every file of ``workspace`` but ``runs.jsonl``, with its bytes."""
+    return {p: p.read_bytes() for p in workspace.rglob("*") if p.is_file() and p.name != "runs.jsonl"}
+
+
+def test_a_resume_with_other_optimizers_is_refused_in_one_line_exit_2_writing_nothing(tmp_path):
+    first = two_part_run(tmp_path, TWO_PARTS).result()
+    assert first.returncode == 0, first.stderr
+    changed = {
+        "order": ({"head": TWO_PARTS["head"], "body": TWO_PARTS["body"]},
+                  "the checkpoint holds the state of optimizers body, head, and this run builds optimizers head, body"),
+        "names": ({"body": TWO_PARTS["body"], "top": TWO_PARTS["head"]},
+                  "the checkpoint holds the state of optimizers body, head, and this run builds optimizers body, top"),
+        "class": ({"body": TWO_PARTS["body"], "head": {**TWO_PARTS["head"], "name": "Adam", "lr": 0.01}},
+                  "the checkpoint's optimizer 'head' state was saved by torch.optim.sgd.SGD, and this run's optimizer "
+                  "'head' is torch.optim.adam.Adam"),
+    }
+    kept = {}
+    for case in changed:  # each resumes its own copy of the workspace
+        shutil.copytree(tmp_path / "ws", tmp_path / case)
+        kept[case] = files(tmp_path / case)
+    refused = {
+        case: two_part_run(tmp_path, optimizers, "--set", "max_steps=4", "--set", f"workspace={case}", name=f"{case}.json")
+        for case, (optimizers, _) in changed.items()
+    }
+    for case, (_, said) in changed.items():
+        result = refused[case].result()
+        assert result.returncode == 2, result.stderr
+        assert "Traceback" not in result.stderr
+        errors = [line for line in result.stderr.splitlines() if line.startswith("trainloop run: error:")]
+        assert len(errors) == 1, result.stderr
+        assert errors[0].startswith(f"trainloop run: error: {said}"), errors[0]
+        assert errors[0].endswith("or start fresh (another workspace, or CheckpointingHook(load=None))")
+        # No checkpoint, metric, settings.json or trace written; the refused run's line records its exit code.
+        workspace = tmp_path / case
+        assert files(workspace) == kept[case]
+        runs = [json.loads(line) for line in (workspace / "runs.jsonl").read_text().splitlines()]
+        assert [run["exit_code"] for run in runs] == [0, 2]
+
+
+def test_an_empty_mapping_from_build_optimizer_is_one_line_before_step_one():
+    class NoOptimizer(GanTrainer):
+        def build_optimizer(self):
+            return {}
+
+    trainer = NoOptimizer(max_steps=2)
+    with pytest.raises(RefusedRunError) as refused:
+        trainer.train()
+    assert str(refused.value) == "NoOptimizer.build_optimizer() returned an empty mapping: no optimizer: give at least one"
+    assert trainer.step == 0
+
+
+def test_names_from_build_optimizer_are_checked_as_the_settings_check_them():
+    class Slashed(GanTrainer):
+        def build_optimizer(self):  # "g/x" and group "x" of "g" would both log lr/g/x
+            gan = self.model
+            return {
+                "g": torch.optim.SGD([{"params": gan.generator[0].parameters(), "name": "x"},
+                                      {"params": gan.generator[2].parameters(), "name": "y"}], lr=0.1),
+                "g/x": torch.optim.SGD(gan.discriminator.parameters(), lr=0.1),
+            }
+
+    said = ("'g/x' cannot name an optimizer: a name begins with a letter or '_' and holds letters, digits, '_', '.' "
+            "and '-' (a '/' would mix it up with another optimizer's param groups in lr/<name>/<group>)")
+    trainer = Slashed(max_steps=2)
+    with pytest.raises(RefusedRunError) as refused:
+        trainer.train()
+    assert str(refused.value) == f"Slashed.build_optimizer() returned optimizers 'g', 'g/x': {said}"
+    assert trainer.step == 0
+    assert trainer.calls == []
+    with pytest.raises(ValidationError, match=re.escape(said)):  # the same line where the settings declare it
+        TrainerSettings(max_steps=2, optimizers={"g": {"name": "SGD", "lr": 0.1}, "g/x": {"name": "SGD", "lr": 0.1}})
+
+
+def test_a_module_the_model_lacks_is_one_line_naming_the_entry_exit_2_before_step_one(tmp_path):
+    typo = {"body": TWO_PARTS["body"], "head": {**TWO_PARTS["head"], "module": "torch.optim.AdamWW"}}
+    result = two_part_run(tmp_path, typo).result()
+    assert result.returncode == 2, result.stderr
+    assert "Traceback" not in result.stderr
+    errors = [line for line in result.stderr.splitlines() if line.startswith("trainloop run: error:")]
+    assert errors == [
+        "trainloop run: error: optimizers.head.module: 'torch.optim.AdamWW': ModuleDict has no such submodule (its "
+        "children: body, head)"
+    ], result.stderr
+    workspace = tmp_path / "ws"  # refused while building: no checkpoint, settings.json, metrics or trace
+    assert sorted(path.name for path in workspace.iterdir()) == ["run.lock", "runs.jsonl"]
+    assert [json.loads(line)["exit_code"] for line in (workspace / "runs.jsonl").read_text().splitlines()] == [2]
+
+
+def test_evaluate_refuses_a_module_the_model_lacks_in_one_line(tmp_path):
+    typo = {"body": TWO_PARTS["body"], "head": {**TWO_PARTS["head"], "module": "haed"}}
+    (tmp_path / "run.json").write_text(json.dumps({"max_steps": 2, "optimizers": typo,
+                                                   "hooks": [{"type": "validation", "evaluate": "forward", "interval": 1}]}))
+    result = Cli("evaluate", "run.json", "--trainer", "cli_trainers:TwoPartTrainer", "--checkpoint", "none",
+                 cwd=tmp_path).result()
+    assert result.returncode == 2, result.stderr
+    assert "Traceback" not in result.stderr
+    assert [line for line in result.stderr.splitlines() if "error" in line] == [
+        "trainloop evaluate: error: optimizers.head.module: 'haed': ModuleDict has no such submodule (its children: "
+        "body, head)"
+    ]

@@ -11,7 +11,8 @@ from torch.utils.data import DataLoader
 
 from trainloop import BaseTrainer, State
 from trainloop.core.data import InexactResumeWarning
-from trainloop.core.training_state import ChangedGlobalBatchError, global_batch_refusal
+from trainloop.core.training_state import ChangedGlobalBatchError, ChangedSettingsWarning, global_batch_refusal
+from trainloop.hooks import CheckpointingHook
 
 StatefulDataLoader = pytest.importorskip("torchdata.stateful_dataloader").StatefulDataLoader
 
@@ -95,6 +96,35 @@ def test_a_changed_optimizer_declaration_on_resume_says_it_does_not_apply():
     with pytest.warns(UserWarning, match="changed optimizer settings take effect only in a fresh run"):
         resumed = declared_run(0.5, resume_from=saved)
     assert resumed.optimizer.param_groups[0]["lr"] == 0.1  # the checkpoint's, as the warning says
+
+
+def test_changed_optimizers_on_resume_say_which_optimizer_and_field_take_effect_only_in_a_fresh_run(tmp_path):
+    class TwoParts(DropoutTrainer):
+        build_optimizer = BaseTrainer.build_optimizer  # the declared optimizers
+
+        def forward(self, batch, optimizer):
+            return super().forward(batch)
+
+    def declared(head_lr, max_steps):
+        modules = {"body": "0", "head": "3"}  # the first and last Linear of the Sequential
+        optimizers = {name: {"name": "SGD", "lr": 0.1, "module": module} for name, module in modules.items()}
+        optimizers["head"]["lr"] = head_lr
+        trainer = TwoParts(max_steps=max_steps, optimizers=optimizers, workspace=tmp_path,
+                           hooks=[CheckpointingHook(interval=3, exit_signals=[])])
+        trainer.train()
+        return trainer
+
+    declared(0.1, 3)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        resumed = declared(0.5, 4)
+    said = [str(w.message) for w in caught if issubclass(w.category, ChangedSettingsWarning)]
+    assert (
+        "optimizers.head.lr 0.1 -> 0.5: the checkpoint's optimizer 'head' state is restored, its learning rates and "
+        "other param-group values included, so the changed optimizer settings take effect only in a fresh run"
+    ) in said
+    assert not any("'body'" in line for line in said)  # unchanged: not said
+    assert resumed.optimizers["head"].param_groups[0]["lr"] == 0.1  # the checkpoint's, as the warning says
 
 
 def shuffled(batch_size):

@@ -8,8 +8,10 @@ from __future__ import annotations
 
 import time
 
+import torch
 from pydantic import Field
 from tiny_trainer import TinyTrainer
+from torch import nn
 
 from trainloop import BaseHook, BaseTrainer, TrainerSettings
 from trainloop.settings.types import NonNegativeFloat, PositiveInt, StrictBool
@@ -70,3 +72,19 @@ class CliTrainer(TinyTrainer):
 
 class NotATrainer:
     """A class that is not a BaseTrainer, for the CLI's error path."""
+
+
+class TwoPartTrainer(CliTrainer):
+    """CliTrainer's regression with a ``body`` and a ``head``, each stepped by the optimizer ``optimizers`` declares
+    for it (``module: body``, ``module: head``): ``forward(batch, optimizer)`` is called once per update."""
+
+    build_optimizer = BaseTrainer.build_optimizer  # the declared optimizers
+
+    def build_model(self):
+        torch.manual_seed(0)
+        return nn.ModuleDict({"body": nn.Sequential(nn.Linear(4, 8), nn.Tanh()), "head": nn.Linear(8, 1)})
+
+    def forward(self, batch, optimizer):
+        x, y = batch
+        loss = nn.functional.mse_loss(self.model["head"](self.model["body"](x)), y)
+        return loss, {}

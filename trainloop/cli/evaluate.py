@@ -18,6 +18,7 @@ from trainloop.cli.errors import FAILURE, PROG, CliError
 from trainloop.cli.run import configure_logging
 from trainloop.cli.settings import checked_settings
 from trainloop.core.preflight import checked
+from trainloop.core.result import RefusedRunError
 from trainloop.core.run_kinds import EvaluateError
 from trainloop.distributed.ranks import is_rank_zero
 from trainloop.utils import strict_json
@@ -36,6 +37,8 @@ def command(args: argparse.Namespace) -> int:
             metrics = trainer_class(settings).evaluate(checkpoint, weights=args.weights)
     except EvaluateError as error:
         raise CliError(str(error)) from None
+    except RefusedRunError as error:  # what it builds cannot run (build_optimizer()'s names, a declared module)
+        raise CliError(str(error), error.exit_code) from None
     except CheckpointError as error:
         raise CliError(str(error), FAILURE) from None
     except KeyboardInterrupt:

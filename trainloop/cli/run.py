@@ -16,7 +16,7 @@ from trainloop.checkpoint.errors import CheckpointError
 from trainloop.cli.errors import FAILURE, PROG, CliError
 from trainloop.cli.settings import checked_settings
 from trainloop.core.preflight import checked
-from trainloop.core.training_state import ChangedGlobalBatchError
+from trainloop.core.result import RefusedRunError
 from trainloop.core.workspace import WorkspaceBusyError
 
 __all__ = ["command", "configure_logging"]
@@ -31,7 +31,7 @@ def command(args: argparse.Namespace) -> int:
         # A signal exit raises SystemExit(code) from train(): it propagates as the exit code.
         with checked(settings, trainer_class):  # the preflight above ran: train() does not repeat it
             trainer_class(settings).train()
-    except (WorkspaceBusyError, ChangedGlobalBatchError) as error:  # refused before the first step
+    except (WorkspaceBusyError, RefusedRunError) as error:  # refused before the first step
         raise CliError(str(error), error.exit_code) from None
     except CheckpointError as error:
         raise CliError(str(error), FAILURE) from None

@@ -11,7 +11,7 @@ lives here too.
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from time import perf_counter
 from typing import TYPE_CHECKING, Any
 
@@ -19,6 +19,7 @@ from trainloop.checkpoint.weights import init_from
 from trainloop.core.compiling import CompileWatch, note_compiled
 from trainloop.core.data import EpochIterator
 from trainloop.core.metrics import METRICS_FILE
+from trainloop.core.result import RefusedRunError
 from trainloop.core.rng import seed_all, set_rng_state
 from trainloop.core.run_kinds import RunOfKind, Work, restore_weights
 from trainloop.core.run_state import SINGLE, RunState
@@ -40,6 +41,7 @@ from trainloop.loss import Loss
 from trainloop.machine.runner import StateMachine
 from trainloop.machine.table import State
 from trainloop.machine.trace import start_run_record, write_settings
+from trainloop.settings.optimizer import optimizer_names_problem
 from trainloop.step_info import StepInfo
 
 if TYPE_CHECKING:
@@ -70,6 +72,7 @@ class Loop:
         self.runner: StepRunner | None = None  # the update in progress
         self.runners: tuple[StepRunner, ...] = ()  # one per optimizer, in update order
         self._update = 0  # the index of the update in progress in its step
+        self._recorded = (0, 0, 0)  # the step's losses, records and items recorded before the update in progress
         self._names: tuple[str, ...] = ()  # the optimizers' names, in update order
         self._named = False  # several optimizers by name: losses and grad norms kept by name
         self._optimizers: tuple[torch.optim.Optimizer, ...] = ()
@@ -166,7 +169,12 @@ class Loop:
         built["model"] = t.build_model()
         if t.settings.seed_per_rank:  # validated: seed is set
             seed_ranks_apart(t.settings.seed)  # type: ignore[arg-type]
-        built["optimizer"] = t.build_optimizer()
+        built["optimizer"] = optimizers = t.build_optimizer()
+        if isinstance(optimizers, Mapping):  # named as declared ones must be: the same check
+            problem = optimizer_names_problem(list(optimizers))
+            if problem is not None:
+                returned = f"optimizers {', '.join(map(repr, optimizers))}" if optimizers else "an empty mapping"
+                raise RefusedRunError(f"{type(t).__name__}.build_optimizer() returned {returned}: {problem}")
         named = list(self.run_state.optimizers) if self.run_state.named_optimizers else None
         check_forward(t.forward, f"{type(t).__name__}.forward()", named)
         if lr_scheduler:
@@ -245,7 +253,13 @@ class Loop:
             self.runners = (StepRunner(self.step_plan(), data, epochs=epochs),)
             self._names = (SINGLE,)
         self.runner = self.runners[0]
-        self._verdicts = tuple(r.verdict for r in self.runners if r.verdict is not None)
+        verdicts = zip(self._names, (r.verdict for r in self.runners), strict=True)
+        run.verdicts = {name: verdict for name, verdict in verdicts if verdict is not None}
+        self._verdicts = tuple(run.verdicts.values())
+        restored, run.restored_verdicts = run.restored_verdicts or {}, None
+        for name, verdict in run.verdicts.items():
+            if name in restored:  # the resumed run decides as the unbroken one would have
+                verdict.load_state_dict(restored[name])
 
     def zero_grads(self) -> None:
         """Zero the gradients of every optimizer's parameters."""
@@ -363,7 +377,7 @@ class Loop:
         self.of_kind.pass_done()
 
     def retry(self) -> None:
-        """The work of ``retrying``: drop the step whose gradients were not finite."""
+        """The work of ``retrying``: drop the update whose gradients were not finite, and what its try recorded."""
         t = self.trainer
         self.retries += 1
         if t.grad_scaler.is_enabled():  # expected at the start of fp16 runs: not a warning
@@ -377,8 +391,11 @@ class Loop:
                 t.step, self.retries, t.settings.max_non_finite_grad_retries,
             )
         self.zero_grads()
-        info = self.run_state.step_info
-        info.loss, info.records, info.items = [], [], []
+        # The refused try's records go; those of the step's updates applied before it stay.
+        info, (losses, records, items) = self.run_state.step_info, self._recorded
+        del info.loss[losses:], info.records[records:], info.items[items:]
+        info.losses.pop(self.run_state.updating, None)
+        info.grad_norms.pop(self.run_state.updating, None)
         info.non_finite_grad_retries = self.retries
 
     def checkpoint(self) -> None:
@@ -437,6 +454,7 @@ class Loop:
         run.step_info = StepInfo()
         self.step_start = perf_counter()
         self.compile_watch.begin()
+        self._recorded = (0, 0, 0)
         if self._named:  # another update's backward left gradients on this one's parameters
             self._update = 0
             self.runner = self.runners[0]
@@ -449,6 +467,8 @@ class Loop:
     def next_update(self) -> None:
         """``next_update``: the next optimizer's update of the step, on the step's batches, from zero gradients."""
         index = self._update = self._update + 1
+        info = self.run_state.step_info
+        self._recorded = (len(info.loss), len(info.records), len(info.items))
         self.runner = self.runners[index]
         self.run_state.updating = self._names[index]
         self.zero_grads()

@@ -25,9 +25,20 @@ from trainloop.utils import append_line, strict_json
 if TYPE_CHECKING:
     from trainloop.core.run_state import TrainerView
 
-__all__ = ["RUNS_FILE", "RunKind", "RunResult", "finish_run", "read_runs", "run_result"]
+__all__ = ["RUNS_FILE", "RefusedRunError", "RunKind", "RunResult", "finish_run", "read_runs", "run_result"]
 
 RUNS_FILE = "runs.jsonl"
+
+
+class RefusedRunError(ValueError):
+    """What the run declares cannot run, found before its first step: one line per problem.
+
+    The command line reports it without a traceback and exits with ``exit_code`` (a usage error); the run's line in
+    ``runs.jsonl`` records the same code. Nothing else is written: no checkpoint, no metric, no ``settings.json``.
+    """
+
+    exit_code = 2
+
 
 RunKind = Literal["train", "evaluate", "predict"]
 """What a run does: ``train()``, ``evaluate()`` (building, restoring, validating, exiting) or
@@ -46,8 +57,8 @@ class RunResult:
             the checkpoint whose weights it used (0 for the model as built).
         exit_code: ``0`` for a clean end; the code an exit signal asked for (``train()`` then
             raises ``SystemExit`` with it); for a run ended by an error, what the process would
-            exit with: ``130`` for ``KeyboardInterrupt``, else ``1`` (read the result from
-            ``trainer.result``: ``train()`` re-raised the error).
+            exit with: ``130`` for ``KeyboardInterrupt``, ``2`` for a refusal (``RefusedRunError``), else
+            ``1`` (read the result from ``trainer.result``: ``train()`` re-raised the error).
         metrics: The last value of every key logged through ``trainer.log`` in this run,
             flattened (``"val/loss"``), as Python floats.
         best_checkpoint: The best checkpoint by a ``CheckpointingHook``'s ``monitor`` (with

@@ -29,6 +29,7 @@ if TYPE_CHECKING:
     from trainloop.core.data import EpochIterator
     from trainloop.core.metrics import MetricsLog
     from trainloop.core.run_length import RunLength
+    from trainloop.core.step import DeviceVerdict
     from trainloop.hooks.base import BaseHook
     from trainloop.machine.runner import Handle
     from trainloop.machine.table import Transition
@@ -63,6 +64,10 @@ class RunState:
             once it does (creating it draws from torch's generator).
         restored_position: A plain ``DataLoader``'s position a checkpoint load restored, for
             ``data`` to resume its epoch exactly there (see ``trainloop.core.data``).
+        verdicts: The device verdicts of the optimizers that skip a non-finite update on the
+            device, by optimizer name (``trainloop.core.step.DeviceVerdict``); made in ``restoring``.
+        restored_verdicts: Their states a checkpoint load restored before they existed; applied
+            once they do.
         error: What ended the run, if an error did.
         updating: The name of the optimizer whose update is in progress (``SINGLE`` with one).
     """
@@ -76,6 +81,8 @@ class RunState:
     data: EpochIterator | None = None
     restored_rng: dict[str, Any] | None = None
     restored_position: dict[str, Any] | None = None
+    verdicts: dict[str, DeviceVerdict] = field(default_factory=dict)
+    restored_verdicts: dict[str, Any] | None = None
     error: BaseException | None = None
     updating: str = SINGLE
 

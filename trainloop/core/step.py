@@ -43,6 +43,7 @@ __all__ = [
     "trainer_update_plans",
     "update_plan",
     "LossNoneWarning",
+    "NoGradientWarning",
     "check_forward",
     "takes_optimizer",
     "Microstep",
@@ -61,6 +62,10 @@ NO_CONTEXT = contextlib.nullcontext()
 
 class LossNoneWarning(UserWarning):
     """``forward`` returned ``loss=None`` while the model is wrapped by DDP or FSDP."""
+
+
+class NoGradientWarning(UserWarning):
+    """None of an optimizer's parameters got a gradient in its first update: its updates cannot move them."""
 
 
 @dataclass(frozen=True)
@@ -87,6 +92,7 @@ class StepPlan:
             before clipping (the trainer's ``on_before_optimizer_step`` hooks).
         parameters: The parameters the update clips and checks: its optimizer's, when a step
             updates several; ``None``: the model's.
+        name: The optimizer's name, when a step updates several; ``None``: the run's one.
     """
 
     model: nn.Module
@@ -102,6 +108,7 @@ class StepPlan:
     autocast: contextlib.AbstractContextManager[Any] = NO_CONTEXT
     before_optimizer_step: Callable[[], None] | None = None
     parameters: tuple[nn.Parameter, ...] | None = None
+    name: str | None = None
 
     def params(self) -> Iterable[nn.Parameter]:
         """The parameters the update clips and checks."""
@@ -136,7 +143,7 @@ def trainer_update_plans(
         forward = functools.partial(_call_with_name, trainer.forward, name)
         plan = update_plan(trainer, optimizer, forward, check_grads, schedulers.get(name), before_optimizer_step)
         params = tuple(p for group in optimizer.param_groups for p in group["params"])
-        plans[name] = dataclasses.replace(plan, parameters=params)
+        plans[name] = dataclasses.replace(plan, parameters=params, name=name)
     return plans
 
 
@@ -232,6 +239,7 @@ class StepRunner:
         self.target = plan.accumulation  # the microsteps the step in progress takes
         self._divisor = plan.accumulation  # what its plain losses are divided by
         self.grad_norm: torch.Tensor | None = None  # the last update's (clipping only)
+        self._reach_checked = False  # whether the first update looked for its optimizer's gradients
         if self._sync_off is None:  # nothing to switch: a microstep is the microstep itself (one call fewer)
             self.microstep = self._microstep  # type: ignore[method-assign]
 
@@ -384,6 +392,8 @@ class StepRunner:
             gradients were non-finite: then nothing stepped, the gradients are left as they
             are, and a grad scaler has lowered its scale for the retry.
         """
+        if not self._reach_checked:
+            self._warn_if_no_gradient()
         self._prepare_grads()
         verdict = self.verdict
         if verdict is not None and verdict.ready:
@@ -395,6 +405,22 @@ class StepRunner:
         if verdict is not None:
             verdict.ready = True
         return True
+
+    def _warn_if_no_gradient(self) -> None:
+        """Say once if none of the optimizer's parameters got a gradient: its updates could never move them."""
+        self._reach_checked = True
+        plan = self.plan
+        params = [p for group in plan.optimizer.param_groups for p in group["params"]]
+        if any(p.grad is not None for p in params):
+            return
+        which = "the optimizer" if plan.name is None else f"optimizer {plan.name!r}"
+        warnings.warn(
+            f"{which} ({type(plan.optimizer).__name__}, {len(params)} parameter(s)) moves none of its parameters: "
+            f"none got a gradient in its first update, so {plan.owner}'s loss does not reach them or they are frozen "
+            "(requires_grad=False); its updates change nothing",
+            NoGradientWarning,
+            stacklevel=2,
+        )
 
     def _prepare_grads(self) -> None:
         """Unscale (fp16), normalise by the item count or rescale, ``before_optimizer_step``, clip."""
@@ -636,6 +662,9 @@ class DeviceVerdict:
         ready: Whether updates may be decided on the device (after the first applied one).
         pending: Whether a recorded verdict has not been read yet.
         skipped_in_a_row: Skipped updates read in a row, up to the last read.
+
+    A checkpoint keeps ``ready`` and ``skipped_in_a_row`` (``state_dict``): a resumed run decides its first update
+    where the unbroken run does, and bounds the skips in a row across the resume.
     """
 
     def __init__(self, device: torch.device) -> None:
@@ -647,6 +676,19 @@ class DeviceVerdict:
         self.ready = False
         self.pending = False
         self.skipped_in_a_row = 0
+
+    def state_dict(self) -> dict[str, Any]:
+        """Whether updates are decided on the device yet, and the skips in a row up to the last read verdict.
+
+        The loop reads a pending verdict before it saves; a state taken earlier (a hook's ``on_after_step``) counts
+        up to the verdict before.
+        """
+        return {"ready": self.ready, "skipped_in_a_row": self.skipped_in_a_row}
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        """Go on from what ``state_dict`` returned."""
+        self.ready = bool(state["ready"])
+        self.skipped_in_a_row = int(state["skipped_in_a_row"])
 
     def record(self, found: torch.Tensor, scale: torch.Tensor | None = None) -> None:
         """Copy the update's flag (and the loss scale after it) to host memory, without waiting."""

@@ -11,6 +11,7 @@ import warnings
 from typing import TYPE_CHECKING, Any
 
 from trainloop.core.data import InexactResumeWarning, batch_size_of
+from trainloop.core.result import RefusedRunError
 from trainloop.core.rng import get_rng_state, set_rng_state
 from trainloop.core.run_state import SINGLE
 from trainloop.distributed.ranks import gather_from_ranks, rank, world_size
@@ -25,6 +26,7 @@ SAMPLER_POSITION = "trainloop_sampler_position"
 
 __all__ = [
     "ChangedGlobalBatchError",
+    "ChangedOptimizersError",
     "ChangedSettingsWarning",
     "global_batch_refusal",
     "load_training_state",
@@ -36,14 +38,18 @@ class ChangedSettingsWarning(UserWarning):
     """A run resumes from a checkpoint made with different settings."""
 
 
-class ChangedGlobalBatchError(ValueError):
+class ChangedGlobalBatchError(RefusedRunError):
     """A run resumes with another global batch (ranks x batch size x accumulation) than the checkpoint's.
 
-    Refused before the first step: the command line exits with ``exit_code`` (a usage error), and the
-    run's line in ``runs.jsonl`` records the same code.
+    Refused before the first step, as every ``RefusedRunError``.
     """
 
-    exit_code = 2
+
+class ChangedOptimizersError(RefusedRunError):
+    """A run resumes with other optimizers than the checkpoint's: other names, another order, another class.
+
+    Refused before the first step, as every ``RefusedRunError``: one optimizer's state cannot load into another.
+    """
 
 
 def training_state(trainer: TrainerView, run: RunState) -> dict[str, Any]:
@@ -82,6 +88,8 @@ def training_state(trainer: TrainerView, run: RunState) -> dict[str, Any]:
                 }
             ),
             "grad_scaler": trainer.grad_scaler.state_dict(),
+            # Where the non-finite guard decides and how many updates it skipped in a row (fused optimizers).
+            "device_verdicts": {name: verdict.state_dict() for name, verdict in run.verdicts.items()},
             # What resumes the run exactly, per rank (each rank has its own).
             "rng": gather_from_ranks(get_rng_state()),
             "data_loader": gather_from_ranks(_loader_state(trainer.data_loader, data)),
@@ -111,6 +119,7 @@ def load_training_state(trainer: TrainerView, run: RunState, state_dict: dict[st
         # lr with its own (pytorch/pytorch#119168).
         scheduler.load_state_dict(scheduler_states[name])
     trainer.grad_scaler.load_state_dict(saved["grad_scaler"])
+    _restore_verdicts(run, saved.get("device_verdicts") or {})
     _restore_per_rank(trainer, run, saved)
     _warn_on_changed_settings(trainer, saved.get("settings"))
     _load_model_and_optimizers(trainer, state_dict["model"], optimizer_states)
@@ -124,7 +133,8 @@ def _by_name(
     """The checkpoint's optimizer states, classes and scheduler states by optimizer name.
 
     Raises:
-        ValueError: The checkpoint's optimizers are not this run's (other names, or one where there are several).
+        ChangedOptimizersError: The checkpoint's optimizers are not this run's (other names, another order, or one
+            where there are several).
     """
     now = list(trainer.optimizers) if run.named_optimizers else None
     then = list(saved["optimizers"]) if "optimizers" in saved else None
@@ -132,7 +142,7 @@ def _by_name(
         def described(names: list[str] | None) -> str:
             return f"optimizers {', '.join(names)}" if names is not None else "one optimizer"
 
-        raise ValueError(
+        raise ChangedOptimizersError(
             f"the checkpoint holds the state of {described(then)}, and this run builds {described(now)}: "
             "resume with the same optimizers, or start fresh (another workspace, or CheckpointingHook(load=None))"
         )
@@ -210,16 +220,26 @@ def _check_optimizer_class(name: str | None, optimizer: Any, saved: str | None) 
     """Refuse optimizer state saved by another optimizer class (checkpoints that record it).
 
     Raises:
-        ValueError: The classes differ; the message names both (and the optimizer, one of several).
+        ChangedOptimizersError: The classes differ; the message names both (and the optimizer, one of several).
     """
     now = _class_name(optimizer)
     if saved is not None and saved != now:
         which = f"optimizer {name!r}" if name is not None else "optimizer"
-        raise ValueError(
+        raise ChangedOptimizersError(
             f"the checkpoint's {which} state was saved by {saved}, and this run's {which} is "
             f"{now}: one cannot load the other's state; build the same optimizer to resume, or "
             "start fresh (another workspace, or CheckpointingHook(load=None))"
         )
+
+
+def _restore_verdicts(run: RunState, saved: dict[str, Any]) -> None:
+    """Restore the device verdicts' states, or keep them for the verdicts made in ``restoring``."""
+    if not run.verdicts:
+        run.restored_verdicts = saved
+        return
+    for name, verdict in run.verdicts.items():
+        if name in saved:
+            verdict.load_state_dict(saved[name])
 
 
 def _restore_per_rank(trainer: TrainerView, run: RunState, saved: dict[str, Any]) -> None:
@@ -337,16 +357,37 @@ def _warn_on_changed_settings(trainer: TrainerView, saved: str | None) -> None:
     note = components.describe_schedule_change(then, trainer.settings, trainer.step)
     if note is not None:  # what a declared schedule does now, beyond "settings differ"
         warnings.warn(note, ChangedSettingsWarning, stacklevel=3)
-    if "optimizer" in changed and now.get("optimizer") is not None:
-        # The optimizer state loaded below carries the checkpoint's param groups (lr, betas,
-        # weight decay): a changed declaration would otherwise look applied and not be.
+    # The optimizer state loaded below carries the checkpoint's param groups (lr, betas, weight
+    # decay): a changed declaration would otherwise look applied and not be.
+    for which, fields in _changed_optimizer_fields(then, now).items():
         warnings.warn(
-            "optimizer: the checkpoint's optimizer state is restored, its learning rates and other "
-            "param-group values included, so the changed optimizer settings take effect only in a "
+            f"{'; '.join(fields)}: the checkpoint's {which} state is restored, its learning rates and "
+            "other param-group values included, so the changed optimizer settings take effect only in a "
             "fresh run",
             ChangedSettingsWarning,
             stacklevel=3,
         )
+
+
+def _changed_optimizer_fields(then: dict[str, Any], now: dict[str, Any]) -> dict[str, list[str]]:
+    """Per declared optimizer both settings have, its changed fields as ``optimizers.head.lr 0.01 -> 0.02``."""
+    declared: dict[str, tuple[str, Any, Any]] = {}
+    if then.get("optimizer") is not None and now.get("optimizer") is not None:
+        declared["optimizer"] = ("optimizer", then["optimizer"], now["optimizer"])
+    for name, spec in (now.get("optimizers") or {}).items():
+        before = (then.get("optimizers") or {}).get(name)
+        if before is not None:
+            declared[f"optimizer {name!r}"] = (f"optimizers.{name}", before, spec)
+    changes = {}
+    for which, (where, before, after) in declared.items():
+        fields = [
+            f"{where}.{key} {before.get(key)!r} -> {after.get(key)!r}"
+            for key in sorted(before.keys() | after.keys())
+            if before.get(key) != after.get(key)
+        ]
+        if fields:
+            changes[which] = fields
+    return changes
 
 
 def _loader_state(loader: Any, data: EpochIterator | None) -> Any:

@@ -27,7 +27,7 @@ from pydantic import (
 from trainloop.hooks.registry import HookSpec
 from trainloop.settings.errors import describe_validation_error, in_our_words
 from trainloop.settings.init_from import InitFromSettings
-from trainloop.settings.optimizer import OPTIMIZER_NAME, OptimizerSettings
+from trainloop.settings.optimizer import OPTIMIZER_NAME, OptimizerSettings, optimizer_names_problem
 from trainloop.settings.schedule import LrScheduleSettings
 from trainloop.settings.sources import ENV_PREFIX, SettingsFileError, SettingsInput, read_settings_input
 from trainloop.settings.types import NonEmptyPath, NonNegativeInt, PositiveFloat, PositiveInt, StrictBool
@@ -181,12 +181,20 @@ class TrainerSettings(BaseModel):
                 raise ValueError("; ".join(problems))
         return value
 
+    @field_validator("optimizers", mode="before")
+    @classmethod
+    def _optimizer_names(cls, value: Any) -> Any:
+        # Before the keys' own pattern: the check build_optimizer()'s names pass too, in its words.
+        if isinstance(value, Mapping):
+            problem = optimizer_names_problem(list(value))
+            if problem is not None:
+                raise ValueError(f"{problem}, or declare optimizer" if not value else problem)
+        return value
+
     @model_validator(mode="after")
     def _one_way_to_declare_optimizers(self) -> Self:
         if self.optimizer is not None and self.optimizers is not None:
             raise ValueError("declare optimizer (one) or optimizers (several by name), not both")
-        if self.optimizers is not None and not self.optimizers:
-            raise ValueError("optimizers declares none: give at least one, or declare optimizer")
         return self
 
     @model_validator(mode="after")

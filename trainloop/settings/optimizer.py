@@ -20,8 +20,10 @@ from __future__ import annotations
 
 import difflib
 import inspect
+import re
 import types
 import typing
+from collections.abc import Collection
 from functools import cache
 from typing import TYPE_CHECKING, Annotated, Any, Literal, Union
 
@@ -55,6 +57,8 @@ __all__ = [
     "build_optimizer",
     "describe_schedule_change",
     "lr_factor",
+    "module_problem",
+    "optimizer_names_problem",
 ]
 
 # -- optimizers ----------------------------------------------------------------------------------
@@ -283,6 +287,23 @@ else:
 OPTIMIZER_NAME = r"^[A-Za-z_][A-Za-z0-9_.-]*$"
 
 
+def optimizer_names_problem(names: Collection[object]) -> str | None:
+    """Why ``names`` cannot name a run's optimizers, else ``None``: the one check of declared and built ones.
+
+    At least one, each as ``OPTIMIZER_NAME`` says: the records key by it (``loss/<name>``, ``lr/<name>``, and
+    ``lr/<name>/<group>`` for several param groups), so a ``/`` in it could make one optimizer's key another's.
+    """
+    if not names:
+        return "no optimizer: give at least one"
+    for name in names:
+        if not isinstance(name, str) or re.fullmatch(OPTIMIZER_NAME, name) is None:
+            return (
+                f"{name!r} cannot name an optimizer: a name begins with a letter or '_' and holds letters, digits, "
+                "'_', '.' and '-' (a '/' would mix it up with another optimizer's param groups in lr/<name>/<group>)"
+            )
+    return None
+
+
 class OptimizerSettings(RootModel[_OptimizerArgsUnion]):
     """A ``torch.optim`` optimizer declared as data: ``{"name": ..., <its arguments>}``.
 
@@ -346,6 +367,18 @@ def _no_decay_ids(model: nn.Module, rules: tuple[str, ...]) -> set[int]:
     return exempt
 
 
+def module_problem(settings: OptimizerSettings, model: nn.Module) -> str | None:
+    """Why ``model`` has no submodule ``settings.module`` (the value, then what the model has), else ``None``."""
+    if settings.module is None:
+        return None
+    try:
+        model.get_submodule(settings.module)
+    except AttributeError:
+        children = ", ".join(name for name, _ in model.named_children()) or "none"
+        return f"{settings.module!r}: {type(model).__name__} has no such submodule (its children: {children})"
+    return None
+
+
 def build_optimizer(settings: OptimizerSettings, model: nn.Module) -> torch.optim.Optimizer:
     """Build the optimizer that ``settings`` declare over ``model``'s trainable parameters.
 
@@ -366,15 +399,11 @@ def build_optimizer(settings: OptimizerSettings, model: nn.Module) -> torch.opti
         ValueError: The model has no trainable parameter, or the optimizer rejects its
             parameters (``Muon`` takes only 2-D ones).
     """
+    problem = module_problem(settings, model)
+    if problem is not None:
+        raise ValueError(f"optimizer module={problem}")
     if settings.module is not None:
-        try:
-            model = model.get_submodule(settings.module)
-        except AttributeError:
-            children = ", ".join(name for name, _ in model.named_children()) or "none"
-            raise ValueError(
-                f"optimizer module={settings.module!r}: {type(model).__name__} has no such submodule "
-                f"(its children: {children})"
-            ) from None
+        model = model.get_submodule(settings.module)
     params = [param for param in model.parameters() if param.requires_grad]
     if not params:
         raise ValueError(f"{type(model).__name__} has no trainable parameter to optimize")
