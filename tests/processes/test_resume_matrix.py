@@ -87,20 +87,15 @@ DEFECT_4_FP16 = ("#32 defect 4: fp16's refused first updates (GradScaler's 65536
 DEFECT_4D = ("#32 defect 4d: with max_epochs and accumulation, updates redone on fresh batches (fp16's refused "
              "first ones) use up the last epoch before its last step has its microsteps: the unbroken run ends in "
              "DataExhaustedError")
-DEFECT_6 = ("#32 defect 6: after a resume, the fused optimizer's non-finite update takes the synced retry (the "
-            "step not counted, fresh batches) where the unbroken run skipped it on the device")
-
 #: Today's divergent cases of ``SAMPLE`` and their causes (issue #32's defects).
 KNOWN_DIVERGENT: dict[str, str] = {
     "one-full-local-epoch_end-acc1-mean-fp32-noema-constant-steps-finite-r1": DEFECT_4,
-    "fused-sharded-s3-epoch_start-acc1-items-fp16-ema-constant-epochs-nan-r1": DEFECT_6,
     "several-sharded_async-s3-signal-acc3-items-fp16-noema-warmup_cosine-steps-finite-r1": DEFECT_1,
     "one-sharded_async-s3-epoch_end-acc1-mean-bf16-ema-warmup_cosine-epochs-finite-r1": DEFECT_4,
     "several-sharded_async-memory-epoch_end-acc3-items-fp32-noema-constant-steps-nan-r1": DEFECT_1 + "; then defect 4",
     "several-full-local-mid_epoch-acc1-mean-fp16-noema-constant-epochs-finite-r1": DEFECT_4_FP16,
     "several-sharded-local-mid_epoch-acc1-mean-bf16-noema-constant-steps-finite-r1": DEFECT_1,
     "one-sharded-local-epoch_end-acc1-mean-fp32-noema-constant-steps-finite-r1": DEFECT_4,
-    "fused-full-local-mid_epoch-acc1-mean-fp32-noema-constant-steps-nan-r1": DEFECT_6,
     "several-sharded-local-mid_epoch-acc1-mean-fp32-noema-constant-steps-finite-r1": DEFECT_1,
     "one-sharded-local-epoch_end-acc1-mean-fp32-noema-constant-steps-finite-r2": DEFECT_4,
 }
@@ -120,8 +115,6 @@ def known_cause(case: Case, unbroken: dict[str, Any]) -> tuple[str, bool] | None
         return DEFECT_4D, True
     if case.precision == "fp16":
         return FP16_UNPREDICTED, False
-    if case.optimizers == "fused" and case.nan:
-        return DEFECT_6, True
     if case.stop == "epoch_end":
         return DEFECT_4, True
     return None
