@@ -19,6 +19,8 @@ torch import). Each run is a JSON object:
     out                ``torch.save`` the final parameters and the start step here
     loader             ``"plain"``: a plain shuffling ``torch.utils.data.DataLoader`` instead of
                        the ``StatefulDataLoader`` (one process only)
+    validate           ``ValidationHook(interval=...)`` over a DataLoader, which draws from torch's
+                       generator (its base seed, and a sampled metric); absent: no validation
 
 Under a torchrun-style environment (``WORLD_SIZE`` > 1, ``RANK``, ``MASTER_ADDR``,
 ``MASTER_PORT``) the process joins a gloo group and the model is wrapped in DDP, each rank
@@ -50,6 +52,7 @@ from torchdata.stateful_dataloader import StatefulDataLoader
 from trainloop import BaseHook
 from trainloop.distributed import destroy
 from trainloop.hooks.checkpointing import CheckpointingHook
+from trainloop.hooks.validation import ValidationHook
 from trainloop.trainer import ChangedSettingsWarning
 
 SEED = 3
@@ -89,9 +92,17 @@ class PlainLoaderTrainer(DropoutTrainer):
     plain_loader = True
 
 
+def validation(trainer: DropoutTrainer) -> dict[str, Any]:
+    """The loss over a DataLoader (making its iterator draws a base seed from torch's generator), and a random draw."""
+    losses = [nn.functional.mse_loss(trainer.model(x), y) for x, y in DataLoader(make_data(16, seed=1), batch_size=8)]
+    return {"loss": torch.stack(losses).mean(), "draw": torch.rand(())}
+
+
 def trainer_for(run: dict[str, Any], hooks: list[BaseHook]) -> DropoutTrainer:
     """The trainer a run spec describes (the test builds its references with it too)."""
     cls = PlainLoaderTrainer if run.get("loader") == "plain" else DropoutTrainer
+    if run.get("validate") is not None:
+        hooks = [ValidationHook(validation, interval=run["validate"]), *hooks]
     return cls(
         max_steps=run["max_steps"],
         gradient_accumulation_steps=run.get("accumulation", 1),
