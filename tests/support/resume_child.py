@@ -18,7 +18,8 @@ torch import). Each run is a JSON object:
     pause_rank         the only rank that pauses before a step (default: every rank)
     out                ``torch.save`` the final parameters and the start step here
     loader             ``"plain"``: a plain shuffling ``torch.utils.data.DataLoader`` instead of
-                       the ``StatefulDataLoader`` (one process only)
+                       the ``StatefulDataLoader`` (under a group: over a ``DistributedSampler``)
+    format             ``CheckpointingHook(format=...)`` (default ``"full"``)
     validate           ``ValidationHook(interval=...)`` over a DataLoader, which draws from torch's
                        generator (its base seed, and a sampled metric); absent: no validation
 
@@ -73,6 +74,8 @@ class DropoutTrainer(TinyTrainer):
 
     def build_data_loader(self):
         data = make_data(40)
+        if self.plain_loader and dist.is_initialized():  # 5 batches of 4 an epoch on each of 2 ranks
+            return DataLoader(data, batch_size=4, sampler=DistributedSampler(data, shuffle=True, seed=SEED))
         if self.plain_loader:  # no state of its own: trainloop saves where its sampler is
             return DataLoader(data, batch_size=8, shuffle=True)
         if dist.is_initialized():
@@ -153,7 +156,7 @@ def train(run: dict[str, Any]) -> None:
     report = ReportHook(run)
     hooks: list[BaseHook] = []
     if run.get("interval") is not None:
-        hooks.append(CheckpointingHook(interval=run["interval"], exit_signals=["SIGTERM"]))
+        hooks.append(CheckpointingHook(interval=run["interval"], exit_signals=["SIGTERM"], format=run.get("format", "full")))
     hooks.append(report)
     trainer = trainer_for(run, hooks)
     trainer.on_exit("checkpointing", report.after_save)
