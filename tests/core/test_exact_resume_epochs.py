@@ -56,7 +56,7 @@ def _quiet():
 
 
 @pytest.mark.parametrize("loader", list(LOADERS))
-@pytest.mark.parametrize("stop", [6, 5, 7, 12], ids=lambda s: f"stop{s}")
+@pytest.mark.parametrize("stop", [6, 7, 12], ids=lambda s: f"stop{s}")
 def test_a_run_stopped_at_or_beside_an_epoch_boundary_resumes_as_the_unbroken_run(tmp_path, loader, stop):
     unbroken, resumed = compare(tmp_path, {"max_steps": stop}, {"max_steps": 15}, loader=LOADERS[loader])
     assert len(unbroken.samples) == 15
