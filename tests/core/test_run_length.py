@@ -141,3 +141,50 @@ def test_max_epochs_with_every_loss_none_ends_with_a_clear_error():
     with pytest.raises(DataExhaustedError, match=r"AllNone.forward\(\) returned loss=None .*max_epochs=1"):
         AllNone(max_epochs=1, data=data).train()
     assert data.epochs == [4]  # nothing beyond the declared epoch was drawn
+
+
+
+def sequential_batches(dataset):
+    return DataLoader(dataset, batch_size=4)  # 6 batches of 4 an epoch: items 0-3, 4-7, ..., 20-23
+
+
+def skipping(accumulation, skip, max_epochs=3):
+    """A run over ``sequential_batches`` whose forward skips the batches holding an item of ``skip``."""
+    from epoch_trainer import SampleTrainer
+
+    return SampleTrainer(max_epochs=max_epochs, gradient_accumulation_steps=accumulation, skip=frozenset(skip),
+                         loader=sequential_batches)
+
+
+def kept_items(skip):
+    return [i for i in range(24) if not skip.intersection(range(i - i % 4, i - i % 4 + 4))]
+
+
+@pytest.mark.parametrize(
+    ("accumulation", "skip", "per_epoch"),
+    [
+        (3, {12}, 2),  # batches 1-3; then 4 (skipped), 5 and 6 end the epoch: the step updates on two
+        (3, {4, 16}, 2),  # batches 1, 2 (skipped), 3 and 4; then 5 (skipped) and 6 end the epoch
+        (2, {16}, 3),  # batches 1-2, 3-4; then 5 (skipped) and 6 end the epoch
+    ],
+)
+def test_a_step_never_draws_from_the_epoch_after_its_own_while_forward_skips_batches(accumulation, skip, per_epoch):
+    trainer = skipping(accumulation, skip)
+    result = trainer.train()  # ends cleanly: not "the 3 epoch(s) of max_epochs=3 are all drawn"
+    assert (result.step, result.epoch, result.exit_code) == (3 * per_epoch, 3, 0)
+    for epoch in range(3):  # each epoch's steps train on its batches, once, in order: no step spans two epochs
+        steps = range(epoch * per_epoch + 1, (epoch + 1) * per_epoch + 1)
+        assert [i for step in steps for i in trainer.samples[step]] == kept_items(skip)
+
+
+def test_a_step_that_skipped_every_batch_left_in_its_epoch_goes_on_in_the_next_but_not_past_the_last():
+    # Batches 5 and 6 skipped, accumulation 2: each epoch's third step has nothing when its epoch runs out, so it
+    # trains on the next epoch's first two batches; in the last epoch there is none, which is the documented error.
+    trainer = skipping(2, {16, 20})
+    with pytest.raises(DataExhaustedError, match=r"returned loss=None for every batch of the last epoch's step"):
+        trainer.train()
+    assert [trainer.samples[s] for s in range(1, 7)] == [
+        [0, 1, 2, 3, 4, 5, 6, 7], [8, 9, 10, 11, 12, 13, 14, 15], [0, 1, 2, 3, 4, 5, 6, 7],  # step 3 spans epochs 0-1
+        [8, 9, 10, 11, 12, 13, 14, 15], [0, 1, 2, 3, 4, 5, 6, 7], [8, 9, 10, 11, 12, 13, 14, 15],
+    ]
+    assert trainer.step == 7  # the step that found nothing in the last epoch

@@ -114,6 +114,15 @@ def test_each_update_calls_forward_with_its_name_on_the_steps_batches_in_declara
     assert sums[4:6] != sums[0:2]
 
 
+def test_every_update_of_an_epochs_last_step_trains_on_all_its_batches():
+    # max_epochs, 6 batches an epoch, accumulation 3: the second step ends the epoch as its first update's last
+    # microstep draws, and the generator's update still replays the step's three batches.
+    trainer = GanTrainer(max_epochs=1, gradient_accumulation_steps=3, data=batches(6))
+    trainer.train()
+    names = [(step, name) for step, name, _ in trainer.calls]
+    assert names == [(s, n) for s in (1, 2) for n in ("discriminator", "generator") for _ in range(3)]
+
+
 def test_the_machine_shows_each_update():
     updates = []
     trainer = GanTrainer(max_steps=3, trace=True)

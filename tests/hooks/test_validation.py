@@ -7,6 +7,7 @@ import logging
 import os
 import subprocess
 import sys
+import warnings
 from pathlib import Path
 
 import pydantic
@@ -14,6 +15,7 @@ import pytest
 import torch
 from helper_hooks import CaptureHook
 from tiny_trainer import TinyTrainer, make_data
+from torch.utils.data import DataLoader
 
 from trainloop import BaseHook, State
 from trainloop.hooks.registry import HOOK_TYPES, hook_settings_model
@@ -293,3 +295,26 @@ def test_a_validation_method_named_after_a_run_is_refused_by_validate(tmp_path, 
     assert sorted(p.name for p in tmp_path.iterdir()) == ["run.json"]
     with pytest.raises(TypeError, match=rf"trainer.{run}\(\) is a run of the trainer"):
         TinyTrainer(max_steps=2, hooks=[ValidationHook(run, interval=1)]).train()
+
+
+def validation_loader_metrics(trainer):
+    """An evaluation over a DataLoader: making its iterator draws a base seed from torch's global generator."""
+    from epoch_trainer import Indexed
+
+    losses = [torch.nn.functional.mse_loss(trainer.model(x), y) for x, y, _ in DataLoader(Indexed(8), batch_size=4)]
+    return {"loss": torch.stack(losses).mean(), "draw": torch.rand(())}  # a sampled metric draws too
+
+
+@pytest.mark.parametrize("stop", [5, 6, 8], ids=lambda s: f"stop{s}")
+def test_validations_that_draw_random_numbers_leave_a_resumed_run_exact(tmp_path, stop):
+    # at_start validates before the first step, and again as the resumed run starts; every 4 steps in between.
+    from epoch_trainer import compare
+
+    def hooks():
+        return [ValidationHook(validation_loader_metrics, interval=4, at_start=True)]
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)  # "settings differ: max_steps"
+        unbroken, resumed = compare(tmp_path, {"max_steps": stop}, {"max_steps": 14}, hooks=hooks)
+    resumed.assert_same_as(unbroken)
+    assert [h.last_step for t in resumed.trainers for h in t.hooks if isinstance(h, ValidationHook)] == [stop, 14]

@@ -24,14 +24,17 @@ CHILD = Path(__file__).resolve().parents[1] / "support" / "resume_child.py"
 TIMEOUT = 240
 MAX_STEPS = 17
 # 5 batches per epoch: a SIGTERM as step 7 begins (batch 2 of epoch 1); with accumulation 3, a
-# SIGKILL after the save of step 4 (12 batches: batch 2 of epoch 2).
-SCENARIOS = {("sigterm", 1): 7, ("sigkill", 3): 4}
+# SIGKILL after the save of step 4 (12 batches: batch 2 of epoch 2); validating every 3 steps, a
+# SIGTERM as step 6 begins (batch 1 of epoch 1), where a validation is due and is skipped for the save.
+SCENARIOS = {("sigterm", 1): 7, ("sigkill", 3): 4, ("sigterm-validating", 1): 6}
+VALIDATE = {("sigterm-validating", 1): 3}
 
 
-def reference(accumulation: int) -> list[torch.Tensor]:
+def reference(accumulation: int, validate: int | None = None) -> list[torch.Tensor]:
     from resume_child import trainer_for
 
-    trainer = trainer_for({"workspace": None, "max_steps": MAX_STEPS, "accumulation": accumulation, "loader": "plain"}, [])
+    run = {"workspace": None, "max_steps": MAX_STEPS, "accumulation": accumulation, "loader": "plain", "validate": validate}
+    trainer = trainer_for(run, [])
     trainer.train()
     return [p.detach().clone() for p in trainer.model.parameters()]
 
@@ -41,16 +44,18 @@ def resumed(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("plain")
     children, runs = {}, {}
     for (how, acc), at in SCENARIOS.items():
-        run = {"workspace": str(tmp / f"{how}{acc}"), "max_steps": MAX_STEPS, "accumulation": acc, "loader": "plain"}
-        pause = {"pause_before_step": at, "interval": 1000} if how == "sigterm" else {"pause_after_save": at, "interval": at}
+        run = {"workspace": str(tmp / f"{how}{acc}"), "max_steps": MAX_STEPS, "accumulation": acc, "loader": "plain",
+               "validate": VALIDATE.get((how, acc))}
+        signalled = how.startswith("sigterm")
+        pause = {"pause_before_step": at, "interval": 1000} if signalled else {"pause_after_save": at, "interval": at}
         runs[how, acc] = run
         children[how, acc] = ChildProcess(CHILD, [json.dumps([{**run, **pause}])], tmp)
     found = {}
     try:
         for (how, acc), child in children.items():
             child.wait_for(f"0 paused {SCENARIOS[how, acc]}", timeout=TIMEOUT, exact=True)
-            child.proc.send_signal(signal.SIGTERM if how == "sigterm" else signal.SIGKILL)
-            if how == "sigterm":
+            child.proc.send_signal(signal.SIGTERM if how.startswith("sigterm") else signal.SIGKILL)
+            if how.startswith("sigterm"):
                 child.send("")
             code = child.finish(timeout=TIMEOUT)
             saved = read_checkpoint(Path(runs[how, acc]["workspace"]) / "checkpoints" / str(SCENARIOS[how, acc]))
@@ -71,12 +76,12 @@ def resumed(tmp_path_factory):
 @pytest.mark.parametrize(("how", "accumulation"), list(SCENARIOS), ids=[f"{h}-accumulation{a}" for h, a in SCENARIOS])
 def test_a_plain_dataloader_run_stopped_mid_epoch_resumes_bitwise(resumed, how, accumulation):
     result = resumed[how, accumulation]
-    assert result["code"] == (143 if how == "sigterm" else -signal.SIGKILL)
+    assert result["code"] == (143 if how.startswith("sigterm") else -signal.SIGKILL)
     drawn = SCENARIOS[how, accumulation] * accumulation % 5
     assert result["position"]["trainloop_sampler_position"]["drawn"] == drawn  # mid-epoch, as meant
     assert result["resumed"]["started"] == SCENARIOS[how, accumulation]
     assert result["resumed"]["step"] == MAX_STEPS
-    expected = reference(accumulation)
+    expected = reference(accumulation, VALIDATE.get((how, accumulation)))
     for got, want in zip(result["resumed"]["params"], expected, strict=True):
         assert torch.equal(got, want), (got - want).abs().max()
 

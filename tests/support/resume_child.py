@@ -18,7 +18,10 @@ torch import). Each run is a JSON object:
     pause_rank         the only rank that pauses before a step (default: every rank)
     out                ``torch.save`` the final parameters and the start step here
     loader             ``"plain"``: a plain shuffling ``torch.utils.data.DataLoader`` instead of
-                       the ``StatefulDataLoader`` (one process only)
+                       the ``StatefulDataLoader`` (under a group: over a ``DistributedSampler``)
+    format             ``CheckpointingHook(format=...)`` (default ``"full"``)
+    validate           ``ValidationHook(interval=...)`` over a DataLoader, which draws from torch's
+                       generator (its base seed, and a sampled metric); absent: no validation
 
 Under a torchrun-style environment (``WORLD_SIZE`` > 1, ``RANK``, ``MASTER_ADDR``,
 ``MASTER_PORT``) the process joins a gloo group and the model is wrapped in DDP, each rank
@@ -50,6 +53,7 @@ from torchdata.stateful_dataloader import StatefulDataLoader
 from trainloop import BaseHook
 from trainloop.distributed import destroy
 from trainloop.hooks.checkpointing import CheckpointingHook
+from trainloop.hooks.validation import ValidationHook
 from trainloop.trainer import ChangedSettingsWarning
 
 SEED = 3
@@ -70,6 +74,8 @@ class DropoutTrainer(TinyTrainer):
 
     def build_data_loader(self):
         data = make_data(40)
+        if self.plain_loader and dist.is_initialized():  # 5 batches of 4 an epoch on each of 2 ranks
+            return DataLoader(data, batch_size=4, sampler=DistributedSampler(data, shuffle=True, seed=SEED))
         if self.plain_loader:  # no state of its own: trainloop saves where its sampler is
             return DataLoader(data, batch_size=8, shuffle=True)
         if dist.is_initialized():
@@ -89,9 +95,17 @@ class PlainLoaderTrainer(DropoutTrainer):
     plain_loader = True
 
 
+def validation(trainer: DropoutTrainer) -> dict[str, Any]:
+    """The loss over a DataLoader (making its iterator draws a base seed from torch's generator), and a random draw."""
+    losses = [nn.functional.mse_loss(trainer.model(x), y) for x, y in DataLoader(make_data(16, seed=1), batch_size=8)]
+    return {"loss": torch.stack(losses).mean(), "draw": torch.rand(())}
+
+
 def trainer_for(run: dict[str, Any], hooks: list[BaseHook]) -> DropoutTrainer:
     """The trainer a run spec describes (the test builds its references with it too)."""
     cls = PlainLoaderTrainer if run.get("loader") == "plain" else DropoutTrainer
+    if run.get("validate") is not None:
+        hooks = [ValidationHook(validation, interval=run["validate"]), *hooks]
     return cls(
         max_steps=run["max_steps"],
         gradient_accumulation_steps=run.get("accumulation", 1),
@@ -142,7 +156,7 @@ def train(run: dict[str, Any]) -> None:
     report = ReportHook(run)
     hooks: list[BaseHook] = []
     if run.get("interval") is not None:
-        hooks.append(CheckpointingHook(interval=run["interval"], exit_signals=["SIGTERM"]))
+        hooks.append(CheckpointingHook(interval=run["interval"], exit_signals=["SIGTERM"], format=run.get("format", "full")))
     hooks.append(report)
     trainer = trainer_for(run, hooks)
     trainer.on_exit("checkpointing", report.after_save)

@@ -8,7 +8,9 @@ batches were drawn since. ``EpochIterator`` records the first as each epoch begi
 saves both; a resume sets the generators back, starts the epoch again and skips the batches
 already drawn *at the sampler*, so their data is never loaded (as Accelerate's
 ``skip_first_batches`` does). The rest of the epoch, and every later one, is then the unbroken
-run's.
+run's. Every epoch begins at its first draw (a resumed run's first too): its order is drawn from the
+generators as they are then, so a checkpoint made between epochs needs only the loader's own
+generators, and torch's is the checkpoint's.
 
 That replay is per rank, so it needs as many ranks, each drawing batches of the same size. For a
 sampler trainloop knows (``DistributedSampler``, ``RandomSampler``, ``SequentialSampler``), each
@@ -21,15 +23,17 @@ loader's sampler deals an epoch (padded to, or cut to, a multiple of its ranks, 
 What stays inexact: a loader whose workers draw random numbers (augmentation) hands the
 remaining batches to its workers in another rotation than the unbroken run did; a loader with
 neither a sampler nor a state (an ``IterableDataset``, a generator) cannot be positioned at all;
-nor, on another number of ranks, can a sampler trainloop does not know. The resume says so in a
+nor, on another number of ranks, can a sampler trainloop does not know; nor, anywhere, a dataset
+whose length changed. The resume says so in a
 warning.
 """
 
 from __future__ import annotations
 
 import contextlib
+import itertools
 import warnings
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -43,6 +47,7 @@ __all__ = [
     "Resumed",
     "batch_size_of",
     "batches_per_epoch",
+    "begun_epoch",
     "capture_epoch_start",
     "dealt_epoch",
     "describe_order",
@@ -77,8 +82,9 @@ class EpochIterator:
 
     A re-iterable (a ``DataLoader``, a list) is iterated again when it runs out, and before
     every epoch ``set_epoch(epoch)`` is called on the loader, or else on its ``sampler``, when
-    it has one (``DistributedSampler`` reshuffles that way). A one-shot iterator is drawn
-    until it runs out, which is then an error.
+    it has one (``DistributedSampler`` reshuffles that way). Each epoch begins at its first
+    draw, the run's first too. A one-shot iterator is drawn until it runs out, which is then an
+    error.
 
     Args:
         loader: What ``build_data_loader`` returned.
@@ -88,7 +94,8 @@ class EpochIterator:
         limit: The epochs the run declares (``max_epochs``): none beyond them is begun.
         position: What :meth:`position` returned when the checkpoint was made (this rank's, or
             any rank's on another number of ranks): a ``DataLoader`` with a sampler resumes its
-            epoch exactly there (see ``resume_in_epoch``).
+            epoch exactly there (see ``resume_in_epoch``), or, saved between epochs, its own
+            generators get their states back before the next epoch begins.
     """
 
     def __init__(
@@ -108,10 +115,20 @@ class EpochIterator:
         self._epoch_start: dict[str, Any] | None = None
         self._order: dict[str, Any] | None = None  # how the epoch's global order is made
         self._consumed_before = 0  # indices of that order consumed before this epoch's first batch here
+        self._drawn_this_epoch = 0
         self.batches_per_epoch = batches_per_epoch(loader)
         self._epoch_length = self.batches_per_epoch  # this epoch's: a resumed epoch may have other
-        self._iterator = self._start_epoch(position if self._sampled else None)
         self._may_be_empty = resumed
+        if self._stateful or (self._sampled and position is not None and "drawn" in position):
+            # Resumed mid-epoch: the epoch goes on where it was, from the generators as they were then, before the
+            # checkpoint restores the generators of the moment it was saved.
+            self._iterator: Iterator[Any] = self._start_epoch(position if self._sampled else None)
+        else:
+            # The epoch begins at its first draw, as every later one does: its order is drawn from the generators as
+            # they are then (a resumed run's: the checkpoint's), whatever drew from them before.
+            if self._sampled and position is not None:
+                _set_generators(loader, position["generators"])  # type: ignore[arg-type]  # sampled: a DataLoader
+            self._iterator = _EpochToBegin(self)
         if resumed and not (self._stateful or self._sampled):
             warn_inexact_resume(loader, epoch)
         if resumed and self._stateful:
@@ -133,9 +150,9 @@ class EpochIterator:
         loader: Any = self.loader
         resumed = None if position is None else resume_in_epoch(loader, position, self.epoch)
         if resumed is None:
-            self._epoch_start = capture_epoch_start(loader)
+            self._epoch_start = capture_epoch_start(loader, self.epoch)
             self._order = describe_order(loader, self._epoch_start)
-            return iter(loader)
+            return begun_epoch(loader, self._epoch_start)
         self._epoch_start, self._order = resumed.epoch_start, resumed.order
         self._consumed_before, self._drawn_this_epoch = resumed.consumed, resumed.drawn
         if resumed.length is not None:
@@ -149,26 +166,52 @@ class EpochIterator:
     def position(self) -> dict[str, Any] | None:
         """Where a ``DataLoader`` with a sampler is inside its epoch, for a checkpoint.
 
-        For a resume on as many ranks with the same batch size: the generators' states as the epoch began
+        Mid-epoch, for a resume on as many ranks with the same batch size: the generators' states as the epoch began
         (``epoch_start``; ``None`` in an epoch dealt out on resume) and the batches drawn since (``drawn``), with the
         batch size. For any other resume, when the sampler is one trainloop knows: how the epoch's global order is made
-        (``order``) and how many of its indices all ranks consumed (``consumed``). ``None`` for other loaders, before
-        an epoch's first batch and at its end (the next epoch begins from the restored generators).
+        (``order``) and how many of its indices all ranks consumed (``consumed``). The dataset's length with either.
+
+        Between epochs (before an epoch's first batch, or after its last): the states of the loader's and its
+        sampler's own generators (``generators``), which the next epoch's order is drawn from; torch's global one is
+        the checkpoint's. ``None`` for other loaders, and between epochs for a loader without generators of its own.
+        An epoch whose last batch is drawn is run out first: a sampler may draw as it ends (a ``RandomSampler`` draws
+        one permutation more from its generator), which the unbroken run does before the next epoch's order.
         """
-        length = self._epoch_length
-        drawn = self._drawn_this_epoch
-        if not self._sampled or (drawn == 0 and self._consumed_before == 0):
+        if not self._sampled:
             return None
-        if length is not None and drawn >= length:
-            return None
+        if not self._mid_epoch():
+            self._run_out()
+            generators = _generators(self.loader)  # type: ignore[arg-type]  # sampled: a DataLoader
+            return {"generators": [g.get_state() for g in generators]} if generators else None
         step = per_draw(self.loader) if self._order is not None else None
+        drawn = self._drawn_this_epoch
         return {
             "epoch_start": self._epoch_start,
             "drawn": drawn,
             "batch_size": batch_size_of(self.loader),
             "order": self._order,
             "consumed": None if step is None else self._consumed_before + drawn * step,
+            "dataset_length": _dataset_items(self.loader),
         }
+
+    def _run_out(self) -> None:
+        """Run the current epoch's iterator out, if all its batches are drawn: the next draw begins the next epoch."""
+        length = self._epoch_length
+        if length is None or self._drawn_this_epoch < length or isinstance(self._iterator, _EpochToBegin):
+            return
+        try:
+            batch = next(self._iterator)
+        except StopIteration:
+            self._iterator = iter(())
+        else:  # more batches than the loader's length said: they are drawn as they come
+            self._iterator = itertools.chain([batch], self._iterator)
+
+    def _mid_epoch(self) -> bool:
+        """Whether some batches of the current epoch are drawn, and not all."""
+        length, drawn = self._epoch_length, self._drawn_this_epoch
+        if drawn == 0 and self._consumed_before == 0:
+            return False
+        return length is None or drawn < length
 
     @property
     def epochs_completed(self) -> int:
@@ -203,7 +246,7 @@ class EpochIterator:
         other loader restarts its epoch on resume, so an epoch whose last
         batch was drawn counts as done (resuming must not draw it a second time).
         """
-        return self.epoch if self._stateful or self.position() is not None else self.epochs_completed
+        return self.epoch if self._stateful or (self._sampled and self._mid_epoch()) else self.epochs_completed
 
     def __iter__(self) -> EpochIterator:
         return self
@@ -264,9 +307,25 @@ class _FirstBatchTap:
 
     def __next__(self) -> Any:
         batch = next(self.iterator)
-        self.owner._iterator = self.iterator
+        if self.owner._iterator is self:  # else the draw began an epoch, whose iterator is in place
+            self.owner._iterator = self.iterator
         self.fn(batch)
         return batch
+
+
+class _EpochToBegin:
+    """The iterator of an epoch not begun yet: its first draw begins it, then draws from the epoch's own iterator."""
+
+    def __init__(self, owner: EpochIterator) -> None:
+        self.owner = owner
+
+    def __iter__(self) -> _EpochToBegin:
+        return self
+
+    def __next__(self) -> Any:
+        owner = self.owner
+        owner._iterator = owner._start_epoch()
+        return next(owner._iterator)
 
 
 # -- the position in an epoch, and resuming there ---------------------------------------------
@@ -368,15 +427,56 @@ def _draws_from_torch(loader: DataLoader[Any]) -> bool:
     return not isinstance(sampler, (SequentialSampler, DistributedSampler))
 
 
-def capture_epoch_start(loader: DataLoader[Any]) -> dict[str, Any]:
+def _set_generators(loader: DataLoader[Any], states: list[torch.Tensor]) -> None:
+    """Give the loader's own generators (:func:`_generators`) the states ``states`` lists, if it lists as many."""
+    generators = _generators(loader)
+    if len(generators) == len(states):
+        for generator, state in zip(generators, states, strict=True):
+            generator.set_state(state)
+
+
+def _dataset_items(loader: Any) -> int | None:
+    """The length of a ``DataLoader``'s dataset, or ``None`` when it has none."""
+    try:
+        return len(loader.dataset)
+    except TypeError:
+        return None
+
+
+def _seeds_workers(loader: DataLoader[Any], epoch: int) -> bool:
+    """Whether ``iter(loader)`` draws its workers' base seed as ``epoch`` begins, before the epoch's order.
+
+    Every epoch does, but with persistent workers, whose iterator is made once and reset by later epochs: then only
+    the first epoch (0) does, in a resumed run too, which makes its iterator as an unbroken run would reset it.
+    """
+    return not (loader.persistent_workers and loader.num_workers > 0 and epoch > 0)
+
+
+def capture_epoch_start(loader: DataLoader[Any], epoch: int = 0) -> dict[str, Any]:
     """The generator states an epoch's shuffle is drawn from, taken just before ``iter(loader)``.
 
-    Torch's global one (5 KB) is included only when the order may come from it.
+    Torch's global one (5 KB) is included only when the order may come from it. ``seeds_workers`` says whether
+    ``iter(loader)`` draws the workers' base seed before the order (see :func:`_seeds_workers`).
     """
     return {
         "torch": torch.get_rng_state() if _draws_from_torch(loader) else None,
         "generators": [g.get_state() for g in _generators(loader)],
+        "seeds_workers": _seeds_workers(loader, epoch),
     }
+
+
+def begun_epoch(loader: DataLoader[Any], epoch_start: dict[str, Any]) -> Iterator[Any]:
+    """The loader's iterator of the epoch that begins now, from the generators :func:`capture_epoch_start` found.
+
+    Where the epoch draws no base seed for its workers (persistent ones) but the loader has no iterator to reset yet
+    (a resumed run), the one made now draws its base seed, and the generators are given back their states before the
+    order is drawn: the order and every later draw are the unbroken run's.
+    """
+    if epoch_start["seeds_workers"] or loader._iterator is not None:
+        return iter(loader)
+    start = {"torch": torch.get_rng_state(), "generators": epoch_start["generators"]}
+    with _index_sampler_swapped(loader, _SkipFirst, 0, lambda: _set_epoch_start(loader, start)):
+        return iter(loader)
 
 
 def describe_order(loader: Any, epoch_start: dict[str, Any]) -> dict[str, Any] | None:
@@ -427,23 +527,30 @@ def epoch_order(order: dict[str, Any]) -> list[int]:
         sampler=RandomSampler(_Indices(length), replacement=order["replacement"], num_samples=order["num_samples"],
                               generator=shared),
     )
-    with _epoch_generators(stand_in, order["epoch_start"]):
-        with _index_sampler_swapped(stand_in, _Recorded) as recorded:
-            iter(stand_in)  # its base seed first, as the epoch's loader drew it
-        return list(recorded.made[-1])
+    epoch_start = order["epoch_start"]
+    with _epoch_generators(stand_in, epoch_start):
+        # Its base seed first, as the epoch's loader drew it (or none: the generators are set again before the order).
+        with _index_sampler_swapped(stand_in, _SkipFirst, 0, _restart(stand_in, epoch_start)) as recorded:
+            iter(stand_in)
+        return list(recorded.last)
+
+
+def _set_epoch_start(loader: DataLoader[Any], epoch_start: dict[str, Any]) -> None:
+    """Set torch's global generator (unless ``epoch_start`` left it out) and the loader's own to ``epoch_start``."""
+    generators = _generators(loader)
+    if len(generators) != len(epoch_start["generators"]):
+        raise ValueError("the data loader's samplers use other generators than the checkpoint's")
+    if epoch_start["torch"] is not None:
+        torch.set_rng_state(epoch_start["torch"])
+    for generator, state in zip(generators, epoch_start["generators"], strict=True):
+        generator.set_state(state)
 
 
 @contextlib.contextmanager
 def _epoch_generators(loader: DataLoader[Any], epoch_start: dict[str, Any]) -> Iterator[None]:
     """Set the loader's generators to ``epoch_start``; torch's global one is given back its state afterwards."""
     now = torch.get_rng_state()
-    generators = _generators(loader)
-    if len(generators) != len(epoch_start["generators"]):
-        raise ValueError("the data loader's samplers use other generators than the checkpoint's")
-    if epoch_start["torch"] is not None:
-        torch.set_rng_state(epoch_start["torch"])
-    for generator, state in zip(generators, epoch_start["generators"]):
-        generator.set_state(state)
+    _set_epoch_start(loader, epoch_start)
     try:
         yield
     finally:
@@ -490,32 +597,22 @@ class _StandIn:
         self.active = False
 
 
-class _Recorded(_StandIn):
-    """Keeps the iterators it gives, to read the order from them directly."""
-
-    def __init__(self, original: Any) -> None:
-        super().__init__(original)
-        self.made: list[Iterator[Any]] = []
-
-    def made_iterator(self) -> Iterator[Any]:
-        self.made.append(iter(self.original))
-        return self.made[-1]
-
-
 class _SkipFirst(_StandIn):
     """The original's iterators, each dropping the first ``skip`` items as it is first advanced.
 
     A multi-worker ``DataLoader`` makes two as it starts, and draws from the second at once. The one made last is
-    advanced past the skipped items as the iterator is made, from the epoch's generators, if it was not yet.
+    advanced past the skipped items as the iterator is made, from the epoch's generators, if it was not yet. Each
+    calls ``restart`` first, if given (see :func:`_restart`).
     """
 
-    def __init__(self, original: Any, skip: int) -> None:
+    def __init__(self, original: Any, skip: int, restart: Callable[[], None] | None = None) -> None:
         super().__init__(original)
         self.skip = skip
+        self.restart = restart
         self.last: _Skipping | None = None
 
     def made_iterator(self) -> Iterator[Any]:
-        self.last = _Skipping(iter(self.original), self.skip)
+        self.last = _Skipping(iter(self.original), self.skip, self.restart)
         return self.last
 
     def settle(self) -> None:
@@ -524,15 +621,30 @@ class _SkipFirst(_StandIn):
             self.last.advance()
 
 
-class _Skipping:
-    """An iterator that drops its first ``skip`` items when first advanced (or told to)."""
+def _restart(loader: DataLoader[Any], epoch_start: dict[str, Any]) -> Callable[[], None] | None:
+    """What sets the generators to ``epoch_start`` again as the order is first drawn; ``None`` where it needs not.
 
-    def __init__(self, iterator: Iterator[Any], skip: int) -> None:
+    Only an epoch that drew no base seed before its order needs it (persistent workers, see :func:`_seeds_workers`):
+    replaying such an epoch on a new iterator, its base seed is drawn first: the order must not be drawn after it.
+    """
+    if epoch_start.get("seeds_workers", True):
+        return None
+    return lambda: _set_epoch_start(loader, epoch_start)
+
+
+class _Skipping:
+    """An iterator that drops its first ``skip`` items when first advanced (or told to), ``restart()`` called first."""
+
+    def __init__(self, iterator: Iterator[Any], skip: int, restart: Callable[[], None] | None = None) -> None:
         self.iterator = iterator
         self.skip = skip
+        self.restart = restart
 
     def advance(self) -> None:
         """Drop the items to skip now, if not yet (drawing the shuffle, if it has not been drawn)."""
+        if self.restart is not None:
+            restart, self.restart = self.restart, None
+            restart()
         for _ in range(self.skip):
             next(self.iterator)
         self.skip = 0
@@ -565,11 +677,12 @@ def replayed_epoch(loader: DataLoader[Any], epoch_start: dict[str, Any], drawn: 
     the sampler's shuffle. Torch's global generator is left as it was: the checkpoint restores
     it afterwards.
     """
-    if drawn == 0:
+    restart = _restart(loader, epoch_start)
+    if drawn == 0 and restart is None:
         with _epoch_generators(loader, epoch_start):
             return iter(loader)
     # The skipping happens as the stand-in settles, inside the epoch's generators.
-    with _epoch_generators(loader, epoch_start), _index_sampler_swapped(loader, _SkipFirst, drawn):
+    with _epoch_generators(loader, epoch_start), _index_sampler_swapped(loader, _SkipFirst, drawn, restart):
         return iter(loader)
 
 
@@ -619,24 +732,26 @@ class Resumed:
 def resume_in_epoch(loader: DataLoader[Any], position: dict[str, Any], epoch: int) -> Resumed | None:
     """Resume the loader's epoch where ``position`` (what a checkpoint saved) says, exactly; or ``None`` and a warning.
 
-    The same batch size on as many ranks (a ``position`` with its ``epoch_start``) replays this rank's epoch. Any
-    other change deals the rest of the epoch's global order out, when both samplers are ones trainloop knows and the
-    dataset kept its length. Otherwise the warning says that the epoch starts over.
+    A dataset of another length starts the epoch over. The same batch size on as many ranks (a ``position`` with its
+    ``epoch_start``) replays this rank's epoch. Any other change deals the rest of the epoch's global order out, when
+    both samplers are ones trainloop knows. Otherwise the warning says that the epoch starts over.
     """
+    order = position.get("order")
+    then = position.get("dataset_length", None if order is None else order["length"])
+    now = _dataset_items(loader)
+    if then is not None and now is not None and now != then:
+        _warn(f"the dataset has {now} items and the checkpoint's epoch had {then}", epoch)
+        return None
     size = batch_size_of(loader)
     if position.get("epoch_start") is not None and position.get("batch_size", size) == size:
         start = position["epoch_start"]
         iterator = replayed_epoch(loader, start, position["drawn"])
         return Resumed(iterator, start, position.get("order"), 0, position["drawn"], None)
-    order, sampler = position.get("order"), _known_sampler(loader)
+    sampler = _known_sampler(loader)
     if order is None or sampler is None or per_draw(loader) is None:
         unknown = "the checkpoint's" if order is None else f"this run's ({_sampler_name(loader)})"
         _warn(f"the data loader's position cannot be carried to other ranks or another batch size: {unknown} sampler "
               "is not a DistributedSampler, RandomSampler or SequentialSampler batched by torch's BatchSampler", epoch)
-        return None
-    length = _dataset_length(sampler)
-    if length != order["length"]:
-        _warn(f"the dataset has {length} items and the checkpoint's epoch had {order['length']}", epoch)
         return None
     iterator, length = dealt_epoch(loader, epoch_order(order), position["consumed"])
     return Resumed(iterator, None, order, position["consumed"], 0, length)

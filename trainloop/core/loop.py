@@ -20,7 +20,7 @@ from trainloop.core.compiling import CompileWatch, note_compiled
 from trainloop.core.data import EpochIterator
 from trainloop.core.metrics import METRICS_FILE
 from trainloop.core.result import RefusedRunError
-from trainloop.core.rng import seed_all, set_rng_state
+from trainloop.core.rng import rng_kept, seed_all, set_rng_state
 from trainloop.core.run_kinds import RunOfKind, Work, restore_weights
 from trainloop.core.run_state import SINGLE, RunState
 from trainloop.core.step import (
@@ -212,8 +212,8 @@ class Loop:
         if world_size() > 1:  # one small all-gather, at the first batch only
             run.data.tap_first_batch(warn_if_ranks_drew_the_same)
         if run.restored_rng is not None:
-            # Only now: creating the data iterator draws from torch's generator (its base seed),
-            # which the uninterrupted run did long before this step.
+            # Only now: resuming mid-epoch makes the epoch's iterator again from the generators as the
+            # epoch began (its base seed, its order), which the uninterrupted run did long before this step.
             set_rng_state(run.restored_rng)
             run.restored_rng = None
         # With max_epochs, steps end with epochs: each declared batch is drawn once.
@@ -370,10 +370,16 @@ class Loop:
             self.schedules.exit_agreed(self.trainer)
 
     def validate(self) -> None:
-        """The work of ``validating``: every validation due, in hook order; then their requests (an exit)."""
-        while self.schedules.due["validating"]:
-            self.schedules.run_due("validating", self.trainer)
-            self.settle()  # early stopping on the fresh metric ends the run now, not a step later
+        """The work of ``validating``: every validation due, in hook order; then their requests (an exit).
+
+        The random generators get their states back afterwards: what a validation draws (its loader's base seed, a
+        sampled evaluation) stays off the training's stream, so a run that validates at other points (at its start,
+        again on resume, or not after an exit signal) trains on the same draws.
+        """
+        with rng_kept():
+            while self.schedules.due["validating"]:
+                self.schedules.run_due("validating", self.trainer)
+                self.settle()  # early stopping on the fresh metric ends the run now, not a step later
         self.of_kind.pass_done()
 
     def retry(self) -> None:

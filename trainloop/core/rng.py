@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import contextlib
 import random
+from collections.abc import Iterator
 from typing import Any
 
 import torch
 
-__all__ = ["get_rng_state", "seed_all", "set_rng_state"]
+__all__ = ["get_rng_state", "rng_kept", "seed_all", "set_rng_state"]
 
 
 def _numpy() -> Any:
@@ -57,3 +59,17 @@ def set_rng_state(state: dict[str, Any]) -> None:
         numpy.random.set_state((name, keys.numpy().astype("uint32"), pos, has_gauss, cached))
     if "cuda" in state and torch.cuda.is_available():
         torch.cuda.set_rng_state_all(state["cuda"])
+
+
+@contextlib.contextmanager
+def rng_kept() -> Iterator[None]:
+    """Give the generators ``get_rng_state`` covers back their states after the block, also when it raises.
+
+    What the block draws (a validation loader's base seed, a sampled evaluation) then stays off the stream the
+    training draws from, so a run that validates at other steps (a resumed one) draws the same numbers.
+    """
+    state = get_rng_state()
+    try:
+        yield
+    finally:
+        set_rng_state(state)

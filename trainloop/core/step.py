@@ -285,9 +285,10 @@ class StepRunner:
         ``update`` to divide the gradients by. Gradients are synchronised across ranks only on
         the step's last microstep.
 
-        With ``epochs``, a step whose epoch runs out while ``forward`` skips batches ends with
-        the microsteps it has (this one then returns a ``None`` loss), or, having none, goes on
-        in the next epoch.
+        With ``epochs``, a step never draws past its epoch's last batch once it has a microstep:
+        when batches ``forward`` skipped used the epoch up, it ends with the microsteps it has
+        (this one returns a ``None`` loss if its own batches ran out). A step with no microstep
+        yet goes on in the next epoch, but never past the last.
 
         Raises:
             DataExhaustedError: With ``epochs``, the last epoch ran out while the step had no
@@ -329,6 +330,9 @@ class StepRunner:
             backward = self._scaler.scale(backward)
         backward.backward()  # type: ignore[no-untyped-call]  # torch leaves Tensor.backward unannotated
         self.microsteps += 1
+        epochs = self.epochs
+        if epochs is not None and epochs.remaining == 0 and not self._replaying:
+            self.target = self.microsteps  # skipped batches used the epoch up: the step ends with it
         return Microstep(loss, records, data_time)
 
     def _skipped_and_epoch_ended(self) -> bool:

@@ -52,7 +52,10 @@ class ValidationHook(BaseHook):
     ``on_exit_signal="validate"`` validates first.
 
     The evaluation runs with the model in eval mode, under ``torch.no_grad()`` and the trainer's
-    autocast (``settings.mixed_precision`` on ``trainer.device``). Afterwards every submodule
+    autocast (``settings.mixed_precision`` on ``trainer.device``). What it draws from the random
+    generators (a loader's base seed, a sampled metric) stays off the training's stream: the
+    ``validating`` state gives them back their states, so a resumed run that validates at other
+    steps (at its start, or not after an exit signal) trains on the same draws. Afterwards every submodule
     gets back the train/eval mode it had, also when the evaluation raises. The returned records
     are logged with ``trainer.log({prefix: records})``, so an ``EarlyStoppingHook`` can monitor
     e.g. ``"val/loss"``, kept in ``last_records``, and shown as a line on ``trainer.logger`` at
