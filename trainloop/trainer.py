@@ -428,8 +428,10 @@ class BaseTrainer:
         """Ask for a save at the end of the current step: in ``checkpointing``, every saving hook saves.
 
         A hook's own schedule (``CheckpointingHook(interval=...)``) needs no request; this is for a save out of turn.
+        A request made in ``checkpointing`` is met by the saves of that step; one that no save can follow (no
+        hook saves, or it is made as the run ends) is said in a warning.
         """
-        self._requests.request_checkpoint()
+        self._loop.request_checkpoint()
 
     def request_exit(self, exit_code: int | None = None) -> None:
         """Ask the run to end cleanly at the end of the current step.
