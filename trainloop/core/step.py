@@ -19,7 +19,6 @@ import contextlib
 import dataclasses
 import functools
 import inspect
-import warnings
 from collections import defaultdict
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
@@ -33,7 +32,7 @@ from torch import nn
 from trainloop.core.data import DataExhaustedError, EpochIterator
 from trainloop.distributed.sync import gradient_sync
 from trainloop.loss import Loss
-from trainloop.utils import is_distributed_model
+from trainloop.utils import is_distributed_model, warn_user
 
 if TYPE_CHECKING:
     from trainloop.core.run_state import TrainerContract
@@ -332,11 +331,10 @@ class StepRunner:
                 "every update of a step trains on the step's batches, so skip a batch in every update or none"
             )
         if self.distributed:
-            warnings.warn(
+            warn_user(
                 "forward() returned loss=None under DDP/FSDP; the wrapped model must not "
                 "have been called for this batch, or its next backward may hang or be wrong",
-                LossNoneWarning,
-                stacklevel=5,
+                LossNoneWarning, every_rank=True,
             )
         epochs = self.epochs
         if epochs is not None and epochs.remaining == 0:
