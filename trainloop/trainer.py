@@ -35,7 +35,7 @@ from trainloop.predict.run import PredictRun
 from trainloop.settings import optimizer as components
 from trainloop.settings.model import TrainerSettings, resolve_settings
 from trainloop.step_info import StepInfo
-from trainloop.utils import Records, unwrap_model
+from trainloop.utils import Records, unwrap_model, user_traceback
 
 if TYPE_CHECKING:
     from torch.distributed.checkpoint.state_dict import StateDictOptions
@@ -583,6 +583,9 @@ class BaseTrainer:
         started = time.time()
         try:
             self._loop.run(kind, source, predict_run)
+        except BaseException as error:  # raised again as it is, its traceback trimmed to what the user needs
+            error.__traceback__ = user_traceback(error.__traceback__)
+            raise
         finally:
             # A run that trains nothing refused before its weights were restored is not a run.
             self.result = finish_run(self, kind, write=self._loop.of_kind.recorded, started=started)

@@ -3,7 +3,8 @@
 ``Records`` are the nested dicts of numbers ``forward`` returns and hooks aggregate and log;
 ``unwrap_model`` sees through ``torch.compile``, DDP, FSDP and ``AveragedModel``; the JSON helpers
 write no ``NaN`` (other readers refuse it) and append JSON lines that never join a line a killed
-writer cut short; ``warn_user`` says a warning once, pointing at the user's code.
+writer cut short; ``warn_user`` says a warning once, pointing at the user's code, and
+``user_traceback`` trims an error's traceback to the user's frames and trainloop's call.
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ import warnings
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from numbers import Number
 from pathlib import Path
-from types import FrameType
+from types import FrameType, TracebackType
 from typing import IO, Any, TypeAlias, Union
 
 import torch
@@ -220,10 +221,11 @@ def append_line(path: Path, line: str) -> None:
         file.write(line)
 
 
-#: The files of trainloop and of the state-machine library it runs on: never the line a warning points at.
-_LIBRARY_FILES = tuple(
-    str(Path(str(module.__file__)).resolve().parent) + os.sep for module in (sys.modules["trainloop"], transitions)
+#: The files of the state-machine library trainloop runs on, and of trainloop: never the line a warning points at.
+_MACHINERY, _TRAINLOOP = (
+    str(Path(str(module.__file__)).resolve().parent) + os.sep for module in (transitions, sys.modules["trainloop"])
 )
+_LIBRARY_FILES = (_MACHINERY, _TRAINLOOP)
 
 
 def warn_user(message: str, category: type[Warning], *, every_rank: bool = False) -> None:
@@ -250,3 +252,25 @@ def warn_user(message: str, category: type[Warning], *, every_rank: bool = False
     while frame is not None and frame.f_code.co_filename.startswith(_LIBRARY_FILES):
         frame, level = frame.f_back, level + 1
     warnings.warn(message, category, stacklevel=level)
+
+
+def user_traceback(tb: TracebackType | None) -> TracebackType | None:
+    """An error's traceback from a trainloop entry point, as the user needs it.
+
+    Its first frame (the entry point, such as ``_run_machine``), then from the first frame of the
+    user's code on (their hook, ``forward``, ``build_model``...): the loop's and the state
+    machine's frames in between (about 20 of ``transitions`` alone) say nothing about the error.
+    Without a frame of the user's (an error of trainloop's own), only the frames of
+    ``transitions`` are left out.
+    """
+    entries: list[TracebackType] = []
+    while tb is not None:
+        entries.append(tb)
+        tb = tb.tb_next
+    files = [entry.tb_frame.f_code.co_filename for entry in entries]
+    first = next((i for i, file in enumerate(files) if i and not file.startswith(_LIBRARY_FILES)), 0)
+    kept = [e for i, e in enumerate(entries) if i == 0 or (i >= first and not files[i].startswith(_MACHINERY))]
+    shown = None
+    for entry in reversed(kept):
+        shown = TracebackType(shown, entry.tb_frame, entry.tb_lasti, entry.tb_lineno)
+    return shown

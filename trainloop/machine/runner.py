@@ -12,13 +12,9 @@ from __future__ import annotations
 
 import inspect
 import logging
-import os
 from collections.abc import Callable, Iterable, Mapping
-from pathlib import Path
-from types import TracebackType
 from typing import TYPE_CHECKING, Any
 
-import transitions
 from transitions import Machine
 from transitions import State as _LibraryState
 
@@ -49,16 +45,6 @@ class Handle:
             self._remove = None
 
 
-class _Callback:
-    """``fn(owner)``, called by ``transitions`` with its event data, which the callbacks do not take."""
-
-    def __init__(self, fn: Callable[[Any], Any], owner: Any) -> None:
-        self.fn, self.owner = fn, owner
-
-    def __call__(self, *_: Any, **__: Any) -> None:
-        self.fn(self.owner)
-
-
 class _Model:
     """The object ``transitions`` drives; it holds nothing but the state.
 
@@ -84,25 +70,6 @@ class _ActingState(_LibraryState):
 
 class _Machine(Machine):
     state_cls = _ActingState
-
-
-#: The frames a callback's error is shown without: ``transitions``' own and the glue that calls the callback.
-_LIBRARY = str(Path(str(transitions.__file__)).resolve().parent) + os.sep
-_GLUE = frozenset({_ActingState.enter.__code__, _Callback.__call__.__code__})
-
-
-def _without_machinery(tb: TracebackType | None) -> TracebackType | None:
-    """``tb`` without the frames of ``transitions`` and of our glue."""
-    kept = []
-    while tb is not None:
-        code = tb.tb_frame.f_code
-        if code not in _GLUE and not code.co_filename.startswith(_LIBRARY):
-            kept.append(tb)
-        tb = tb.tb_next
-    shown = None
-    for entry in reversed(kept):
-        shown = TracebackType(shown, entry.tb_frame, entry.tb_lasti, entry.tb_lineno)
-    return shown
 
 
 _Edge = tuple[Transition, Callable[[], bool] | None, Callable[[], None] | None, bool]
@@ -206,12 +173,7 @@ class StateMachine:
         for watch in self._edge_watchers:  # likewise: what follows is the new state's work
             watch(self._owner, transition)
         if listened:
-            try:
-                self._machine.events[transition.trigger].trigger(self.model)  # runs the action too
-            except BaseException as error:  # raised again as it is, its traceback trimmed
-                # What a callback raised, seen from here: its own frames, not transitions' (about 20).
-                error.__traceback__ = _without_machinery(error.__traceback__)
-                raise
+            self._machine.events[transition.trigger].trigger(self.model)  # runs the action too
         else:
             self.model.state = transition.dest
             if action is not None:
@@ -296,7 +258,12 @@ class StateMachine:
             raise TypeError(f"callback {fn!r} must accept one argument (the trainer): {error}") from None
         except ValueError:  # some builtins have no signature; let them be
             pass
-        return _Callback(fn, self._owner)
+        owner = self._owner
+
+        def callback(*_: Any, **__: Any) -> None:
+            fn(owner)
+
+        return callback
 
     def _is_listened(self, t: Transition) -> bool:
         """Whether a callback waits on this edge (read from ``transitions``' own lists)."""
