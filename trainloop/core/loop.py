@@ -405,6 +405,8 @@ class Loop:
         ):
             self.schedules.queue_all("checkpointing", step)
             return
+        if not is_rank_zero():  # every rank makes the request alike: rank 0 says it once
+            return
         why = "this run" if self.of_kind.trains else f"an {self.of_kind.kind} run"
         self.trainer.logger.warning(
             "A checkpoint was requested at step %d, but no hook of %s saves one%s",
@@ -453,7 +455,7 @@ class Loop:
         step = self.run_state.step
         if not self.of_kind.trains or not self.schedules.acts_in("checkpointing"):
             self.requested_save(step)  # says that no hook saves
-        elif not self.schedules.acted_at("checkpointing", step):
+        elif not self.schedules.acted_at("checkpointing", step) and is_rank_zero():
             self.trainer.logger.warning(
                 "A checkpoint was requested at step %d as the run ended, after its last save: no save follows a "
                 "request made in exiting (request it in on_after_step)",
