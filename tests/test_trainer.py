@@ -10,7 +10,7 @@ from tiny_trainer import FlakyTrainer, TinyTrainer, make_data
 from torch import nn
 from torch.utils.data import DataLoader
 
-from trainloop import BaseHook, BaseTrainer, DataExhaustedError, PreflightError, State
+from trainloop import BaseHook, BaseTrainer, CheckpointingHook, DataExhaustedError, PreflightError, State
 from trainloop.hooks import Schedule
 
 
@@ -410,6 +410,77 @@ def test_a_requested_save_that_no_hook_makes_is_said(caplog):
     assert [r.getMessage() for r in caplog.records] == [
         "A checkpoint was requested at step 2, but no hook of this run saves one (add a CheckpointingHook)"
     ]
+
+
+class _Saver(BaseHook):
+    """Saves (records) in checkpointing only when a request asks: its own schedule is never due in these runs."""
+
+    def __init__(self):
+        self.saved_at = []
+        self.schedule = Schedule(100, state="checkpointing", at_end=False)
+
+    def on_schedule(self, trainer):
+        self.saved_at.append(trainer.step)
+
+
+class _AskInCheckpointing(BaseHook):
+    """Requests a save from its own on_schedule, in checkpointing, every 3 steps."""
+
+    def __init__(self):
+        self.schedule = Schedule(3, state="checkpointing", at_end=False)
+
+    def on_schedule(self, trainer):
+        trainer.request_checkpoint()
+
+
+@pytest.mark.parametrize("asker_first", [True, False])
+def test_a_save_requested_in_checkpointing_is_met_by_the_saves_of_that_step(asker_first):
+    saver, asker = _Saver(), _AskInCheckpointing()
+    TinyTrainer(max_steps=8, hooks=[asker, saver] if asker_first else [saver, asker]).train()
+    assert saver.saved_at == [3, 6]  # not 4, 5, 6, 7, 8: the request is met where it is made
+
+
+def test_a_save_requested_by_a_checkpointing_callback_is_that_steps_save():
+    class AskOnEnter(BaseHook):
+        def on_enter_checkpointing(self, trainer):
+            if trainer.step in (2, 5):
+                trainer.request_checkpoint()
+
+    class DueAtTwoAndFive(BaseHook):  # enters checkpointing at 2 and 5, saving nothing itself
+        def __init__(self):
+            self.schedule = Schedule(100, state="checkpointing", at_end=False, also_at=frozenset({2, 5}))
+
+        def on_schedule(self, trainer):
+            pass
+
+    saver = _Saver()
+    trainer = TinyTrainer(max_steps=7, hooks=[DueAtTwoAndFive(), AskOnEnter(), saver])
+    trainer.on_exit("checkpointing", lambda t: t.request_checkpoint())  # after the saves: met by them
+    trainer.train()
+    assert saver.saved_at == [2, 5]
+
+
+def test_a_save_requested_as_the_run_ends_is_said(caplog, tmp_path):
+    class AskAtEnd(BaseHook):
+        def on_after_train(self, trainer):
+            trainer.request_checkpoint()
+
+    with caplog.at_level("WARNING", logger="trainloop"):
+        TinyTrainer(max_steps=3, hooks=[AskAtEnd()]).train()
+    assert [r.getMessage() for r in caplog.records] == [
+        "A checkpoint was requested at step 3, but no hook of this run saves one (add a CheckpointingHook)"
+    ]
+    caplog.clear()
+    with caplog.at_level("WARNING", logger="trainloop"):
+        TinyTrainer(max_steps=3, hooks=[_Saver(), AskAtEnd()]).train()
+    assert [r.getMessage() for r in caplog.records] == [
+        "A checkpoint was requested at step 3 as the run ended, after its last save: no save follows a request made "
+        "in exiting (request it in on_after_step)"
+    ]
+    caplog.clear()
+    with caplog.at_level("WARNING", logger="trainloop"):  # the last step is saved: the request is met
+        TinyTrainer(max_steps=3, workspace=tmp_path, hooks=[CheckpointingHook(interval=10), AskAtEnd()]).train()
+    assert caplog.records == []
 
 
 def test_request_exit_ends_cleanly_and_an_exit_code_raises_system_exit():

@@ -55,3 +55,38 @@ def test_key_average_names_bad_records(record, error, message):
 def test_flatten_nested_dict():
     assert flatten_nested_dict({"a": {"b": 1, "c": {"d": 2}}, "e": 3}) == {"a/b": 1, "a/c/d": 2, "e": 3}
     assert flatten_nested_dict({"a": {"b": 1}}, sep=".") == {"a.b": 1}
+
+
+RESUMED_SCRIPT = """\
+import sys
+from tiny_trainer import TinyTrainer
+from trainloop import CheckpointingHook
+
+trainer = TinyTrainer(max_steps=int(sys.argv[1]), workspace="ws", hooks=[CheckpointingHook(interval=100)])
+trainer.train()
+"""
+
+
+def test_a_changed_settings_warning_points_at_the_users_train_call_not_at_trainloop(tmp_path):
+    import subprocess
+    import sys
+
+    from cli_process import cli_env
+
+    (tmp_path / "train.py").write_text(RESUMED_SCRIPT)
+
+    def run(max_steps):
+        return subprocess.run(
+            [sys.executable, "-W", "always", "train.py", str(max_steps)], cwd=tmp_path, env=cli_env(),
+            capture_output=True, text=True, timeout=180, check=True,
+        )
+
+    run(2)
+    resumed = run(4)  # max_steps changed
+    lines = resumed.stderr.splitlines()
+    warned = [i for i, line in enumerate(lines) if "ChangedSettingsWarning" in line]
+    assert [lines[i] for i in warned] == [
+        f"{tmp_path / 'train.py'}:6: ChangedSettingsWarning: resuming with settings that differ from the checkpoint's: "
+        "max_steps"
+    ], resumed.stderr
+    assert lines[warned[0] + 1] == "  trainer.train()"  # the user's line, not one of trainloop's source

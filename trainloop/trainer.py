@@ -35,7 +35,7 @@ from trainloop.predict.run import PredictRun
 from trainloop.settings import optimizer as components
 from trainloop.settings.model import TrainerSettings, resolve_settings
 from trainloop.step_info import StepInfo
-from trainloop.utils import Records, unwrap_model
+from trainloop.utils import Records, unwrap_model, user_traceback
 
 if TYPE_CHECKING:
     from torch.distributed.checkpoint.state_dict import StateDictOptions
@@ -438,8 +438,10 @@ class BaseTrainer:
         """Ask for a save at the end of the current step: in ``checkpointing``, every saving hook saves.
 
         A hook's own schedule (``CheckpointingHook(interval=...)``) needs no request; this is for a save out of turn.
+        A request made in ``checkpointing`` is met by the saves of that step; one that no save can follow (no
+        hook saves, or it is made as the run ends) is said in a warning.
         """
-        self._requests.request_checkpoint()
+        self._loop.request_checkpoint()
 
     def request_exit(self, exit_code: int | None = None) -> None:
         """Ask the run to end cleanly at the end of the current step.
@@ -591,6 +593,9 @@ class BaseTrainer:
         started = time.time()
         try:
             self._loop.run(kind, source, predict_run)
+        except BaseException as error:  # raised again as it is, its traceback trimmed to what the user needs
+            error.__traceback__ = user_traceback(error.__traceback__)
+            raise
         finally:
             # A run that trains nothing refused before its weights were restored is not a run.
             self.result = finish_run(self, kind, write=self._loop.of_kind.recorded, started=started)

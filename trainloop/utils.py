@@ -3,7 +3,8 @@
 ``Records`` are the nested dicts of numbers ``forward`` returns and hooks aggregate and log;
 ``unwrap_model`` sees through ``torch.compile``, DDP, FSDP and ``AveragedModel``; the JSON helpers
 write no ``NaN`` (other readers refuse it) and append JSON lines that never join a line a killed
-writer cut short.
+writer cut short; ``warn_user`` says a warning once, pointing at the user's code, and
+``user_traceback`` trims an error's traceback to the user's frames and trainloop's call.
 """
 
 from __future__ import annotations
@@ -12,14 +13,20 @@ import contextlib
 import difflib
 import json
 import math
+import os
 import sys
+import warnings
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from numbers import Number
 from pathlib import Path
+from types import FrameType, TracebackType
 from typing import IO, Any, TypeAlias, Union
 
 import torch
+import transitions
 from torch import nn
+
+from trainloop.distributed.ranks import in_process_group, rank
 
 __all__ = ["flatten_nested_dict", "key_average", "map_nested_tensor"]  # what users import; the rest serves trainloop
 
@@ -212,3 +219,58 @@ def append_line(path: Path, line: str) -> None:
     """Append ``line`` (ending in a newline) to the JSON-lines file ``path`` (see ``open_jsonl``)."""
     with open_jsonl(path) as file:
         file.write(line)
+
+
+#: The files of the state-machine library trainloop runs on, and of trainloop: never the line a warning points at.
+_MACHINERY, _TRAINLOOP = (
+    str(Path(str(module.__file__)).resolve().parent) + os.sep for module in (transitions, sys.modules["trainloop"])
+)
+_LIBRARY_FILES = (_MACHINERY, _TRAINLOOP)
+
+
+def warn_user(message: str, category: type[Warning], *, every_rank: bool = False) -> None:
+    """Warn, pointing at the user's code, once per run (not once per rank).
+
+    The warning's location is the first frame outside trainloop (and ``transitions``): the user's
+    call of ``train()``, or their hook's line, never a line of trainloop's source. Where none is
+    outside (the ``trainloop`` command line), it names no source line. Every rank would say the same,
+    so under a process group (or ``torchrun``, before one exists) only rank 0 says it; a warning
+    about this rank alone (``every_rank``) is said by each rank, with its rank.
+
+    Args:
+        message: What to say.
+        category: The warning's class.
+        every_rank: Whether the warning is about this rank's own work.
+    """
+    this_rank = rank() if in_process_group() else int(os.environ.get("RANK", "0") or 0)
+    if this_rank != 0 and not every_rank:
+        return
+    if every_rank and (in_process_group() or "RANK" in os.environ):
+        message = f"rank {this_rank}: {message}"
+    frame: FrameType | None = sys._getframe(1)
+    level = 2  # warn_user's caller
+    while frame is not None and frame.f_code.co_filename.startswith(_LIBRARY_FILES):
+        frame, level = frame.f_back, level + 1
+    warnings.warn(message, category, stacklevel=level)
+
+
+def user_traceback(tb: TracebackType | None) -> TracebackType | None:
+    """An error's traceback from a trainloop entry point, as the user needs it.
+
+    Its first frame (the entry point, such as ``_run_machine``), then from the first frame of the
+    user's code on (their hook, ``forward``, ``build_model``...): the loop's and the state
+    machine's frames in between (about 20 of ``transitions`` alone) say nothing about the error.
+    Without a frame of the user's (an error of trainloop's own), only the frames of
+    ``transitions`` are left out.
+    """
+    entries: list[TracebackType] = []
+    while tb is not None:
+        entries.append(tb)
+        tb = tb.tb_next
+    files = [entry.tb_frame.f_code.co_filename for entry in entries]
+    first = next((i for i, file in enumerate(files) if i and not file.startswith(_LIBRARY_FILES)), 0)
+    kept = [e for i, e in enumerate(entries) if i == 0 or (i >= first and not files[i].startswith(_MACHINERY))]
+    shown = None
+    for entry in reversed(kept):
+        shown = TracebackType(shown, entry.tb_frame, entry.tb_lasti, entry.tb_lineno)
+    return shown

@@ -91,7 +91,7 @@ def test_epochs_as_the_unit_with_accumulation(tmp_path):
 
 
 def test_bad_n_is_an_error():
-    with pytest.raises(ValueError, match="n >= 1"):
+    with pytest.raises(ValueError, match="every=0: every is a whole number"):
         Every(0)
 
 

@@ -5,6 +5,7 @@ report show each hook beside the state it acts in, with its schedule in words.""
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -139,11 +140,47 @@ def test_a_schedule_in_words(schedule, words):
 
 @pytest.mark.parametrize(
     ("kwargs", "message"),
-    [({"every": 0}, "n >= 1"), ({"every": 2, "unit": "hours"}, "'hours'"), ({"every": 2, "state": "exiting"}, "'exiting'")],
+    [
+        ({"every": 0}, "Schedule every=0: every is a whole number of steps or epochs, at least 1"),
+        # 2.5 would act at 5, 10, ...; inf only at the end; True reads as 1.
+        ({"every": 2.5}, "Schedule every=2.5: every is a whole number of steps or epochs, at least 1"),
+        ({"every": float("inf")}, "Schedule every=inf: every is a whole number of steps or epochs, at least 1"),
+        ({"every": True}, "Schedule every=True: every is a whole number of steps or epochs, at least 1"),
+        ({"every": -3}, "Schedule every=-3: every is a whole number of steps or epochs, at least 1"),
+        ({"every": 2, "also_every": 1.5}, "Schedule also_every=1.5: also_every is a whole number of steps, 0 (none)"),
+        ({"every": 2, "also_every": -1}, "Schedule also_every=-1: also_every is a whole number of steps, 0 (none)"),
+        ({"every": 2, "also_at": [3, 0]}, "Schedule also_at holds 0: each is a step number, a whole number of at least 1"),
+        ({"every": 2, "also_at": 3}, "Schedule also_at=3: give a set of step numbers"),
+        ({"every": 2, "at_end": "no"}, "Schedule at_end='no': give True or False"),
+        ({"every": 2, "unit": "hours"}, "'hours'"),
+        ({"every": 2, "state": "exiting"}, "'exiting'"),
+    ],
 )
 def test_a_bad_schedule_is_an_error(kwargs, message):
-    with pytest.raises(ValueError, match=message):
+    with pytest.raises(ValueError, match=re.escape(message)):
         Schedule(**kwargs)
+
+
+def test_steps_given_as_a_list_are_the_set_they_mean():
+    assert Schedule(2, also_at=[4, 3, 4]) == Schedule(2, also_at=frozenset({3, 4}))
+
+
+EVERY = "every_printer"  # registered by tests/support/typo_hook_trainer.py: its every may be any number
+
+
+@pytest.mark.parametrize("command", ["validate", "run"])
+def test_a_declared_hook_whose_schedule_is_refused_is_one_line_before_anything_is_written(tmp_path, command):
+    settings = {"max_steps": 3, "workspace": "ws", "trainer": "typo_hook_trainer:TypoHookTrainer",
+                "hooks": [{"type": EVERY, "every": 2.5}]}
+    (tmp_path / "run.json").write_text(json.dumps(settings))
+    result = Cli(command, "run.json", cwd=tmp_path, env=cli_env()).result()
+    assert result.returncode == 2
+    assert result.stdout == ""
+    assert result.stderr.splitlines() == [
+        f"trainloop {command}: error: run.json: hooks[0]: EveryPrinter: Schedule every=2.5: every is a whole number "
+        "of steps or epochs, at least 1"
+    ]
+    assert [p.name for p in tmp_path.iterdir()] == ["run.json"]
 
 
 SETTINGS = {

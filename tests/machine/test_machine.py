@@ -267,3 +267,31 @@ def test_the_fast_path_and_transitions_run_the_same_machine():
     assert fast.step == slow.step == 5
     for a, b in zip(fast.model.parameters(), slow.model.parameters()):
         assert torch.equal(a, b)
+
+
+def test_an_error_in_a_state_callback_shows_the_users_frames_not_the_state_machine_library():
+    import traceback
+    from pathlib import Path
+
+    import transitions
+    from tiny_trainer import TinyTrainer
+
+    class Refuses(BaseHook):
+        def on_after_step(self, trainer):
+            trainer.request_checkpoint()
+
+        def on_enter_checkpointing(self, trainer):
+            raise ValueError("no room for a checkpoint")
+
+    trainer = TinyTrainer(max_steps=3, hooks=[Refuses()])
+    with pytest.raises(ValueError, match="no room for a checkpoint") as caught:
+        trainer.train()
+    frames = traceback.extract_tb(caught.value.__traceback__)
+    library = str(Path(transitions.__file__).parent)
+    assert [f for f in frames if f.filename.startswith(library)] == []
+    # The test's call, trainloop's entry to the run, then the hook: not the loop's ~25 frames in between.
+    assert [f.name for f in frames] == [
+        "test_an_error_in_a_state_callback_shows_the_users_frames_not_the_state_machine_library",
+        "train", "_run_machine", "on_enter_checkpointing",
+    ]
+    assert frames[-1].filename == __file__

@@ -95,3 +95,12 @@ def test_a_killed_worker_is_restarted_and_resumes_from_the_latest_checkpoint(tmp
     assert len(loaded) == 1, loaded
     assert loaded[0].endswith(("checkpoints/100 at step 100", "checkpoints/200 at step 200")), loaded
     assert checkpoint_steps(root) == [300]
+
+
+def test_a_warning_is_said_once_not_once_per_rank(tmp_path):
+    workspace = tmp_path / "ws"
+    for max_steps in (20, 30):  # the second resumes the first's last checkpoint with other settings
+        code, out, err = finish(start(workspace, max_steps=max_steps))
+        assert code == 0, err[-3000:]
+    assert err.count("ChangedSettingsWarning") == 1, err[-3000:]
+    assert "resuming with settings that differ from the checkpoint's: max_steps" in err

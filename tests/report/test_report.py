@@ -15,6 +15,7 @@ import numpy as np
 import pytest
 import torch
 from browser import CHROMIUM, measure_text, overlapping, run
+from cli_process import Cli, cli_env
 from helper_hooks import SignalAtStep
 from tiny_trainer import TinyTrainer
 
@@ -249,8 +250,25 @@ def test_not_a_workspace_is_a_clear_error_and_nothing_is_written(tmp_path):
     result = cli("report", "empty", cwd=tmp_path)
     assert result.returncode == 1
     assert result.stdout == ""
-    assert result.stderr.strip() == "trainloop report: error: empty: no settings.json, so no run was recorded there (a run writes it in its workspace)"
+    assert result.stderr.strip() == (
+        "trainloop report: error: empty: no settings.json or runs.jsonl, so no run was recorded there (a run writes "
+        "them in its workspace)"
+    )
     assert list((tmp_path / "empty").iterdir()) == []
+
+
+def test_a_run_that_crashed_while_building_is_reported_from_runs_jsonl(tmp_path):
+    (tmp_path / "run.json").write_text(json.dumps({"max_steps": 3, "workspace": "ws"}))
+    crashed = Cli("run", "run.json", "--trainer", "cli_trainers:BuildCrashTrainer", cwd=tmp_path, env=cli_env()).result()
+    assert crashed.returncode == 1
+    assert "RuntimeError: no memory left for the model" in crashed.stderr
+    assert not (tmp_path / "ws" / "settings.json").exists()  # written once the run is built
+    result = Cli("report", "ws", cwd=tmp_path, env=cli_env()).result()
+    assert result.returncode == 0, result.stderr
+    assert result.stderr.splitlines() == [f"trainloop report: wrote {Path('ws') / 'report.html'}"]
+    page = (tmp_path / "ws" / "report.html").read_text()
+    assert "RuntimeError: no memory left for the model" in page  # the run's line in runs.jsonl
+    assert "No settings.json: no run got past building" in page
 
 
 @needs_chromium

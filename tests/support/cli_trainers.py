@@ -70,6 +70,13 @@ class CliTrainer(TinyTrainer):
         return loss, records
 
 
+class BuildCrashTrainer(CliTrainer):
+    """CliTrainer whose ``build_model`` raises: the run ends while building."""
+
+    def build_model(self):
+        raise RuntimeError("no memory left for the model")
+
+
 class NotATrainer:
     """A class that is not a BaseTrainer, for the CLI's error path."""
 

@@ -1,4 +1,7 @@
-"""A trainer whose module registers a hook with a misspelt method, for the CLI's preflight tests.
+"""A trainer whose module registers hooks the preflight refuses, for the CLI's preflight tests.
+
+``typo_printer`` misspells a hook method; ``every_printer`` takes its ``every`` as any number, so
+that only the ``Schedule`` it makes can refuse ``2.5``.
 
 Imported only by the ``trainloop`` subprocesses that name it (``--trainer
 typo_hook_trainer:TypoHookTrainer``), so the hook type is registered in those processes alone.
@@ -9,6 +12,7 @@ from __future__ import annotations
 from cli_trainers import CliTrainer
 
 from trainloop import BaseHook, register_hook
+from trainloop.hooks import Schedule
 
 
 @register_hook("typo_printer")
@@ -16,6 +20,17 @@ class TypoPrinter(BaseHook):
     """Prints the step after each step, had its method been named ``on_after_step``."""
 
     def on_after_steps(self, trainer):
+        print(trainer.step)
+
+
+@register_hook("every_printer")
+class EveryPrinter(BaseHook):
+    """Prints the step every ``every`` steps."""
+
+    def __init__(self, every: float = 1) -> None:
+        self.schedule = Schedule(every)  # type: ignore[arg-type]  # a float on purpose: the Schedule refuses it
+
+    def on_schedule(self, trainer):
         print(trainer.step)
 
 

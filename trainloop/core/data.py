@@ -32,13 +32,14 @@ from __future__ import annotations
 
 import contextlib
 import itertools
-import warnings
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 from torch.utils.data import BatchSampler, DataLoader, Dataset, DistributedSampler, RandomSampler, SequentialSampler
+
+from trainloop.utils import warn_user
 
 __all__ = [
     "DataExhaustedError",
@@ -765,11 +766,10 @@ def _sampler_name(loader: DataLoader[Any]) -> str:
 
 
 def _warn(why: str, epoch: int) -> None:
-    warnings.warn(
+    warn_user(
         f"resuming mid-epoch inexactly: {why}; epoch {epoch} starts over from its beginning, so batches the stopped "
         "run drew in it are drawn again",
         InexactResumeWarning,
-        stacklevel=5,
     )
 
 
@@ -782,9 +782,8 @@ def warn_inexact_resume(loader: Any, epoch: int) -> None:
     else:
         what = (f"epoch {epoch} starts over from its beginning, so batches the stopped run drew in it are "
                 "drawn again and the order may differ from an unbroken run")
-    warnings.warn(
+    warn_user(
         f"resuming with a data loader ({name}, from build_data_loader()) that has neither a sampler nor a saved "
         f"state: {what}; use a DataLoader over a map-style dataset or a StatefulDataLoader for an exact resume",
         InexactResumeWarning,
-        stacklevel=3,
     )

@@ -78,6 +78,7 @@ class Loop:
         self._optimizers: tuple[torch.optim.Optimizer, ...] = ()
         self._verdicts: tuple[DeviceVerdict, ...] = ()  # the updates' own (optimizers that skip on the device)
         self.step_start = 0.0
+        self._checkpointed = -1  # the step whose work of checkpointing is done (its on_exit callbacks may run)
         self.of_kind = RunOfKind()  # what the run's kind changes: its hooks, its work, its policies, its record
         self.schedules = ScheduledCalls(())
         self.compile_watch = CompileWatch()
@@ -405,17 +406,44 @@ class Loop:
         info.non_finite_grad_retries = self.retries
 
     def checkpoint(self) -> None:
-        """The work of ``checkpointing``: the saves due, in hook order (a requested save: every saving hook's)."""
+        """The work of ``checkpointing``: the saves due, in hook order (a requested save: every saving hook's).
+
+        A request made here (an ``on_enter_checkpointing`` callback, a hook's ``on_schedule``) is met by the
+        saves of this step: every saving hook that has not saved it yet saves it, none twice, and the next
+        step owes nothing.
+        """
         step = self.run_state.step
-        if self.requests.take_checkpoint():
-            if not self.schedules.acts_in("checkpointing") and not self.machine.listens(State.CHECKPOINTING):
-                self.trainer.logger.warning(
-                    "A checkpoint was requested at step %d, but no hook of this run saves one "
-                    "(add a CheckpointingHook)",
-                    step,
-                )
+        while True:
+            if self.requests.take_checkpoint():
+                self.requested_save(step)
+            if not self.schedules.due["checkpointing"]:
+                break
+            self.schedules.run_due("checkpointing", self.trainer)
+        self._checkpointed = step
+
+    def requested_save(self, step: int) -> None:
+        """Queue the save a request asks for at ``step``: every saving hook's that has not saved it; say if none can."""
+        if self.of_kind.trains and (
+            self.schedules.acts_in("checkpointing") or self.machine.listens(State.CHECKPOINTING)
+        ):
             self.schedules.queue_all("checkpointing", step)
-        self.schedules.run_due("checkpointing", self.trainer)
+            return
+        if not is_rank_zero():  # every rank makes the request alike: rank 0 says it once
+            return
+        why = "this run" if self.of_kind.trains else f"an {self.of_kind.kind} run"
+        self.trainer.logger.warning(
+            "A checkpoint was requested at step %d, but no hook of %s saves one%s",
+            step, why, " (add a CheckpointingHook)" if self.of_kind.trains else "",
+        )
+
+    def request_checkpoint(self) -> None:
+        """A save at the end of this step (``trainer.request_checkpoint()``).
+
+        Made in ``checkpointing`` once its saves are done (an ``on_exit`` callback), it is met by them.
+        """
+        if self.machine.state is State.CHECKPOINTING and self._checkpointed == self.run_state.step:
+            return
+        self.requests.request_checkpoint()
 
     def exit(self) -> list[BaseException]:
         """Every hook's ``on_after_train``, then close what the run opened.
@@ -429,7 +457,9 @@ class Loop:
         if self.machine.trace is not None:
             self.machine.trace.close()
         try:
-            return call_each(run.dispatch["on_after_train"], t)
+            errors = call_each(run.dispatch["on_after_train"], t)
+            self.unmet_request()
+            return errors
         finally:
             t.metrics.close()
             # After an error, the other ranks may not get here: no last collective then.
@@ -437,6 +467,23 @@ class Loop:
             if run.data is not None:
                 run.data.close()
                 run.epoch = run.data.epoch
+
+    def unmet_request(self) -> None:
+        """Say a save requested where none can follow (as the run ends, in ``exiting``), unless the last step was saved.
+
+        After an error nothing is said: the error is what the run ended with.
+        """
+        if not self.requests.take_checkpoint() or self.run_state.error is not None:
+            return
+        step = self.run_state.step
+        if not self.of_kind.trains or not self.schedules.acts_in("checkpointing"):
+            self.requested_save(step)  # says that no hook saves
+        elif not self.schedules.acted_at("checkpointing", step) and is_rank_zero():
+            self.trainer.logger.warning(
+                "A checkpoint was requested at step %d as the run ended, after its last save: no save follows a "
+                "request made in exiting (request it in on_after_step)",
+                step,
+            )
 
     def _absorb(self, errors: list[BaseException]) -> None:
         """Log hooks' errors raised while the run ends by another error, and note them on it."""

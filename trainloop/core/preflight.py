@@ -11,7 +11,8 @@ so that a run that validates does not fail later on something that was known all
   workspace has one, a checkpoint to load from a given directory is there...) and those of the
   run's hooks of its class together (``BaseHook.check_together``: two checkpointing hooks
   loading into one trainer or writing one directory), so a hook a user registers is checked
-  alike;
+  alike; a hook whose checks pass is then made from its declaration (nothing runs), so what its
+  ``__init__`` refuses, such as a ``Schedule(every=2.5)``, is said here too;
 - declared hooks work together: no two save their state under one name, no two catch one exit
   signal (a hook whose settings have ``exit_signals`` claims them);
 - the directories the run will write (the workspace, checkpoint and TensorBoard directories)
@@ -189,9 +190,15 @@ def _declared_hooks(
             check_hook_methods(cls)
         except TypeError as error:
             problems.append((("hooks", i), f"{field_path(('hooks', i))}: {error}"))
-        for name, message in _pairs(cls, cls.check_settings(spec, settings, trainer)):
+        own = _pairs(cls, cls.check_settings(spec, settings, trainer))
+        for name, message in own:
             path: tuple[Key, ...] = ("hooks", i, name) if name else ("hooks", i)
             problems.append((path, f"{field_path(path)}: {message}"))
+        if not own:  # what its __init__ refuses (a Schedule(every=2.5) it makes) is said now, not in building
+            try:
+                spec.build()
+            except (ValueError, TypeError) as error:
+                problems.append((("hooks", i), f"{field_path(('hooks', i))}: {cls.__name__}: {error}"))
     for cls, declared in by_class.items():
         found = cls.check_together(declared, settings)
         if not isinstance(found, list) or not all(isinstance(m, str) for m in found):

@@ -19,7 +19,6 @@ import contextlib
 import dataclasses
 import functools
 import inspect
-import warnings
 from collections import defaultdict
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
@@ -33,7 +32,7 @@ from torch import nn
 from trainloop.core.data import DataExhaustedError, EpochIterator
 from trainloop.distributed.sync import gradient_sync
 from trainloop.loss import Loss
-from trainloop.utils import is_distributed_model
+from trainloop.utils import is_distributed_model, warn_user
 
 if TYPE_CHECKING:
     from trainloop.core.run_state import TrainerContract
@@ -344,11 +343,10 @@ class StepRunner:
                 "every update of a step trains on the step's batches, so skip a batch in every update or none"
             )
         if self.distributed:
-            warnings.warn(
+            warn_user(
                 "forward() returned loss=None under DDP/FSDP; the wrapped model must not "
                 "have been called for this batch, or its next backward may hang or be wrong",
-                LossNoneWarning,
-                stacklevel=5,
+                LossNoneWarning, every_rank=True,
             )
         epochs = self.epochs
         if epochs is not None and epochs.remaining == 0:
@@ -418,12 +416,11 @@ class StepRunner:
         if any(p.grad is not None for p in params):
             return
         which = "the optimizer" if plan.name is None else f"optimizer {plan.name!r}"
-        warnings.warn(
+        warn_user(
             f"{which} ({type(plan.optimizer).__name__}, {len(params)} parameter(s)) moves none of its parameters: "
             f"none got a gradient in its first update, so {plan.owner}'s loss does not reach them or they are frozen "
             "(requires_grad=False); its updates change nothing",
             NoGradientWarning,
-            stacklevel=2,
         )
 
     def _prepare_grads(self) -> None:

@@ -7,7 +7,6 @@ call those.
 from __future__ import annotations
 
 import json
-import warnings
 from typing import TYPE_CHECKING, Any
 
 from trainloop.core.data import InexactResumeWarning, batch_size_of
@@ -16,6 +15,7 @@ from trainloop.core.rng import get_rng_state, set_rng_state
 from trainloop.core.run_state import SINGLE
 from trainloop.distributed.ranks import gather_from_ranks, rank, world_size
 from trainloop.settings import optimizer as components
+from trainloop.utils import warn_user
 
 if TYPE_CHECKING:
     from trainloop.core.data import EpochIterator
@@ -272,13 +272,12 @@ def _restore_per_rank(trainer: TrainerView, run: RunState, saved: dict[str, Any]
         run.restored_position = position if same_ranks else {**position, "epoch_start": None}
         return
     if not same_ranks:
-        warnings.warn(
+        warn_user(
             f"resuming on {world} rank{'s' * (world != 1)} from a checkpoint of {len(loaders)}: the data loader's "
             f"saved state ({type(trainer.data_loader).__name__}'s own) is per rank, so it is not restored and epoch "
             f"{saved.get('epoch', 0)} starts over from its beginning; a DataLoader over a map-style dataset with a "
             "DistributedSampler resumes exactly on any number of ranks",
             InexactResumeWarning,
-            stacklevel=4,
         )
         return
     # A saved position comes from a stateful loader (StatefulDataLoader), which the
@@ -349,23 +348,21 @@ def _warn_on_changed_settings(trainer: TrainerView, saved: str | None) -> None:
     now = json.loads(trainer.settings.model_dump_json())
     changed = sorted(k for k in then.keys() | now.keys() if then.get(k) != now.get(k))
     if changed:
-        warnings.warn(
+        warn_user(
             f"resuming with settings that differ from the checkpoint's: {', '.join(changed)}",
             ChangedSettingsWarning,
-            stacklevel=3,
         )
     note = components.describe_schedule_change(then, trainer.settings, trainer.step)
     if note is not None:  # what a declared schedule does now, beyond "settings differ"
-        warnings.warn(note, ChangedSettingsWarning, stacklevel=3)
+        warn_user(note, ChangedSettingsWarning)
     # The optimizer state loaded below carries the checkpoint's param groups (lr, betas, weight
     # decay): a changed declaration would otherwise look applied and not be.
     for which, fields in _changed_optimizer_fields(then, now).items():
-        warnings.warn(
+        warn_user(
             f"{'; '.join(fields)}: the checkpoint's {which} state is restored, its learning rates and "
             "other param-group values included, so the changed optimizer settings take effect only in a "
             "fresh run",
             ChangedSettingsWarning,
-            stacklevel=3,
         )
 
 

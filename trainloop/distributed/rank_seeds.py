@@ -13,7 +13,6 @@ per rank while the model's initialisation does not.
 from __future__ import annotations
 
 import hashlib
-import warnings
 from collections.abc import Iterator
 from typing import Any
 
@@ -21,6 +20,7 @@ import torch
 
 from trainloop.core.rng import seed_all
 from trainloop.distributed.ranks import gather_from_ranks, rank, world_size
+from trainloop.utils import warn_user
 
 __all__ = ["IdenticalBatchesWarning", "batch_digest", "seed_ranks_apart", "warn_if_ranks_drew_the_same"]
 
@@ -74,10 +74,9 @@ def warn_if_ranks_drew_the_same(batch: Any) -> None:
         return
     digests = gather_from_ranks(batch_digest(batch))
     if len(set(digests)) == 1:
-        warnings.warn(
+        warn_user(
             f"all {len(digests)} ranks drew the same first batch: they train on identical data. A loader that "
             "samples with torch's global generator draws alike on every rank, which `seed` seeds alike; shard the "
             "data with a DistributedSampler, or set seed_per_rank to offset the generators by rank",
             IdenticalBatchesWarning,
-            stacklevel=2,
         )

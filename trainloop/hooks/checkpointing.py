@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import dataclasses
 import sys
-import warnings
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager, nullcontext
 from logging import Logger
@@ -40,7 +39,7 @@ from trainloop.hooks.exit_signals import DEFAULT_EXIT_SIGNALS, ExitCode, ExitOnS
 from trainloop.hooks.registry import register_hook
 from trainloop.hooks.schedule import Schedule
 from trainloop.settings.types import NonNegativeFloat, NonNegativeInt, PathOrUrl, PositiveInt, StrictBool
-from trainloop.utils import flatten_nested_dict
+from trainloop.utils import flatten_nested_dict, warn_user
 
 if TYPE_CHECKING:
     from trainloop.checkpoint.loading import VerifiedFiles
@@ -341,7 +340,7 @@ class CheckpointingHook(BaseHook):
         ran = trainer.step > self._first_step
         missing = self._best.missing_message() if self._best is not None and trainer.error is None and ran else None
         if missing is not None:
-            warnings.warn(f"{type(self).__name__}: {missing}", MonitorNotFoundWarning, stacklevel=2)
+            warn_user(f"{type(self).__name__}: {missing}", MonitorNotFoundWarning)
         try:
             self._settle_at_exit(trainer)
             wait_for_removals()  # pruned checkpoints are gone when train() returns

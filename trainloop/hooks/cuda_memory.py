@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import warnings
 from typing import TYPE_CHECKING
 
 import torch
@@ -10,6 +9,7 @@ from pydantic import validate_call
 
 from trainloop.hooks.base import BaseHook
 from trainloop.hooks.registry import register_hook
+from trainloop.utils import warn_user
 
 if TYPE_CHECKING:
     from trainloop.core.run_state import TrainerView
@@ -41,11 +41,10 @@ class CudaMaxMemoryHook(BaseHook):
             self._device = trainer.device
         else:
             self._device = None
-            warnings.warn(
+            warn_user(
                 f"CudaMaxMemoryHook does nothing: the trainer's device is {str(trainer.device)!r}, "
                 "not CUDA, so step_info['max_memory'] is not recorded",
                 RuntimeWarning,
-                stacklevel=2,
             )
 
     def on_before_step(self, trainer: TrainerView) -> None:

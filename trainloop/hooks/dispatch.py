@@ -281,13 +281,20 @@ class ScheduledCalls:
                 queue.append(act)
 
     def queue_all(self, state: str, step: int) -> None:
-        """Queue every ``state`` schedule's ``on_schedule`` once, in hook order (a requested save, an evaluate run)."""
+        """Queue every ``state`` schedule's ``on_schedule`` once, in hook order (a requested save, an evaluate run).
+
+        A schedule queued or acted on at ``step`` already is left out: a second request at one step asks nothing new.
+        """
         queue = self.due[state]
         queued = {_key(fn) for fn in queue}
         for every, act, _, where in self._queued:
-            if where == state and _key(act) not in queued:
+            if where == state and _key(act) not in queued and every.last_step != step:
                 queue.append(act)
                 every.mark(step)
+
+    def acted_at(self, state: str, step: int) -> bool:
+        """Whether a ``state`` schedule acted (or was queued to) at ``step``."""
+        return any(where == state and every.last_step == step for every, _, _, where in self._queued)
 
     def run_due(self, state: str, trainer: Any) -> None:
         """Run the calls queued for ``state``, in order (the work of that state)."""

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import math
-import warnings
 from typing import TYPE_CHECKING, Annotated, Any, Literal
 
 from pydantic import Field, validate_call
@@ -11,7 +10,7 @@ from pydantic import Field, validate_call
 from trainloop.hooks.base import BaseHook
 from trainloop.hooks.registry import register_hook
 from trainloop.settings.types import NonNegativeFloat, PositiveInt
-from trainloop.utils import flatten_nested_dict, hint_for_missing_key, to_float
+from trainloop.utils import flatten_nested_dict, hint_for_missing_key, to_float, warn_user
 
 if TYPE_CHECKING:
     from trainloop.core.run_state import TrainerView
@@ -109,11 +108,10 @@ class EarlyStoppingHook(BaseHook):
         if self.observations or trainer.error is not None:
             return
         hint = hint_for_missing_key(self.monitor, self._keys_seen)
-        warnings.warn(
+        warn_user(
             f"{type(self).__name__}: the monitored key {self.monitor!r} never appeared in the "
             f"logged records, so early stopping never acted{hint}",
             MonitorNotFoundWarning,
-            stacklevel=2,
         )
 
     def on_state_dict(self, trainer: TrainerView, state_dict: dict[str, Any]) -> None:

@@ -14,6 +14,7 @@ The rule's bookkeeping over a run (``Every``) and its application (``ScheduledCa
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Literal
 
@@ -46,8 +47,11 @@ class Schedule:
         also_at: Also act after these steps.
 
     Raises:
-        ValueError: ``every`` is less than 1, ``unit`` or ``state`` is unknown, or ``at_start``
-            is asked of ``checkpointing`` (nothing to save before the first step).
+        ValueError: ``every`` is not a whole number of at least 1 (``2.5``, ``inf``, ``True``),
+            ``also_every`` or a step of ``also_at`` not a whole number of at least 0 or 1, a flag
+            not a bool, ``unit`` or ``state`` unknown, or ``at_start`` asked of
+            ``checkpointing`` (nothing to save before the first step). The message names the
+            argument and its value.
     """
 
     every: int
@@ -60,18 +64,25 @@ class Schedule:
     also_at: frozenset[int] = frozenset()
 
     def __post_init__(self) -> None:
-        if self.every < 1:
-            raise ValueError(f"every(n) needs n >= 1, got {self.every}")
+        _count("every", self.every, least=1)
+        _count("also_every", self.also_every, least=0)
         if self.unit not in ("steps", "epochs"):
-            raise ValueError(f"a schedule's unit is 'steps' or 'epochs', got {self.unit!r}")
+            raise ValueError(f"Schedule unit={self.unit!r}: a schedule's unit is 'steps' or 'epochs'")
         if self.state not in ("stepping", *QUEUED_STATES):
             raise ValueError(
-                f"a schedule's state is 'stepping', 'validating' or 'checkpointing', got {self.state!r}"
+                f"Schedule state={self.state!r}: a schedule's state is 'stepping', 'validating' or 'checkpointing'"
             )
+        for name in ("at_end", "at_start", "at_exit_signal"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"Schedule {name}={getattr(self, name)!r}: give True or False")
+        if isinstance(self.also_at, (str, bytes)) or not isinstance(self.also_at, Iterable):
+            raise ValueError(f"Schedule also_at={self.also_at!r}: give a set of step numbers")
+        steps = frozenset(self.also_at)
+        for step in sorted(steps, key=repr):
+            _count("also_at", step, least=1)
+        object.__setattr__(self, "also_at", steps)  # a list or set given: held as the frozenset it means
         if self.at_start and self.state == "checkpointing":
             raise ValueError("a checkpointing schedule cannot act at_start: there is nothing to save yet")
-        if self.also_every < 0:
-            raise ValueError(f"also_every needs n >= 0, got {self.also_every}")
 
     def describe(self) -> str:
         """The schedule in words: ``every 1000 steps and at the end``, ``at the start and every epoch``."""
@@ -84,3 +95,17 @@ class Schedule:
             periodic.append(f"at steps {steps}" if len(self.also_at) > 1 else f"at step {steps}")
         parts = (["at the start"] if self.at_start else []) + periodic + (["at the end"] if self.at_end else [])
         return ", ".join(parts[:-1]) + " and " + parts[-1] if len(parts) > 1 else parts[0]
+
+
+def _count(name: str, value: object, least: int) -> None:
+    """Refuse ``value`` unless it is an ``int`` (not a bool) of at least ``least``.
+
+    ``2.5`` would act at 5, 10, ...; ``inf`` only at the end; ``True`` reads as 1: each is a
+    mistake, refused where the schedule is made, with the value as written.
+    """
+    if isinstance(value, bool) or not isinstance(value, int) or value < least:
+        if name == "also_at":
+            raise ValueError(f"Schedule also_at holds {value!r}: each is a step number, a whole number of at least 1")
+        if name == "also_every":
+            raise ValueError(f"Schedule also_every={value!r}: also_every is a whole number of steps, 0 (none) or more")
+        raise ValueError(f"Schedule {name}={value!r}: {name} is a whole number of steps or epochs, at least {least}")

@@ -74,19 +74,22 @@ def build_report(workspace: Path, smoothing: float = DEFAULT_SMOOTHING, graphviz
         graphviz: Draw the machine with Graphviz's ``dot`` rather than in Python.
 
     Raises:
-        ReportError: ``workspace`` has no ``settings.json`` (no run recorded there), one of its
+        ReportError: ``workspace`` has neither ``settings.json`` nor ``runs.jsonl`` (no run recorded there), one of its
             files is malformed, or ``smoothing`` is outside ``[0, 1)``.
         trainloop.report.graphviz.GraphvizError: ``graphviz`` is set and ``dot`` is missing or failed.
     """
     if not 0.0 <= smoothing < 1.0:
         raise ReportError(f"smoothing {smoothing!r} is outside [0, 1): 0 draws the values as they are")
     settings_file = workspace / "settings.json"
-    if not settings_file.is_file():
+    recorded = settings_file.is_file()
+    if not recorded and not (workspace / RUNS_FILE).is_file():
         raise ReportError(
-            f"{workspace}: no settings.json, so no run was recorded there (a run writes it in its workspace)"
+            f"{workspace}: no settings.json or {RUNS_FILE}, so no run was recorded there (a run writes them in its "
+            "workspace)"
         )
     try:
-        settings = json.loads(settings_file.read_text(encoding="utf-8"))
+        # A run that ended while building (build_model raised) recorded its end in runs.jsonl, not its settings.
+        settings = json.loads(settings_file.read_text(encoding="utf-8")) if recorded else {}
         metrics = read_metrics(workspace / METRICS_FILE) if (workspace / METRICS_FILE).is_file() else None
         trace = read_trace(workspace / "trace.jsonl") if (workspace / "trace.jsonl").is_file() else None
     except ValueError as error:
@@ -95,7 +98,10 @@ def build_report(workspace: Path, smoothing: float = DEFAULT_SMOOTHING, graphviz
         raise ReportError(f"{settings_file}: not the settings of a run (a JSON object)")
     # Files edited or written by something else: what is not what trainloop writes is left out,
     # and said on the page, rather than ending the report.
-    notes: list[str] = []
+    notes: list[str] = [] if recorded else [
+        f"No settings.json: no run got past building (a run writes it once it is built); {RUNS_FILE} says how each "
+        "ended."
+    ]
     metrics = _numbers_only(metrics, notes)
     summary = summarize_trace(trace) if trace is not None else None
     checkpoints = _checkpoints(workspace, settings, notes)
@@ -116,7 +122,7 @@ def build_report(workspace: Path, smoothing: float = DEFAULT_SMOOTHING, graphviz
         "<h2>Checkpoints</h2>",
         _checkpoint_table(checkpoints),
         "<h2>Settings</h2>",
-        f"<pre>{_e(json.dumps(settings, indent=2))}</pre>",
+        f"<pre>{_e(json.dumps(settings, indent=2))}</pre>" if recorded else '<p class="muted">No settings.json.</p>',
     ]
     body = "\n".join(parts)
     return (

@@ -14,7 +14,6 @@ and ``describe_schedule_change`` says what that does when they differ from the c
 from __future__ import annotations
 
 import math
-import warnings
 from collections.abc import Callable, Mapping, Sequence
 from typing import Annotated, Any, Literal
 
@@ -23,6 +22,7 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 from torch.optim.lr_scheduler import LambdaLR, LRScheduler
 
 from trainloop.settings.types import NonNegativeFloat, NonNegativeInt, PositiveInt
+from trainloop.utils import warn_user
 
 __all__ = ["LR_SCHEDULES", "LrScheduleSettings", "build_lr_scheduler", "describe_schedule_change", "lr_factor"]
 
@@ -141,10 +141,10 @@ def lr_factor(settings: LrScheduleSettings, max_steps: int, initial_lr: float | 
         raise ValueError("\n".join(f"lr_schedule: {problem}" for problem in problems))
     warmup = settings.warmup_steps_for(max_steps)
     if warmup >= max_steps:
-        warnings.warn(
+        warn_user(
             f"lr_schedule: the warmup of {warmup} steps is not shorter than the run ({max_steps} steps): the "
             f"learning rate only warms up, reaching {max_steps / (warmup + 1):.3g} x its peak at the last step",
-            UserWarning, stacklevel=3,
+            UserWarning,
         )
     end = settings.decay_steps if settings.decay_steps is not None else max_steps
     decay_steps = max(end - warmup, 1)
