@@ -80,30 +80,14 @@ SAMPLE = [
 
 DEFECT_1 = ("#32 defect 1: several optimizers with format='sharded' fail at the first save "
             "(KeyError: 'optimizer' in the sharded split; the state holds 'optimizers')")
-DEFECT_4 = ("#32 defect 4: a save at an epoch's last batch resumes with the next epoch's shuffle drawn before the "
-            "checkpoint's generators are restored: epoch 1 comes in another order")
-DEFECT_4_FP16 = ("#32 defect 4: fp16's refused first updates (GradScaler's 65536) draw fresh batches, so the stop "
-                 "step ends epoch 0's last batch; then as defect 4")
-DEFECT_4D = ("#32 defect 4d: with max_epochs and accumulation, updates redone on fresh batches (fp16's refused "
-             "first ones) use up the last epoch before its last step has its microsteps: the unbroken run ends in "
-             "DataExhaustedError")
+
 #: Today's divergent cases of ``SAMPLE`` and their causes (issue #32's defects).
 KNOWN_DIVERGENT: dict[str, str] = {
-    "one-full-local-epoch_end-acc1-mean-fp32-noema-constant-steps-finite-r1": DEFECT_4,
     "several-sharded_async-s3-signal-acc3-items-fp16-noema-warmup_cosine-steps-finite-r1": DEFECT_1,
-    "one-sharded_async-s3-epoch_end-acc1-mean-bf16-ema-warmup_cosine-epochs-finite-r1": DEFECT_4,
     "several-sharded_async-memory-epoch_end-acc3-items-fp32-noema-constant-steps-nan-r1": DEFECT_1 + "; then defect 4",
-    "several-full-local-mid_epoch-acc1-mean-fp16-noema-constant-epochs-finite-r1": DEFECT_4_FP16,
     "several-sharded-local-mid_epoch-acc1-mean-bf16-noema-constant-steps-finite-r1": DEFECT_1,
-    "one-sharded-local-epoch_end-acc1-mean-fp32-noema-constant-steps-finite-r1": DEFECT_4,
     "several-sharded-local-mid_epoch-acc1-mean-fp32-noema-constant-steps-finite-r1": DEFECT_1,
-    "one-sharded-local-epoch_end-acc1-mean-fp32-noema-constant-steps-finite-r2": DEFECT_4,
 }
-
-
-FP16_UNPREDICTED = ("fp16: GradScaler's refused first updates (its scale starts at 65536) redo steps on fresh "
-                    "batches, which moves the stop onto an epoch's end (defect 4) or makes a fused optimizer's first "
-                    "update after the resume a synced retry (defect 6) in cases no rule here predicts")
 
 
 def known_cause(case: Case, unbroken: dict[str, Any]) -> tuple[str, bool] | None:
@@ -111,12 +95,6 @@ def known_cause(case: Case, unbroken: dict[str, Any]) -> tuple[str, bool] | None
     not): the rules behind ``KNOWN_DIVERGENT``, for the whole product."""
     if case.optimizers == "several" and case.format.startswith("sharded"):
         return DEFECT_1, True
-    if "DataExhaustedError" in unbroken.get("error", ""):
-        return DEFECT_4D, True
-    if case.precision == "fp16":
-        return FP16_UNPREDICTED, False
-    if case.stop == "epoch_end":
-        return DEFECT_4, True
     return None
 
 
