@@ -39,8 +39,8 @@ class ChangedSettingsWarning(UserWarning):
 class ChangedGlobalBatchError(ValueError):
     """A run resumes with another global batch (ranks x batch size x accumulation) than the checkpoint's.
 
-    Refused before the first step: the command line exits with ``exit_code`` (a usage error), and the
-    run's line in ``runs.jsonl`` records the same code.
+    Refused before the first step: the command line exits with ``exit_code`` (a usage error), and
+    nothing is written (not even a line in ``runs.jsonl``).
     """
 
     exit_code = 2
