@@ -466,11 +466,11 @@ def test_a_resume_with_other_optimizers_is_refused_in_one_line_exit_2_writing_no
         assert len(errors) == 1, result.stderr
         assert errors[0].startswith(f"trainloop run: error: {said}"), errors[0]
         assert errors[0].endswith("or start fresh (another workspace, or CheckpointingHook(load=None))")
-        # No checkpoint, metric, settings.json or trace written; the refused run's line records its exit code.
+        # Nothing written: no checkpoint, metric, settings.json, trace, nor a line in runs.jsonl.
         workspace = tmp_path / case
         assert files(workspace) == kept[case]
         runs = [json.loads(line) for line in (workspace / "runs.jsonl").read_text().splitlines()]
-        assert [run["exit_code"] for run in runs] == [0, 2]
+        assert [run["exit_code"] for run in runs] == [0]
 
 
 def test_an_empty_mapping_from_build_optimizer_is_one_line_before_step_one():

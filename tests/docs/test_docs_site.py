@@ -125,6 +125,14 @@ def test_nav_lists_every_page_and_every_page_exists():
         assert page in pages
 
 
+def test_the_overview_lists_every_page():
+    # Issue 32: docs/index.md's page list missed six pages.
+    pages = (DOCS / "index.md").read_text().split("## Pages\n", 1)[1].split("\n## ", 1)[0]
+    listed = re.findall(r"^- \[[^\]]+\]\((\w+\.md)\)", pages, re.M)
+    assert sorted(listed) == sorted(p.name for p in DOCS.glob("*.md") if p.name != "index.md")
+    assert listed == [page for page in _nav_pages() if page != "index.md"]  # in the nav's order
+
+
 def test_api_page_links_every_top_level_export():
     text = (DOCS / "api.md").read_text()
     linked = set(re.findall(r"\[`(\w+)`\]\[trainloop\.", text))

@@ -149,3 +149,23 @@ def test_evaluate_records_the_checkpoints_step_and_epoch(tmp_path, twenty_steps)
     assert evaluated.returncode == 0, evaluated.stderr
     evaluate = read_runs(twenty_steps)[-1]
     assert (evaluate["kind"], evaluate["step"], evaluate["epoch"]) == ("evaluate", 20, 2)
+
+
+def test_a_resume_refused_before_its_first_step_leaves_the_workspace_as_it_was(tmp_path):
+    # docs/cli.md: exit 2 writes nothing; a refused resume used to append its line to runs.jsonl.
+    from cli_process import Cli
+
+    (tmp_path / "run.yaml").write_text("max_steps: 2\nworkspace: ws\nhooks:\n  - {type: checkpointing, interval: 2}\n")
+    trainer = ("--trainer", "cli_trainers:CliTrainer")
+    assert Cli("run", "run.yaml", *trainer, cwd=tmp_path).result().returncode == 0
+    before = {p: p.read_bytes() for p in (tmp_path / "ws").rglob("*") if p.is_file()}
+    assert tmp_path / "ws" / "runs.jsonl" in before
+
+    refused = Cli("run", "run.yaml", *trainer, "--set", "gradient_accumulation_steps=2", cwd=tmp_path).result()
+    assert refused.returncode == 2
+    errors = [line for line in refused.stderr.splitlines() if "error" in line.lower()]
+    assert len(errors) == 1, refused.stderr
+    assert errors[0].startswith("trainloop run: error: the checkpoint's global batch is 8 ")
+    assert "gradient_accumulation_steps 2" in errors[0]
+    assert {p: p.read_bytes() for p in (tmp_path / "ws").rglob("*") if p.is_file()} == before
+    assert [run["exit_code"] for run in read_runs(tmp_path / "ws")] == [0]

@@ -35,3 +35,21 @@ def test_overhead_benchmark_runs(tmp_path):
     assert out.stdout.startswith("raw loop:")
     assert "trainer (defaults: non-finite check on)" in out.stdout
     assert "ratio" in out.stdout
+
+
+def test_the_readme_install_command_is_what_ci_runs_and_its_aws_stack_is_pinned():
+    # Issue 32: unpinned, pip backtracked through s3fs/aiobotocore releases (aiobotocore's narrow botocore
+    # range against moto's boto3) and ended on the CUDA torch. A fresh venv resolved the pins at once.
+    import re
+    import tomllib
+
+    readme = (ROOT / "README.md").read_text()
+    ci = (ROOT / ".ci" / "run").read_text()
+    assert 'pip install torch==2.13.0 -e ".[dev]" && python -m pytest -q -n 2 --dist loadfile' in readme
+    assert 'pip install --quiet torch==2.13.0 -e ".[dev]"' in ci
+    assert "python -m pytest -q -n 2 --dist loadfile" in ci
+    dev = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["optional-dependencies"]["dev"]
+    pinned = dict(re.fullmatch(r"([\w-]+)(?:\[[\w,]+\])?==([\w.]+)", r).groups() for r in dev if "==" in r)
+    assert {"s3fs", "aiobotocore", "botocore", "boto3", "moto"} <= set(pinned)
+    assert pinned["boto3"].rsplit(".", 1)[0] == pinned["botocore"].rsplit(".", 1)[0]  # boto3 x.y.z: botocore >=x.y.z,<x.(y+1)
+    assert not any(r.startswith("moto[server]") for r in dev)  # every AWS service's packages, for one S3 server

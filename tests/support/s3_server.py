@@ -15,7 +15,7 @@ from typing import Any
 import pytest
 
 pytest.importorskip("s3fs", reason="the object-storage tests need trainloop[s3] (s3fs), in the dev extra")
-moto_server = pytest.importorskip("moto.server", reason="the object-storage tests need moto[server], in the dev extra")
+moto_server = pytest.importorskip("moto.server", reason="the object-storage tests need moto[s3] and flask, in the dev extra")
 
 import s3fs  # noqa: E402  # after the skip above
 

@@ -8,7 +8,8 @@ Each run that has a workspace appends its outcome (rank 0)::
 
 so a report shows how each run of a workspace ended (a signal's exit code, an error), which were
 evaluate or predict runs (``"kind"``; a line without it is a training run's), how long each took,
-and on what.
+and on what. A run refused before its first step (an error that carries its exit code, such as
+``ChangedGlobalBatchError``) is not a run: it appends nothing.
 """
 
 from __future__ import annotations
@@ -33,8 +34,8 @@ RUNS_FILE = "runs.jsonl"
 class RefusedRunError(ValueError):
     """What the run declares cannot run, found before its first step: one line per problem.
 
-    The command line reports it without a traceback and exits with ``exit_code`` (a usage error); the run's line in
-    ``runs.jsonl`` records the same code. Nothing else is written: no checkpoint, no metric, no ``settings.json``.
+    The command line reports it without a traceback and exits with ``exit_code`` (a usage error). Nothing is
+    written: no line in ``runs.jsonl``, no checkpoint, no metric, no ``settings.json``.
     """
 
     exit_code = 2
@@ -105,6 +106,15 @@ def run_result(trainer: TrainerView, kind: RunKind = "train") -> RunResult:
     )
 
 
+def _refused(trainer: TrainerView) -> bool:
+    """Whether the run was refused before its first step: its error carries the exit code of a refusal.
+
+    Such a run is not recorded, so that a refusal leaves the workspace as it found it.
+    """
+    error = trainer.error
+    return error is not None and not isinstance(error, SystemExit) and hasattr(error, "exit_code")
+
+
 def _reran_complete(trainer: TrainerView, result: RunResult) -> bool:
     """Whether the run resumed a run that had completed and ended cleanly, having trained nothing.
 
@@ -122,7 +132,8 @@ def finish_run(
     Args:
         trainer: The trainer whose run ended.
         kind: What the run did: train, evaluate or predict.
-        write: Whether to append the run's line (a run refused while building is not recorded).
+        write: Whether to append the run's line (a run refused while building is not recorded,
+            nor one refused before its first step).
         started: When the run started (``time.time()``), recorded beside its end.
     """
     from trainloop.distributed.ranks import is_rank_zero
@@ -130,7 +141,7 @@ def finish_run(
     result = run_result(trainer, kind)
     workspace = trainer.settings.workspace
     written = write and workspace is not None and is_rank_zero() and workspace.is_dir()
-    if written and not _reran_complete(trainer, result):
+    if written and not _refused(trainer) and not _reran_complete(trainer, result):
         assert workspace is not None
         record = {
             "time": time.time(),
