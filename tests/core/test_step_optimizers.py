@@ -340,3 +340,28 @@ def test_declared_optimizers_and_a_one_argument_forward_are_one_line_before_anyt
     assert len(lines) == 1, result.stderr
     assert "optimizers: OneArgument.forward() takes no optimizer, but the run updates several (a, b)" in lines[0]
     assert not (tmp_path / "ws").exists()
+
+
+@pytest.mark.parametrize("format", ["full", "sharded"])
+def test_a_resume_equals_the_unbroken_run_in_every_format(tmp_path, format):
+    data = torch.utils.data.DataLoader(torch.cat(batches()), batch_size=8)
+
+    def run(steps, workspace):
+        trainer = GanTrainer(max_steps=steps, workspace=workspace, seed=0, data=data,
+                             hooks=[CheckpointingHook(interval=3, format=format, exit_signals=[])])
+        trainer.train()
+        return trainer
+
+    unbroken = run(6, tmp_path / "unbroken")
+    run(3, tmp_path / "broken")
+    resumed = run(6, tmp_path / "broken")
+    for mine, theirs in zip(resumed.model.parameters(), unbroken.model.parameters(), strict=True):
+        assert torch.equal(mine, theirs)
+    for name, optimizer in unbroken.optimizers.items():
+        theirs, mine = optimizer.state_dict(), resumed.optimizers[name].state_dict()
+        assert mine["param_groups"] == theirs["param_groups"]
+        for index, state in theirs["state"].items():
+            for key, value in state.items():
+                assert torch.equal(mine["state"][index][key], value), (name, index, key)
+    saved = read_checkpoint(tmp_path / "broken" / "checkpoints" / "6")["training_state"]
+    assert list(saved["optimizers"]) == ["discriminator", "generator"]
