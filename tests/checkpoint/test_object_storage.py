@@ -224,3 +224,15 @@ def test_two_fsdp_ranks_write_their_shards_to_s3_and_resume_exactly(s3, tmp_path
     ]
     manifest = json.loads(s3.fs().cat_file(f"{url}/8/manifest.json"))
     assert {"sharded/__0_0.distcp", "sharded/__1_0.distcp"} <= set(manifest["files"])
+
+
+def test_cleaning_up_removes_only_what_a_save_writes(s3):  # noqa: F811
+    url = f"{s3.bucket()}/checkpoints"
+    fs = s3.fs()
+    for key in ("0007/report.csv", "notes/readme.txt", "07/x", "6/model.pt"):  # 6: an upload that did not finish
+        fs.pipe_file(f"{url}/{key}".removeprefix("s3://"), b"kept")
+    trainer = TinyTrainer(TrainerSettings(max_steps=4), hooks=hooks(url, "full", False, None, s3.options))
+    trainer.train()
+    left = {key for key in s3.keys(url) if key.split("/")[0] not in {"2", "4", "latest"}}
+    assert left == {"0007/report.csv", "notes/readme.txt", "07/x"}
+    assert fs.cat_file(f"{url}/0007/report.csv".removeprefix("s3://")) == b"kept"

@@ -30,6 +30,7 @@ from pathlib import Path, PurePosixPath
 from typing import Any, BinaryIO, TypeAlias
 
 __all__ = [
+    "LATEST",
     "MANIFEST",
     "Location",
     "StorageError",
@@ -43,6 +44,7 @@ __all__ = [
     "files",
     "is_dir",
     "is_file",
+    "is_step_name",
     "is_url",
     "location",
     "lost_slash",
@@ -61,6 +63,22 @@ __all__ = [
 
 MANIFEST = "manifest.json"
 """The file written last into a checkpoint: on object storage, what makes it count."""
+
+LATEST = "latest"
+"""The entry of a checkpoints root that names its newest checkpoint."""
+
+#: A checkpoint's name: its step, written as ``str(step)`` (never a leading zero).
+_STEP_NAME = re.compile(r"0|[1-9][0-9]*")
+
+
+def is_step_name(name: str) -> bool:
+    """Whether ``name`` is a checkpoint's step, as a save names it (``7``; not ``0007``, ``07`` or ``²``)."""
+    return _STEP_NAME.fullmatch(name) is not None
+
+
+def _saved_name(name: str) -> bool:
+    """Whether a save writes the entry ``name`` of a checkpoints root: a step, or ``latest``."""
+    return name == LATEST or is_step_name(name)
 
 
 #: ``s3://``, ``gs://``, ``memory://``, ``file://``, chained ``simplecache::s3://``: an fsspec URL.
@@ -346,7 +364,7 @@ def clean_leftovers(parent: Location, logger: Logger) -> None:
         return
     for entry in parent.iterdir():
         match = _HIDDEN.fullmatch(entry.name)
-        if match is None:
+        if match is None or not _saved_name(match["name"]):
             continue
         original = entry.with_name(match["name"])
         try:
@@ -360,11 +378,11 @@ def clean_leftovers(parent: Location, logger: Logger) -> None:
 
 
 def _clean_url_leftovers(parent: UrlPath, logger: Logger) -> None:
-    """Remove the numbered directories under ``parent`` that hold no manifest (see the module docstring)."""
+    """Remove the step-named directories under ``parent`` that hold no manifest (see the module docstring)."""
     listed = files(parent)
     complete = {rel.split("/", 1)[0] for rel in listed if rel.count("/") == 1 and rel.endswith(f"/{MANIFEST}")}
     for name in sorted({rel.split("/", 1)[0] for rel in listed if "/" in rel} - complete):
-        if not name.isdigit():
+        if not is_step_name(name):
             continue
         try:
             remove(parent / name)
