@@ -191,7 +191,7 @@ def test_a_missing_bucket_or_an_endpoint_that_does_not_answer_is_one_line(s3, tm
     ran = Cli("run", "run.json", "--trainer", "cli_trainers:CliTrainer", cwd=tmp_path, env=cli_env(**s3.env())).result()
     assert ran.returncode == 1, ran.stderr[-3000:]
     assert_one_clean_error(
-        ran.stderr, "object storage: FileNotFoundError: The specified bucket does not exist"
+        ran.stderr, "object storage: FileNotFoundError: The specified bucket does not exist: 'no-such-bucket'"
     )
     assert len(ran.stderr.strip().splitlines()) == 1, ran.stderr
     assert not s3.fs().exists("no-such-bucket")  # no bucket is ever created
