@@ -236,3 +236,26 @@ def test_cleaning_up_removes_only_what_a_save_writes(s3):  # noqa: F811
     left = {key for key in s3.keys(url) if key.split("/")[0] not in {"2", "4", "latest"}}
     assert left == {"0007/report.csv", "notes/readme.txt", "07/x"}
     assert fs.cat_file(f"{url}/0007/report.csv".removeprefix("s3://")) == b"kept"
+
+
+def test_a_typo_in_storage_options_is_one_line_before_anything_is_written(tmp_path):
+    hooks = [{"type": "checkpointing", "interval": 2, "path": "s3://bkt/run", "storage_options": {"endpoint_urll": "x"}}]
+    init_from = {"path": "s3://bkt/pre", "storage_options": {"endpoint_url": "x", "anonn": True}}
+    settings = {"max_steps": 3, "workspace": "ws"}
+    (tmp_path / "hook.json").write_text(json.dumps({**settings, "hooks": hooks}))
+    (tmp_path / "init.json").write_text(json.dumps({**settings, "init_from": init_from}))
+    started = {
+        (command, name): Cli(command, f"{name}.json", "--trainer", "cli_trainers:CliTrainer", cwd=tmp_path)
+        for command in ("validate", "run") for name in ("hook", "init")
+    }
+    expected = {
+        "hook": "hook.json: hooks[0].storage_options.endpoint_urll: not an argument of S3FileSystem "
+                "(did you mean endpoint_url?)",
+        "init": "init.json: init_from.storage_options.anonn: not an argument of S3FileSystem (did you mean anon?)",
+    }
+    for (command, name), cli in started.items():
+        result = cli.result()
+        assert result.returncode == 2, result.stderr[-3000:]
+        assert_one_clean_error(result.stderr, f"trainloop {command}: error: {expected[name]}")
+        assert len(result.stderr.strip().splitlines()) == 1, result.stderr
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["hook.json", "init.json"]  # no ws/, run.lock, runs.jsonl

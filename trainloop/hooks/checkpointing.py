@@ -24,6 +24,7 @@ from trainloop.checkpoint.manifest import make_metadata
 from trainloop.checkpoint.storage import (
     Location,
     StorageError,
+    UnknownStorageOptions,
     UrlPath,
     clean_leftovers,
     is_dir,
@@ -479,6 +480,8 @@ def _url_problems(name: str, url: str, options: dict[str, Any] | None, must_exis
     """What is wrong with the URL ``url`` of parameter ``name``: its filesystem missing; nothing there to load."""
     try:
         where = location(url, options)
+    except UnknownStorageOptions as error:
+        return list(error.problems)
     except StorageError as error:
         return [(name, str(error))]
     if must_exist and not is_dir(where):
