@@ -259,3 +259,9 @@ def test_a_typo_in_storage_options_is_one_line_before_anything_is_written(tmp_pa
         assert_one_clean_error(result.stderr, f"trainloop {command}: error: {expected[name]}")
         assert len(result.stderr.strip().splitlines()) == 1, result.stderr
     assert sorted(p.name for p in tmp_path.iterdir()) == ["hook.json", "init.json"]  # no ws/, run.lock, runs.jsonl
+
+
+def test_a_second_run_on_a_live_runs_checkpoint_prefix_is_refused_and_loses_nothing(s3, tmp_path):  # noqa: F811
+    from cli_process import two_runs_on_one_checkpoint_location
+
+    two_runs_on_one_checkpoint_location(tmp_path, f"{s3.bucket()}/checkpoints", cli_env(**s3.env()), s3.options)

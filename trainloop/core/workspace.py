@@ -9,6 +9,15 @@
   by the kernel when the process ends, however it ends). A second run in the same workspace is
   refused with :class:`WorkspaceBusyError` naming the holder's host and PID; a lock file left by
   a process that is gone is taken over with a message.
+- :func:`hold_run_location` holds a run's checkpoint location the same way, for the
+  ``CheckpointingHook`` that writes there: one location belongs to one live run. A local
+  directory gets its own ``run.lock`` (the same OS lock). Object storage has no lock: there the
+  run writes a lease, ``<prefix>/run.lock`` (owner id, host, PID, expiry), renews it on a helper
+  thread every :data:`LEASE_SECONDS` / 3 and removes it at the end. A lease past its expiry is
+  a run that is gone (killed, its machine down: nothing renews it) and is taken over with a
+  message. Residual race: the store offers no compare-and-swap here, so the lease is written and
+  read back after a moment (the later writer of two is refused); two runs that start within
+  less than a read of each other may both go ahead.
 """
 
 from __future__ import annotations
@@ -18,17 +27,31 @@ import json
 import os
 import socket
 import tempfile
+import threading
 import time
-from collections.abc import Iterator
-from contextlib import ExitStack, contextmanager
+import uuid
+from collections.abc import Callable, Iterator
+from contextlib import AbstractContextManager, ExitStack, contextmanager, suppress
 from logging import Logger
 from pathlib import Path
+from typing import Any
 
 import torch.distributed as dist
 
+from trainloop.checkpoint import storage
+from trainloop.checkpoint.storage import Location, UrlPath
 from trainloop.distributed.ranks import in_process_group, rank
 
-__all__ = ["LOCK_FILE", "WorkspaceBusyError", "file_problem", "hold_run_workspace", "hold_workspace", "path_problem"]
+__all__ = [
+    "LEASE_SECONDS",
+    "LOCK_FILE",
+    "WorkspaceBusyError",
+    "file_problem",
+    "hold_run_location",
+    "hold_run_workspace",
+    "hold_workspace",
+    "path_problem",
+]
 
 LOCK_FILE = "run.lock"
 
@@ -95,8 +118,13 @@ def file_problem(path: Path, probe: bool = False) -> str | None:
 
 
 @contextmanager
-def hold_workspace(workspace: Path | None, logger: Logger) -> Iterator[None]:
+def hold_workspace(workspace: Path | None, logger: Logger, instead: str = "another workspace") -> Iterator[None]:
     """Hold ``workspace`` for the duration of the block (nothing to hold without one).
+
+    Args:
+        workspace: The directory.
+        logger: Where a takeover is said.
+        instead: What the refusal tells the user to give instead.
 
     Raises:
         WorkspaceBusyError: Another live process holds it; this one wrote nothing.
@@ -112,7 +140,7 @@ def hold_workspace(workspace: Path | None, logger: Logger) -> Iterator[None]:
             fcntl.flock(file, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
             raise WorkspaceBusyError(
-                f"{workspace}: in use by {_holder(path)}; wait for it to end or give another workspace"
+                f"{workspace}: in use by {_holder(path)}; wait for it to end or give {instead}"
             ) from None
         file.seek(0)
         left = file.read().strip()
@@ -145,13 +173,107 @@ def hold_run_workspace(workspace: Path | None, logger: Logger) -> Iterator[None]
     if workspace is None:
         yield
         return
+    with _on_rank_zero(lambda: hold_workspace(workspace, logger)):
+        yield
+
+
+@contextmanager
+def hold_run_location(where: Location, logger: Logger) -> Iterator[None]:
+    """Hold a run's checkpoint location (a directory or a URL prefix) for the block; rank 0 holds it for all.
+
+    Raises:
+        WorkspaceBusyError: Another live run holds it; nothing was written there.
+    """
+    instead = "another CheckpointingHook path: one checkpoint location belongs to one run"
+    if isinstance(where, Path):
+        with _on_rank_zero(lambda: hold_workspace(where, logger, instead)):
+            yield
+        return
+    with _on_rank_zero(lambda: _hold_lease(where, logger, instead)):
+        yield
+
+
+#: How long an object-storage lease lasts unless renewed (renewed every third of it).
+LEASE_SECONDS = 60.0
+#: How long a new lease settles before it is read back (see the module docstring's race).
+_SETTLE_SECONDS = 0.5
+
+
+class _Lease:
+    """The lease ``<prefix>/run.lock`` of one run on object storage (see the module docstring)."""
+
+    def __init__(self, prefix: UrlPath) -> None:
+        self.prefix, self.path = prefix, prefix / LOCK_FILE
+        self.me = {"owner": uuid.uuid4().hex, "host": socket.gethostname(), "pid": os.getpid(), "since": time.time()}
+        self.stop = threading.Event()
+
+    def holder(self) -> dict[str, Any] | None:
+        """The lease there, ``None`` if none; a damaged one is nobody's (``{}``)."""
+        try:
+            lease = json.loads(storage.read_bytes(self.path))
+        except FileNotFoundError:
+            return None
+        except ValueError:
+            return {}
+        return lease if isinstance(lease, dict) else {}
+
+    def write(self) -> None:
+        lease = {**self.me, "expires": time.time() + LEASE_SECONDS}
+        storage.write_bytes(self.path, (json.dumps(lease) + "\n").encode())
+
+    def ours(self, lease: dict[str, Any] | None) -> bool:
+        return lease is not None and lease.get("owner") == self.me["owner"]
+
+    def renew(self, logger: Logger) -> None:
+        while not self.stop.wait(LEASE_SECONDS / 3):
+            try:
+                self.write()
+            except OSError as error:
+                logger.warning("Could not renew the lease %s: %s", self.path, error)
+
+
+@contextmanager
+def _hold_lease(prefix: UrlPath, logger: Logger, instead: str) -> Iterator[None]:
+    """Hold the lease ``<prefix>/run.lock`` on object storage for the block (see the module docstring)."""
+    lease = _Lease(prefix)
+
+    def refusal(found: dict[str, Any]) -> WorkspaceBusyError:
+        holder = _describe(json.dumps(found))
+        return WorkspaceBusyError(f"{prefix}: in use by {holder}; wait for it to end or give {instead}")
+
+    found = lease.holder()
+    if found and not lease.ours(found):
+        if float(found.get("expires", 0)) > time.time():
+            raise refusal(found)
+        gone = _describe(json.dumps(found))
+        logger.warning("Taking over %s from %s, which is gone (its lease expired)", lease.path, gone)
+    lease.write()
+    time.sleep(_SETTLE_SECONDS)
+    found = lease.holder()
+    if not lease.ours(found):
+        raise refusal(found or {})
+    renewer = threading.Thread(target=lease.renew, args=(logger,), name="checkpoint-lease", daemon=True)
+    renewer.start()
+    try:
+        yield
+    finally:
+        lease.stop.set()
+        renewer.join()
+        with suppress(OSError):
+            if lease.ours(lease.holder()):
+                storage.remove(lease.path)
+
+
+@contextmanager
+def _on_rank_zero(hold: Callable[[], AbstractContextManager[None]]) -> Iterator[None]:
+    """Enter ``hold()`` on rank 0 only; every rank learns whether it was refused."""
     grouped = in_process_group()
     lead = rank() == 0 if grouped else os.environ.get("RANK", "0") == "0"
     with ExitStack() as stack:
         refused: str | None = None
         if lead:
             try:
-                stack.enter_context(hold_workspace(workspace, logger))
+                stack.enter_context(hold())
             except WorkspaceBusyError as error:
                 refused = str(error)
         if grouped:
