@@ -14,10 +14,11 @@
   directory gets its own ``run.lock`` (the same OS lock). Object storage has no lock: there the
   run writes a lease, ``<prefix>/run.lock`` (owner id, host, PID, expiry), renews it on a helper
   thread every :data:`LEASE_SECONDS` / 3 and removes it at the end. A lease past its expiry is
-  a run that is gone (killed, its machine down: nothing renews it) and is taken over with a
-  message. Residual race: the store offers no compare-and-swap here, so the lease is written and
-  read back after a moment (the later writer of two is refused); two runs that start within
-  less than a read of each other may both go ahead.
+  a run that is gone (killed, its machine down: nothing renews it), and so is one naming a PID of
+  this host that no longer runs; either is taken over with a message. Residual race: the store
+  offers no compare-and-swap here, so the lease is written and read back after a moment (the
+  later writer of two is refused); two runs that start within less than a read of each other
+  may both go ahead.
 """
 
 from __future__ import annotations
@@ -34,7 +35,7 @@ from collections.abc import Callable, Iterator
 from contextlib import AbstractContextManager, ExitStack, contextmanager, suppress
 from logging import Logger
 from pathlib import Path
-from typing import Any
+from typing import Any, TextIO
 
 import torch.distributed as dist
 
@@ -118,13 +119,17 @@ def file_problem(path: Path, probe: bool = False) -> str | None:
 
 
 @contextmanager
-def hold_workspace(workspace: Path | None, logger: Logger, instead: str = "another workspace") -> Iterator[None]:
+def hold_workspace(
+    workspace: Path | None, logger: Logger, instead: str = "another workspace", remove: bool = False
+) -> Iterator[None]:
     """Hold ``workspace`` for the duration of the block (nothing to hold without one).
 
     Args:
         workspace: The directory.
         logger: Where a takeover is said.
         instead: What the refusal tells the user to give instead.
+        remove: Remove the lock file when released (a checkpoint location keeps no trace of it);
+            a run that locked a file removed meanwhile locks the new one instead.
 
     Raises:
         WorkspaceBusyError: Another live process holds it; this one wrote nothing.
@@ -134,14 +139,7 @@ def hold_workspace(workspace: Path | None, logger: Logger, instead: str = "anoth
         return
     workspace.mkdir(parents=True, exist_ok=True)
     path = workspace / LOCK_FILE
-    # Bytes that are not UTF-8 (a damaged lock file) are garbage to take over like any other.
-    with path.open("a+", encoding="utf-8", errors="replace") as file:
-        try:
-            fcntl.flock(file, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            raise WorkspaceBusyError(
-                f"{workspace}: in use by {_holder(path)}; wait for it to end or give {instead}"
-            ) from None
+    with _locked(path, f"{workspace}: in use by {{}}; wait for it to end or give {instead}") as file:
         file.seek(0)
         left = file.read().strip()
         if left:  # its holder ended without releasing it: killed, or its machine went down
@@ -153,10 +151,36 @@ def hold_workspace(workspace: Path | None, logger: Logger, instead: str = "anoth
         try:
             yield
         finally:
+            if remove:
+                path.unlink(missing_ok=True)  # still locked: whoever opened it meanwhile retries
             file.seek(0)
             file.truncate()  # released: an empty lock file is a free workspace
             file.flush()
-            fcntl.flock(file, fcntl.LOCK_UN)
+
+
+@contextmanager
+def _locked(path: Path, busy: str) -> Iterator[TextIO]:
+    """``path`` opened and under an exclusive ``flock`` for the block (``busy``, naming the holder, if held)."""
+    while True:
+        # Bytes that are not UTF-8 (a damaged lock file) are garbage to take over like any other.
+        file = path.open("a+", encoding="utf-8", errors="replace")
+        try:
+            fcntl.flock(file, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            file.close()
+            raise WorkspaceBusyError(busy.format(_holder(path))) from None
+        try:
+            same = os.stat(path).st_ino == os.fstat(file.fileno()).st_ino
+        except FileNotFoundError:
+            same = False
+        if same:
+            break
+        file.close()  # removed by its holder as we opened it: lock the file now there
+    try:
+        yield file
+    finally:
+        fcntl.flock(file, fcntl.LOCK_UN)
+        file.close()
 
 
 @contextmanager
@@ -186,7 +210,7 @@ def hold_run_location(where: Location, logger: Logger) -> Iterator[None]:
     """
     instead = "another CheckpointingHook path: one checkpoint location belongs to one run"
     if isinstance(where, Path):
-        with _on_rank_zero(lambda: hold_workspace(where, logger, instead)):
+        with _on_rank_zero(lambda: hold_workspace(where, logger, instead, remove=True)):
             yield
         return
     with _on_rank_zero(lambda: _hold_lease(where, logger, instead)):
@@ -243,10 +267,11 @@ def _hold_lease(prefix: UrlPath, logger: Logger, instead: str) -> Iterator[None]
 
     found = lease.holder()
     if found and not lease.ours(found):
-        if float(found.get("expires", 0)) > time.time():
+        dead = _dead_here(found)
+        if not dead and float(found.get("expires", 0)) > time.time():
             raise refusal(found)
-        gone = _describe(json.dumps(found))
-        logger.warning("Taking over %s from %s, which is gone (its lease expired)", lease.path, gone)
+        why = "its process is gone" if dead else "its lease expired"
+        logger.warning("Taking over %s from %s (%s)", lease.path, _describe(json.dumps(found)), why)
     lease.write()
     time.sleep(_SETTLE_SECONDS)
     found = lease.holder()
@@ -262,6 +287,19 @@ def _hold_lease(prefix: UrlPath, logger: Logger, instead: str) -> Iterator[None]
         with suppress(OSError):
             if lease.ours(lease.holder()):
                 storage.remove(lease.path)
+
+
+def _dead_here(lease: dict[str, Any]) -> bool:
+    """Whether ``lease`` names a process of this host that no longer runs (a run killed here)."""
+    if lease.get("host") != socket.gethostname() or not isinstance(lease.get("pid"), int):
+        return False
+    try:
+        os.kill(lease["pid"], 0)
+    except ProcessLookupError:
+        return True
+    except OSError:
+        return False
+    return False
 
 
 @contextmanager
