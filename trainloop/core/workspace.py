@@ -152,7 +152,8 @@ def hold_workspace(
             yield
         finally:
             if remove:
-                path.unlink(missing_ok=True)  # still locked: whoever opened it meanwhile retries
+                with suppress(OSError):  # a directory made read-only meanwhile keeps an empty lock file, a free one
+                    path.unlink(missing_ok=True)  # still locked: whoever opened it meanwhile retries
             file.seek(0)
             file.truncate()  # released: an empty lock file is a free workspace
             file.flush()
