@@ -191,7 +191,7 @@ def test_a_missing_bucket_or_an_endpoint_that_does_not_answer_is_one_line(s3, tm
     ran = Cli("run", "run.json", "--trainer", "cli_trainers:CliTrainer", cwd=tmp_path, env=cli_env(**s3.env())).result()
     assert ran.returncode == 1, ran.stderr[-3000:]
     assert_one_clean_error(
-        ran.stderr, "object storage: FileNotFoundError: The specified bucket does not exist"
+        ran.stderr, "object storage: FileNotFoundError: The specified bucket does not exist: 'no-such-bucket'"
     )
     assert len(ran.stderr.strip().splitlines()) == 1, ran.stderr
     assert not s3.fs().exists("no-such-bucket")  # no bucket is ever created
@@ -224,3 +224,44 @@ def test_two_fsdp_ranks_write_their_shards_to_s3_and_resume_exactly(s3, tmp_path
     ]
     manifest = json.loads(s3.fs().cat_file(f"{url}/8/manifest.json"))
     assert {"sharded/__0_0.distcp", "sharded/__1_0.distcp"} <= set(manifest["files"])
+
+
+def test_cleaning_up_removes_only_what_a_save_writes(s3):  # noqa: F811
+    url = f"{s3.bucket()}/checkpoints"
+    fs = s3.fs()
+    for key in ("0007/report.csv", "notes/readme.txt", "07/x", "6/model.pt"):  # 6: an upload that did not finish
+        fs.pipe_file(f"{url}/{key}".removeprefix("s3://"), b"kept")
+    trainer = TinyTrainer(TrainerSettings(max_steps=4), hooks=hooks(url, "full", False, None, s3.options))
+    trainer.train()
+    left = {key for key in s3.keys(url) if key.split("/")[0] not in {"2", "4", "latest"}}
+    assert left == {"0007/report.csv", "notes/readme.txt", "07/x"}
+    assert fs.cat_file(f"{url}/0007/report.csv".removeprefix("s3://")) == b"kept"
+
+
+def test_a_typo_in_storage_options_is_one_line_before_anything_is_written(tmp_path):
+    hooks = [{"type": "checkpointing", "interval": 2, "path": "s3://bkt/run", "storage_options": {"endpoint_urll": "x"}}]
+    init_from = {"path": "s3://bkt/pre", "storage_options": {"endpoint_url": "x", "anonn": True}}
+    settings = {"max_steps": 3, "workspace": "ws"}
+    (tmp_path / "hook.json").write_text(json.dumps({**settings, "hooks": hooks}))
+    (tmp_path / "init.json").write_text(json.dumps({**settings, "init_from": init_from}))
+    started = {
+        (command, name): Cli(command, f"{name}.json", "--trainer", "cli_trainers:CliTrainer", cwd=tmp_path)
+        for command in ("validate", "run") for name in ("hook", "init")
+    }
+    expected = {
+        "hook": "hook.json: hooks[0].storage_options.endpoint_urll: not an argument of S3FileSystem "
+                "(did you mean endpoint_url?)",
+        "init": "init.json: init_from.storage_options.anonn: not an argument of S3FileSystem (did you mean anon?)",
+    }
+    for (command, name), cli in started.items():
+        result = cli.result()
+        assert result.returncode == 2, result.stderr[-3000:]
+        assert_one_clean_error(result.stderr, f"trainloop {command}: error: {expected[name]}")
+        assert len(result.stderr.strip().splitlines()) == 1, result.stderr
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["hook.json", "init.json"]  # no ws/, run.lock, runs.jsonl
+
+
+def test_a_second_run_on_a_live_runs_checkpoint_prefix_is_refused_and_loses_nothing(s3, tmp_path):  # noqa: F811
+    from cli_process import two_runs_on_one_checkpoint_location
+
+    two_runs_on_one_checkpoint_location(tmp_path, f"{s3.bucket()}/checkpoints", cli_env(**s3.env()), s3.options)

@@ -193,3 +193,19 @@ def test_the_hook_takes_a_url_and_refuses_what_would_be_a_local_folder_named_lik
     with pytest.raises(ValueError, match="storage_options are for a URL path or load"):
         CheckpointingHook(interval=2, path=tmp_path, storage_options={"anon": True})
     assert not any(tmp_path.iterdir())
+
+
+def test_cleaning_up_a_local_root_removes_only_what_a_save_writes(tmp_path):
+    root = tmp_path / "checkpoints"
+    root.mkdir()
+    theirs = [root / ".0007.tmp-1a2b", root / ".report.csv.old-00ff", root / "0007"]
+    for path in theirs:
+        path.mkdir()
+        (path / "data.csv").write_text("kept")
+    ours = [root / ".6.tmp-1a2b", root / ".latest.tmp-00ff"]
+    for path in ours:
+        path.mkdir()
+    TinyTrainer(max_steps=4, workspace=tmp_path, hooks=[CheckpointingHook(interval=2)]).train()
+    assert all((path / "data.csv").read_text() == "kept" for path in theirs)
+    assert not any(path.exists() for path in ours)
+    assert checkpoint_steps(root) == [4]  # 0007 is no checkpoint

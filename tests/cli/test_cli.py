@@ -553,6 +553,18 @@ def test_a_settings_file_that_is_not_utf8_is_one_line_exit_2(tmp_path, capsys):
     assert [p.name for p in tmp_path.iterdir()] == ["run.yaml"]
 
 
+@pytest.mark.parametrize("workspace", ["s3://bkt/ws", "memory://ws", "s3:/bkt/ws"])
+def test_a_workspace_written_as_a_url_is_one_line_exit_2_and_nothing_written(tmp_path, capsys, workspace):
+    (tmp_path / "run.yaml").write_text(f"max_steps: 3\nworkspace: {workspace}\n")
+    for command in ("validate", "run"):
+        code, out, err = call(capsys, command, "run.yaml", "--trainer", TRAINER)
+        assert code == 2
+        assert out == ""
+        assert_one_clean_error(err, "run.yaml: workspace: ", repr(workspace))
+        assert err.count("\n") == 1, err
+    assert [p.name for p in tmp_path.iterdir()] == ["run.yaml"]
+
+
 def test_run_without_a_trainer_says_how_to_name_one(tmp_path, capsys):
     (tmp_path / "run.json").write_text('{"max_steps": 3, "lr": 0.1}')  # lr: the trainer's own field
     code, out, err = call(capsys, "run", "run.json")

@@ -46,20 +46,24 @@ def test_evaluate_prints_the_metrics_as_one_json_object(tmp_path):
 
 
 def test_evaluate_errors_are_one_line_and_write_nothing(tmp_path):
-    for name in ("novalidation", "missing", "nocheckpoint"):
+    for name in ("novalidation", "missing", "nocheckpoint", "file"):
         (tmp_path / name).mkdir()
     write_settings(tmp_path / "novalidation", hooks=[{"type": "checkpointing", "interval": 3}])
     write_settings(tmp_path / "missing")
     write_settings(tmp_path / "nocheckpoint")
+    write_settings(tmp_path / "file")
+    (tmp_path / "file" / "model.pt").write_bytes(b"weights")
     runs = {
         "novalidation": Cli("evaluate", "run.json", *TRAINER, "--checkpoint", "none", cwd=tmp_path / "novalidation"),
         "missing": Cli("evaluate", "run.json", *TRAINER, "--checkpoint", "nowhere", cwd=tmp_path / "missing"),
         "nocheckpoint": Cli("evaluate", "run.json", *TRAINER, cwd=tmp_path / "nocheckpoint"),
+        "file": Cli("evaluate", "run.json", *TRAINER, "--checkpoint", "model.pt", cwd=tmp_path / "file"),
     }
     expected = {
         "novalidation": (2, "nothing to evaluate: EvalTrainer has no ValidationHook"),
         "missing": (1, "checkpoint nowhere: no such directory"),
         "nocheckpoint": (1, "no complete checkpoint to load"),
+        "file": (1, "checkpoint model.pt: a file, not a checkpoint directory (a directory a CheckpointingHook saved"),
     }
     for name, run in runs.items():
         result = run.result()
@@ -70,7 +74,8 @@ def test_evaluate_errors_are_one_line_and_write_nothing(tmp_path):
         assert len(errors) == 1, (name, result.stderr[-3000:])
         assert needle in errors[0], (name, result.stderr[-3000:])
         assert "Traceback" not in result.stderr
-        assert sorted(p.name for p in (tmp_path / name).iterdir()) == ["run.json"], name  # nothing written
+        left = ["model.pt", "run.json"] if name == "file" else ["run.json"]
+        assert sorted(p.name for p in (tmp_path / name).iterdir()) == left, name  # nothing written
 
 
 def test_evaluate_without_a_settings_file_is_a_usage_error(tmp_path):

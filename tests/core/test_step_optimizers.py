@@ -534,3 +534,28 @@ def test_evaluate_refuses_a_module_the_model_lacks_in_one_line(tmp_path):
         "trainloop evaluate: error: optimizers.head.module: 'haed': ModuleDict has no such submodule (its children: "
         "body, head)"
     ]
+
+
+@pytest.mark.parametrize("format", ["full", "sharded"])
+def test_a_resume_equals_the_unbroken_run_in_every_format(tmp_path, format):
+    data = torch.utils.data.DataLoader(torch.cat(batches()), batch_size=8)
+
+    def run(steps, workspace):
+        trainer = GanTrainer(max_steps=steps, workspace=workspace, seed=0, data=data,
+                             hooks=[CheckpointingHook(interval=3, format=format, exit_signals=[])])
+        trainer.train()
+        return trainer
+
+    unbroken = run(6, tmp_path / "unbroken")
+    run(3, tmp_path / "broken")
+    resumed = run(6, tmp_path / "broken")
+    for mine, theirs in zip(resumed.model.parameters(), unbroken.model.parameters(), strict=True):
+        assert torch.equal(mine, theirs)
+    for name, optimizer in unbroken.optimizers.items():
+        theirs, mine = optimizer.state_dict(), resumed.optimizers[name].state_dict()
+        assert mine["param_groups"] == theirs["param_groups"]
+        for index, state in theirs["state"].items():
+            for key, value in state.items():
+                assert torch.equal(mine["state"][index][key], value), (name, index, key)
+    saved = read_checkpoint(tmp_path / "broken" / "checkpoints" / "6")["training_state"]
+    assert list(saved["optimizers"]) == ["discriminator", "generator"]

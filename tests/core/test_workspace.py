@@ -280,3 +280,9 @@ def test_every_json_file_of_a_run_is_strict_json(tmp_path):
     best = _strict((tmp_path / "checkpoints" / "best.json").read_text())
     assert best["scores"]["4"] == 0.5
     assert best["scores"].get("2", None) is None
+
+
+def test_a_second_run_on_a_live_runs_checkpoint_path_is_refused_and_loses_nothing(tmp_path):
+    from cli_process import two_runs_on_one_checkpoint_location
+
+    two_runs_on_one_checkpoint_location(tmp_path, str(tmp_path / "shared"))

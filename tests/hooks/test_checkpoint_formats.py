@@ -278,6 +278,18 @@ def test_two_ranks_resume_every_format_exactly(two_ranks):
     assert all(p.stat().st_size > 0 for p in shards.iterdir())
 
 
+def test_two_ranks_resume_several_optimizers_sharded_exactly(two_ranks):
+    results, out = two_ranks
+    for result in results:
+        cases = result["two_optimizers"]
+        for wrap in ("ddp", "fsdp"):
+            assert cases[wrap]["started"] == 4, wrap
+            assert_same(cases[wrap]["params"], cases["straight"])
+            for name, buffers in cases["state"].items():
+                assert_same(cases[wrap]["state"][name], buffers)
+    assert checkpoint_format(out / "fsdp_two_optimizers" / "checkpoints" / "8") == "sharded"
+
+
 def test_full_format_refuses_fsdp_shards(two_ranks):
     results, _ = two_ranks
     for result in results:

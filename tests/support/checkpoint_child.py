@@ -185,6 +185,26 @@ class StepDataTrainer(TinyTrainer):
         return loss, {"mse": loss.detach()}
 
 
+class TwoOptimizerTrainer(StepDataTrainer):
+    """:class:`StepDataTrainer` with an SGD (momentum) and a scheduler per layer, by name."""
+
+    def build_optimizer(self):
+        layers = getattr(self.model, "module", self.model)
+        return {
+            "first": torch.optim.SGD(layers[0].parameters(), lr=self.lr, momentum=0.9),
+            "last": torch.optim.SGD(layers[2].parameters(), lr=self.lr, momentum=0.9),
+        }
+
+    def build_lr_scheduler(self):
+        return {
+            name: torch.optim.lr_scheduler.StepLR(optimizer, step_size=3, gamma=0.5)
+            for name, optimizer in self.optimizers.items()
+        }
+
+    def forward(self, batch, optimizer):
+        return super().forward(batch)
+
+
 class StartedAt(BaseHook):
     """Records the step training started from (after any checkpoint was loaded)."""
 
@@ -199,6 +219,20 @@ def full_params(model: nn.Module) -> list[torch.Tensor]:
     from torch.distributed.tensor import DTensor
 
     return [(p.full_tensor() if isinstance(p, DTensor) else p).detach().clone() for p in model.parameters()]
+
+
+def optimizer_tensors(trainer: TwoOptimizerTrainer) -> dict[str, list[torch.Tensor]]:
+    """Each optimizer's momentum buffers, whole (a collective for FSDP's DTensor shards)."""
+    from torch.distributed.tensor import DTensor
+
+    return {
+        name: [
+            (buffer.full_tensor() if isinstance(buffer, DTensor) else buffer).clone()
+            for buffer in (optimizer.state[p]["momentum_buffer"] for group in optimizer.param_groups
+                           for p in group["params"])
+        ]
+        for name, optimizer in trainer.optimizers.items()
+    }
 
 
 #: label: (wrap, format, async_save) of the 2-rank runs that save at step 4 and resume to 8.
@@ -232,6 +266,21 @@ def formats_worker(rank: int, world: int, port: int, out: str) -> None:
             resumed = StepDataTrainer(max_steps=8, workspace=workspace, wrap=wrap, hooks=[started, hook])
             resumed.train()
             results[label] = {"started": started.step, "params": full_params(resumed.model)}
+        # Several optimizers, sharded: saved at step 4 and resumed to 8, against their own unbroken run.
+        straight = TwoOptimizerTrainer(max_steps=8)
+        straight.train()
+        results["two_optimizers"] = {"straight": full_params(straight.model), "state": optimizer_tensors(straight)}
+        for wrap in ("ddp", "fsdp"):
+            workspace = Path(out) / f"{wrap}_two_optimizers"
+            hook = CheckpointingHook(interval=2, format="sharded")
+            TwoOptimizerTrainer(max_steps=4, workspace=workspace, wrap=wrap, hooks=[hook]).train()
+            started = StartedAt()
+            hook = CheckpointingHook(interval=100, format="sharded")
+            resumed = TwoOptimizerTrainer(max_steps=8, workspace=workspace, wrap=wrap, hooks=[started, hook])
+            resumed.train()
+            results["two_optimizers"][wrap] = {
+                "started": started.step, "params": full_params(resumed.model), "state": optimizer_tensors(resumed)
+            }
         # FSDP's default state dict is sharded: a full checkpoint of it would be rank 0's shard.
         hook = CheckpointingHook(interval=2, format="full", load=None)
         try:

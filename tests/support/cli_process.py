@@ -81,3 +81,49 @@ def assert_one_clean_error(err: str, *needles: str) -> None:
     assert ": error: " in err, err
     for needle in needles:
         assert needle in err, err
+
+
+def two_runs_on_one_checkpoint_location(
+    tmp_path: Path, path: str, env: dict[str, str] | None = None, storage_options: dict[str, str] | None = None
+) -> None:
+    """A run in ``first/`` saving to ``path``; a second, in ``second/``, pointed there while it lives.
+
+    The second is refused in one line, exit 2, and the first run's checkpoints are all kept.
+    """
+    import json
+    import signal
+
+    from trainloop.checkpoint import checkpoint_steps
+    from trainloop.checkpoint.storage import location
+
+    hook = {"type": "checkpointing", "interval": 2, "keep_previous": 1000, "path": path, "exit_signals": ["SIGTERM"]}
+    settings = {"max_steps": 100_000, "workspace": "ws", "step_sleep": 0.02, "report": True, "hooks": [hook]}
+    for name in ("first", "second"):
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "run.json").write_text(json.dumps(settings))
+    first = subprocess.Popen(
+        [sys.executable, "-m", "trainloop", "run", "run.json", "--trainer", "cli_trainers:CliTrainer"],
+        cwd=tmp_path / "first", env=env or cli_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+    )
+    try:
+        assert first.stdout is not None
+        if "step 5\n" not in iter(first.stdout.readline, ""):
+            pytest.fail(f"the first run ended before step 5: {first.stderr.read() if first.stderr else ''}")
+        second = Cli("run", "run.json", "--trainer", "cli_trainers:CliTrainer", cwd=tmp_path / "second", env=env).result()
+        assert second.returncode == 2, second.stderr[-3000:]
+        assert_one_clean_error(
+            second.stderr, f"trainloop run: error: {path}: in use by the run of PID {first.pid} on host",
+            "give another CheckpointingHook path: one checkpoint location belongs to one run",
+        )
+        assert len(second.stderr.splitlines()) == 1, second.stderr
+        first.send_signal(signal.SIGTERM)
+        first.communicate(timeout=60)
+    finally:
+        if first.poll() is None:
+            first.kill()
+            first.wait()
+    assert first.returncode == 143
+    steps = checkpoint_steps(location(path, storage_options))
+    assert steps[: len(steps) - 1] == list(range(2, 2 * len(steps) - 1, 2)), steps  # none pruned, none resumed
+    second = Cli("run", "run.json", "--trainer", "cli_trainers:CliTrainer", "--set", "max_steps=1", cwd=tmp_path / "second", env=env)
+    assert second.result().returncode == 0  # released at the end of the run

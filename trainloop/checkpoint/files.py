@@ -40,9 +40,11 @@ from trainloop.checkpoint.manifest import (
     write_manifest,
 )
 from trainloop.checkpoint.storage import (
+    LATEST,
     Location,
     UrlPath,
     atomic_directory,
+    is_step_name,
     location,
     remove_directory,
     replace_symlink,
@@ -65,7 +67,6 @@ __all__ = [
 ]
 
 
-LATEST = "latest"
 _REQUIRED = ("model", "training_state")
 _FILE_KEY = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.\-]*")
 
@@ -94,11 +95,11 @@ def checkpoint_steps(root: Location | str) -> list[int]:
     if isinstance(root, UrlPath):
         return sorted(
             int(rel.split("/", 1)[0]) for rel in storage.files(root)
-            if rel.count("/") == 1 and rel.endswith(f"/{MANIFEST}") and rel.split("/", 1)[0].isdigit()
+            if rel.count("/") == 1 and rel.endswith(f"/{MANIFEST}") and is_step_name(rel.split("/", 1)[0])
         )
     if not root.is_dir():
         return []
-    return sorted(int(p.name) for p in root.iterdir() if p.name.isdigit() and p.is_dir())
+    return sorted(int(p.name) for p in root.iterdir() if is_step_name(p.name) and p.is_dir())
 
 
 def latest_step(root: Location | str) -> int | None:
@@ -111,7 +112,7 @@ def latest_step(root: Location | str) -> int | None:
     if not link.is_dir():
         return None
     target = link.resolve()
-    return int(target.name) if target.parent == root.resolve() and target.name.isdigit() else None
+    return int(target.name) if target.parent == root.resolve() and is_step_name(target.name) else None
 
 
 def _named_latest(root: UrlPath) -> int | None:
@@ -120,7 +121,7 @@ def _named_latest(root: UrlPath) -> int | None:
         named = storage.read_bytes(root / LATEST).decode("utf-8", "replace").strip()
     except FileNotFoundError:
         return None
-    return int(named) if named.isdigit() else None
+    return int(named) if is_step_name(named) else None
 
 
 def latest_checkpoint(

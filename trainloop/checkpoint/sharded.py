@@ -3,7 +3,8 @@
 A sharded checkpoint directory holds, besides ``metadata.json`` and ``manifest.json``:
 
 - ``sharded/``: a DCP checkpoint of the model, the optimizer and the hooks' states, laid out
-  like ``trainer.state_dict()`` (``{"model", "training_state": {"optimizer"}, <hook>...}``).
+  like ``trainer.state_dict()`` (``{"model", "training_state": {"optimizer"}, <hook>...}``, or
+  ``{"optimizers": {<name>: ...}}`` for several optimizers).
   Every rank writes its own shard (``__<rank>_<n>.distcp``); a tensor replicated on every rank
   (DDP) is written once. DCP reshards on load, so it can be read by another number of ranks,
   or by one process without a process group.
@@ -66,20 +67,22 @@ __all__ = [
 REST_FILE = "training_state.pt"
 
 
+#: The entries of ``training_state`` DCP writes: one optimizer's state, or several by name.
+SHARDED_ENTRIES = ("optimizer", "optimizers")
+
+
 def split_state(state_dict: Mapping[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
     """Split a trainer state dict into what DCP writes and the rest of ``training_state``."""
-    training_state = dict(state_dict["training_state"])
-    optimizer = training_state.pop("optimizer")
+    rest = dict(state_dict["training_state"])
     sharded = {key: value for key, value in state_dict.items() if key != "training_state"}
-    sharded["training_state"] = {"optimizer": optimizer}
-    return sharded, training_state
+    sharded["training_state"] = {key: rest.pop(key) for key in SHARDED_ENTRIES if key in rest}
+    return sharded, rest
 
 
 def join_state(sharded: Mapping[str, Any], rest: Mapping[str, Any]) -> dict[str, Any]:
     """The inverse of :func:`split_state`."""
     state_dict = {key: value for key, value in sharded.items() if key != "training_state"}
-    optimizer = sharded.get("training_state", {}).get("optimizer", {})
-    state_dict["training_state"] = {**rest, "optimizer": optimizer}
+    state_dict["training_state"] = {**rest, **sharded.get("training_state", {})}
     return state_dict
 
 
@@ -249,7 +252,12 @@ def read_sharded(directory: Location, files: VerifiedFiles | None = None) -> dic
         node[path[-1]] = value
     sharded = _lists_back(tree)
     _dcp_load(directory, sharded, reader, no_dist=True)
-    sharded.setdefault("training_state", {}).setdefault("optimizer", {}).setdefault("state", {})
+    # An optimizer without state (plain SGD) left DCP no tensor to write under "state".
+    training_state = sharded.setdefault("training_state", {})
+    for optimizer in training_state["optimizers"].values() if "optimizers" in training_state else [
+        training_state.setdefault("optimizer", {})
+    ]:
+        optimizer.setdefault("state", {})
     rest = files.load(REST_FILE) if files is not None else load_file(directory / REST_FILE)
     return join_state(sharded, rest)
 

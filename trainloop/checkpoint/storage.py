@@ -16,6 +16,8 @@ what a crash left behind (one writer per parent directory).
 
 from __future__ import annotations
 
+import difflib
+import inspect
 import os
 import re
 import secrets
@@ -30,10 +32,14 @@ from pathlib import Path, PurePosixPath
 from typing import Any, BinaryIO, TypeAlias
 
 __all__ = [
+    "LATEST",
     "MANIFEST",
     "Location",
     "StorageError",
+    "UnknownStorageOptions",
     "UrlPath",
+    "accepted_storage_options",
+    "unknown_storage_options",
     "atomic_directory",
     "atomic_file",
     "clean_leftovers",
@@ -43,6 +49,7 @@ __all__ = [
     "files",
     "is_dir",
     "is_file",
+    "is_step_name",
     "is_url",
     "location",
     "lost_slash",
@@ -61,6 +68,22 @@ __all__ = [
 
 MANIFEST = "manifest.json"
 """The file written last into a checkpoint: on object storage, what makes it count."""
+
+LATEST = "latest"
+"""The entry of a checkpoints root that names its newest checkpoint."""
+
+#: A checkpoint's name: its step, written as ``str(step)`` (never a leading zero).
+_STEP_NAME = re.compile(r"0|[1-9][0-9]*")
+
+
+def is_step_name(name: str) -> bool:
+    """Whether ``name`` is a checkpoint's step, as a save names it (``7``; not ``0007``, ``07`` or ``²``)."""
+    return _STEP_NAME.fullmatch(name) is not None
+
+
+def _saved_name(name: str) -> bool:
+    """Whether a save writes the entry ``name`` of a checkpoints root: a step, or ``latest``."""
+    return name == LATEST or is_step_name(name)
 
 
 #: ``s3://``, ``gs://``, ``memory://``, ``file://``, chained ``simplecache::s3://``: an fsspec URL.
@@ -346,7 +369,7 @@ def clean_leftovers(parent: Location, logger: Logger) -> None:
         return
     for entry in parent.iterdir():
         match = _HIDDEN.fullmatch(entry.name)
-        if match is None:
+        if match is None or not _saved_name(match["name"]):
             continue
         original = entry.with_name(match["name"])
         try:
@@ -360,11 +383,11 @@ def clean_leftovers(parent: Location, logger: Logger) -> None:
 
 
 def _clean_url_leftovers(parent: UrlPath, logger: Logger) -> None:
-    """Remove the numbered directories under ``parent`` that hold no manifest (see the module docstring)."""
+    """Remove the step-named directories under ``parent`` that hold no manifest (see the module docstring)."""
     listed = files(parent)
     complete = {rel.split("/", 1)[0] for rel in listed if rel.count("/") == 1 and rel.endswith(f"/{MANIFEST}")}
     for name in sorted({rel.split("/", 1)[0] for rel in listed if "/" in rel} - complete):
-        if not name.isdigit():
+        if not is_step_name(name):
             continue
         try:
             remove(parent / name)
@@ -475,7 +498,71 @@ def _open_url(url: str, scheme: str, options: dict[str, Any]) -> UrlPath:
         raise StorageError(f"{url}: the {protocol}:// filesystem is not installed: {install} ({error})") from None
     except (ValueError, TypeError) as error:
         raise StorageError(f"{url}: {error}") from None
+    unknown = unknown_storage_options(type(fs), options)
+    if unknown:
+        raise UnknownStorageOptions(url, type(fs), unknown)
     return UrlPath(fs, path, scheme)
+
+
+def unknown_storage_options(filesystem: type, options: Mapping[str, Any]) -> list[str]:
+    """The names in ``options`` that ``filesystem`` does not take (none where that cannot be told)."""
+    accepted = accepted_storage_options(filesystem)
+    return [] if accepted is None else [name for name in options if name not in accepted]
+
+
+class UnknownStorageOptions(StorageError):
+    """``storage_options`` names arguments its URL's filesystem does not take (a typo: ``endpoint_urll``).
+
+    Attributes:
+        problems: Per unknown name, its field (``storage_options.<name>``) and what is wrong with it.
+    """
+
+    def __init__(self, url: str, filesystem: type, names: list[str]) -> None:
+        accepted = accepted_storage_options(filesystem) or set()
+        self.problems = []
+        for name in names:
+            hint = difflib.get_close_matches(name, accepted, n=1)
+            said = f"not an argument of {filesystem.__name__}" + (f" (did you mean {hint[0]}?)" if hint else "")
+            self.problems.append((f"storage_options.{name}", said))
+        super().__init__(f"{url}: " + "; ".join(f"{field}: {said}" for field, said in self.problems))
+
+
+#: Where a filesystem forwards the ``**kwargs`` its ``__init__`` does not name, besides fsspec's base classes.
+_FORWARDED_TO = {"s3fs.core.S3FileSystem": ("aiobotocore.session", "AioSession")}
+
+
+def accepted_storage_options(filesystem: type) -> set[str] | None:
+    """The keyword arguments ``filesystem`` takes, or ``None`` where that cannot be told without running it.
+
+    Read from the signatures, with no I/O: each ``__init__`` along the class's bases, fsspec's own
+    options (listing cache, instance cache), and where a filesystem is known to forward the rest
+    (s3fs: to aiobotocore's session). A filesystem that takes ``**kwargs`` for another, unknown
+    target is not checked.
+    """
+    from fsspec.asyn import AsyncFileSystem
+    from fsspec.dircache import DirCache
+    from fsspec.spec import AbstractFileSystem
+
+    accepted = {"skip_instance_cache", "asynchronous", "loop", "batch_size"}
+    inits: list[Any] = [DirCache.__init__]
+    for klass in filesystem.__mro__:
+        if "__init__" not in vars(klass) or klass in (AbstractFileSystem, AsyncFileSystem, object):
+            continue
+        init = vars(klass)["__init__"]
+        inits.append(init)
+        forwards = _FORWARDED_TO.get(f"{klass.__module__}.{klass.__qualname__}")
+        if forwards is not None:
+            module, name = forwards
+            try:
+                inits.append(vars(getattr(__import__(module, fromlist=[name]), name))["__init__"])
+            except (ImportError, AttributeError, KeyError):
+                return None
+        elif any(p.kind is p.VAR_KEYWORD for p in inspect.signature(init).parameters.values()):
+            return None  # its **kwargs go somewhere unknown
+    for init in inits:
+        parameters = inspect.signature(init).parameters.values()
+        accepted |= {p.name for p in parameters if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)} - {"self"}
+    return accepted
 
 
 def _fresh(where: UrlPath) -> Any:

@@ -105,7 +105,7 @@ def _roots(path: Location) -> list[Location]:
     """The checkpoints roots ``path`` may be: itself, or a workspace's ``checkpoints/``, where they hold any."""
     return [
         root for root in (path, path / "checkpoints")
-        if any(name == LATEST or name.isdigit() for name in storage.names(root))
+        if any(name == LATEST or storage.is_step_name(name) for name in storage.names(root))
     ]
 
 

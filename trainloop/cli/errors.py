@@ -42,9 +42,22 @@ def storage_failure(error: BaseException) -> str | None:
         missing_bucket = isinstance(seen, FileNotFoundError) and "bucket does not exist" in str(seen)
         if missing_bucket or module.startswith(_STORAGE_MODULES):
             said = (str(seen).strip().splitlines() or [""])[0]
+            bucket = _bucket_named(seen)
             return (
-                f"object storage: {type(seen).__name__}: {said} (check the URL, its storage_options or "
-                "FSSPEC_<PROTOCOL>_* variables, and the credentials)"
+                f"object storage: {type(seen).__name__}: {said}{f': {bucket!r}' if bucket else ''} (check the URL, "
+                "its storage_options or FSSPEC_<PROTOCOL>_* variables, and the credentials)"
             )
+        seen = seen.__cause__ or seen.__context__
+    return None
+
+
+def _bucket_named(error: BaseException) -> str | None:
+    """The bucket the storage's answer names (an S3 error's ``BucketName``) in ``error`` or its causes."""
+    seen: BaseException | None = error
+    while seen is not None:
+        response = getattr(seen, "response", None)
+        said = response.get("Error") if isinstance(response, dict) else None
+        if isinstance(said, dict) and isinstance(said.get("BucketName"), str):
+            return str(said["BucketName"])
         seen = seen.__cause__ or seen.__context__
     return None

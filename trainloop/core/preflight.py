@@ -40,7 +40,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from trainloop.checkpoint.storage import StorageError, exists, location
+from trainloop.checkpoint.storage import StorageError, UnknownStorageOptions, exists, location
 from trainloop.checkpoint.weights import weights_file_problem, weights_problem
 from trainloop.core.step import check_forward
 from trainloop.core.workspace import path_problem
@@ -281,6 +281,8 @@ def _init_from(settings: TrainerSettings) -> list[tuple[tuple[Key, ...], str]]:
         return []
     try:
         path = location(spec.path, spec.storage_options)
+    except UnknownStorageOptions as error:
+        return [(("init_from", *field.split(".")), f"init_from.{field}: {said}") for field, said in error.problems]
     except StorageError as error:
         return [(("init_from", "path"), f"init_from.path: {error}")]
     if not exists(path):

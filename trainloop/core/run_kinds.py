@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
 
 from trainloop.checkpoint.errors import CheckpointError
-from trainloop.checkpoint.storage import Location, StorageError, is_dir, location
+from trainloop.checkpoint.storage import Location, StorageError, is_dir, is_file, location
 from trainloop.machine.table import State
 
 if TYPE_CHECKING:
@@ -71,6 +71,11 @@ class WeightsSource:
             path = location(checkpoint)  # a URL's filesystem configured by fsspec's configuration
         except StorageError as error:
             raise CheckpointError(f"checkpoint {error}") from None
+        if is_file(path):
+            raise CheckpointError(
+                f"checkpoint {checkpoint}: a file, not a checkpoint directory (a directory a CheckpointingHook saved, "
+                "such as <workspace>/checkpoints/<step>, holding manifest.json; or latest)"
+            )
         if not is_dir(path):
             raise CheckpointError(f"checkpoint {checkpoint}: no such directory")
         return cls(path, weights)

@@ -9,6 +9,16 @@
   by the kernel when the process ends, however it ends). A second run in the same workspace is
   refused with :class:`WorkspaceBusyError` naming the holder's host and PID; a lock file left by
   a process that is gone is taken over with a message.
+- :func:`hold_run_location` holds a run's checkpoint location the same way, for the
+  ``CheckpointingHook`` that writes there: one location belongs to one live run. A local
+  directory gets its own ``run.lock`` (the same OS lock). Object storage has no lock: there the
+  run writes a lease, ``<prefix>/run.lock`` (owner id, host, PID, expiry), renews it on a helper
+  thread every :data:`LEASE_SECONDS` / 3 and removes it at the end. A lease past its expiry is
+  a run that is gone (killed, its machine down: nothing renews it), and so is one naming a PID of
+  this host that no longer runs; either is taken over with a message. Residual race: the store
+  offers no compare-and-swap here, so the lease is written and read back after a moment (the
+  later writer of two is refused); two runs that start within less than a read of each other
+  may both go ahead.
 """
 
 from __future__ import annotations
@@ -18,17 +28,31 @@ import json
 import os
 import socket
 import tempfile
+import threading
 import time
-from collections.abc import Iterator
-from contextlib import ExitStack, contextmanager
+import uuid
+from collections.abc import Callable, Iterator
+from contextlib import AbstractContextManager, ExitStack, contextmanager, suppress
 from logging import Logger
 from pathlib import Path
+from typing import Any, TextIO
 
 import torch.distributed as dist
 
+from trainloop.checkpoint import storage
+from trainloop.checkpoint.storage import Location, UrlPath
 from trainloop.distributed.ranks import in_process_group, rank
 
-__all__ = ["LOCK_FILE", "WorkspaceBusyError", "file_problem", "hold_run_workspace", "hold_workspace", "path_problem"]
+__all__ = [
+    "LEASE_SECONDS",
+    "LOCK_FILE",
+    "WorkspaceBusyError",
+    "file_problem",
+    "hold_run_location",
+    "hold_run_workspace",
+    "hold_workspace",
+    "path_problem",
+]
 
 LOCK_FILE = "run.lock"
 
@@ -95,8 +119,17 @@ def file_problem(path: Path, probe: bool = False) -> str | None:
 
 
 @contextmanager
-def hold_workspace(workspace: Path | None, logger: Logger) -> Iterator[None]:
+def hold_workspace(
+    workspace: Path | None, logger: Logger, instead: str = "another workspace", remove: bool = False
+) -> Iterator[None]:
     """Hold ``workspace`` for the duration of the block (nothing to hold without one).
+
+    Args:
+        workspace: The directory.
+        logger: Where a takeover is said.
+        instead: What the refusal tells the user to give instead.
+        remove: Remove the lock file when released (a checkpoint location keeps no trace of it);
+            a run that locked a file removed meanwhile locks the new one instead.
 
     Raises:
         WorkspaceBusyError: Another live process holds it; this one wrote nothing.
@@ -106,14 +139,7 @@ def hold_workspace(workspace: Path | None, logger: Logger) -> Iterator[None]:
         return
     workspace.mkdir(parents=True, exist_ok=True)
     path = workspace / LOCK_FILE
-    # Bytes that are not UTF-8 (a damaged lock file) are garbage to take over like any other.
-    with path.open("a+", encoding="utf-8", errors="replace") as file:
-        try:
-            fcntl.flock(file, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            raise WorkspaceBusyError(
-                f"{workspace}: in use by {_holder(path)}; wait for it to end or give another workspace"
-            ) from None
+    with _locked(path, f"{workspace}: in use by {{}}; wait for it to end or give {instead}") as file:
         file.seek(0)
         left = file.read().strip()
         if left:  # its holder ended without releasing it: killed, or its machine went down
@@ -125,10 +151,37 @@ def hold_workspace(workspace: Path | None, logger: Logger) -> Iterator[None]:
         try:
             yield
         finally:
+            if remove:
+                with suppress(OSError):  # a directory made read-only meanwhile keeps an empty lock file, a free one
+                    path.unlink(missing_ok=True)  # still locked: whoever opened it meanwhile retries
             file.seek(0)
             file.truncate()  # released: an empty lock file is a free workspace
             file.flush()
-            fcntl.flock(file, fcntl.LOCK_UN)
+
+
+@contextmanager
+def _locked(path: Path, busy: str) -> Iterator[TextIO]:
+    """``path`` opened and under an exclusive ``flock`` for the block (``busy``, naming the holder, if held)."""
+    while True:
+        # Bytes that are not UTF-8 (a damaged lock file) are garbage to take over like any other.
+        file = path.open("a+", encoding="utf-8", errors="replace")
+        try:
+            fcntl.flock(file, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            file.close()
+            raise WorkspaceBusyError(busy.format(_holder(path))) from None
+        try:
+            same = os.stat(path).st_ino == os.fstat(file.fileno()).st_ino
+        except FileNotFoundError:
+            same = False
+        if same:
+            break
+        file.close()  # removed by its holder as we opened it: lock the file now there
+    try:
+        yield file
+    finally:
+        fcntl.flock(file, fcntl.LOCK_UN)
+        file.close()
 
 
 @contextmanager
@@ -145,13 +198,121 @@ def hold_run_workspace(workspace: Path | None, logger: Logger) -> Iterator[None]
     if workspace is None:
         yield
         return
+    with _on_rank_zero(lambda: hold_workspace(workspace, logger)):
+        yield
+
+
+@contextmanager
+def hold_run_location(where: Location, logger: Logger) -> Iterator[None]:
+    """Hold a run's checkpoint location (a directory or a URL prefix) for the block; rank 0 holds it for all.
+
+    Raises:
+        WorkspaceBusyError: Another live run holds it; nothing was written there.
+    """
+    instead = "another CheckpointingHook path: one checkpoint location belongs to one run"
+    if isinstance(where, Path):
+        with _on_rank_zero(lambda: hold_workspace(where, logger, instead, remove=True)):
+            yield
+        return
+    with _on_rank_zero(lambda: _hold_lease(where, logger, instead)):
+        yield
+
+
+#: How long an object-storage lease lasts unless renewed (renewed every third of it).
+LEASE_SECONDS = 60.0
+#: How long a new lease settles before it is read back (see the module docstring's race).
+_SETTLE_SECONDS = 0.5
+
+
+class _Lease:
+    """The lease ``<prefix>/run.lock`` of one run on object storage (see the module docstring)."""
+
+    def __init__(self, prefix: UrlPath) -> None:
+        self.prefix, self.path = prefix, prefix / LOCK_FILE
+        self.me = {"owner": uuid.uuid4().hex, "host": socket.gethostname(), "pid": os.getpid(), "since": time.time()}
+        self.stop = threading.Event()
+
+    def holder(self) -> dict[str, Any] | None:
+        """The lease there, ``None`` if none; a damaged one is nobody's (``{}``)."""
+        try:
+            lease = json.loads(storage.read_bytes(self.path))
+        except FileNotFoundError:
+            return None
+        except ValueError:
+            return {}
+        return lease if isinstance(lease, dict) else {}
+
+    def write(self) -> None:
+        lease = {**self.me, "expires": time.time() + LEASE_SECONDS}
+        storage.write_bytes(self.path, (json.dumps(lease) + "\n").encode())
+
+    def ours(self, lease: dict[str, Any] | None) -> bool:
+        return lease is not None and lease.get("owner") == self.me["owner"]
+
+    def renew(self, logger: Logger) -> None:
+        while not self.stop.wait(LEASE_SECONDS / 3):
+            try:
+                self.write()
+            except OSError as error:
+                logger.warning("Could not renew the lease %s: %s", self.path, error)
+
+
+@contextmanager
+def _hold_lease(prefix: UrlPath, logger: Logger, instead: str) -> Iterator[None]:
+    """Hold the lease ``<prefix>/run.lock`` on object storage for the block (see the module docstring)."""
+    lease = _Lease(prefix)
+
+    def refusal(found: dict[str, Any]) -> WorkspaceBusyError:
+        holder = _describe(json.dumps(found))
+        return WorkspaceBusyError(f"{prefix}: in use by {holder}; wait for it to end or give {instead}")
+
+    found = lease.holder()
+    if found and not lease.ours(found):
+        dead = _dead_here(found)
+        if not dead and float(found.get("expires", 0)) > time.time():
+            raise refusal(found)
+        why = "its process is gone" if dead else "its lease expired"
+        logger.warning("Taking over %s from %s (%s)", lease.path, _describe(json.dumps(found)), why)
+    lease.write()
+    time.sleep(_SETTLE_SECONDS)
+    found = lease.holder()
+    if not lease.ours(found):
+        raise refusal(found or {})
+    renewer = threading.Thread(target=lease.renew, args=(logger,), name="checkpoint-lease", daemon=True)
+    renewer.start()
+    try:
+        yield
+    finally:
+        lease.stop.set()
+        renewer.join()
+        with suppress(OSError):
+            if lease.ours(lease.holder()):
+                storage.remove(lease.path)
+
+
+def _dead_here(lease: dict[str, Any]) -> bool:
+    """Whether ``lease`` names a process of this host that no longer runs (a run killed here)."""
+    if lease.get("host") != socket.gethostname() or not isinstance(lease.get("pid"), int):
+        return False
+    try:
+        os.kill(lease["pid"], 0)
+    except ProcessLookupError:
+        return True
+    except OSError:
+        return False
+    return False
+
+
+@contextmanager
+def _on_rank_zero(hold: Callable[[], AbstractContextManager[None]]) -> Iterator[None]:
+    """Enter ``hold()`` on rank 0 only; every rank learns whether it was refused."""
     grouped = in_process_group()
     lead = rank() == 0 if grouped else os.environ.get("RANK", "0") == "0"
     with ExitStack() as stack:
         refused: str | None = None
         if lead:
             try:
-                stack.enter_context(hold_workspace(workspace, logger))
+                stack.enter_context(hold())
             except WorkspaceBusyError as error:
                 refused = str(error)
         if grouped:

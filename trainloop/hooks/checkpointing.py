@@ -9,7 +9,7 @@ from __future__ import annotations
 import dataclasses
 import sys
 from collections.abc import Iterator, Sequence
-from contextlib import contextmanager, nullcontext
+from contextlib import ExitStack, contextmanager, nullcontext
 from logging import Logger
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
@@ -23,6 +23,7 @@ from trainloop.checkpoint.manifest import make_metadata
 from trainloop.checkpoint.storage import (
     Location,
     StorageError,
+    UnknownStorageOptions,
     UrlPath,
     clean_leftovers,
     is_dir,
@@ -30,7 +31,7 @@ from trainloop.checkpoint.storage import (
     location,
     wait_for_removals,
 )
-from trainloop.core.workspace import path_problem
+from trainloop.core.workspace import hold_run_location, path_problem
 from trainloop.distributed.ranks import is_rank_zero
 from trainloop.hooks.base import BaseHook
 from trainloop.hooks.checks import HookProblem, listed, needs_workspace, one_process
@@ -215,6 +216,7 @@ class CheckpointingHook(BaseHook):
         self._first_step = 0  # the step this run started from
         self.resumed_complete = False  # the last run resumed a completed run (and so trained nothing)
         self._saver: CheckpointSaver | None = None
+        self._held = ExitStack()  # the lock on the checkpoint location, for the run's life
 
     def on_enter_restoring(self, trainer: TrainerView) -> None:
         """Load the checkpoint ``load`` names, if any, into the trainer."""
@@ -224,6 +226,7 @@ class CheckpointingHook(BaseHook):
             if problem is not None:
                 raise ValueError(f"CheckpointingHook path: {problem}")
         self._settle(trainer, agree=False)  # a hook used again: its last run's save completes first
+        self._hold(trainer, root)
         # Imported here: torch.distributed.checkpoint costs ~0.8 s to import, paid only by runs
         # that checkpoint.
         from trainloop.checkpoint.saver import CheckpointSaver
@@ -346,6 +349,19 @@ class CheckpointingHook(BaseHook):
             wait_for_removals()  # pruned checkpoints are gone when train() returns
         finally:
             self._signals.restore()
+            self._held.close()
+
+    def _hold(self, trainer: TrainerView, root: Location) -> None:
+        """Hold ``root`` for this run (the workspace's own lock holds it when it is the workspace).
+
+        Raises:
+            WorkspaceBusyError: Another live run writes its checkpoints there.
+        """
+        self._held.close()
+        workspace = trainer.settings.workspace
+        if isinstance(root, Path) and workspace is not None and root.resolve() == workspace.resolve():
+            return
+        self._held.enter_context(hold_run_location(root, trainer.logger))
 
     def _settle_at_exit(self, trainer: TrainerView) -> None:
         saver, self._saver = self._saver, None
@@ -478,6 +494,8 @@ def _url_problems(name: str, url: str, options: dict[str, Any] | None, must_exis
     """What is wrong with the URL ``url`` of parameter ``name``: its filesystem missing; nothing there to load."""
     try:
         where = location(url, options)
+    except UnknownStorageOptions as error:
+        return list(error.problems)
     except StorageError as error:
         return [(name, str(error))]
     if must_exist and not is_dir(where):

@@ -30,7 +30,7 @@ from trainloop.settings.init_from import InitFromSettings
 from trainloop.settings.optimizer import OPTIMIZER_NAME, OptimizerSettings, optimizer_names_problem
 from trainloop.settings.schedule import LrScheduleSettings
 from trainloop.settings.sources import ENV_PREFIX, SettingsFileError, SettingsInput, read_settings_input
-from trainloop.settings.types import NonEmptyPath, NonNegativeInt, PositiveFloat, PositiveInt, StrictBool
+from trainloop.settings.types import NonNegativeInt, PositiveFloat, PositiveInt, StrictBool, WorkspacePath
 
 __all__ = ["ENV_PREFIX", "TRAINER_PATTERN", "SettingsFileError", "TrainerSettings", "resolve_settings"]
 
@@ -87,8 +87,9 @@ class TrainerSettings(BaseModel):
     """Autocast dtype for ``forward`` on the trainer's device; fp16 also enables GradScaler."""
     gradient_accumulation_steps: PositiveInt = 1
     """Microsteps (forward + backward) per optimizer step; the loss is divided by this."""
-    workspace: NonEmptyPath | None = None
-    """Directory for run artefacts (checkpoints, logs); hooks resolve paths under it."""
+    workspace: WorkspacePath | None = None
+    """Local directory for run artefacts (checkpoints, logs; never a URL: it holds the run's lock); hooks resolve
+    paths under it."""
     device: str | None = None
     """Device to run on (``"cpu"``, ``"cuda:1"``...); ``None``: torch's default device."""
     no_sync_accumulate: StrictBool = True

@@ -15,6 +15,7 @@ from trainloop.checkpoint.storage import is_url, lost_slash
 
 __all__ = [
     "NonEmptyPath",
+    "WorkspacePath",
     "NonNegativeFloat",
     "NonNegativeInt",
     "PathOrUrl",
@@ -47,8 +48,32 @@ NonNegativeInt = Annotated[int, Field(ge=0, strict=True)]
 PositiveFloat = Annotated[float, Field(gt=0, strict=True, allow_inf_nan=False)]
 NonNegativeFloat = Annotated[float, Field(ge=0, strict=True, allow_inf_nan=False)]
 StrictBool = Annotated[bool, Field(strict=True)]
-NonEmptyPath = Annotated[Path, BeforeValidator(_not_empty)]
-"""A path that is not written empty (``"."`` says the current directory)."""
+def _local_path(value: Any) -> Any:
+    # Path("s3://b/x") is the local folder "s3:/b/x": a URL given where only a local path works
+    # would silently become one.
+    value = _not_empty(value)
+    if is_url(value):
+        raise ValueError("a URL, where a local path is needed")
+    if isinstance(value, (str, Path)):
+        problem = lost_slash(Path(value))
+        if problem is not None:
+            raise ValueError(problem)
+    return value
+
+
+def _workspace(value: Any) -> Any:
+    if is_url(value) or (isinstance(value, (str, Path)) and lost_slash(Path(value)) is not None):
+        raise ValueError(
+            "a URL, and a workspace is a local directory (it holds the run's lock, logs and runs.jsonl); "
+            "put checkpoints on object storage with CheckpointingHook(path=<url>)"
+        )
+    return _local_path(value)
+
+
+NonEmptyPath = Annotated[Path, BeforeValidator(_local_path)]
+"""A local path that is not written empty (``"."`` says the current directory), nor as a URL."""
+WorkspacePath = Annotated[Path, BeforeValidator(_workspace)]
+"""A run's workspace: a local directory (:data:`NonEmptyPath`), refused as a URL with the reason."""
 
 
 def _path_or_url(value: Any) -> Path | str:
