@@ -78,23 +78,14 @@ SAMPLE = [
     "one-sharded-local-mid_epoch-acc1-mean-fp32-noema-constant-steps-finite-r2to1",
 ]
 
-DEFECT_1 = ("#32 defect 1: several optimizers with format='sharded' fail at the first save "
-            "(KeyError: 'optimizer' in the sharded split; the state holds 'optimizers')")
-
-#: Today's divergent cases of ``SAMPLE`` and their causes (issue #32's defects).
-KNOWN_DIVERGENT: dict[str, str] = {
-    "several-sharded_async-s3-signal-acc3-items-fp16-noema-warmup_cosine-steps-finite-r1": DEFECT_1,
-    "several-sharded_async-memory-epoch_end-acc3-items-fp32-noema-constant-steps-nan-r1": DEFECT_1 + "; then defect 4",
-    "several-sharded-local-mid_epoch-acc1-mean-bf16-noema-constant-steps-finite-r1": DEFECT_1,
-    "several-sharded-local-mid_epoch-acc1-mean-fp32-noema-constant-steps-finite-r1": DEFECT_1,
-}
+#: The cases of ``SAMPLE`` that diverge from their unbroken run, and why: none now. A defect found
+#: goes here (a strict xfail) with its cause until its fix lands.
+KNOWN_DIVERGENT: dict[str, str] = {}
 
 
 def known_cause(case: Case, unbroken: dict[str, Any]) -> tuple[str, bool] | None:
     """Why ``case`` diverges from its unbroken run today, and whether it must (``None``: it must
     not): the rules behind ``KNOWN_DIVERGENT``, for the whole product."""
-    if case.optimizers == "several" and case.format.startswith("sharded"):
-        return DEFECT_1, True
     return None
 
 
