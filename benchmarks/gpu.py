@@ -191,7 +191,8 @@ def trainloop_loop(
         max_steps=len(batches), device="cuda", mixed_precision="bf16", grad_clip=1.0,
         detect_non_finite_grads=guard, workspace=workspace, metrics_file=False,
     )  # fmt: skip
-    measured = range(args.warmup + 1, args.warmup + args.steps + 1)
+    # The saves inside the measured window: the last measured step's save runs after the window closes.
+    measured = range(args.warmup + 1, args.warmup + args.steps)
     trainer.on_enter(State.CHECKPOINTING, lambda t: entered.append(time.perf_counter()) if t.step in measured else None)
 
     def left(t: Any) -> None:
