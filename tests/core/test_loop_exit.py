@@ -99,3 +99,37 @@ def test_after_a_failing_end_sigterm_kills_the_process_again(tmp_path):
     finally:
         if child.proc.poll() is None:
             child.proc.kill()
+
+
+class Stopped(Exception):
+    pass
+
+
+def test_an_error_from_an_on_exit_callback_still_ends_the_run_through_every_hooks_end(tmp_path):
+    # Leaving the failing state runs its on_exit callbacks again: the one that raised raises again.
+    # The run's error is still the first, and every hook ends (the checkpoint location is given back).
+    from trainloop.hooks import CheckpointingHook
+
+    def make():
+        capture = CaptureHook()
+        trainer = TinyTrainer(max_steps=4, workspace=tmp_path / "ws",
+                              hooks=[capture, CheckpointingHook(interval=2, path=tmp_path / "checkpoints")])
+        return trainer, capture
+
+    trainer, capture = make()
+    first = Stopped("after the save of step 2")
+
+    def stop(t):
+        if t.step == 2:
+            raise first
+
+    trainer.on_exit("checkpointing", stop)
+    with pytest.raises(Stopped) as raised:
+        trainer.train()
+    assert raised.value is first
+    assert capture.error is first
+    assert [event for event, _, _ in capture.calls][-2:] == ["on_exception", "on_after_train"]
+    assert trainer.state.value == "exiting"
+    again, _ = make()  # the location is free again: the next run resumes from step 2's checkpoint
+    again.train()
+    assert again.step == 4

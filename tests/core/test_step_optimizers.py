@@ -517,9 +517,8 @@ def test_a_module_the_model_lacks_is_one_line_naming_the_entry_exit_2_before_ste
         "trainloop run: error: optimizers.head.module: 'torch.optim.AdamWW': ModuleDict has no such submodule (its "
         "children: body, head)"
     ], result.stderr
-    workspace = tmp_path / "ws"  # refused while building: no checkpoint, settings.json, metrics or trace
-    assert sorted(path.name for path in workspace.iterdir()) == ["run.lock", "runs.jsonl"]
-    assert [json.loads(line)["exit_code"] for line in (workspace / "runs.jsonl").read_text().splitlines()] == [2]
+    workspace = tmp_path / "ws"  # refused while building: no checkpoint, settings.json, metrics, trace or run line
+    assert sorted(path.name for path in workspace.iterdir()) == ["run.lock"]  # refused: not even runs.jsonl
 
 
 def test_evaluate_refuses_a_module_the_model_lacks_in_one_line(tmp_path):

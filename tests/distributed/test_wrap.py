@@ -20,32 +20,42 @@ WIDTH, BLOCKS, VOCAB, LENGTH = 16, 4, 32, 8
 
 
 class Block(nn.Module):
-    """A transformer block whose forwards are counted (dropout on: recomputation must redraw the same masks)."""
+    """A transformer block (dropout on: recomputation must redraw the same masks)."""
 
     def __init__(self) -> None:
         super().__init__()
         self.layer = nn.TransformerEncoderLayer(WIDTH, 2, dim_feedforward=32, dropout=0.1, batch_first=True)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.layer(x)
+
+
+class CountedBlock(Block):
+    """A block whose forwards are counted (not compiled: the count would be a guard that recompiles)."""
+
+    def __init__(self) -> None:
+        super().__init__()
         self.forwards = 0
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         self.forwards += 1
-        return self.layer(x)
+        return super().forward(x)
 
 
 class TinyLM(nn.Module):
-    def __init__(self) -> None:
+    def __init__(self, block: type[Block] = Block) -> None:
         super().__init__()
         self.embed = nn.Embedding(VOCAB, WIDTH)
-        self.blocks = nn.Sequential(*(Block() for _ in range(BLOCKS)))
+        self.blocks = nn.Sequential(*(block() for _ in range(BLOCKS)))
         self.head = nn.Linear(WIDTH, VOCAB)
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
         return self.head(self.blocks(self.embed(tokens)))
 
 
-def tiny_lm() -> TinyLM:
+def tiny_lm(block: type[Block] = Block) -> TinyLM:
     torch.manual_seed(0)
-    return TinyLM()
+    return TinyLM(block)
 
 
 def tokens(n: int = 24) -> TensorDataset:
@@ -111,8 +121,11 @@ def test_a_checkpointed_run_trains_bit_for_bit_as_the_same_model_without_it(wrap
 
 def test_a_compiled_checkpointed_model_trains_as_the_compiled_model_without_it():
     # aot_eager: dynamo and AOT autograd trace the checkpoint as inductor would, without generating code
-    plain = run(2, 1, compile_backend="aot_eager")
-    checkpointed = run(2, 1, compile_backend="aot_eager", wrap={"activation_checkpointing": Block})
+    try:
+        plain = run(2, 1, compile_backend="aot_eager")
+        checkpointed = run(2, 1, compile_backend="aot_eager", wrap={"activation_checkpointing": Block})
+    finally:
+        torch._dynamo.reset()  # nothing compiled here stays for the next test in this process
     assert all(torch.equal(a, b) for a, b in zip(losses(plain), losses(checkpointed), strict=True))
     for a, b in zip(plain.model.parameters(), checkpointed.model.parameters(), strict=True):
         assert torch.equal(a, b)
@@ -131,7 +144,7 @@ def test_state_dict_keys_are_unchanged_and_interchange_with_an_unchecked_model()
 
 
 def test_checkpointed_blocks_run_forward_twice_in_training_and_once_under_no_grad():
-    model = wrap_model(tiny_lm(), "none", activation_checkpointing=Block, activation_checkpointing_every=2)
+    model = wrap_model(tiny_lm(CountedBlock), "none", activation_checkpointing=Block, activation_checkpointing_every=2)
     batch = tokens()[:4][0][:, :-1]
     model(batch).sum().backward()
     assert [block.forwards for block in model.blocks] == [1, 2, 1, 2]  # the 2nd and 4th matches

@@ -128,7 +128,10 @@ class Loop:
                 state = machine.advance()
         except BaseException as error:
             self.run_state.error = error
-            machine.fail()
+            try:
+                machine.fail()  # leaving the state runs its on_exit callbacks: the one that raised may raise again
+            except BaseException as again:  # noqa: BLE001 - the run's error is the first; the hooks still end
+                self._absorb([again])
             # The error that ended the run is the one train() raises: a hook failing on the
             # way out is logged and noted on it, never raised in its place.
             self._absorb(call_each(self.run_state.dispatch["on_exception"], trainer, error))

@@ -163,7 +163,10 @@ class StateMachine:
         """Move to ``exiting`` because of an error; does nothing if already there."""
         if self.model.state is not State.EXITING:
             fail = next(t for t in self.table if t.trigger == FAIL and t.source is self.state)
-            self._fire(fail, None, self._is_listened(fail))
+            try:
+                self._fire(fail, None, self._is_listened(fail))
+            finally:  # in exiting even when a callback on the way raised
+                self.model.state = State.EXITING
 
     def _fire(self, transition: Transition, action: Callable[[], None] | None, listened: bool) -> None:
         if self._trace is not None:
