@@ -257,11 +257,11 @@ class Loop:
             self.runners = (StepRunner(self.step_plan(), data, epochs=epochs),)
             self._names = (SINGLE,)
         self.runner = self.runners[0]
-        verdicts = zip(self._names, (r.verdict for r in self.runners), strict=True)
-        run.verdicts = {name: verdict for name, verdict in verdicts if verdict is not None}
-        self._verdicts = tuple(run.verdicts.values())
+        verdicts = {name: r.verdict for name, r in zip(self._names, self.runners, strict=True) if r.verdict is not None}
+        run.verdicts = dict(verdicts)
+        self._verdicts = tuple(verdicts.values())
         restored, run.restored_verdicts = run.restored_verdicts or {}, None
-        for name, verdict in run.verdicts.items():
+        for name, verdict in verdicts.items():
             if name in restored:  # the resumed run decides as the unbroken one would have
                 verdict.load_state_dict(restored[name])
 

@@ -25,11 +25,11 @@ if TYPE_CHECKING:
     import torch
     from torch import nn
     from torch.distributed.checkpoint.state_dict import StateDictOptions
+    from torch.distributed.checkpoint.stateful import Stateful
 
     from trainloop.core.data import EpochIterator
     from trainloop.core.metrics import MetricsLog
     from trainloop.core.run_length import RunLength
-    from trainloop.core.step import DeviceVerdict
     from trainloop.hooks.base import BaseHook
     from trainloop.machine.runner import Handle
     from trainloop.machine.table import Transition
@@ -65,7 +65,7 @@ class RunState:
         restored_position: A plain ``DataLoader``'s position a checkpoint load restored, for
             ``data`` to resume its epoch exactly there (see ``trainloop.core.data``).
         verdicts: The device verdicts of the optimizers that skip a non-finite update on the
-            device, by optimizer name (``trainloop.core.step.DeviceVerdict``); made in ``restoring``.
+            device, by optimizer name (each a ``trainloop.core.step.DeviceVerdict``); made in ``restoring``.
         restored_verdicts: Their states a checkpoint load restored before they existed; applied
             once they do.
         error: What ended the run, if an error did.
@@ -81,7 +81,7 @@ class RunState:
     data: EpochIterator | None = None
     restored_rng: dict[str, Any] | None = None
     restored_position: dict[str, Any] | None = None
-    verdicts: dict[str, DeviceVerdict] = field(default_factory=dict)
+    verdicts: dict[str, Stateful] = field(default_factory=dict)
     restored_verdicts: dict[str, Any] | None = None
     error: BaseException | None = None
     updating: str = SINGLE

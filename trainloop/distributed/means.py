@@ -22,7 +22,7 @@ import torch
 import torch.distributed as dist
 from torch.utils.data import BatchSampler, DataLoader, DistributedSampler
 
-from trainloop.distributed.ranks import gather_from_ranks, rank, world_size
+from trainloop.distributed.ranks import gather_from_ranks, rank, sampler_problem, world_size
 
 __all__ = ["ItemMeans", "ItemMeansError"]
 
@@ -150,17 +150,10 @@ def _distributed_sampler(data: Iterable[Any]) -> DistributedSampler[Any] | None:
 
 def _checked_length(data: Iterable[Any], sampler: DistributedSampler[Any], rank: int, world: int) -> int:
     """The dataset's length, once the sampler is known to be this rank's and to give every item."""
-    if (sampler.num_replicas, sampler.rank) != (world, rank):
-        raise ItemMeansError(
-            f"ItemMeans: the data's DistributedSampler is for rank {sampler.rank} of {sampler.num_replicas}, "
-            f"this process is rank {rank} of {world}"
-        )
+    problem = sampler_problem(sampler, rank, world, "ItemMeans: the data", "left out of the means")
+    if problem is not None:
+        raise ItemMeansError(problem)
     length = len(sampler.dataset)  # type: ignore[arg-type]
-    if sampler.drop_last and length % world:
-        raise ItemMeansError(
-            f"ItemMeans: the data's DistributedSampler has drop_last=True: it leaves out {length % world} of the "
-            f"{length} items; build it with drop_last=False (its padding is left out of the means)"
-        )
     left_out = sampler.num_samples % data.batch_size if isinstance(data, DataLoader) and data.batch_size else 0
     if left_out and isinstance(data, DataLoader) and data.drop_last:
         raise ItemMeansError(

@@ -8,8 +8,9 @@ from __future__ import annotations
 from typing import Any
 
 import torch.distributed as dist
+from torch.utils.data import DistributedSampler
 
-__all__ = ["gather_from_ranks", "in_process_group", "is_rank_zero", "rank", "world_size"]
+__all__ = ["gather_from_ranks", "in_process_group", "is_rank_zero", "rank", "sampler_problem", "world_size"]
 
 
 def in_process_group() -> bool:
@@ -40,3 +41,23 @@ def gather_from_ranks(value: Any) -> list[Any]:
     gathered: list[Any] = [None] * world
     dist.all_gather_object(gathered, value)
     return gathered
+
+
+def sampler_problem(sampler: DistributedSampler[Any], rank: int, world: int, what: str, padding: str) -> str | None:
+    """Why ``sampler`` does not deal ``what`` (``"the predict data"``) to this rank with every item once, or ``None``.
+
+    It must be built for this rank of this many ranks, and keep every item (``drop_last=False``, whose
+    padding repeats a few items: the caller says what becomes of them in ``padding``).
+    """
+    if (sampler.num_replicas, sampler.rank) != (world, rank):
+        return (
+            f"{what}'s DistributedSampler is for rank {sampler.rank} of {sampler.num_replicas}, "
+            f"this process is rank {rank} of {world}"
+        )
+    length = len(sampler.dataset)  # type: ignore[arg-type]
+    if sampler.drop_last and length % world:
+        return (
+            f"{what}'s DistributedSampler has drop_last=True: it leaves out {length % world} of the "
+            f"{length} items; build it with drop_last=False (its padding is {padding})"
+        )
+    return None

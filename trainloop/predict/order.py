@@ -20,6 +20,8 @@ from typing import Any
 import torch
 from torch.utils.data import DataLoader, DistributedSampler, SequentialSampler
 
+from trainloop.distributed.ranks import sampler_problem
+
 __all__ = ["ItemOrder", "PredictDataError", "item_order"]
 
 
@@ -75,17 +77,10 @@ def item_order(loader: Iterable[Any], rank: int, world_size: int) -> ItemOrder |
 
 
 def _distributed_order(loader: DataLoader[Any], sampler: DistributedSampler[Any], rank: int, world: int) -> ItemOrder:
-    if (sampler.num_replicas, sampler.rank) != (world, rank):
-        raise PredictDataError(
-            f"the predict data's DistributedSampler is for rank {sampler.rank} of {sampler.num_replicas}, "
-            f"this process is rank {rank} of {world}"
-        )
+    problem = sampler_problem(sampler, rank, world, "the predict data", "removed from the predictions")
+    if problem is not None:
+        raise PredictDataError(problem)
     length = len(sampler.dataset)  # type: ignore[arg-type]
-    if sampler.drop_last and length % world:
-        raise PredictDataError(
-            f"the predict data's DistributedSampler has drop_last=True: it leaves out {length % world} of the "
-            f"{length} items; build it with drop_last=False (its padding is removed from the predictions)"
-        )
     indices = torch.tensor(list(iter(sampler)), dtype=torch.long)
     _refuse_a_dropped_batch(loader, len(indices))
     positions = torch.arange(len(indices)) * world + rank
