@@ -116,6 +116,7 @@ def two_runs_on_one_checkpoint_location(
             "give another CheckpointingHook path: one checkpoint location belongs to one run",
         )
         assert len(second.stderr.splitlines()) == 1, second.stderr
+        assert not (tmp_path / "second" / "ws").exists()  # the workspace the refused run made is gone again
         first.send_signal(signal.SIGTERM)
         first.communicate(timeout=60)
     finally:

@@ -137,6 +137,7 @@ def hold_workspace(
     if workspace is None:
         yield
         return
+    made = not workspace.exists()
     workspace.mkdir(parents=True, exist_ok=True)
     path = workspace / LOCK_FILE
     with _locked(path, f"{workspace}: in use by {{}}; wait for it to end or give {instead}") as file:
@@ -151,12 +152,29 @@ def hold_workspace(
         try:
             yield
         finally:
-            if remove:
+            # A directory this run made and left holding nothing (a run refused before writing) goes too.
+            if remove or (made and _holds_nothing(workspace)):
                 with suppress(OSError):  # a directory made read-only meanwhile keeps an empty lock file, a free one
                     path.unlink(missing_ok=True)  # still locked: whoever opened it meanwhile retries
+                if made and _holds_nothing(workspace):
+                    _remove_empty(workspace)
             file.seek(0)
             file.truncate()  # released: an empty lock file is a free workspace
             file.flush()
+
+
+def _holds_nothing(directory: Path) -> bool:
+    """Whether ``directory`` holds no file but its lock (empty folders aside)."""
+    return all(p.is_dir() or p.name == LOCK_FILE for p in directory.rglob("*"))
+
+
+def _remove_empty(directory: Path) -> None:
+    """Remove ``directory`` and the empty folders in it, innermost first (what cannot go stays)."""
+    for folder in sorted((p for p in directory.rglob("*") if p.is_dir()), key=lambda p: len(p.parts), reverse=True):
+        with suppress(OSError):
+            folder.rmdir()
+    with suppress(OSError):
+        directory.rmdir()
 
 
 @contextmanager

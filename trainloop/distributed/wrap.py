@@ -20,7 +20,7 @@ from torch.distributed.fsdp import MixedPrecisionPolicy, OffloadPolicy, fully_sh
 from torch.utils.checkpoint import checkpoint
 
 from trainloop.distributed.ranks import world_size
-from trainloop.settings.types import PositiveFloat, PositiveInt, StrictBool
+from trainloop.settings.types import PositiveFloat, StrictBool
 
 try:  # DeviceMesh is only importable where torch.distributed is built in
     from torch.distributed.device_mesh import DeviceMesh
@@ -138,13 +138,6 @@ class _WrapArguments(BaseModel):
 
     model: nn.Module
     strategy: Strategy
-    activation_checkpointing: ModuleRule | None = None
-    activation_checkpointing_every: PositiveInt = 1
-
-    @field_validator("activation_checkpointing", mode="before")
-    @classmethod
-    def _one_class_is_a_tuple(cls, value: Any) -> Any:
-        return _one_class_is_a_tuple(value)
 
 
 _OPTIONS: dict[str, type[BaseModel]] = {
@@ -200,15 +193,11 @@ def wrap_model(
         RuntimeError: ``"ddp"`` or ``"fsdp"`` without an initialised process group.
         ValueError: ``shard_modules`` or ``activation_checkpointing`` matched no submodule.
     """
-    arguments = _WrapArguments.model_validate({
-        "model": model,
-        "strategy": strategy,
-        "activation_checkpointing": activation_checkpointing,
-        "activation_checkpointing_every": activation_checkpointing_every,
-    })
+    _WrapArguments(model=model, strategy=strategy)
+    rule = _checkpointing_rule(activation_checkpointing, activation_checkpointing_every)
     settings = _OPTIONS[strategy].model_validate(options)
-    if arguments.activation_checkpointing is not None:
-        checkpoint_activations(model, arguments.activation_checkpointing, arguments.activation_checkpointing_every)
+    if rule is not None:
+        checkpoint_activations(model, rule, activation_checkpointing_every)
     if strategy == "auto":
         strategy = "ddp" if world_size() > 1 else "none"
     if strategy == "none":
@@ -241,6 +230,25 @@ def _fully_shard(model: nn.Module, options: FSDPOptions) -> nn.Module:
     fully_shard(model, **kwargs)
     logger.debug("fully_shard: %d submodule groups and the root", len(groups))
     return model
+
+
+def _checkpointing_rule(value: Any, every: Any) -> ModuleRule | None:
+    """``activation_checkpointing`` as a rule, checked with ``activation_checkpointing_every``.
+
+    Raises:
+        ValueError: Either is not what it can be (one line naming it and the value).
+    """
+    if isinstance(every, bool) or not isinstance(every, int) or every < 1:
+        raise ValueError(f"wrap_model activation_checkpointing_every={every!r}: a whole number, at least 1")
+    rule = _one_class_is_a_tuple(value)
+    modules = isinstance(rule, tuple) and rule and all(isinstance(c, type) and issubclass(c, nn.Module) for c in rule)
+    if rule is None or modules or (callable(rule) and not isinstance(rule, nn.Module | type)):
+        return rule  # type: ignore[no-any-return]
+    hint = " (a module itself: give its class)" if isinstance(rule, nn.Module) else ""
+    raise ValueError(
+        f"wrap_model activation_checkpointing={value!r}{hint}: a module class, a tuple of them, or a predicate "
+        "fn(module) -> bool"
+    )
 
 
 def checkpoint_activations(model: nn.Module, rule: ModuleRule, every: int = 1) -> list[str]:
