@@ -10,7 +10,7 @@ import pytest
 
 #: The folders whose files take longest (real processes, several ranks), collected first: README's
 #: command hands each of two workers a whole file at a time, so the run then ends on short files.
-SLOW_FIRST = ("processes", "distributed", "checkpoint")
+SLOW_FIRST = ("processes", "distributed", "checkpoint", "docs")
 
 
 def _slowness(item: pytest.Item) -> int:
