@@ -257,15 +257,18 @@ def test_checkpoint_resume_is_bit_exact_and_other_optimizers_are_refused(tmp_pat
                      hooks=[CheckpointingHook(interval=3, exit_signals=[])]).train()
 
 
-def test_a_refused_second_update_is_retried_on_fresh_batches(caplog):
-    class NanOnce(GanTrainer):
-        def forward(self, batch, optimizer):
-            loss, records = super().forward(batch, optimizer)
-            if self.step == 2 and optimizer == "generator" and not getattr(self, "failed", False):
-                self.failed = True
-                loss = loss * float("nan")
-            return loss, records
+class NanOnce(GanTrainer):
+    """The generator's first update of step 2 gets a NaN loss (once)."""
 
+    def forward(self, batch, optimizer):
+        loss, records = super().forward(batch, optimizer)
+        if self.step == 2 and optimizer == "generator" and not getattr(self, "failed", False):
+            self.failed = True
+            loss = loss * float("nan")
+        return loss, records
+
+
+def test_a_refused_second_update_is_retried_on_fresh_batches(caplog):
     trainer = NanOnce(max_steps=3, max_non_finite_grad_retries=1, trace=True)
     with caplog.at_level(logging.WARNING, logger="trainloop"):
         trainer.train()
@@ -278,14 +281,6 @@ def test_a_refused_second_update_is_retried_on_fresh_batches(caplog):
 
 
 def test_a_retried_update_keeps_the_applied_losses_and_drops_the_refused_ones(tmp_path):
-    class NanOnce(GanTrainer):
-        def forward(self, batch, optimizer):
-            loss, records = super().forward(batch, optimizer)
-            if self.step == 2 and optimizer == "generator" and not getattr(self, "failed", False):
-                self.failed = True
-                loss = loss * float("nan")
-            return loss, records
-
     capture = CaptureHook()
     trainer = NanOnce(max_steps=3, max_non_finite_grad_retries=1, workspace=tmp_path, gradient_accumulation_steps=2,
                       hooks=[capture, LoggingHook(interval=1)])
