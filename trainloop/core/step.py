@@ -155,7 +155,7 @@ def update_plan(
         optimizer=optimizer,
         forward=forward,
         owner=f"{type(trainer).__name__}.forward()",
-        accumulation=settings.gradient_accumulation_steps,
+        accumulation=trainer.run_length.accumulation,
         grad_clip=settings.grad_clip,
         grad_scaler=trainer.grad_scaler,
         lr_scheduler=lr_scheduler,

@@ -291,7 +291,7 @@ def _global_batch(trainer: TrainerView) -> dict[str, Any]:
     return {
         "ranks": world_size(),
         "batch_size": batch_size_of(trainer.data_loader),
-        "accumulation": trainer.settings.gradient_accumulation_steps,
+        "accumulation": trainer.run_length.accumulation,
     }
 
 
