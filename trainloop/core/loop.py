@@ -436,12 +436,14 @@ class RunRequests:
         self._exit = max(self._exit, 1 + (exit_code or 0))
 
     def open(self) -> None:
-        """Start agreeing on exit requests across ranks (a collective under a process group)."""
-        self._agreement = ExitAgreement()
+        """Start agreeing on exit requests across ranks (a collective under a process group of two or more)."""
+        agreement = ExitAgreement()
+        self._agreement = agreement if agreement.active else None  # alone, a request holds at once
 
     def settle(self) -> None:
         """At the end of an applied update: submit this rank's exit request, read the agreement."""
-        agreed = self._agreement.settle(self._exit)  # type: ignore[union-attr]
+        agreement = self._agreement
+        agreed = agreement.settle(self._exit) if agreement is not None else self._exit
         if agreed:
             self.exit_agreed = True
             if agreed > 1:
