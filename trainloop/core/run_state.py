@@ -36,7 +36,7 @@ if TYPE_CHECKING:
     from trainloop.settings.model import TrainerSettings
     from trainloop.utils import Records
 
-__all__ = ["COMPONENTS", "SINGLE", "Dispatch", "RunState", "TrainerContract", "TrainerView"]
+__all__ = ["COMPONENTS", "SINGLE", "Dispatch", "RunState", "TrainerContract", "TrainerView", "not_built"]
 
 Dispatch = dict[str, tuple[Callable[..., None], ...]]
 """Per hook event, the bound methods of the hooks that override it (``hook_dispatch``)."""
@@ -86,6 +86,17 @@ class RunState:
     error: BaseException | None = None
     updating: str = SINGLE
 
+    def component(self, name: str) -> Any:
+        """The built component ``name`` (one of ``COMPONENTS``; the optimizer as ``build_optimizer()`` returned it).
+
+        Raises:
+            AttributeError: It is not built yet (``not_built``).
+        """
+        try:
+            return self.built[name]
+        except KeyError:
+            raise not_built(name) from None
+
     @property
     def named_optimizers(self) -> bool:
         """Whether ``build_optimizer()`` returned optimizers by name (a mapping), not one optimizer."""
@@ -115,6 +126,11 @@ class RunState:
     def current_epoch(self) -> int:
         """The epoch the run draws from now (0-based): the data iterator's while it exists, else ``epoch``."""
         return self.data.epoch if self.data is not None else self.epoch
+
+
+def not_built(name: str) -> AttributeError:
+    """The error of reading the component ``name`` before ``building`` built it."""
+    return AttributeError(f"trainer.{name} is not built yet: train() builds it with build_{name}() in 'building'")
 
 
 class TrainerView(Protocol):
