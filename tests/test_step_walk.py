@@ -10,9 +10,9 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 
-MODULES = 19  # modules one checkpointed step touches, at most
-PAIRS = 35  # distinct module-to-module call pairs, at most
-DOUBLED_BACK = 5  # pairs A -> B whose B calls back into A, at most
+MODULES = 18  # modules one checkpointed step touches, at most
+PAIRS = 32  # distinct module-to-module call pairs, at most
+DOUBLED_BACK = 3  # pairs A -> B whose B calls back into A, at most
 
 
 def walk():
