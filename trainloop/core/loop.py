@@ -242,7 +242,10 @@ class Loop:
         for fn in run.dispatch["on_after_step"]:
             fn(t)
         self.settle()
-        if step.verdicts_pending and (self.validation_due() or self.checkpoint_due() or self.should_exit()):
+        verdicts = step.verdicts
+        if verdicts and any(v.pending for v in verdicts) and (
+            self.validation_due() or self.checkpoint_due() or self.should_exit()
+        ):
             step.read_verdicts()
 
     def settle(self) -> None:
@@ -395,7 +398,7 @@ class Loop:
 
     def grads_non_finite(self) -> bool:
         """Whether the last update found non-finite gradients and was refused."""
-        return self.step.non_finite()
+        return not self.step.applied
 
     def validation_due(self) -> bool:
         """Whether a validation is due now (queued by its schedule, or by an evaluate run)."""

@@ -260,8 +260,8 @@ class StepRunner:
     def microsteps_remain(self) -> bool:
         """Whether the step in progress needs another microstep.
 
-        It needs ``plan.accumulation`` microsteps (the one place a run reads its accumulation from), or fewer for an
-        epoch's last step under ``max_epochs``: the machine's edge and ``lr_find`` ask this.
+        It needs ``plan.accumulation`` microsteps (a run's ``RunLength.accumulation``), or fewer for an epoch's last
+        step under ``max_epochs``: ``lr_find`` asks this, and ``Step.microsteps_remain`` reads the same count.
         """
         return self.microsteps < self.target
 
@@ -536,10 +536,11 @@ class Step:
 
     The loop's states and edges hand it their work: ``begin`` (the ``begin_step`` edge, once the loop counted the
     step), ``microstep`` (``accumulating``), ``update`` (``stepping``), ``next_update``, ``retry`` and ``redo``; the
-    machine's conditions ask ``microsteps_remain``, ``updates_remain`` and ``non_finite``. It calls the hooks'
+    machine's conditions ask ``microsteps_remain``, ``updates_remain`` and ``applied``. It calls the hooks'
     ``on_before_step``, and ``on_before_optimizer_step`` between an update's preparation and its application, through
     the run's dispatch as it was at construction. It writes what the step reports (``run.step_info``: losses, records,
-    items, data and step time, grad norms, retries, a skipped update) and ``run.updating``.
+    items, data and step time, grad norms, retries, a skipped update), ``run.updating`` and ``run.verdicts`` (the
+    device verdicts by optimizer name, for a checkpoint).
 
     The optimizers are always by name (``update_plans``): one ``StepRunner`` per optimizer, in update order; a step
     with several trains each on the step's batches (kept by the first update, replayed by the others).
@@ -555,8 +556,9 @@ class Step:
 
     Attributes:
         retries: Retries of the step in progress.
+        applied: Whether the last update was applied (else its gradients were non-finite and it was refused).
         runner: The update in progress.
-        verdicts: The device verdicts by optimizer name (optimizers that skip a non-finite update on the device).
+        verdicts: The device verdicts of the optimizers that skip a non-finite update on the device.
     """
 
     def __init__(
@@ -580,18 +582,19 @@ class Step:
         self.optimizers = tuple(plan.optimizer for plan in plans.values())
         self.runner = self.runners[0]
         run.updating = self.names[0]
-        self.verdicts = {name: r.verdict for name, r in zip(self.names, self.runners, strict=True) if r.verdict}
-        self._verdicts = tuple(self.verdicts.values())
-        run.verdicts = dict(self.verdicts)
+        verdicts = ((name, runner.verdict) for name, runner in zip(self.names, self.runners, strict=True))
+        by_optimizer = {name: verdict for name, verdict in verdicts if verdict is not None}
+        run.verdicts = dict(by_optimizer)
+        self.verdicts = tuple(by_optimizer.values())
         restored, run.restored_verdicts = run.restored_verdicts or {}, None
-        for name, verdict in self.verdicts.items():
+        for name, verdict in by_optimizer.items():
             if name in restored:  # the resumed run decides as the unbroken one would have
                 verdict.load_state_dict(restored[name])
         self._before_step = run.dispatch["on_before_step"]
         self._before_optimizer_step = run.dispatch["on_before_optimizer_step"]
         self._clipping = trainer.settings.grad_clip is not None
         self.retries = 0
-        self.applied = True  # whether the last update was applied
+        self.applied = True
         self.loss_scale = 0.0  # fp16: GradScaler's scale after the last refused update
         self._index = 0  # the update in progress, in the step's updates
         self._recorded = (0, 0, 0)  # the step's losses, records and items recorded before the update in progress
@@ -674,10 +677,6 @@ class Step:
         """Whether another optimizer's update of the step follows."""
         return self._index + 1 < len(self.runners)
 
-    def non_finite(self) -> bool:
-        """Whether the last update found non-finite gradients and was refused."""
-        return not self.applied
-
     def next_update(self) -> None:
         """The next optimizer's update of the step, on the step's batches, from zero gradients."""
         index = self._index = self._index + 1
@@ -720,15 +719,10 @@ class Step:
         for optimizer in self.optimizers:
             optimizer.zero_grad()
 
-    @property
-    def verdicts_pending(self) -> bool:
-        """Whether a device verdict of this step's updates is still unread."""
-        return any(v.pending for v in self._verdicts)
-
     def read_verdicts(self) -> None:
         """Read this step's pending verdicts now (the run validates, saves or ends after it: never on an unread one)."""
         step = self.run.step
-        for verdict in self._verdicts:
+        for verdict in self.verdicts:
             if verdict.pending:
                 self.read_verdict(step, verdict)
 
