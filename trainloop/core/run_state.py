@@ -1,7 +1,9 @@
 """The run as the loop owns it (``RunState``), and the run as hooks see it (``TrainerView``).
 
 The loop (``trainloop.core.loop.Loop``) is the only writer of a run's state: the step and epoch, the
-step info, the built components, the hooks and their dispatch, the data iterator. The trainer
+built components, the hooks and their dispatch, the data iterator; its ``Step``
+(``trainloop.core.step``) writes the step's part (the step info, the optimizer updating, the device
+verdicts). The trainer
 shows them read-only; a hook reads them and *requests* (``request_exit``, ``request_checkpoint``,
 ``log``). ``TrainerView`` is that read-only face as a typing protocol: the built-in hooks, the
 ``every`` rule, the preflight, ``training_state`` and ``result`` are typed against it, so none of
@@ -49,7 +51,7 @@ COMPONENTS = ("data_loader", "model", "optimizer", "lr_scheduler", "grad_scaler"
 
 @dataclass(eq=False)
 class RunState:
-    """One run's state, written by its loop only; the trainer shows it read-only.
+    """One run's state, written by its loop and the loop's ``Step`` only; the trainer shows it read-only.
 
     Attributes:
         dispatch: The hooks' bound methods per event (only those that override it).
