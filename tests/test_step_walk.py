@@ -33,3 +33,9 @@ def test_one_checkpointed_step_stays_within_its_bounds():
     # The schedule calls the hook; the hook never asks the loop to call it back.
     assert ("hooks.checkpointing", "core.loop") not in seen.pairs
     assert ("hooks.checkpointing", "core.run_state") not in seen.pairs
+    # The step calls the hooks itself (on_before_optimizer_step), not back through the loop; the training
+    # state takes the built components from the run state, not back from the trainer that asked for it.
+    assert ("core.step", "core.loop") not in seen.pairs
+    assert ("core.training_state", "trainer") not in seen.pairs
+    # A single process settles its requests without the ranks' agreement.
+    assert "distributed.agreement" not in seen.modules
