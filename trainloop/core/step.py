@@ -18,7 +18,6 @@ other optimizer waits for the verdict before it steps, and a refused update is r
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import functools
 import inspect
 from collections import defaultdict
@@ -55,7 +54,6 @@ __all__ = [
     "skips_on_device",
     "takes_optimizer",
     "unpack_forward_output",
-    "update_plan",
     "update_plans",
 ]
 
@@ -125,44 +123,29 @@ def update_plans(trainer: TrainerContract, *, check_grads: bool, by_name: bool) 
     may leave gradients on them, which the step zeroes before each update); one built alone gets ``forward(batch)``
     and the model's parameters. ``lr_find`` runs the plan of one.
     """
-    schedulers = trainer.lr_schedulers
+    settings, schedulers = trainer.settings, trainer.lr_schedulers
     plans = {}
     for name, optimizer in trainer.optimizers.items():
-        plan = update_plan(trainer, optimizer, trainer.forward, check_grads, schedulers.get(name))
-        if by_name:
-            params = tuple(p for group in optimizer.param_groups for p in group["params"])
-            forward = functools.partial(_call_with_name, trainer.forward, name)
-            plan = dataclasses.replace(plan, forward=forward, parameters=params, name=name)
-        plans[name] = plan
+        plans[name] = StepPlan(
+            model=trainer.model,
+            optimizer=optimizer,
+            forward=functools.partial(_call_with_name, trainer.forward, name) if by_name else trainer.forward,
+            owner=f"{type(trainer).__name__}.forward()",
+            accumulation=trainer.run_length.accumulation,
+            grad_clip=settings.grad_clip,
+            grad_scaler=trainer.grad_scaler,
+            lr_scheduler=schedulers.get(name),
+            check_grads=check_grads,
+            no_sync=settings.no_sync_accumulate,
+            autocast=trainer.autocast(),  # reused: an autocast object can be entered again
+            parameters=tuple(p for group in optimizer.param_groups for p in group["params"]) if by_name else None,
+            name=name if by_name else None,
+        )
     return plans
 
 
 def _call_with_name(forward: Callable[..., Any], name: str, batch: Any) -> Any:
     return forward(batch, name)
-
-
-def update_plan(
-    trainer: TrainerContract,
-    optimizer: torch.optim.Optimizer,
-    forward: Callable[[Any], Any],
-    check_grads: bool,
-    lr_scheduler: torch.optim.lr_scheduler.LRScheduler | None,
-) -> StepPlan:
-    """The plan of one optimizer's update under ``trainer``'s settings."""
-    settings = trainer.settings
-    return StepPlan(
-        model=trainer.model,
-        optimizer=optimizer,
-        forward=forward,
-        owner=f"{type(trainer).__name__}.forward()",
-        accumulation=trainer.run_length.accumulation,
-        grad_clip=settings.grad_clip,
-        grad_scaler=trainer.grad_scaler,
-        lr_scheduler=lr_scheduler,
-        check_grads=check_grads,
-        no_sync=settings.no_sync_accumulate,
-        autocast=trainer.autocast(),  # reused: an autocast object can be entered again
-    )
 
 
 class Microstep(NamedTuple):
