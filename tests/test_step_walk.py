@@ -10,9 +10,9 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 
-MODULES = 19  # modules one checkpointed step touches, at most
-PAIRS = 35  # distinct module-to-module call pairs, at most
-DOUBLED_BACK = 5  # pairs A -> B whose B calls back into A, at most
+MODULES = 18  # modules one checkpointed step touches, at most
+PAIRS = 32  # distinct module-to-module call pairs, at most
+DOUBLED_BACK = 3  # pairs A -> B whose B calls back into A, at most
 
 
 def walk():
@@ -33,3 +33,9 @@ def test_one_checkpointed_step_stays_within_its_bounds():
     # The schedule calls the hook; the hook never asks the loop to call it back.
     assert ("hooks.checkpointing", "core.loop") not in seen.pairs
     assert ("hooks.checkpointing", "core.run_state") not in seen.pairs
+    # The step calls the hooks itself (on_before_optimizer_step), not back through the loop; the training
+    # state takes the built components from the run state, not back from the trainer that asked for it.
+    assert ("core.step", "core.loop") not in seen.pairs
+    assert ("core.training_state", "trainer") not in seen.pairs
+    # A single process settles its requests without the ranks' agreement.
+    assert "distributed.agreement" not in seen.modules

@@ -55,8 +55,8 @@ class ChangedOptimizersError(RefusedRunError):
 def training_state(trainer: TrainerView, run: RunState) -> dict[str, Any]:
     """The full training state: model, optimizer, scheduler, grad scaler, step, and hooks'.
 
-    ``run`` is the trainer's run state (its loop's), which holds the data position and the
-    hooks' dispatch.
+    ``run`` is the trainer's run state (its loop's), which holds the built components, the data
+    position and the hooks' dispatch; ``trainer`` gives the settings and the state dict options.
 
     Model and optimizer go through ``torch.distributed.checkpoint.state_dict`` so DDP and FSDP
     models give the same layout as plain ones.
@@ -64,8 +64,8 @@ def training_state(trainer: TrainerView, run: RunState) -> dict[str, Any]:
     # Imported here: torch.distributed.checkpoint costs ~0.8 s to import, and many runs never save.
     from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_optimizer_state_dict
 
-    model, options = trainer.model, trainer.state_dict_options
-    optimizers, schedulers = trainer.optimizers, trainer.lr_schedulers
+    model, options = run.component("model"), trainer.state_dict_options
+    optimizers, schedulers = run.optimizers, run.lr_schedulers
     optimizer_states = {name: get_optimizer_state_dict(model, opt, options=options) for name, opt in optimizers.items()}
     # Each optimizer's class, for a resume to name a mismatch: torch would load another class's
     # state silently and fail at the first step with a bare KeyError.
@@ -87,14 +87,14 @@ def training_state(trainer: TrainerView, run: RunState) -> dict[str, Any]:
                     "lr_scheduler": scheduler_states.get(SINGLE),
                 }
             ),
-            "grad_scaler": trainer.grad_scaler.state_dict(),
+            "grad_scaler": run.component("grad_scaler").state_dict(),
             # Where the non-finite guard decides and how many updates it skipped in a row (fused optimizers).
             "device_verdicts": {name: verdict.state_dict() for name, verdict in run.verdicts.items()},
             # What resumes the run exactly, per rank (each rank has its own).
             "rng": gather_from_ranks(get_rng_state()),
-            "data_loader": gather_from_ranks(_loader_state(trainer.data_loader, data)),
+            "data_loader": gather_from_ranks(_loader_state(run.component("data_loader"), data)),
             # What a resume on another number of ranks must keep.
-            "global_batch": _global_batch(trainer),
+            "global_batch": _global_batch(trainer, run),
             # JSON, never pickled: readable anywhere, and compared on resume.
             "settings": trainer.settings.model_dump_json(),
         },
@@ -110,7 +110,7 @@ def load_training_state(trainer: TrainerView, run: RunState, state_dict: dict[st
     optimizer_states, classes, scheduler_states = _by_name(trainer, run, saved)
     for name, optimizer in trainer.optimizers.items():
         _check_optimizer_class(name if run.named_optimizers else None, optimizer, classes.get(name))
-    _check_global_batch(trainer, saved.get("global_batch"))
+    _check_global_batch(trainer, run, saved.get("global_batch"))
     run.step = saved["step"]
     run.epoch = saved.get("epoch", 0)
     trainer.logger.debug("Resuming from step %d", run.step)  # the loader says it in one line: "Resumed from ..."
@@ -286,22 +286,22 @@ def _restore_per_rank(trainer: TrainerView, run: RunState, saved: dict[str, Any]
     loader.load_state_dict(state)
 
 
-def _global_batch(trainer: TrainerView) -> dict[str, Any]:
+def _global_batch(trainer: TrainerView, run: RunState) -> dict[str, Any]:
     """The ranks, each one's batch size (``None`` if the loader does not say) and the accumulation."""
     return {
         "ranks": world_size(),
-        "batch_size": batch_size_of(trainer.data_loader),
-        "accumulation": trainer.settings.gradient_accumulation_steps,
+        "batch_size": batch_size_of(run.component("data_loader")),
+        "accumulation": trainer.run_length.accumulation,
     }
 
 
-def _check_global_batch(trainer: TrainerView, saved: dict[str, Any] | None) -> None:
+def _check_global_batch(trainer: TrainerView, run: RunState, saved: dict[str, Any] | None) -> None:
     """Refuse a resume whose global batch differs from the checkpoint's, when both loaders say their batch size.
 
     Raises:
         ChangedGlobalBatchError: The global batches differ; the message names both and what gives the checkpoint's.
     """
-    refusal = None if saved is None else global_batch_refusal(saved, _global_batch(trainer))
+    refusal = None if saved is None else global_batch_refusal(saved, _global_batch(trainer, run))
     if refusal is not None:
         raise ChangedGlobalBatchError(refusal)
 
