@@ -30,8 +30,9 @@ from trainloop.checkpoint import (
 )
 from trainloop.checkpoint.errors import CheckpointError
 from trainloop.checkpoint.files import prune
-from trainloop.checkpoint.storage import StorageError, UrlPath, clean_leftovers, location
+from trainloop.checkpoint.storage import clean_leftovers
 from trainloop.hooks.checkpointing import CheckpointingHook
+from trainloop.location import StorageError, UrlPath, location
 
 MEMORY = fsspec.filesystem("memory")
 

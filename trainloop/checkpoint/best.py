@@ -19,7 +19,7 @@ from pydantic import AfterValidator, Field, StrictStr, ValidationInfo
 
 from trainloop.checkpoint import storage
 from trainloop.checkpoint.files import checkpoint_steps
-from trainloop.checkpoint.storage import Location, location
+from trainloop.location import Location, location
 from trainloop.utils import hint_for_missing_key, strict_json, to_float
 
 __all__ = ["BEST_FILE", "BestCheckpoints", "Monitor", "check_best", "read_best"]

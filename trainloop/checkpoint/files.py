@@ -13,7 +13,7 @@ Both formats hold ``metadata.json`` and, written last, ``manifest.json`` (see
 
 A directory only takes its step's name once complete (see :mod:`trainloop.checkpoint.storage`);
 on object storage a checkpoint counts only once its manifest, written last, is there. ``root``
-may be a local path or a :class:`~trainloop.checkpoint.storage.UrlPath` everywhere here.
+may be a local path or a :class:`~trainloop.location.UrlPath` everywhere here.
 """
 
 from __future__ import annotations
@@ -39,16 +39,8 @@ from trainloop.checkpoint.manifest import (
     write_json,
     write_manifest,
 )
-from trainloop.checkpoint.storage import (
-    LATEST,
-    Location,
-    UrlPath,
-    atomic_directory,
-    is_step_name,
-    location,
-    remove_directory,
-    replace_symlink,
-)
+from trainloop.checkpoint.storage import LATEST, atomic_directory, is_step_name, remove_directory, replace_symlink
+from trainloop.location import Location, UrlPath, location
 
 __all__ = [
     "LATEST",

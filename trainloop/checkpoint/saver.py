@@ -39,8 +39,9 @@ from trainloop.checkpoint.sharded import (
     visible,
 )
 from trainloop.checkpoint.staging import CpuStage, ReusingStager, stage_to_cpu, stepped_by
-from trainloop.checkpoint.storage import Location, clean_leftovers, discard, make_temporary, publish
+from trainloop.checkpoint.storage import clean_leftovers, discard, make_temporary, publish
 from trainloop.distributed.ranks import in_process_group, rank
+from trainloop.location import Location
 
 __all__ = ["CheckpointSaver", "agree_on_error", "broadcast_from_rank_zero"]
 

@@ -31,8 +31,8 @@ from trainloop.checkpoint.files import read_full
 from trainloop.checkpoint.loading import SHARDED_DIR, UnloadableError, VerifiedFiles
 from trainloop.checkpoint.manifest import FileDigest, check_listing
 from trainloop.checkpoint.saver import agree_on_error, broadcast_from_rank_zero
-from trainloop.checkpoint.storage import Location
 from trainloop.distributed.ranks import rank, world_size
+from trainloop.location import Location
 
 __all__ = ["hash_shares", "open_checkpoint"]
 

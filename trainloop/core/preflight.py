@@ -40,7 +40,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from trainloop.checkpoint.storage import StorageError, UnknownStorageOptions, exists, location
+from trainloop.checkpoint.storage import exists
 from trainloop.checkpoint.weights import weights_file_problem, weights_problem
 from trainloop.core.step import check_forward
 from trainloop.core.workspace import path_problem
@@ -49,6 +49,7 @@ from trainloop.hooks.checks import listed, one_process
 from trainloop.hooks.dispatch import check_hook_methods
 from trainloop.hooks.exit_signals import as_signal
 from trainloop.hooks.registry import HOOK_TYPES, HookSettings
+from trainloop.location import StorageError, UnknownStorageOptions, location
 from trainloop.settings.errors import field_path
 from trainloop.settings.sources import Key
 

@@ -16,7 +16,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
 
 from trainloop.checkpoint.errors import CheckpointError
-from trainloop.checkpoint.storage import Location, StorageError, is_dir, is_file, location
+from trainloop.checkpoint.storage import is_dir, is_file
+from trainloop.location import Location, StorageError, location
 from trainloop.machine.table import State
 
 if TYPE_CHECKING:

@@ -40,8 +40,8 @@ from typing import Any, TextIO
 import torch.distributed as dist
 
 from trainloop.checkpoint import storage
-from trainloop.checkpoint.storage import Location, UrlPath
 from trainloop.distributed.ranks import in_process_group, rank
+from trainloop.location import Location, UrlPath
 
 __all__ = [
     "LEASE_SECONDS",

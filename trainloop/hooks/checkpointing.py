@@ -20,17 +20,7 @@ from trainloop.checkpoint.best import BestCheckpoints, Monitor, check_best
 from trainloop.checkpoint.errors import CheckpointSaveError
 from trainloop.checkpoint.files import checkpoint_candidates, prune
 from trainloop.checkpoint.manifest import make_metadata
-from trainloop.checkpoint.storage import (
-    Location,
-    StorageError,
-    UnknownStorageOptions,
-    UrlPath,
-    clean_leftovers,
-    is_dir,
-    is_url,
-    location,
-    wait_for_removals,
-)
+from trainloop.checkpoint.storage import clean_leftovers, is_dir, wait_for_removals
 from trainloop.core.workspace import hold_run_location, path_problem
 from trainloop.distributed.ranks import is_rank_zero
 from trainloop.hooks.base import BaseHook
@@ -39,6 +29,7 @@ from trainloop.hooks.early_stopping import MonitorNotFoundWarning
 from trainloop.hooks.exit_signals import DEFAULT_EXIT_SIGNALS, ExitCode, ExitOnSignal, ExitSignal, as_signal
 from trainloop.hooks.registry import register_hook
 from trainloop.hooks.schedule import Schedule
+from trainloop.location import Location, StorageError, UnknownStorageOptions, UrlPath, is_url, location
 from trainloop.settings.types import NonNegativeFloat, NonNegativeInt, PathOrUrl, PositiveInt, StrictBool
 from trainloop.utils import flatten_nested_dict, warn_user
 
