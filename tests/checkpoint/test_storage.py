@@ -29,7 +29,7 @@ from trainloop.checkpoint import (
     write_checkpoint,
 )
 from trainloop.checkpoint.errors import CheckpointError
-from trainloop.checkpoint.files import prune
+from trainloop.checkpoint.manager import CheckpointManager
 from trainloop.checkpoint.storage import clean_leftovers
 from trainloop.hooks.checkpointing import CheckpointingHook
 from trainloop.location import StorageError, UrlPath, location
@@ -139,9 +139,10 @@ def test_a_step_saved_again_replaces_the_old_one_whole(root):
 
 
 def test_pruning_removes_the_manifest_first_and_keeps_the_rest(root):
-    for step in (2, 4, 6, 8):
+    for step in (2, 4, 6):
         write_checkpoint(root, step, state(step))
-    prune(location(root), 8, 1, lambda step: step == 2, logging.getLogger("trainloop"))
+    manager = CheckpointManager(location(root), keep_previous=1, keep_steps=frozenset({2}))
+    manager.write_full(8, state(8), {"step": 8})  # published, then the others pruned
     clean_leftovers(location(root), logging.getLogger("trainloop"))  # waits for the background removal
     assert checkpoint_steps(root) == [2, 6, 8]
     assert {key.split("/")[0] for key in keys(root)} == {"2", "6", "8", "latest"}

@@ -19,7 +19,7 @@ import re
 import secrets
 import shutil
 import tempfile
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from contextlib import contextmanager, suppress
 from logging import Logger
@@ -31,10 +31,10 @@ from trainloop.location import Location, UrlPath
 __all__ = [
     "LATEST",
     "MANIFEST",
-    "atomic_directory",
     "atomic_file",
     "clean_leftovers",
     "discard",
+    "drop_replaced",
     "exists",
     "file_size",
     "files",
@@ -48,6 +48,7 @@ __all__ = [
     "reading",
     "remove",
     "remove_directory",
+    "unpublish",
     "replace_symlink",
     "wait_for_removals",
     "write_bytes",
@@ -109,30 +110,6 @@ def _remove_url_directory(directory: UrlPath) -> None:
 
 
 @contextmanager
-def atomic_directory(target: Location, then: Callable[[], None] | None = None) -> Iterator[Location]:
-    """Yield an empty temporary directory to fill; on success it becomes ``target``.
-
-    Every file written into it is fsynced before the directory is renamed into place, so the
-    rename publishes complete contents. An existing ``target`` is moved aside first and removed
-    after the swap; a crash in between is undone by :func:`clean_leftovers`. On an exception
-    the temporary directory is removed and ``target`` keeps its old contents. On object storage
-    the directory yielded is ``target`` itself (see :func:`make_temporary`).
-
-    Args:
-        target: The directory to create or replace. Its parent is created if needed.
-        then: Completes the publication once the directory is in place (e.g. pointing
-            ``latest`` at it); see :func:`publish`.
-    """
-    tmp = make_temporary(target)
-    try:
-        yield tmp
-        publish(tmp, target, then)
-    except BaseException:
-        discard(tmp)
-        raise
-
-
-@contextmanager
 def atomic_file(target: Location) -> Iterator[Path]:
     """Yield a temporary local path to write one file at; on success it is fsynced and renamed to ``target``.
 
@@ -165,9 +142,8 @@ def atomic_file(target: Location) -> Iterator[Path]:
 def make_temporary(target: Location) -> Location:
     """Create the hidden, empty directory that will become ``target`` (its parent if needed).
 
-    For writers that cannot use :func:`atomic_directory` as one block: several processes
-    filling one directory, or a write finished on another thread. Hand it to :func:`publish`
-    when complete, or to :func:`discard`.
+    Fill it (from one process or several, on this thread or another), then hand it to
+    :func:`publish` when complete, or to :func:`discard`.
 
     On object storage, where nothing can be renamed, it is ``target`` itself, emptied: a
     directory there already (a checkpoint of the same step) is removed first, manifest first.
@@ -181,34 +157,65 @@ def make_temporary(target: Location) -> Location:
     return tmp
 
 
-def publish(tmp: Location, target: Location, then: Callable[[], None] | None = None) -> None:
-    """Fsync everything in ``tmp`` and rename it to ``target`` (replacing an existing one).
+def publish(tmp: Location, target: Location) -> Location | None:
+    """Fsync everything in ``tmp`` and rename it to ``target``; return the directory it replaced, moved aside.
+
+    The replaced directory stays hidden beside ``target`` until :func:`drop_replaced` removes it, or
+    :func:`unpublish` puts it back (a step the publication needs, such as pointing ``latest``, failed);
+    a crash in between is settled by :func:`clean_leftovers`.
 
     Args:
         tmp: The complete directory, from :func:`make_temporary`.
         target: Its name once published.
-        then: Called once ``tmp`` is in place, before the directory it replaced is removed;
-            if it raises, the publication is undone (the new directory leaves ``target``, the
-            old one comes back) and the error propagates. So a step that must succeed for
-            the directory to count, such as updating ``latest``, leaves nothing behind when
-            it fails.
 
-    On object storage ``tmp`` is ``target``, which its manifest published already: only
-    ``then`` remains (if it fails, the directory is removed).
+    On object storage ``tmp`` is ``target``, which its manifest published already: nothing is
+    renamed, nothing replaced.
     """
     if isinstance(tmp, UrlPath):
-        if then is not None:
-            try:
-                then()
-            except BaseException:
-                _remove_url_directory(tmp)
-                raise
-        return
+        return None
     assert isinstance(target, Path)
     for path in tmp.rglob("*"):
         _fsync(path)
     _fsync(tmp)
-    _swap_into_place(tmp, target, then)
+    # POSIX rename cannot replace a non-empty directory, so the old one steps aside first.
+    old = None
+    if target.exists() or target.is_symlink():
+        old = _hidden_name(target, "old")
+        os.rename(target, old)
+    try:
+        os.rename(tmp, target)
+    except BaseException:
+        if old is not None:
+            os.rename(old, target)
+        raise
+    _fsync(target.parent)
+    return old
+
+
+def unpublish(target: Location, replaced: Location | None) -> None:
+    """Take the just-published ``target`` back out of its name, and put ``replaced`` back there.
+
+    On object storage ``target`` is removed, manifest first.
+    """
+    if isinstance(target, UrlPath):
+        _remove_url_directory(target)
+        return
+    gone = _hidden_name(target, "del")
+    os.rename(target, gone)
+    if isinstance(replaced, Path):
+        os.rename(replaced, target)
+    _fsync(target.parent)
+    shutil.rmtree(gone, ignore_errors=True)  # what stays hidden, clean_leftovers removes
+
+
+def drop_replaced(replaced: Location | None) -> None:
+    """Remove the directory :func:`publish` moved aside; what cannot be removed now, :func:`clean_leftovers` retries."""
+    if replaced is None:
+        return
+    try:
+        _remove(replaced)
+    except OSError:
+        pass
 
 
 def discard(tmp: Location) -> None:
@@ -223,42 +230,6 @@ def discard(tmp: Location) -> None:
             pass  # a numbered directory without a manifest: clean_leftovers removes it
         return
     shutil.rmtree(tmp, ignore_errors=True)
-
-
-def _swap_into_place(new: Path, target: Path, then: Callable[[], None] | None) -> None:
-    # POSIX rename cannot replace a non-empty directory, so the old one steps aside first.
-    old = None
-    if target.exists() or target.is_symlink():
-        old = _hidden_name(target, "old")
-        os.rename(target, old)
-    try:
-        os.rename(new, target)
-    except BaseException:
-        if old is not None:
-            os.rename(old, target)
-        raise
-    _fsync(target.parent)
-    if then is not None:
-        try:
-            then()
-        except BaseException:
-            _unpublish(target, old)
-            raise
-    if old is not None:
-        try:
-            _remove(old)
-        except OSError:
-            pass  # the new directory is in place; clean_leftovers retries the old one later
-
-
-def _unpublish(target: Path, old: Path | None) -> None:
-    """Take the just-published ``target`` back out of its name, and put ``old`` back there."""
-    gone = _hidden_name(target, "del")
-    os.rename(target, gone)
-    if old is not None:
-        os.rename(old, target)
-    _fsync(target.parent)
-    shutil.rmtree(gone, ignore_errors=True)  # what stays hidden, clean_leftovers removes
 
 
 def replace_symlink(link: Path, target: str) -> None:
@@ -278,14 +249,14 @@ def replace_symlink(link: Path, target: str) -> None:
     _fsync(link.parent)
 
 
-def remove_directory(path: Location, background: Callable[[OSError], None] | None = None) -> None:
+def remove_directory(path: Location, background: Logger | None = None) -> None:
     """Delete a directory so that it disappears from its name at once, even if a crash interrupts.
 
     Args:
         path: The directory.
         background: Only move it aside here, and delete its contents on a helper thread
-            (pruning an old checkpoint need not hold up training), which calls this with the
-            error if that fails. :func:`wait_for_removals` waits for those deletions, and
+            (pruning an old checkpoint need not hold up training), which warns on this logger
+            if that fails. :func:`wait_for_removals` waits for those deletions, and
             :func:`clean_leftovers` does before it looks.
 
     On object storage its manifest is removed at once (it stops counting), the rest after.
@@ -307,14 +278,14 @@ def remove_directory(path: Location, background: Callable[[OSError], None] | Non
     global _remover
     if _remover is None:
         _remover = ThreadPoolExecutor(max_workers=1, thread_name_prefix="trainloop-prune")
-    _removals.append(_remover.submit(_remove_reporting, hidden, background))
+    _removals.append(_remover.submit(_remove_logging, hidden, path, background))
 
 
-def _remove_reporting(path: Location, report: Callable[[OSError], None]) -> None:
+def _remove_logging(hidden: Location, path: Location, logger: Logger) -> None:
     try:
-        _remove(path)
+        _remove(hidden)
     except OSError as error:
-        report(error)
+        logger.warning("Could not remove old checkpoint %s: %s", path, error)
 
 
 _remover: ThreadPoolExecutor | None = None

@@ -29,8 +29,9 @@ from torch import nn
 
 from trainloop.checkpoint import storage
 from trainloop.checkpoint.errors import CheckpointError
-from trainloop.checkpoint.files import LATEST, checkpoint_format, latest_checkpoint, read_checkpoint
+from trainloop.checkpoint.files import checkpoint_format, read_checkpoint
 from trainloop.checkpoint.loading import load_file
+from trainloop.checkpoint.manager import latest_checkpoint
 from trainloop.checkpoint.manifest import read_metadata
 from trainloop.checkpoint.storage import MANIFEST
 from trainloop.location import Location, UrlPath, location
@@ -106,7 +107,7 @@ def _roots(path: Location) -> list[Location]:
     """The checkpoints roots ``path`` may be: itself, or a workspace's ``checkpoints/``, where they hold any."""
     return [
         root for root in (path, path / "checkpoints")
-        if any(name == LATEST or storage.is_step_name(name) for name in storage.names(root))
+        if any(name == storage.LATEST or storage.is_step_name(name) for name in storage.names(root))
     ]
 
 

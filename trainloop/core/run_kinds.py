@@ -128,7 +128,7 @@ def _latest_checkpoint(trainer: TrainerView, hooks: Sequence[BaseHook]) -> Locat
     Raises:
         CheckpointError: There is none.
     """
-    from trainloop.checkpoint.files import latest_checkpoint
+    from trainloop.checkpoint.manager import latest_checkpoint
     from trainloop.hooks.checkpointing import CheckpointingHook
 
     roots: list[Any] = [h.directory(trainer) for h in hooks if isinstance(h, CheckpointingHook)]

@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from trainloop.checkpoint.best import BEST_FILE, read_best
-from trainloop.checkpoint.files import checkpoint_steps, latest_step
+from trainloop.checkpoint.manager import checkpoint_steps, latest_step
 from trainloop.checkpoint.storage import read_bytes
 from trainloop.core.metrics import METRICS_FILE, read_metrics
 from trainloop.core.result import RUNS_FILE, read_runs
