@@ -1,7 +1,8 @@
-"""``CheckpointingHook``: saves on its schedule and on exit signals, prunes, and resumes.
+"""``CheckpointingHook``: its settings and their checks, its schedule and exit signals; the rest is the manager's.
 
-The files (layout, formats, manifest, atomic writes) are :mod:`trainloop.checkpoint`'s; what a
-checkpoint holds and every guarantee is in docs/checkpointing.md.
+The hook decides when a checkpoint is saved and what a run resumes from; its
+:class:`~trainloop.checkpoint.manager.CheckpointManager` saves, publishes, prunes, keeps the best
+and loads. What a checkpoint holds and every guarantee is in docs/checkpointing.md.
 """
 
 from __future__ import annotations
@@ -179,7 +180,7 @@ class CheckpointingHook(BaseHook):
         self.keep_interval = keep_interval
         self.keep_steps = frozenset(keep_steps or ())
         if storage_options is not None and not (is_url(path) or is_url(load)):
-            raise ValueError("CheckpointingHook storage_options are for a URL path or load, and neither is a URL")
+            raise ValueError("storage_options are for a URL path or load, and neither is a URL")
         self.storage_options = storage_options
         self.path: Location = location(path, storage_options)
         self.load: Location | Literal["latest"] | None = (
