@@ -231,3 +231,13 @@ def test_load_falls_back_from_a_corrupt_newest_checkpoint(tmp_path, caplog):
         assert manager.load(target, "latest") == tmp_path / "1"
     assert torch.equal(target.loaded["model"]["w"], torch.full((8,), 1.0))
     assert f"Skipping checkpoint {tmp_path / '2'}" in caplog.text
+
+
+def test_without_keep_previous_nothing_is_pruned(tmp_path):
+    manager = CheckpointManager(tmp_path, logger=LOGGER, best=BestCheckpoints("val/loss", "min", 1))
+    for step in (1, 2, 3):
+        assert manager.save(step, state(float(step))) is None
+    assert manager.log(3, {"val/loss": 0.2}) is None  # scored after the save: still nothing removed
+    assert manager.close() is None
+    assert checkpoint_steps(tmp_path) == [1, 2, 3]
+    assert manager.best_checkpoint == tmp_path / "3"

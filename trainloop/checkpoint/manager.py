@@ -271,8 +271,7 @@ class CheckpointManager:
             raise
         storage.drop_replaced(replaced)
         self.logger.info("Saved checkpoint %s", target)
-        if self.keep_previous is not None:
-            self._prune(int(target.name))
+        self._prune(int(target.name))
 
     def _point_latest(self, checkpoint: Location) -> None:
         """Point ``root/latest`` at ``checkpoint``, atomically (on object storage: one upload)."""
@@ -285,19 +284,21 @@ class CheckpointManager:
     def _prune(self, newest: int) -> None:
         """Remove the checkpoints but ``newest``, the ``keep_previous`` before it, the kept and the best.
 
-        Each removed one leaves its step name at once and is deleted on a helper thread; a
-        failure is logged. Then ``best.json`` lists the checkpoints still there.
+        Only step names are removed (never ``latest`` or anything else there), and nothing
+        without a ``keep_previous``. Each removed one leaves its step name at once and is deleted
+        on a helper thread; a failure is logged. Then ``best.json`` lists the checkpoints still there.
         """
-        best = self.best.kept() if self.best is not None else set()
-        earlier = [step for step in _steps(self.root) if step != newest]
-        recent = set(earlier[-self.keep_previous:]) if self.keep_previous else set()
-        for step in earlier:
-            if step in recent or step in best or self._is_kept(step):
-                continue
-            try:
-                storage.remove_directory(self.root / str(step), background=self.logger)
-            except OSError as error:
-                self.logger.warning("Could not remove old checkpoint %s: %s", self.root / str(step), error)
+        if self.keep_previous is not None:
+            best = self.best.kept() if self.best is not None else set()
+            earlier = [step for step in _steps(self.root) if step != newest]
+            recent = set(earlier[-self.keep_previous:]) if self.keep_previous else set()
+            for step in earlier:
+                if step in recent or step in best or self._is_kept(step):
+                    continue
+                try:
+                    storage.remove_directory(self.root / str(step), background=self.logger)
+                except OSError as error:
+                    self.logger.warning("Could not remove old checkpoint %s: %s", self.root / str(step), error)
         if self.best is not None:
             self.best.write(self.root, _steps(self.root))  # after pruning: what is still there
 
