@@ -18,6 +18,7 @@ from pydantic import validate_call
 
 from trainloop.checkpoint.best import BestCheckpoints, Monitor, check_best
 from trainloop.checkpoint.errors import CheckpointSaveError
+from trainloop.checkpoint.manager import CheckpointManager, sharded_state_dict
 from trainloop.checkpoint.storage import is_dir
 from trainloop.core.workspace import hold_run_location, path_problem
 from trainloop.distributed.ranks import is_rank_zero
@@ -32,7 +33,6 @@ from trainloop.settings.types import NonNegativeFloat, NonNegativeInt, PathOrUrl
 from trainloop.utils import flatten_nested_dict, warn_user
 
 if TYPE_CHECKING:
-    from trainloop.checkpoint.manager import CheckpointManager
     from trainloop.core.run_state import TrainerView
 
 __all__ = ["CheckpointingHook"]
@@ -212,10 +212,6 @@ class CheckpointingHook(BaseHook):
         if self._manager is not None:  # a hook used again: its last run's save completes first
             self._report(trainer, self._manager.close())
         self._hold(trainer, root)
-        # Imported here: torch.distributed.checkpoint costs ~0.8 s to import, paid only by runs
-        # that checkpoint.
-        from trainloop.checkpoint.manager import CheckpointManager
-
         best = BestCheckpoints(self.monitor, self.mode, self.keep_best) if self.monitor is not None else None
         self._manager = CheckpointManager(
             root, self.format, self.async_save, trainer.logger, keep_previous=self.keep_previous,
@@ -262,8 +258,6 @@ class CheckpointingHook(BaseHook):
             self._signals.wait_before_save(trainer.logger, self.exit_wait)
         if self.async_save:
             self._report(trainer, self._manager.settle(agree=True))  # one save in flight at most
-        from trainloop.checkpoint.manager import sharded_state_dict
-
         with sharded_state_dict(trainer) if self.format == "sharded" else nullcontext():
             state_dict = trainer.state_dict()  # on every rank: collectives gather and shard
         error = self._manager.save(trainer.step, state_dict, tuple(trainer.optimizers.values()))
