@@ -92,3 +92,23 @@ def test_the_scan_sees_type_only_and_function_level_imports():
 
 def test_the_package_has_no_import_cycle():
     assert in_cycles(GRAPH) == []
+
+
+def wing(module: str) -> str:
+    """The wing a module lives in: its folder under ``trainloop/``, or the top-level module itself."""
+    return module.split(".")[1] if module.count(".") else module
+
+
+def test_no_two_wings_import_each_other():
+    # A wing that imports another which (through any others) imports it back would stand both above
+    # and below it: docs/architecture.md's picture would draw that arrow red.
+    wings: dict[str, set[str]] = {}
+    for module, targets in GRAPH.items():
+        if module == "trainloop" or module.endswith("__main__"):
+            continue  # the package face and the entry point stand above everything
+        wings.setdefault(wing(module), set()).update(
+            wing(t) for t in targets if t != "trainloop" and wing(t) != wing(module)
+        )
+    for name in list(wings):
+        wings.update({t: wings.get(t, set()) for t in wings[name]})
+    assert in_cycles(wings) == []

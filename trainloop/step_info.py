@@ -54,7 +54,7 @@ class StepInfo:
     losses: dict[str, list[torch.Tensor]] = field(default_factory=dict)
     grad_norms: dict[str, torch.Tensor] = field(default_factory=dict)
     step_time: float | None = None
-    compiled: Any = None  # a trainloop.core.compiling.CompileMark
+    compiled: Any = None  # a trainloop.machine.trace.CompileMark
     extras: dict[str, Any] = field(default_factory=dict)
 
     # Read and written like a dict too (``step_info["loss"]``, ``step_info["max_memory"] = ...``): a

@@ -589,7 +589,7 @@ class BaseTrainer:
             )
         started = time.time()
         try:
-            self._loop.run(kind, source, predict_run)
+            self._loop.run(kind, source, predict_run.work() if predict_run is not None else None)
         except BaseException as error:  # raised again as it is, its traceback trimmed to what the user needs
             error.__traceback__ = user_traceback(error.__traceback__)
             raise

@@ -99,7 +99,7 @@ def identical_batches(rank_: int, world: int, port: int, out: str) -> None:
     seed_per_rank, and a DistributedSampler; each rank records the warnings it saw."""
     import warnings
 
-    from trainloop.distributed.rank_seeds import IdenticalBatchesWarning
+    from trainloop.core.rank_seeds import IdenticalBatchesWarning
 
     set_torchrun_env(rank_, world, port)
     seen = {}

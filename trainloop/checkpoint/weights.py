@@ -22,7 +22,7 @@ import zipfile
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 from torch import nn
@@ -37,14 +37,9 @@ from trainloop.checkpoint.storage import MANIFEST
 from trainloop.location import Location, UrlPath, location
 from trainloop.utils import unwrap_model
 
-if TYPE_CHECKING:
-    from trainloop.core.run_state import TrainerView
-    from trainloop.settings.init_from import InitFromSettings
-
 __all__ = [
     "Weights",
     "find_checkpoint",
-    "init_from",
     "load_weights",
     "read_weights",
     "tied_keys",
@@ -428,26 +423,3 @@ def load_weights(
     set_model_state_dict(model, loading, options=StateDictOptions(full_state_dict=True, strict=False))
     return keys
 
-
-def init_from(trainer: TrainerView) -> None:
-    """Load ``settings.init_from``'s weights into a trainer that resumed no checkpoint.
-
-    Called in ``restoring``, after the checkpoint hooks' load and before ``on_before_train``
-    (so an EMA hook averages from the loaded weights). A run at step 0 has resumed nothing
-    that trained: even a checkpoint saved at step 0 holds the weights ``init_from`` gives.
-    """
-    spec: InitFromSettings | None = trainer.settings.init_from
-    if spec is None:
-        return
-    if trainer.step > 0:
-        trainer.logger.info(
-            "init_from %s not loaded: the run resumed its own checkpoint at step %d", spec.path, trainer.step
-        )
-        return
-    found = read_weights(location(spec.path, spec.storage_options), spec.weights, logger=trainer.logger)
-    loaded = load_weights(
-        trainer.model, found.state_dict, strict=spec.strict, strip_prefixes=spec.strip_prefixes,
-        ignore=spec.ignore, logger=trainer.logger,
-    )
-    at = f" (step {found.step})" if found.step is not None else ""
-    trainer.logger.info("Initialised %d weights of the model from %s%s", len(loaded), found.source, at)

@@ -13,41 +13,19 @@ can have been compiled.
 from __future__ import annotations
 
 import sys
-from typing import TYPE_CHECKING, Any, NamedTuple, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
+
+from trainloop.machine.trace import CompileMark
 
 if TYPE_CHECKING:
     from logging import Logger
 
     from trainloop.step_info import StepInfo
 
-__all__ = ["CompileMark", "CompileWatch", "note_compiled"]
+__all__ = ["CompileWatch", "note_compiled"]
 
 _DYNAMO_UTILS = "torch._dynamo.utils"
 
-
-class CompileMark(NamedTuple):
-    """A step that ran ``torch.compile``'s compiler.
-
-    Attributes:
-        step: The step.
-        seconds: The step's whole wall time (``step_info.step_time``): compiling dominates it.
-        frames: How many frames dynamo compiled during the step.
-        recompilation: Whether a frame compiled before was compiled again (its guards failed).
-        reasons: Dynamo's reason for each recompilation (e.g. ``"tensor 'x' size mismatch at
-            index 0. expected 2, actual 3"``); empty for a first compilation.
-    """
-
-    step: int
-    seconds: float
-    frames: int
-    recompilation: bool
-    reasons: tuple[str, ...] = ()
-
-    def describe(self) -> str:
-        """One line saying what was compiled and why, for the log."""
-        what = "recompiled" if self.recompilation else "compiled"
-        why = f": {'; '.join(self.reasons)}" if self.reasons else ""
-        return f"torch.compile {what} {self.frames} frame(s) at step {self.step} in {self.seconds:.2f}s{why}"
 
 
 class CompileWatch:

@@ -15,30 +15,29 @@ import contextlib
 from collections.abc import Iterator, Mapping
 from typing import TYPE_CHECKING
 
-from trainloop.checkpoint.weights import init_from
 from trainloop.core.compiling import CompileWatch, note_compiled
 from trainloop.core.data import EpochIterator
 from trainloop.core.metrics import METRICS_FILE
+from trainloop.core.rank_seeds import seed_ranks_apart, warn_if_ranks_drew_the_same
 from trainloop.core.result import RefusedRunError
 from trainloop.core.rng import rng_kept, seed_all, set_rng_state
-from trainloop.core.run_kinds import RunOfKind, Work, restore_weights
+from trainloop.core.run_kinds import RunOfKind, Work, init_from, restore_weights
 from trainloop.core.run_state import RunState
 from trainloop.core.step import Step, check_forward
+from trainloop.core.workspace import write_settings
 from trainloop.distributed.agreement import ExitAgreement
-from trainloop.distributed.rank_seeds import seed_ranks_apart, warn_if_ranks_drew_the_same
 from trainloop.distributed.ranks import is_rank_zero, world_size
 from trainloop.hook_machinery.dispatch import ScheduledCalls, call_each, check_hooks, hook_dispatch, state_entry_methods
 from trainloop.hook_machinery.registry import build_declared_hooks, with_default_hooks
 from trainloop.machine.runner import StateMachine
 from trainloop.machine.table import State
-from trainloop.machine.trace import start_run_record, write_settings
+from trainloop.machine.trace import start_run_record
 from trainloop.settings.optimizer import optimizer_names_problem
 
 if TYPE_CHECKING:
     from trainloop.core.result import RunKind
     from trainloop.core.run_kinds import WeightsSource
     from trainloop.core.run_state import TrainerContract
-    from trainloop.predict.run import PredictRun
 
 __all__ = ["Loop", "RunRequests"]
 
@@ -79,17 +78,17 @@ class Loop:
         )
 
     def run(
-        self, kind: RunKind = "train", source: WeightsSource | None = None, predict_run: PredictRun | None = None
+        self, kind: RunKind = "train", source: WeightsSource | None = None, predict_work: Work | None = None
     ) -> None:
         """Advance the machine and do each state's work until ``exiting``; see ``train()`` and the other runs.
 
         Args:
-            kind: ``"train"``, ``"evaluate"`` (through ``validating``) or ``"predict"`` (``predict_run``'s work).
+            kind: ``"train"``, ``"evaluate"`` (through ``validating``) or ``"predict"`` (``predict_work``).
             source: Where a run that trains nothing takes the model's weights from.
-            predict_run: A predict run's work.
+            predict_work: A predict run's work per state.
         """
         machine, trainer = self.machine, self.trainer
-        self.of_kind = RunOfKind(kind, source, predict_run.work() if predict_run is not None else None)
+        self.of_kind = RunOfKind(kind, source, predict_work)
         training: Work = {
             State.BUILDING: self.build,
             State.RESTORING: self.restore,
@@ -101,7 +100,8 @@ class Loop:
         }
         work = self.of_kind.work(training, self.restore_weights)
         # A run that trains nothing records no settings.json and no trace file: the training run's stand.
-        machine.trace = start_run_record(trainer.settings, write=self.of_kind.trains)
+        settings = trainer.settings
+        machine.trace = start_run_record(settings.trace, settings.workspace if self.of_kind.trains else None)
         try:
             state = machine.advance()
             while state is not State.EXITING:

@@ -25,6 +25,7 @@ if TYPE_CHECKING:
     from trainloop.core.result import RunKind
     from trainloop.core.run_state import TrainerView
     from trainloop.hook_machinery.base import BaseHook
+    from trainloop.settings.init_from import InitFromSettings
 
 __all__ = ["EvaluateError", "RunOfKind", "WeightsSource", "Work", "check_validations", "restore_weights"]
 
@@ -221,3 +222,29 @@ class RunOfKind:
         if self.evaluates:
             check_validations(validations, owner)
         return validations
+
+
+def init_from(trainer: TrainerView) -> None:
+    """Load ``settings.init_from``'s weights into a trainer that resumed no checkpoint.
+
+    Called in ``restoring``, after the checkpoint hooks' load and before ``on_before_train``
+    (so an EMA hook averages from the loaded weights). A run at step 0 has resumed nothing
+    that trained: even a checkpoint saved at step 0 holds the weights ``init_from`` gives.
+    """
+    from trainloop.checkpoint.weights import load_weights, read_weights
+
+    spec: InitFromSettings | None = trainer.settings.init_from
+    if spec is None:
+        return
+    if trainer.step > 0:
+        trainer.logger.info(
+            "init_from %s not loaded: the run resumed its own checkpoint at step %d", spec.path, trainer.step
+        )
+        return
+    found = read_weights(location(spec.path, spec.storage_options), spec.weights, logger=trainer.logger)
+    loaded = load_weights(
+        trainer.model, found.state_dict, strict=spec.strict, strip_prefixes=spec.strip_prefixes,
+        ignore=spec.ignore, logger=trainer.logger,
+    )
+    at = f" (step {found.step})" if found.step is not None else ""
+    trainer.logger.info("Initialised %d weights of the model from %s%s", len(loaded), found.source, at)

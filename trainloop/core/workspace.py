@@ -36,16 +36,20 @@ from collections.abc import Callable, Iterator
 from contextlib import AbstractContextManager, ExitStack, contextmanager, suppress
 from logging import Logger
 from pathlib import Path
-from typing import Any, TextIO
+from typing import TYPE_CHECKING, Any, TextIO
 
 import torch.distributed as dist
 
 from trainloop.checkpoint import storage
-from trainloop.distributed.ranks import in_process_group, rank
+from trainloop.distributed.ranks import in_process_group, is_rank_zero, rank
 from trainloop.hook_machinery.checks import HookProblem, one_process
 from trainloop.location import Location, UrlPath
 
+if TYPE_CHECKING:
+    from trainloop.settings.model import TrainerSettings
+
 __all__ = [
+    "write_settings",
     "LEASE_SECONDS",
     "LOCK_FILE",
     "WorkspaceBusyError",
@@ -382,3 +386,17 @@ def _describe(text: str) -> str:
         return f"the run of PID {int(holder['pid'])} on host {holder['host']} (since {since})"
     except (ValueError, KeyError, TypeError):
         return "another run"
+
+
+def write_settings(settings: TrainerSettings) -> None:
+    """Write the resolved settings to ``<workspace>/settings.json`` (rank 0), replacing the file at once.
+
+    The loop writes them once the run is restored: a run refused while restoring leaves the last run's file.
+    """
+    workspace = settings.workspace
+    if workspace is None or not is_rank_zero():
+        return
+    workspace.mkdir(parents=True, exist_ok=True)
+    tmp = workspace / ".settings.json.tmp"
+    tmp.write_text(settings.model_dump_json(indent=2) + "\n", encoding="utf-8")
+    tmp.replace(workspace / "settings.json")

@@ -14,13 +14,12 @@ from collections.abc import Callable
 from typing import Annotated, Any, Literal
 
 import torch.distributed as dist
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, StrictBool, field_validator
 from torch import nn
 from torch.distributed.fsdp import MixedPrecisionPolicy, OffloadPolicy, fully_shard
 from torch.utils.checkpoint import checkpoint
 
 from trainloop.distributed.ranks import world_size
-from trainloop.settings.types import PositiveFloat, StrictBool
 
 try:  # DeviceMesh is only importable where torch.distributed is built in
     from torch.distributed.device_mesh import DeviceMesh
@@ -54,7 +53,7 @@ class DDPOptions(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True, title="wrap_model DDP options")
 
     broadcast_buffers: StrictBool | None = None
-    bucket_cap_mb: PositiveFloat | None = None
+    bucket_cap_mb: Annotated[float, Field(gt=0, strict=True, allow_inf_nan=False)] | None = None
     find_unused_parameters: StrictBool = False
     gradient_as_bucket_view: StrictBool = False
     static_graph: StrictBool = False

@@ -17,17 +17,14 @@ from collections import Counter, deque
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import IO, TYPE_CHECKING, Any, NamedTuple
+from typing import IO, Any, NamedTuple
 
-from trainloop.core.compiling import CompileMark
 from trainloop.distributed.ranks import is_rank_zero
 from trainloop.machine.table import State, Transition
 from trainloop.utils import open_jsonl
 
-if TYPE_CHECKING:
-    from trainloop.settings.model import TrainerSettings
-
 __all__ = [
+    "CompileMark",
     "Trace",
     "TraceEntry",
     "TraceSummary",
@@ -35,9 +32,33 @@ __all__ = [
     "read_skipped_updates",
     "read_trace",
     "start_run_record",
-    "write_settings",
     "summarize_trace",
 ]
+
+
+class CompileMark(NamedTuple):
+    """A step that ran ``torch.compile``'s compiler.
+
+    Attributes:
+        step: The step.
+        seconds: The step's whole wall time (``step_info.step_time``): compiling dominates it.
+        frames: How many frames dynamo compiled during the step.
+        recompilation: Whether a frame compiled before was compiled again (its guards failed).
+        reasons: Dynamo's reason for each recompilation (e.g. ``"tensor 'x' size mismatch at
+            index 0. expected 2, actual 3"``); empty for a first compilation.
+    """
+
+    step: int
+    seconds: float
+    frames: int
+    recompilation: bool
+    reasons: tuple[str, ...] = ()
+
+    def describe(self) -> str:
+        """One line saying what was compiled and why, for the log."""
+        what = "recompiled" if self.recompilation else "compiled"
+        why = f": {'; '.join(self.reasons)}" if self.reasons else ""
+        return f"torch.compile {what} {self.frames} frame(s) at step {self.step} in {self.seconds:.2f}s{why}"
 
 
 class TraceEntry(NamedTuple):
@@ -121,31 +142,17 @@ class Trace(deque[TraceEntry]):
             self._file = None
 
 
-def start_run_record(settings: TrainerSettings, write: bool = True) -> Trace | None:
-    """Open the run's trace if ``settings.trace`` is on: ``<workspace>/trace.jsonl`` (rank 0), else in memory.
+def start_run_record(keep: bool, workspace: Path | None) -> Trace | None:
+    """The run's trace if ``keep`` (``settings.trace``): ``<workspace>/trace.jsonl`` on rank 0, else in memory.
 
-    Without ``write`` (a run that trains nothing) nothing is written: the trace is kept in memory only.
+    With no ``workspace`` (a run that trains nothing) nothing is written: the trace is kept in memory only.
     """
-    if not settings.trace:
+    if not keep:
         return None
-    workspace = settings.workspace if is_rank_zero() and write else None
+    workspace = workspace if is_rank_zero() else None
     if workspace is not None:
         workspace.mkdir(parents=True, exist_ok=True)
     return Trace(workspace / "trace.jsonl" if workspace is not None else None)
-
-
-def write_settings(settings: TrainerSettings) -> None:
-    """Write the resolved settings to ``<workspace>/settings.json`` (rank 0), replacing the file at once.
-
-    The loop writes them once the run is restored: a run refused while restoring leaves the last run's file.
-    """
-    workspace = settings.workspace
-    if workspace is None or not is_rank_zero():
-        return
-    workspace.mkdir(parents=True, exist_ok=True)
-    tmp = workspace / ".settings.json.tmp"
-    tmp.write_text(settings.model_dump_json(indent=2) + "\n", encoding="utf-8")
-    tmp.replace(workspace / "settings.json")
 
 
 def read_trace(path: Path | str) -> list[TraceEntry]:

@@ -16,9 +16,8 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from trainloop.checkpoint.weights import init_from
 from trainloop.core.rng import seed_all
-from trainloop.core.run_kinds import WeightsSource, restore_weights
+from trainloop.core.run_kinds import WeightsSource, init_from, restore_weights
 from trainloop.distributed.gather import gather_items
 from trainloop.distributed.ranks import is_rank_zero, rank, world_size
 from trainloop.machine.table import State

@@ -11,7 +11,7 @@ from pydantic import ValidationError
 from weights_worker import identical_batches
 
 from trainloop import TrainerSettings
-from trainloop.distributed.rank_seeds import batch_digest
+from trainloop.core.rank_seeds import batch_digest
 
 
 @pytest.fixture(scope="module")
