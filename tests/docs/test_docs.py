@@ -130,3 +130,39 @@ def test_the_results_page_shows_the_lr_key_a_declared_optimizer_logs(tmp_path):
     page = (ROOT / "docs" / "results.md").read_text()
     assert "lr/default" in page
     assert "lr/group_0" not in page
+
+
+def _new_feature_rows():
+    text = (ROOT / "docs" / "architecture.md").read_text()
+    table = text.split("## Where a new feature goes", 1)[1]
+    return [line for line in table.splitlines() if line.startswith("| ") and not line.startswith("| a new")]
+
+
+def test_where_a_new_feature_goes_names_what_exists():
+    # Every module or folder the table sends a feature to exists, and every class, method or function it
+    # names there is defined in one of the modules that row names.
+    import re
+
+    package = ROOT / "trainloop"
+    rows = _new_feature_rows()
+    assert len(rows) >= 10
+    for row in rows:
+        goes_in = row.split("|")[2]
+        names = re.findall(r"`([^`]+)`", goes_in)
+        paths = [n for n in names if n.endswith((".py", "/")) or "/" in n]
+        assert paths, row
+        sources = ""
+        for path in paths:
+            if "<" in path:  # hooks/<name>.py, cli/<name>.py: the folder exists
+                assert (package / path.split("<")[0]).is_dir(), path
+                continue
+            assert (package / path).exists(), f"{path} (in: {row[:60]}...)"
+            if path.endswith(".py"):
+                sources += (package / path).read_text()
+        for name in names:
+            if name in paths or "(" in name or " " in name or '"' in name:
+                continue
+            for part in name.split("."):
+                assert re.search(rf"\b(class|def) {re.escape(part)}\b|^{re.escape(part)}\b", sources, re.M), (
+                    f"{name} is not defined in {paths}"
+                )
