@@ -32,6 +32,7 @@ from trainloop.core.step import (
     trainer_update_plans,
 )
 from trainloop.distributed.agreement import ExitAgreement
+from trainloop.distributed.deepspeed import EngineStep, start_engine
 from trainloop.distributed.rank_seeds import seed_ranks_apart, warn_if_ranks_drew_the_same
 from trainloop.distributed.ranks import is_rank_zero, world_size
 from trainloop.hooks.dispatch import ScheduledCalls, call_each, check_hooks, hook_dispatch, state_entry_methods
@@ -69,8 +70,9 @@ class Loop:
         self.retries = 0  # retries of the step in progress
         self.applied = True  # whether the last optimizer update was applied
         self.loss_scale = 0.0  # fp16: GradScaler's scale after the last refused update
-        self.runner: StepRunner | None = None  # the update in progress
-        self.runners: tuple[StepRunner, ...] = ()  # one per optimizer, in update order
+        self.runner: StepRunner | EngineStep | None = None  # the update in progress
+        self.runners: tuple[StepRunner | EngineStep, ...] = ()  # one per optimizer, in update order
+        self.engine: Any = None  # the DeepSpeed engine, when settings.deepspeed is declared
         self._update = 0  # the index of the update in progress in its step
         self._recorded = (0, 0, 0)  # the step's losses, records and items recorded before the update in progress
         self._names: tuple[str, ...] = ()  # the optimizers' names, in update order
@@ -184,6 +186,11 @@ class Loop:
         if lr_scheduler:
             built["lr_scheduler"] = t.build_lr_scheduler()
         built["grad_scaler"] = t.build_grad_scaler()
+        if t.settings.deepspeed is not None:  # the engine wraps the model: forward calls it as trainer.model
+            built["model"] = self.engine = start_engine(
+                t.settings, type(t).__name__, built["model"], optimizers, built.get("lr_scheduler"),
+                built["data_loader"],
+            )
 
     @contextlib.contextmanager
     def components_kept(self) -> Iterator[None]:
@@ -245,7 +252,10 @@ class Loop:
         run = self.run_state
         self._named = run.named_optimizers
         self._optimizers = tuple(run.optimizers.values())
-        if self._named:
+        if self.engine is not None:
+            self.runners = (EngineStep(self.engine, self.step_plan(), data, epochs=epochs),)
+            self._names = (SINGLE,)
+        elif self._named:
             hooks = self.before_optimizer_step if run.dispatch["on_before_optimizer_step"] else None
             plans = trainer_update_plans(
                 self.trainer, check_grads=self.trainer.settings.detect_non_finite_grads, before_optimizer_step=hooks

@@ -17,7 +17,7 @@ so that a run that validates does not fail later on something that was known all
   signal (a hook whose settings have ``exit_signals`` claims them);
 - the directories the run will write (the workspace, checkpoint and TensorBoard directories)
   can be made and written: no file in the way, no NUL byte, write permission;
-- the device exists on this machine;
+- the device exists on this machine; DeepSpeed is installed when the run declares it;
 - the weights ``init_from`` names are there and look readable (a file's header, a checkpoint's
   listing: no tensor is read).
 
@@ -44,6 +44,7 @@ from trainloop.checkpoint.storage import StorageError, UnknownStorageOptions, ex
 from trainloop.checkpoint.weights import weights_file_problem, weights_problem
 from trainloop.core.step import check_forward
 from trainloop.core.workspace import path_problem
+from trainloop.distributed.deepspeed import deepspeed_missing, not_installed
 from trainloop.hooks.base import BaseHook
 from trainloop.hooks.checks import listed, one_process
 from trainloop.hooks.dispatch import check_hook_methods
@@ -105,6 +106,8 @@ def preflight(
     problems += _workspace_paths(settings)
     problems += _device(settings)
     problems += _init_from(settings)
+    if settings.deepspeed is not None and deepspeed_missing():
+        problems.append((("deepspeed",), not_installed()))
     if source_of is None:
         return [line for _, line in problems]
     return [f"{source_of(path)}: {line}" for path, line in problems]

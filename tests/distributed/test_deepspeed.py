@@ -1,0 +1,174 @@
+"""DeepSpeed as a strategy: its config checked against trainloop's settings, and the engine driven by the loop.
+
+The checks before step 1 run in this process (nothing in them imports DeepSpeed) or through the command line in a
+subprocess; what needs the engine runs in one ``torchrun`` launch of two CPU ranks (gloo), every case inside it
+(tests/support/deepspeed_worker.py), read through a module-scoped fixture.
+"""
+
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+from cli_process import Cli, cli_env
+from ddp_worker import free_port
+from torch import nn
+
+from trainloop import TrainerSettings
+from trainloop.core.result import RefusedRunError
+from trainloop.settings import SettingsFileError
+
+SUPPORT = Path(__file__).resolve().parents[1] / "support"
+ZERO3 = {"zero_optimization": {"stage": 3}}
+HAS_DEEPSPEED = importlib.util.find_spec("deepspeed") is not None
+
+
+# -- the config against trainloop's settings: one line naming both, before anything is built ---------------------
+
+
+@pytest.mark.parametrize(
+    ("settings", "config", "message"),
+    [
+        ({}, {"gradient_clipping": 1.0}, "deepspeed.gradient_clipping is 1.0 but grad_clip is unset (no clipping)"),
+        ({"grad_clip": 0.5}, {"gradient_clipping": 1.0}, "deepspeed.gradient_clipping is 1.0 but grad_clip is 0.5"),
+        ({}, {"bf16": {"enabled": True}}, "deepspeed.bf16.enabled is True but mixed_precision is unset"),
+        ({"mixed_precision": "bf16"}, {"bf16": {"enabled": False}},
+         "deepspeed.bf16.enabled is False but mixed_precision is 'bf16'"),
+        ({"mixed_precision": "bf16"}, {"fp16": {"enabled": True}},
+         "deepspeed.fp16.enabled is True but mixed_precision is 'bf16'"),
+        ({"gradient_accumulation_steps": 2}, {"gradient_accumulation_steps": 4},
+         "deepspeed.gradient_accumulation_steps is 4 but gradient_accumulation_steps is 2"),
+        ({}, {"zero_optimization": {"stage": 7}}, "deepspeed.zero_optimization.stage: 7 is not a ZeRO stage"),
+        ({"optimizers": {"d": {"name": "SGD", "lr": 0.1}, "g": {"name": "SGD", "lr": 0.1}}}, {},
+         "deepspeed drives one optimizer: declare optimizer, not optimizers"),
+    ],
+)
+def test_a_config_that_contradicts_the_settings_is_refused_naming_both(settings, config, message):
+    with pytest.raises(ValueError, match="deepspeed") as error:
+        TrainerSettings(max_steps=1, deepspeed=config, **settings)
+    assert message in str(error.value)
+
+
+def test_a_config_that_agrees_with_the_settings_is_taken_from_a_file(tmp_path):
+    path = tmp_path / "ds.json"
+    path.write_text(json.dumps({**ZERO3, "gradient_clipping": 0.5, "bf16": {"enabled": True}}))
+    settings = TrainerSettings(max_steps=1, deepspeed=path, grad_clip=0.5, mixed_precision="bf16")
+    assert settings.deepspeed == path
+    with pytest.raises(SettingsFileError, match="the DeepSpeed config .*missing.json: "):
+        TrainerSettings.load(overrides=["max_steps=1", f"deepspeed={tmp_path / 'missing.json'}"])
+
+
+def test_what_trainloop_owns_is_filled_in():
+    from trainloop.settings.deepspeed import filled_config
+
+    filled = filled_config(ZERO3, accumulation=2, grad_clip=None, mixed_precision="bf16", batch_size=8)
+    assert filled == {
+        **ZERO3, "gradient_accumulation_steps": 2, "gradient_clipping": 0.0, "bf16": {"enabled": True},
+        "fp16": {"enabled": False}, "train_micro_batch_size_per_gpu": 8,
+    }
+
+
+def test_importing_trainloop_imports_no_deepspeed():
+    code = "import trainloop, trainloop.core.loop, trainloop.distributed.deepspeed, sys; print('deepspeed' in sys.modules)"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, env=cli_env())
+    assert out.stdout == "False\n"
+
+
+# -- refused in building, before DeepSpeed is imported -------------------------------------------------------------
+
+
+def _trainer(**settings):
+    from tiny_trainer import TinyTrainer
+
+    return TinyTrainer(**{"max_steps": 2, "device": "cpu", "deepspeed": ZERO3, **settings})
+
+
+def test_a_micro_batch_that_contradicts_the_data_loader_is_refused_before_step_1():
+    trainer = _trainer(deepspeed={**ZERO3, "train_micro_batch_size_per_gpu": 3})
+    with pytest.raises(RefusedRunError, match=r"deepspeed.train_micro_batch_size_per_gpu is 3 but the data loader's"):
+        trainer.train()
+    assert trainer.step == 0
+
+
+def test_several_optimizers_are_refused_before_step_1():
+    trainer = _trainer()
+    trainer.build_optimizer = lambda: {  # type: ignore[method-assign]
+        "a": torch.optim.SGD(trainer.model.parameters(), lr=0.1),
+        "b": torch.optim.SGD(trainer.model.parameters(), lr=0.1),
+    }
+    trainer.forward = lambda batch, optimizer: (trainer.model(batch[0]).sum(), {})  # type: ignore[method-assign]
+    with pytest.raises(RefusedRunError, match=r"returned several optimizers \(a, b\), but deepspeed drives one"):
+        trainer.train()
+
+
+def test_a_model_wrapped_in_ddp_is_refused_before_step_1():
+    dist.init_process_group("gloo", rank=0, world_size=1, store=dist.HashStore())
+    try:
+        trainer = _trainer()
+        build = trainer.build_model
+        trainer.build_model = lambda: nn.parallel.DistributedDataParallel(build())  # type: ignore[method-assign]
+        with pytest.raises(RefusedRunError, match="returned a model wrapped in DistributedDataParallel, but deepspeed"):
+            trainer.train()
+    finally:
+        dist.destroy_process_group()
+
+
+# -- the command line: exit 2, one line, nothing written ----------------------------------------------------------
+
+
+def test_a_contradiction_on_the_command_line_is_one_line_exit_2_and_writes_nothing(tmp_path):
+    (tmp_path / "run.json").write_text(
+        json.dumps({"max_steps": 2, "workspace": "ws", "deepspeed": {**ZERO3, "gradient_clipping": 1.0}})
+    )
+    result = Cli("run", "run.json", "--trainer", "cli_trainers:CliTrainer", cwd=tmp_path).result()
+    assert result.returncode == 2, result.stderr
+    assert "Traceback" not in result.stderr
+    assert "deepspeed.gradient_clipping is 1.0 but grad_clip is unset (no clipping)" in result.stderr
+    assert result.stderr.count("\n") == 1
+    assert [p.name for p in tmp_path.iterdir()] == ["run.json"]
+
+
+def test_deepspeed_not_installed_is_one_line_naming_the_extra(tmp_path):
+    blocker = tmp_path / "blocker"
+    blocker.mkdir()
+    (blocker / "sitecustomize.py").write_text("import sys\nsys.modules['deepspeed'] = None  # not importable\n")
+    (tmp_path / "run.json").write_text(json.dumps({"max_steps": 2, "workspace": "ws", "deepspeed": ZERO3}))
+    env = cli_env()
+    env["PYTHONPATH"] = os.pathsep.join([str(blocker), env["PYTHONPATH"]])
+    result = Cli("run", "run.json", "--trainer", "cli_trainers:CliTrainer", cwd=tmp_path, env=env).result()
+    assert result.returncode == 2, result.stderr
+    assert "deepspeed: DeepSpeed is not installed; install it with pip install 'trainloop[deepspeed]'" in result.stderr
+    assert result.stderr.count("\n") == 1, result.stderr
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["blocker", "run.json"]
+
+
+# -- the engine: one torchrun launch of two CPU ranks, every case in it --------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def ranks(tmp_path_factory):
+    if not HAS_DEEPSPEED:
+        pytest.skip("DeepSpeed is not installed (pip install 'trainloop[deepspeed]': see the README)")
+    out = tmp_path_factory.mktemp("deepspeed") / "results.json"
+    env = cli_env(DS_ACCELERATOR="cpu", OMP_NUM_THREADS="1")
+    command = [
+        sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-addr", "127.0.0.1",
+        "--master-port", str(free_port()), str(SUPPORT / "deepspeed_worker.py"), str(out),
+    ]
+    result = subprocess.run(command, env=env, capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr[-4000:]
+    assert "terminate called" not in result.stderr  # ZeRO-3's engines were torn down: a clean exit
+    return json.loads(out.read_text())
+
+
+@pytest.mark.parametrize("stage", [0, 1, 2, 3])
+@pytest.mark.parametrize("accumulation", [1, 2])
+def test_losses_equal_a_hand_written_deepspeed_loop_bit_for_bit(ranks, stage, accumulation):
+    case = ranks[f"stage{stage}_acc{accumulation}"]
+    assert len(case["by_hand"]) == 4 * accumulation
+    assert case["trainloop"] == case["by_hand"]

@@ -1,0 +1,126 @@
+"""Run under ``torchrun --nproc-per-node 2`` with ``DS_ACCELERATOR=cpu``: every DeepSpeed case of the tests in one launch.
+
+Each case trains the same model on the same data twice, once through a trainer whose settings declare ``deepspeed``
+and once through the hand-written DeepSpeed loop (``engine(x)``, ``engine.backward(loss)``, ``engine.step()``), and
+records both runs' per-microstep losses. Rank 0 writes ``{case: {"trainloop": [...], "by_hand": [...]}}`` to the
+JSON file named by the first argument. One launch pays DeepSpeed's import and set-up once for every case.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from typing import Any
+
+import deepspeed
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
+
+from trainloop import BaseHook, BaseTrainer, seed_all
+from trainloop.settings.deepspeed import filled_config
+
+STEPS = 4
+BATCH = 4
+
+
+def dataset() -> TensorDataset:
+    generator = torch.Generator().manual_seed(1234)
+    x = torch.randn(64, 8, generator=generator)
+    return TensorDataset(x, x.sum(dim=1, keepdim=True).sin())
+
+
+def loader() -> DataLoader[Any]:
+    data = dataset()
+    return DataLoader(data, batch_size=BATCH, sampler=DistributedSampler(data, shuffle=False))
+
+
+def model() -> nn.Module:
+    return nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 1))
+
+
+def optimizer(module: nn.Module) -> torch.optim.Optimizer:
+    return torch.optim.AdamW(module.parameters(), lr=1e-2)
+
+
+def loss_of(engine: Any, batch: Any) -> torch.Tensor:
+    x, y = batch
+    return nn.functional.mse_loss(engine(x), y)
+
+
+class Losses(BaseHook):
+    """Every microstep's loss, in order."""
+
+    def __init__(self) -> None:
+        self.losses: list[float] = []
+
+    def on_after_step(self, trainer: Any) -> None:
+        self.losses += [loss.item() for loss in trainer.step_info.loss]
+
+
+class DeepSpeedTrainer(BaseTrainer):
+    def build_data_loader(self) -> DataLoader[Any]:
+        return loader()
+
+    def build_model(self) -> nn.Module:
+        return model()
+
+    def build_optimizer(self) -> torch.optim.Optimizer:
+        return optimizer(self.model)
+
+    def forward(self, batch: Any) -> tuple[torch.Tensor, dict[str, Any]]:
+        return loss_of(self.model, batch), {}
+
+
+def with_trainloop(config: dict[str, Any], accumulation: int) -> list[float]:
+    losses = Losses()
+    trainer = DeepSpeedTrainer(
+        max_steps=STEPS, seed=0, device="cpu", deepspeed=config, gradient_accumulation_steps=accumulation,
+        metrics_file=False,
+    )
+    trainer.build_hooks = lambda: [losses]  # type: ignore[method-assign]
+    trainer.train()
+    trainer.loop.engine.destroy()
+    return losses.losses
+
+
+def by_hand(config: dict[str, Any], accumulation: int) -> list[float]:
+    seed_all(0)
+    batches = loader()
+    module = model()
+    filled = filled_config(config, accumulation=accumulation, grad_clip=None, mixed_precision=None, batch_size=BATCH)
+    engine, *_ = deepspeed.initialize(model=module, optimizer=optimizer(module), config=filled)
+    losses = []
+    data = iter(batches)
+    for _ in range(STEPS * accumulation):
+        loss = loss_of(engine, next(data))
+        engine.backward(loss)
+        engine.step()
+        losses.append(loss.item())
+    engine.destroy()
+    return losses
+
+
+CASES = {
+    f"stage{stage}_acc{accumulation}": ({"zero_optimization": {"stage": stage}, "zero_allow_untested_optimizer": True},
+                                        accumulation)
+    for stage in (0, 1, 2, 3) for accumulation in (1, 2)
+}
+
+
+def main(out: str) -> None:
+    torch.set_num_threads(1)
+    deepspeed.init_distributed(dist_backend="gloo")
+    results = {}
+    for name, (config, accumulation) in CASES.items():
+        results[name] = {"trainloop": with_trainloop(config, accumulation), "by_hand": by_hand(config, accumulation)}
+    if dist.get_rank() == 0:
+        with open(out, "w", encoding="utf-8") as file:
+            json.dump(results, file)
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main(sys.argv[1])
