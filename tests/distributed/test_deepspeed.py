@@ -172,3 +172,12 @@ def test_losses_equal_a_hand_written_deepspeed_loop_bit_for_bit(ranks, stage, ac
     case = ranks[f"stage{stage}_acc{accumulation}"]
     assert len(case["by_hand"]) == 4 * accumulation
     assert case["trainloop"] == case["by_hand"]
+
+
+@pytest.mark.parametrize("stage", [0, 1, 2, 3])
+def test_a_non_finite_update_never_reaches_the_weights_and_is_retried_as_ours(ranks, stage):
+    case = ranks[f"non_finite_stage{stage}"]
+    assert case["retries"] == [0, 1, 0, 0]  # step 2 retried once, on fresh batches
+    assert case["finite"] == [True] * 4  # its retry and every later step trained on finite weights
+    # Stage 0: trainloop refused the update before the engine stepped; 1 to 3: the engine skipped it, and said so.
+    assert case["skipped_steps"] == (0 if stage == 0 else 1)

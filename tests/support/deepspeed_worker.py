@@ -23,6 +23,7 @@ from trainloop.settings.deepspeed import filled_config
 
 STEPS = 4
 BATCH = 4
+NAN_AT = -1  # the step whose first try gets a NaN loss (none but in non_finite)
 
 
 def dataset() -> TensorDataset:
@@ -59,6 +60,18 @@ class Losses(BaseHook):
         self.losses += [loss.item() for loss in trainer.step_info.loss]
 
 
+class Retries(BaseHook):
+    """The retries each step took, and its losses' finiteness."""
+
+    def __init__(self) -> None:
+        self.retries: list[int] = []
+        self.finite: list[bool] = []
+
+    def on_after_step(self, trainer: Any) -> None:
+        self.retries.append(trainer.step_info.non_finite_grad_retries)
+        self.finite.append(all(bool(loss.isfinite()) for loss in trainer.step_info.loss))
+
+
 class DeepSpeedTrainer(BaseTrainer):
     def build_data_loader(self) -> DataLoader[Any]:
         return loader()
@@ -70,7 +83,10 @@ class DeepSpeedTrainer(BaseTrainer):
         return optimizer(self.model)
 
     def forward(self, batch: Any) -> tuple[torch.Tensor, dict[str, Any]]:
-        return loss_of(self.model, batch), {}
+        loss = loss_of(self.model, batch)
+        if self.step == NAN_AT and self.step_info.non_finite_grad_retries == 0:
+            loss = loss * float("nan")  # the first try of this step only: its retry trains on
+        return loss, {}
 
 
 def with_trainloop(config: dict[str, Any], accumulation: int) -> list[float]:
@@ -102,6 +118,24 @@ def by_hand(config: dict[str, Any], accumulation: int) -> list[float]:
     return losses
 
 
+def non_finite(config: dict[str, Any]) -> dict[str, Any]:
+    """A NaN loss on step 2's first try: the step retried, no NaN in the weights (every later loss finite)."""
+    global NAN_AT
+    NAN_AT = 2
+    hook = Retries()
+    trainer = DeepSpeedTrainer(
+        max_steps=STEPS, seed=0, device="cpu", deepspeed=config, max_non_finite_grad_retries=1, metrics_file=False,
+        trace=True,
+    )
+    trainer.build_hooks = lambda: [hook]  # type: ignore[method-assign]
+    try:
+        trainer.train()
+    finally:
+        NAN_AT = -1
+    trainer.loop.engine.destroy()
+    return {"retries": hook.retries, "finite": hook.finite, "skipped_steps": trainer.loop.engine.skipped_steps}
+
+
 CASES = {
     f"stage{stage}_acc{accumulation}": ({"zero_optimization": {"stage": stage}, "zero_allow_untested_optimizer": True},
                                         accumulation)
@@ -115,6 +149,9 @@ def main(out: str) -> None:
     results = {}
     for name, (config, accumulation) in CASES.items():
         results[name] = {"trainloop": with_trainloop(config, accumulation), "by_hand": by_hand(config, accumulation)}
+    for stage in (0, 1, 2, 3):
+        config = {"zero_optimization": {"stage": stage}, "zero_allow_untested_optimizer": True}
+        results[f"non_finite_stage{stage}"] = non_finite(config)
     if dist.get_rank() == 0:
         with open(out, "w", encoding="utf-8") as file:
             json.dump(results, file)
