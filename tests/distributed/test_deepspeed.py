@@ -118,6 +118,16 @@ def test_a_model_wrapped_in_ddp_is_refused_before_step_1():
         dist.destroy_process_group()
 
 
+def test_a_run_that_would_save_checkpoints_is_refused_before_step_1(tmp_path):
+    from trainloop import CheckpointingHook
+
+    trainer = _trainer(workspace=tmp_path / "ws")
+    trainer.build_hooks = lambda: [CheckpointingHook(interval=1)]  # type: ignore[method-assign]
+    with pytest.raises(RefusedRunError, match="trainloop does not save a DeepSpeed engine's checkpoints yet"):
+        trainer.train()
+    assert not (tmp_path / "ws").exists()
+
+
 # -- the command line: exit 2, one line, nothing written ----------------------------------------------------------
 
 

@@ -32,7 +32,7 @@ from trainloop.core.step import (
     trainer_update_plans,
 )
 from trainloop.distributed.agreement import ExitAgreement
-from trainloop.distributed.deepspeed import EngineStep, start_engine
+from trainloop.distributed.deepspeed import UNSAVED_ENGINE, EngineStep, start_engine
 from trainloop.distributed.rank_seeds import seed_ranks_apart, warn_if_ranks_drew_the_same
 from trainloop.distributed.ranks import is_rank_zero, world_size
 from trainloop.hooks.dispatch import ScheduledCalls, call_each, check_hooks, hook_dispatch, state_entry_methods
@@ -148,7 +148,7 @@ class Loop:
     # -- the work of each state ----------------------------------------------------------------
 
     def build(self) -> None:
-        """The work of ``building``: the components, then the hooks, their dispatch and their state callbacks."""
+        """The work of ``building``: the components, the hooks, DeepSpeed's engine if declared, the hooks' dispatch."""
         t, run = self.trainer, self.run_state
         self.build_components()
         hooks = with_default_logging(build_declared_hooks(t.settings.hooks, t.build_hooks()), t.settings)
@@ -156,6 +156,8 @@ class Loop:
         hooks = self.of_kind.taking_part(hooks, type(t).__name__)
         run.hooks = tuple(hooks)
         self.schedules = ScheduledCalls(hooks)
+        if t.settings.deepspeed is not None:
+            self.start_engine()
         run.dispatch = hook_dispatch(hooks, self.schedules)
         for hook in hooks:
             for state, method in state_entry_methods(hook):
@@ -186,11 +188,16 @@ class Loop:
         if lr_scheduler:
             built["lr_scheduler"] = t.build_lr_scheduler()
         built["grad_scaler"] = t.build_grad_scaler()
-        if t.settings.deepspeed is not None:  # the engine wraps the model: forward calls it as trainer.model
-            built["model"] = self.engine = start_engine(
-                t.settings, type(t).__name__, built["model"], optimizers, built.get("lr_scheduler"),
-                built["data_loader"],
-            )
+
+    def start_engine(self) -> None:
+        """Hand the built model, optimizer and lr scheduler to DeepSpeed; its engine is the model from here on."""
+        t, built = self.trainer, self.run_state.built
+        if self.schedules.acts_in("checkpointing"):
+            raise RefusedRunError(UNSAVED_ENGINE)
+        built["model"] = self.engine = start_engine(
+            t.settings, type(t).__name__, built["model"], built["optimizer"], built.get("lr_scheduler"),
+            built["data_loader"],
+        )
 
     @contextlib.contextmanager
     def components_kept(self) -> Iterator[None]:
