@@ -19,7 +19,7 @@ from cli_process import Cli, cli_env
 from ddp_worker import free_port
 from torch import nn
 
-from trainloop import TrainerSettings
+from trainloop import CheckpointError, TrainerSettings
 from trainloop.core.result import RefusedRunError
 from trainloop.settings import SettingsFileError
 
@@ -118,16 +118,6 @@ def test_a_model_wrapped_in_ddp_is_refused_before_step_1():
         dist.destroy_process_group()
 
 
-def test_a_run_that_would_save_checkpoints_is_refused_before_step_1(tmp_path):
-    from trainloop import CheckpointingHook
-
-    trainer = _trainer(workspace=tmp_path / "ws")
-    trainer.build_hooks = lambda: [CheckpointingHook(interval=1)]  # type: ignore[method-assign]
-    with pytest.raises(RefusedRunError, match="trainloop does not save a DeepSpeed engine's checkpoints yet"):
-        trainer.train()
-    assert not (tmp_path / "ws").exists()
-
-
 # -- the command line: exit 2, one line, nothing written ----------------------------------------------------------
 
 
@@ -193,6 +183,28 @@ def test_a_non_finite_update_never_reaches_the_weights_and_is_retried_as_ours(ra
     assert case["skipped_steps"] == (0 if stage == 0 else 1)
 
 
+@pytest.mark.parametrize("stage", [0, 1, 2, 3])
+def test_a_resumed_run_equals_the_unbroken_one_bit_for_bit(ranks, stage):
+    unbroken = ranks[f"stage{stage}_acc1"]["trainloop"]
+    case = ranks[f"resumed_stage{stage}"]
+    assert case["losses"] == unbroken[2:]  # steps 3 and 4, after the resume from step 2
+    assert case["kept"] == ["3", "4", "latest"]  # trainloop's keep-N and latest
+    files = case["files"]
+    assert {"manifest.json", "metadata.json", "training_state.pt"} <= set(files)
+    partitions = [name for name in files if name.startswith("deepspeed/engine/")]
+    if stage == 0:
+        assert partitions == ["deepspeed/engine/mp_rank_00_model_states.pt"]
+    else:  # each rank's partitions, under the manifest
+        assert any("zero_pp_rank_0_" in name for name in partitions)
+        assert any("zero_pp_rank_1_" in name for name in partitions)
+    assert "deepspeed/latest" not in files  # trainloop's latest names the checkpoint
+
+
+def test_a_damaged_partition_is_caught_by_the_manifest_and_an_older_checkpoint_taken(ranks):
+    unbroken = ranks["stage2_acc1"]["trainloop"]
+    assert ranks["corrupt_stage2"]["losses"] == unbroken[1:]  # resumed from step 1: steps 2 to 4
+
+
 def test_the_docs_zero3_example_trains_a_transformer_on_two_cpu_ranks(tmp_path):
     if not HAS_DEEPSPEED:
         pytest.skip("DeepSpeed is not installed (pip install 'trainloop[deepspeed]': see the README)")
@@ -213,3 +225,24 @@ def test_the_docs_zero3_example_trains_a_transformer_on_two_cpu_ranks(tmp_path):
     loss = float(printed[0].split()[1])
     assert printed[0] == f"loss {loss:.2f} after 20 steps under ZeRO-3 on 2 ranks"
     assert loss < 2.0  # from ~4.2 (uniform over 64 tokens): it learns the sequence
+
+
+def test_a_checkpoint_of_another_world_size_is_one_line_saying_how(tmp_path):
+    from trainloop.checkpoint.deepspeed import load_engine
+
+    class Files:
+        closed = False
+
+        def close(self):
+            self.closed = True
+
+    engine = tmp_path / "deepspeed" / "engine"
+    engine.mkdir(parents=True)
+    for r in (0, 1):
+        (engine / f"zero_pp_rank_{r}_mp_rank_00_optim_states.pt").write_bytes(b"")
+    files = Files()
+    with pytest.raises(CheckpointError, match=r"saved by 2 ranks and this run has 1: resume it on 2 ranks, or export"):
+        load_engine(object(), tmp_path, files)
+    assert files.closed
+    with pytest.raises(CheckpointError, match="holds no DeepSpeed engine's state, so it cannot resume"):
+        load_engine(object(), tmp_path / "deepspeed", files)

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import sys
+from pathlib import Path
 from typing import Any
 
 import deepspeed
@@ -18,7 +19,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 
-from trainloop import BaseHook, BaseTrainer, seed_all
+from trainloop import BaseHook, BaseTrainer, CheckpointingHook, seed_all
 from trainloop.settings.deepspeed import filled_config
 
 STEPS = 4
@@ -136,6 +137,37 @@ def non_finite(config: dict[str, Any]) -> dict[str, Any]:
     return {"retries": hook.retries, "finite": hook.finite, "skipped_steps": trainer.loop.engine.skipped_steps}
 
 
+def resumed(config: dict[str, Any], workspace: Path, corrupt: bool = False) -> dict[str, Any]:
+    """Two steps saved at each, then a resume to step 4: its losses, and what the checkpoint holds.
+
+    ``corrupt``: one byte of rank 1's optimizer partition of step 2 flipped first (the file's size kept), so the
+    resume must find it by the manifest and take step 1's checkpoint.
+    """
+    def trainer(steps: int, *hooks: BaseHook) -> DeepSpeedTrainer:
+        made = DeepSpeedTrainer(
+            max_steps=steps, seed=0, device="cpu", deepspeed=config, workspace=workspace, metrics_file=False
+        )
+        made.build_hooks = lambda: [CheckpointingHook(interval=1, keep_previous=1), *hooks]  # type: ignore[method-assign]
+        return made
+
+    first = trainer(2)
+    first.train()
+    first.loop.engine.destroy()
+    checkpoint = workspace / "checkpoints" / "2"
+    files = sorted(p.relative_to(checkpoint).as_posix() for p in checkpoint.rglob("*") if p.is_file())
+    if corrupt and dist.get_rank() == 0:
+        partition = next((checkpoint / "deepspeed" / "engine").glob("*zero_pp_rank_1_*optim_states.pt"))
+        data = bytearray(partition.read_bytes())
+        data[len(data) // 2] ^= 0xFF
+        partition.write_bytes(bytes(data))
+    dist.barrier()
+    losses = Losses()
+    second = trainer(4, losses)
+    second.train()
+    second.loop.engine.destroy()
+    return {"losses": losses.losses, "files": files, "kept": sorted(p.name for p in (workspace / "checkpoints").iterdir())}
+
+
 CASES = {
     f"stage{stage}_acc{accumulation}": ({"zero_optimization": {"stage": stage}, "zero_allow_untested_optimizer": True},
                                         accumulation)
@@ -144,6 +176,7 @@ CASES = {
 
 
 def main(out: str) -> None:
+    root = Path(out).parent
     torch.set_num_threads(1)
     deepspeed.init_distributed(dist_backend="gloo")
     results = {}
@@ -152,6 +185,8 @@ def main(out: str) -> None:
     for stage in (0, 1, 2, 3):
         config = {"zero_optimization": {"stage": stage}, "zero_allow_untested_optimizer": True}
         results[f"non_finite_stage{stage}"] = non_finite(config)
+        results[f"resumed_stage{stage}"] = resumed(config, root / f"resumed_stage{stage}")
+    results["corrupt_stage2"] = resumed(CASES["stage2_acc1"][0], root / "corrupt_stage2", corrupt=True)
     if dist.get_rank() == 0:
         with open(out, "w", encoding="utf-8") as file:
             json.dump(results, file)

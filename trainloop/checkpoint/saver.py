@@ -24,6 +24,7 @@ import torch.distributed as dist
 from torch.distributed.checkpoint.state_dict_saver import async_save as dcp_async_save
 from torch.distributed.checkpoint.state_dict_saver import save as dcp_save
 
+from trainloop.checkpoint.deepspeed import save_engine
 from trainloop.checkpoint.errors import CheckpointError
 from trainloop.checkpoint.files import check_keys, point_latest, save_error, write_checkpoint
 from trainloop.checkpoint.manifest import METADATA, FileDigest, save_torch, write_json, write_manifest
@@ -101,8 +102,9 @@ class CheckpointSaver:
         logger: Where successful saves are reported.
     """
 
-    def __init__(self, format: str, async_save: bool, logger: Logger) -> None:
+    def __init__(self, format: str, async_save: bool, logger: Logger, engine: Any = None) -> None:
         self.format = format
+        self.engine = engine  # a DeepSpeed engine: its partitions saved in the sharded way
         self.async_save = async_save
         self.logger = logger
         self._pending: _Background | None = None
@@ -241,29 +243,29 @@ class CheckpointSaver:
                       published: Callable[[Location], None],
                       optimizers: Sequence[torch.optim.Optimizer]) -> BaseException | None:
         target = root / str(step)
-        prepared: Any = None
-        if rank() == 0:
-            try:
-                clean_leftovers(root, self.logger)
-                prepared = make_temporary(target)
-            except OSError as failure:
-                prepared = as_save_failure(target, failure)
-        prepared = broadcast_from_rank_zero(prepared)  # every rank writes into rank 0's directory
+        prepared = self._temporary(root, target)
         if isinstance(prepared, BaseException):
             return prepared
         tmp: Location = prepared
         # Rank 0 made it before telling: a rank that cannot see it has other storage (node-local
         # disk, another working directory for a relative path), where its shards would be lost.
         seen = rank() == 0 or visible(tmp)
+        engine = self.engine
+        if engine is not None:  # every rank writes its partitions (trainloop.checkpoint.deepspeed)
+            return agree_on_error(
+                self._finish_sharded(tmp, target, seen, lambda: save_engine(engine, tmp), state_dict, metadata,
+                                     published, None)
+            )
         shards, rest = split_state(state_dict)
         writer = shard_writer(tmp / SHARDED_DIR)
         if not self.async_save:
-            def write_shards() -> None:
+            def write_shards() -> dict[str, FileDigest]:
                 with quiet_single_process():
                     dcp_save(shards, storage_writer=writer, no_dist=not in_process_group())
+                return own_shards(writer)
 
             return agree_on_error(
-                self._finish_sharded(tmp, target, seen, write_shards, writer, rest, metadata, published, None)
+                self._finish_sharded(tmp, target, seen, write_shards, rest, metadata, published, None)
             )
         if self._group is None and in_process_group():
             # The background's collectives get their own group: on the default one they could
@@ -280,10 +282,14 @@ class CheckpointSaver:
         upload = cast(Future[None], getattr(response, "upload_completion", response))
         group = self._group
 
+        def written() -> dict[str, FileDigest]:
+            upload.result()
+            return own_shards(writer)
+
         def finish() -> None:
             try:
                 error = self._finish_sharded(
-                    tmp, target, seen, upload.result, writer, staged_rest, metadata, published, group
+                    tmp, target, seen, written, staged_rest, metadata, published, group
                 )
             finally:
                 self._stage.release()  # no copy of the state is kept between saves
@@ -293,9 +299,21 @@ class CheckpointSaver:
         self._pending = _Background(finish, target)
         return None
 
-    def _finish_sharded(self, tmp: Location, target: Location, seen: bool, write_shards: Callable[[], Any],
-                        writer: Any, rest: dict[str, Any], metadata: dict[str, Any],
-                        published: Callable[[Location], None],
+    def _temporary(self, root: Location, target: Location) -> Location | BaseException:
+        """Rank 0's temporary directory of ``target``, which every rank writes into (or why it could not be made)."""
+        prepared: Location | BaseException | None = None
+        if rank() == 0:
+            try:
+                clean_leftovers(root, self.logger)
+                prepared = make_temporary(target)
+            except OSError as failure:
+                prepared = as_save_failure(target, failure)
+        made: Location | BaseException = broadcast_from_rank_zero(prepared)
+        return made
+
+    def _finish_sharded(self, tmp: Location, target: Location, seen: bool,
+                        write_shards: Callable[[], dict[str, FileDigest]], rest: dict[str, Any],
+                        metadata: dict[str, Any], published: Callable[[Location], None],
                         group: Any) -> BaseException | None:
         """Finish the checkpoint after every rank wrote its shards.
 
@@ -304,8 +322,7 @@ class CheckpointSaver:
         """
         local: tuple[dict[str, FileDigest], BaseException | None, bool]
         try:
-            write_shards()
-            local = (own_shards(writer), None, seen)
+            local = (write_shards(), None, seen)
         except _WRITE_ERRORS as failure:
             local = ({}, as_save_failure(target, failure), seen)
         if not seen:

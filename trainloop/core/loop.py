@@ -32,7 +32,7 @@ from trainloop.core.step import (
     trainer_update_plans,
 )
 from trainloop.distributed.agreement import ExitAgreement
-from trainloop.distributed.deepspeed import UNSAVED_ENGINE, EngineStep, start_engine
+from trainloop.distributed.deepspeed import EngineStep, start_engine
 from trainloop.distributed.rank_seeds import seed_ranks_apart, warn_if_ranks_drew_the_same
 from trainloop.distributed.ranks import is_rank_zero, world_size
 from trainloop.hooks.dispatch import ScheduledCalls, call_each, check_hooks, hook_dispatch, state_entry_methods
@@ -192,8 +192,6 @@ class Loop:
     def start_engine(self) -> None:
         """Hand the built model, optimizer and lr scheduler to DeepSpeed; its engine is the model from here on."""
         t, built = self.trainer, self.run_state.built
-        if self.schedules.acts_in("checkpointing"):
-            raise RefusedRunError(UNSAVED_ENGINE)
         built["model"] = self.engine = start_engine(
             t.settings, type(t).__name__, built["model"], built["optimizer"], built.get("lr_scheduler"),
             built["data_loader"],

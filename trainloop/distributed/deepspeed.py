@@ -34,16 +34,10 @@ if TYPE_CHECKING:
     from trainloop.core.data import EpochIterator
     from trainloop.settings.model import TrainerSettings
 
-__all__ = ["EXTRA", "UNSAVED_ENGINE", "EngineStep", "deepspeed_missing", "not_installed", "start_engine"]
+__all__ = ["EXTRA", "EngineStep", "deepspeed_missing", "not_installed", "start_engine"]
 
 #: What installs DeepSpeed beside trainloop.
 EXTRA = "trainloop[deepspeed]"
-
-#: Why a run under DeepSpeed that would save checkpoints is refused before step 1.
-UNSAVED_ENGINE = (
-    "deepspeed: trainloop does not save a DeepSpeed engine's checkpoints yet (its partitions, under the "
-    "checkpoint's manifest): run without a checkpointing hook"
-)
 
 
 def deepspeed_missing() -> bool:

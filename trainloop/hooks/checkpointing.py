@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING, Any, Literal
 from pydantic import validate_call
 
 from trainloop.checkpoint.best import BestCheckpoints, Monitor, check_best
+from trainloop.checkpoint.deepspeed import ENGINE_DIR, deepspeed_engine, load_engine
 from trainloop.checkpoint.errors import CheckpointSaveError
 from trainloop.checkpoint.files import checkpoint_candidates, prune
 from trainloop.checkpoint.manifest import make_metadata
@@ -231,7 +232,8 @@ class CheckpointingHook(BaseHook):
         # that checkpoint.
         from trainloop.checkpoint.saver import CheckpointSaver
 
-        self._saver = CheckpointSaver(self.format, self.async_save, trainer.logger)
+        format, engine = self._format(trainer)
+        self._saver = CheckpointSaver(format, self.async_save, trainer.logger, engine)
         self._root = root
         if self._best is not None:
             self._best.start(root)
@@ -298,7 +300,8 @@ class CheckpointingHook(BaseHook):
         with sharded_state_dict(trainer) if self.format == "sharded" else nullcontext():
             state_dict = trainer.state_dict()  # on every rank: collectives gather and shard
         training_state = state_dict["training_state"]
-        metadata = make_metadata(training_state["step"], training_state["epoch"], self.format, self._metrics)
+        format, engine = self._format(trainer)
+        metadata = make_metadata(training_state["step"], training_state["epoch"], format, self._metrics)
         root = self.directory(trainer)
         step = trainer.step
         self._last_saved_step = step
@@ -306,13 +309,21 @@ class CheckpointingHook(BaseHook):
             self._best.score(*self._best.observed)  # before the save: pruning reads it
         from trainloop.checkpoint.saver import CheckpointSaver
 
-        saver = self._saver or CheckpointSaver(self.format, self.async_save, trainer.logger)
+        saver = self._saver or CheckpointSaver(format, self.async_save, trainer.logger, engine)
         self._saver = saver
         error = saver.save(
             root, step, state_dict, metadata, lambda _: self._prune(root, step, trainer.logger),
             tuple(trainer.optimizers.values()),
         )
         self._report(trainer, error)
+
+    def _format(self, trainer: TrainerView) -> tuple[str, Any]:
+        """The format the trainer's state is saved in, and the DeepSpeed engine whose partitions are saved, if any."""
+        if trainer.settings.deepspeed is None:
+            return self.format, None
+        if self.async_save:
+            raise ValueError("CheckpointingHook async_save: a DeepSpeed engine's checkpoint is saved in the foreground")
+        return ENGINE_DIR, trainer.model  # the engine
 
     def _report(self, trainer: TrainerView, error: BaseException | None) -> None:
         if error is None:
@@ -413,6 +424,10 @@ def load_checkpoint(trainer: TrainerView, root: Location, load: Location | str) 
         return None
     directory, state = chosen
     trainer.logger.debug("Loading checkpoint %s", directory)  # the hook says what the run starts from, in one line
+    engine = deepspeed_engine(trainer.model)
+    if engine is not None:  # the engine reads its partitions, this rank's share verified already
+        trainer.load_state_dict(load_engine(engine, directory, state))
+        return directory
     if isinstance(state, dict):  # a full checkpoint, read and verified by choose_checkpoint
         trainer.load_state_dict(state)
         return directory
