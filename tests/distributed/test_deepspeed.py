@@ -163,7 +163,7 @@ def ranks(tmp_path_factory):
     result = subprocess.run(command, env=env, capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stderr[-4000:]
     assert "terminate called" not in result.stderr  # ZeRO-3's engines were torn down: a clean exit
-    return json.loads(out.read_text())
+    return {**json.loads(out.read_text()), "root": out.parent}
 
 
 @pytest.mark.parametrize("stage", [0, 1, 2, 3])
@@ -203,6 +203,61 @@ def test_a_resumed_run_equals_the_unbroken_one_bit_for_bit(ranks, stage):
 def test_a_damaged_partition_is_caught_by_the_manifest_and_an_older_checkpoint_taken(ranks):
     unbroken = ranks["stage2_acc1"]["trainloop"]
     assert ranks["corrupt_stage2"]["losses"] == unbroken[1:]  # resumed from step 1: steps 2 to 4
+
+
+def test_export_joins_the_partitions_into_weights_that_load_strictly_into_the_plain_module(ranks, tmp_path):
+    from deepspeed_worker import model
+    from safetensors.torch import load_file
+
+    from trainloop.checkpoint import checkpoint_format, export_checkpoint
+
+    exported = []
+    for stage in (0, 1, 2, 3):
+        checkpoint = ranks["root"] / f"resumed_stage{stage}" / "checkpoints" / "4"
+        assert checkpoint_format(checkpoint) == "deepspeed"
+        output = tmp_path / f"stage{stage}.safetensors"
+        assert export_checkpoint(checkpoint, output)["step"] == "4"
+        weights = load_file(output)
+        model().load_state_dict(weights, strict=True)
+        exported.append(weights)
+    # Every stage trained the same numbers (the losses are equal): stage 0's weights are the module's own,
+    # stages 1 to 3 are joined from two ranks' partitions.
+    for weights in exported[1:]:
+        assert weights.keys() == exported[0].keys()
+        assert all(torch.equal(weights[key], exported[0][key]) for key in weights)
+
+
+def test_init_from_and_inspect_read_a_deepspeed_checkpoint(ranks, tmp_path):
+    from deepspeed_worker import DeepSpeedTrainer, dataset
+    from safetensors.torch import load_file
+    from torch.utils.data import DataLoader
+
+    from trainloop import BaseHook
+    from trainloop.checkpoint import export_checkpoint
+
+    checkpoint = ranks["root"] / "resumed_stage3" / "checkpoints" / "4"
+    export_checkpoint(checkpoint, tmp_path / "w.safetensors")
+    started: dict[str, torch.Tensor] = {}
+
+    class Start(BaseHook):
+        def on_before_train(self, trainer):  # after init_from, in restoring
+            started.update({key: value.clone() for key, value in trainer.unwrapped_model.state_dict().items()})
+
+    class PlainTrainer(DeepSpeedTrainer):
+        def build_data_loader(self):  # one process, no sampler across ranks
+            return DataLoader(dataset(), batch_size=4)
+
+    trainer = PlainTrainer(max_steps=1, device="cpu", init_from=str(checkpoint), metrics_file=False)
+    trainer.build_hooks = lambda: [Start()]  # type: ignore[method-assign]
+    trainer.train()  # a plain run, starting from the DeepSpeed run's weights
+    expected = load_file(tmp_path / "w.safetensors")
+    assert started.keys() == expected.keys()
+    assert all(torch.equal(started[key], expected[key]) for key in expected)
+    result = Cli("inspect", "--json", checkpoint, cwd=tmp_path).result()
+    assert result.returncode == 0, result.stderr
+    described = json.loads(result.stdout)  # DeepSpeed's own prints went to stderr
+    assert described["format"] == "deepspeed"
+    assert described["step"] == 4
 
 
 def test_the_docs_zero3_example_trains_a_transformer_on_two_cpu_ranks(tmp_path):

@@ -12,12 +12,16 @@ Nothing here imports DeepSpeed: a run that has an engine has imported it.
 
 from __future__ import annotations
 
+import contextlib
 import re
 import sys
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+import torch
+
 from trainloop.checkpoint.errors import CheckpointError
+from trainloop.checkpoint.loading import VerifiedFiles, load_file
 from trainloop.checkpoint.manifest import FileDigest, hash_file
 from trainloop.checkpoint.sharded import REST_FILE
 from trainloop.distributed.ranks import rank, world_size
@@ -25,10 +29,11 @@ from trainloop.distributed.ranks import rank, world_size
 if TYPE_CHECKING:
     from torch import nn
 
-    from trainloop.checkpoint.loading import VerifiedFiles
     from trainloop.checkpoint.storage import Location
 
-__all__ = ["ENGINE_DIR", "TAG", "deepspeed_engine", "load_engine", "save_engine"]
+__all__ = [
+    "ENGINE_DIR", "TAG", "deepspeed_engine", "engine_weights", "load_engine", "read_engine_checkpoint", "save_engine",
+]
 
 #: The engine's directory in a checkpoint.
 ENGINE_DIR = "deepspeed"
@@ -95,6 +100,56 @@ def load_engine(engine: Any, directory: Location, state: dict[str, Any] | Verifi
     finally:
         state.close()
     return rest
+
+
+def read_engine_checkpoint(directory: Location, listing: dict[str, FileDigest] | None) -> dict[str, Any]:
+    """A DeepSpeed checkpoint read whole into this process: the model's full weights and trainloop's state (and hooks').
+
+    Every file is checked against ``listing`` (the manifest's entries; ``None``: unverified) before DeepSpeed reads any.
+    The weights are consolidated from the ranks' partitions (see ``engine_weights``), fp32 on the CPU, keyed as the
+    plain module names them; the optimizer's partitions stay where they are.
+
+    Raises:
+        CheckpointError: A file is missing or corrupt, the checkpoint is not local, or DeepSpeed (needed to
+            consolidate ZeRO partitions) is not installed.
+    """
+    if not isinstance(directory, Path):
+        raise CheckpointError(f"{directory}: a DeepSpeed engine's checkpoint is read from a local path only")
+    if listing is None:
+        return {"model": engine_weights(directory / ENGINE_DIR), **load_file(directory / REST_FILE)}
+    files = VerifiedFiles(directory, listing)
+    try:
+        for rel in listing:
+            files.contents(rel)  # every file checked, each read once
+        return {"model": engine_weights(directory / ENGINE_DIR), **files.load(REST_FILE)}
+    finally:
+        files.close()
+
+
+def engine_weights(directory: Path) -> dict[str, torch.Tensor]:
+    """The full weights of the engine's checkpoint in ``directory`` (a checkpoint's ``deepspeed/``).
+
+    ZeRO stage 0 keeps them whole in rank 0's model file; stages 1 to 3 partition them, and DeepSpeed's
+    ``zero_to_fp32`` joins the fp32 partitions of every rank (offline: no process group).
+
+    Raises:
+        CheckpointError: DeepSpeed is not installed and the weights are partitioned.
+    """
+    files = directory / TAG
+    if not any(files.glob("*zero_pp_rank_*_optim_states.pt")):  # stage 0: the module whole
+        module: dict[str, torch.Tensor] = load_file(files / "mp_rank_00_model_states.pt")["module"]
+        return {key: value.float() for key, value in module.items()}
+    # DeepSpeed prints as it imports and joins: to stderr, so that stdout stays the caller's (inspect --json).
+    with contextlib.redirect_stdout(sys.stderr):
+        try:
+            from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
+        except ImportError:
+            raise CheckpointError(
+                f"{directory}: joining its ZeRO partitions into full weights needs DeepSpeed: "
+                "pip install 'trainloop[deepspeed]'"
+            ) from None
+        joined: dict[str, torch.Tensor] = get_fp32_state_dict_from_zero_checkpoint(str(directory), tag=TAG)
+    return {key: value.detach().cpu() for key, value in joined.items()}
 
 
 def _writer(name: str) -> int:
