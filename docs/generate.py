@@ -25,7 +25,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-from trainloop.hooks.dispatch import HOOK_EVENTS
+from trainloop.hook_machinery.dispatch import HOOK_EVENTS
 from trainloop.machine import TRANSITIONS, draw
 from trainloop.machine.table import NOTES
 from trainloop.settings import TrainerSettings
@@ -66,7 +66,7 @@ def hook_states() -> str:
 
 def example_hook_schedules() -> str:
     """The digits example's declared hooks, each beside the state it acts in, with its schedule."""
-    from trainloop.hooks.listing import declared_hook_lines
+    from trainloop.hook_machinery.listing import declared_hook_lines
 
     declared = json.loads((ROOT / "examples" / "digits" / "settings.json").read_text())["hooks"]
     rows = ["| state | hook |", "|---|---|"]

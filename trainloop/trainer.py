@@ -40,8 +40,7 @@ from trainloop.utils import Records, unwrap_model, user_traceback
 if TYPE_CHECKING:
     from torch.distributed.checkpoint.state_dict import StateDictOptions
 
-    from trainloop.hooks.base import BaseHook
-    from trainloop.settings.model import TrainerSettings
+    from trainloop.hook_machinery.base import BaseHook
 
 __all__ = ["BaseTrainer", "ChangedSettingsWarning", "LossNoneWarning"]
 

@@ -184,7 +184,7 @@ def test_reading_names_what_is_wrong(tmp_path):
     ],
 )
 def test_what_run_would_refuse_late_validate_refuses_first(tmp_path, declared, line):
-    # Each of these used to pass `validate`, then fail `run` after training (or after writing the workspace).
+    # Each of these would fail `run` after training (or after writing the workspace): `validate` refuses it first.
     (tmp_path / "run.json").write_text(json.dumps({"max_steps": 2, "workspace": "ws", **declared}))
     runs = [Cli(command, "run.json", "--trainer", "cli_trainers:CliTrainer", cwd=tmp_path, env=cli_env()) for command in ("run", "validate")]
     for command, process in zip(("run", "validate"), runs, strict=True):

@@ -210,3 +210,38 @@ def test_two_declared_hooks_saving_state_under_one_name_are_refused(tmp_path, ca
     assert out == ""
     assert err.splitlines() == [f"trainloop {command}: error: run.json: hooks[0] and hooks[1]: both save their state under the name 'ema_hook'; give each a \"name\""]
     assert [p.name for p in tmp_path.iterdir()] == ["run.json"]
+
+
+def test_a_registered_hook_tells_the_preflight_what_it_writes_and_which_signals_it_claims(tmp_path):
+    # The preflight names no hook type: any registered class declares its directories and signals.
+    import signal
+
+    from trainloop.hooks import BaseHook, register_hook, unregister_hook
+
+    class Writer(BaseHook):
+        writes_to = ("out",)
+
+        def __init__(self, out: Path, catch: bool = False) -> None:
+            self.out = out
+
+        @classmethod
+        def claimed_signals(cls, declared):
+            return [signal.SIGUSR2] if declared.catch else []
+
+    register_hook("test_writer")(Writer)
+    try:
+        (tmp_path / "blocked").write_text("a file in the way")
+        settings = TrainerSettings(
+            max_steps=2,
+            workspace=tmp_path,
+            hooks=[
+                {"type": "test_writer", "out": "blocked", "catch": True},
+                {"type": "test_writer", "out": "free", "catch": True},
+            ],
+        )
+        found = preflight(settings, TinyTrainer)
+    finally:
+        unregister_hook("test_writer")
+    assert len(found) == 2
+    assert found[0] == "hooks[0] and hooks[1]: each catches SIGUSR2, and a process has one handler per signal"
+    assert found[1].startswith("hooks[0].out: ")

@@ -10,7 +10,7 @@ import pytest
 from helper_hooks import CaptureHook
 from tiny_trainer import TinyTrainer
 
-from trainloop.hooks.dispatch import HOOK_EVENTS
+from trainloop.hook_machinery.dispatch import HOOK_EVENTS
 
 ROOT = Path(__file__).resolve().parents[2]
 

@@ -90,7 +90,7 @@ def test_the_api_reference_renders_the_public_objects(site):
         "trainloop.settings.model.TrainerSettings",
         "trainloop.machine.table.State",
         "trainloop.hooks.checkpointing.CheckpointingHook",
-        "trainloop.hooks.registry.register_hook",
+        "trainloop.hook_machinery.registry.register_hook",
         "trainloop.lr_find.search.LrFindComponents",
         "trainloop.cli.main",
         "trainloop.checkpoint.read_checkpoint",

@@ -24,8 +24,8 @@ from tiny_trainer import TinyTrainer
 from trainloop import BaseHook
 from trainloop.checkpoint import CheckpointError, checkpoint_steps, latest_checkpoint, read_checkpoint
 from trainloop.checkpoint.manifest import write_manifest
+from trainloop.hook_machinery.registry import HOOK_TYPES, hook_settings_model
 from trainloop.hooks.checkpointing import CheckpointingHook
-from trainloop.hooks.registry import HOOK_TYPES, hook_settings_model
 
 # -- helpers ---------------------------------------------------------------------------------
 

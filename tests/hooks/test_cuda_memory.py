@@ -10,8 +10,8 @@ from helper_hooks import CaptureHook
 from pydantic import ValidationError
 from tiny_trainer import TinyTrainer
 
+from trainloop.hook_machinery.registry import HOOK_TYPES, hook_settings_model
 from trainloop.hooks.cuda_memory import CudaMaxMemoryHook
-from trainloop.hooks.registry import HOOK_TYPES, hook_settings_model
 
 
 def test_cpu_device_is_a_no_op_with_one_warning():

@@ -13,9 +13,9 @@ from helper_hooks import CaptureHook
 from tiny_trainer import TinyTrainer
 
 from trainloop import BaseHook, State
+from trainloop.hook_machinery.registry import HOOK_TYPES, hook_settings_model
 from trainloop.hooks import Schedule
 from trainloop.hooks.early_stopping import EarlyStoppingHook, MonitorNotFoundWarning
-from trainloop.hooks.registry import HOOK_TYPES, hook_settings_model
 from trainloop.hooks.validation import ValidationHook
 
 

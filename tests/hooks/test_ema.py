@@ -13,8 +13,8 @@ from torch import nn
 from torch.optim.swa_utils import AveragedModel
 
 from trainloop import BaseHook
+from trainloop.hook_machinery.registry import HOOK_TYPES, hook_settings_model
 from trainloop.hooks.ema import EmaHook
-from trainloop.hooks.registry import HOOK_TYPES, hook_settings_model
 
 
 class BatchNormTrainer(TinyTrainer):

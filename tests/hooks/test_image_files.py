@@ -16,8 +16,8 @@ from pydantic import ValidationError
 from tiny_trainer import TinyTrainer
 
 from trainloop import BaseHook
+from trainloop.hook_machinery.registry import HOOK_TYPES, hook_settings_model
 from trainloop.hooks.image_files import ImageFileLoggerHook
-from trainloop.hooks.registry import HOOK_TYPES, hook_settings_model
 
 TESTS_DIR = Path(__file__).resolve().parents[1] / "support"  # where tiny_trainer is
 

@@ -8,8 +8,8 @@ from helper_hooks import CaptureHook, ExitAt, LogCapture, MemoryHook
 from pydantic import ValidationError
 from tiny_trainer import TinyTrainer
 
+from trainloop.hook_machinery.registry import HOOK_TYPES, hook_settings_model
 from trainloop.hooks.logging_hook import LoggingHook
-from trainloop.hooks.registry import HOOK_TYPES, hook_settings_model
 from trainloop.hooks.stats import StatsHook
 
 

@@ -17,8 +17,8 @@ from pydantic import ValidationError
 from tiny_trainer import TinyTrainer
 
 from trainloop import BaseHook
+from trainloop.hook_machinery.registry import HOOK_TYPES, hook_settings_model
 from trainloop.hooks.progress import ProgressHook
-from trainloop.hooks.registry import HOOK_TYPES, hook_settings_model
 
 TESTS = Path(__file__).resolve().parents[1]
 ROOT = TESTS.parent

@@ -20,8 +20,8 @@ from torch.utils.data import DataLoader
 
 from trainloop import BaseHook
 from trainloop.distributed import destroy
+from trainloop.hook_machinery.registry import HOOK_TYPES, hook_settings_model
 from trainloop.hooks.logging_hook import LoggingHook
-from trainloop.hooks.registry import HOOK_TYPES, hook_settings_model
 from trainloop.hooks.stats import StatsHook, TrainingStats
 
 # -- helpers ------------------------------------------------------------------------------------

@@ -14,7 +14,7 @@ from tensorboard.backend.event_processing.event_accumulator import EventAccumula
 from tiny_trainer import TinyTrainer
 
 from trainloop import BaseHook
-from trainloop.hooks.registry import HOOK_TYPES, hook_settings_model
+from trainloop.hook_machinery.registry import HOOK_TYPES, hook_settings_model
 from trainloop.hooks.tensorboard import TensorBoardHook
 
 

@@ -18,7 +18,7 @@ from tiny_trainer import TinyTrainer, make_data
 from torch.utils.data import DataLoader
 
 from trainloop import BaseHook, State
-from trainloop.hooks.registry import HOOK_TYPES, hook_settings_model
+from trainloop.hook_machinery.registry import HOOK_TYPES, hook_settings_model
 from trainloop.hooks.validation import ValidationHook
 
 ROOT = Path(__file__).resolve().parents[2]

@@ -16,7 +16,7 @@ from pydantic import ValidationError
 from tiny_trainer import TinyTrainer
 
 from trainloop import BaseHook
-from trainloop.hooks.registry import HOOK_TYPES, hook_settings_model
+from trainloop.hook_machinery.registry import HOOK_TYPES, hook_settings_model
 from trainloop.hooks.wandb import RUN_ID_FILE, WandbHook
 
 

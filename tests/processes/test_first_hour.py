@@ -152,7 +152,7 @@ def test_evaluate_records_the_checkpoints_step_and_epoch(tmp_path, twenty_steps)
 
 
 def test_a_resume_refused_before_its_first_step_leaves_the_workspace_as_it_was(tmp_path):
-    # docs/cli.md: exit 2 writes nothing; a refused resume used to append its line to runs.jsonl.
+    # docs/cli.md: exit 2 writes nothing, not even a refused resume's line in runs.jsonl.
     from cli_process import Cli
 
     (tmp_path / "run.yaml").write_text("max_steps: 2\nworkspace: ws\nhooks:\n  - {type: checkpointing, interval: 2}\n")

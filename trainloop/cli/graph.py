@@ -62,8 +62,8 @@ def _hook_notes(settings_file: str, trainer_spec: str | None) -> dict[State, lis
     Raises:
         CliError: The file cannot be read or does not validate, or the trainer cannot be used.
     """
-    from trainloop.hooks.listing import declared_hook_lines, hook_line, hook_notes
-    from trainloop.hooks.logging_hook import with_default_logging
+    from trainloop.hook_machinery.listing import declared_hook_lines, hook_line, hook_notes
+    from trainloop.hook_machinery.registry import with_default_hooks
 
     try:
         found = read_settings_input(settings_file, os.environ, [])
@@ -78,10 +78,11 @@ def _hook_notes(settings_file: str, trainer_spec: str | None) -> dict[State, lis
     except SettingsFileError as error:
         raise CliError(str(error)) from None
     lines = declared_hook_lines(settings.hooks)
-    # The LoggingHook a run adds by itself (a workspace with metrics.jsonl, nothing declared logs) acts too.
+    # The hooks a run adds by itself (a LoggingHook: a workspace with metrics.jsonl, nothing declared logs) act too.
     declared = [entry.build() for entry in settings.hooks]
-    added = with_default_logging(declared, settings)[: -len(declared) or None]  # the one LoggingHook, or none
-    lines = [hook_line(hook, "logging (added by default)") for hook in added] + lines
+    added = with_default_hooks(declared, settings)[: -len(declared) or None]
+    for hook in reversed(added):
+        lines.insert(0, hook_line(hook, f"{getattr(type(hook), 'hook_type', hook.name)} (added by default)"))
     return hook_notes(lines)
 
 

@@ -35,9 +35,8 @@ from trainloop.distributed.agreement import ExitAgreement
 from trainloop.distributed.deepspeed import EngineStep, start_engine
 from trainloop.distributed.rank_seeds import seed_ranks_apart, warn_if_ranks_drew_the_same
 from trainloop.distributed.ranks import is_rank_zero, world_size
-from trainloop.hooks.dispatch import ScheduledCalls, call_each, check_hooks, hook_dispatch, state_entry_methods
-from trainloop.hooks.logging_hook import with_default_logging
-from trainloop.hooks.registry import build_declared_hooks
+from trainloop.hook_machinery.dispatch import ScheduledCalls, call_each, check_hooks, hook_dispatch, state_entry_methods
+from trainloop.hook_machinery.registry import build_declared_hooks, with_default_hooks
 from trainloop.loss import Loss
 from trainloop.machine.runner import StateMachine
 from trainloop.machine.table import State
@@ -151,7 +150,7 @@ class Loop:
         """The work of ``building``: the components, the hooks, DeepSpeed's engine if declared, the hooks' dispatch."""
         t, run = self.trainer, self.run_state
         self.build_components()
-        hooks = with_default_logging(build_declared_hooks(t.settings.hooks, t.build_hooks()), t.settings)
+        hooks = with_default_hooks(build_declared_hooks(t.settings.hooks, t.build_hooks()), t.settings)
         check_hooks(hooks)
         hooks = self.of_kind.taking_part(hooks, type(t).__name__)
         run.hooks = tuple(hooks)

@@ -13,10 +13,11 @@ so that a run that validates does not fail later on something that was known all
   loading into one trainer or writing one directory), so a hook a user registers is checked
   alike; a hook whose checks pass is then made from its declaration (nothing runs), so what its
   ``__init__`` refuses, such as a ``Schedule(every=2.5)``, is said here too;
-- declared hooks work together: no two save their state under one name, no two catch one exit
-  signal (a hook whose settings have ``exit_signals`` claims them);
-- the directories the run will write (the workspace, checkpoint and TensorBoard directories)
-  can be made and written: no file in the way, no NUL byte, write permission;
+- declared hooks work together: no two save their state under one name, no two claim one exit
+  signal (``BaseHook.claimed_signals``);
+- the directories the run will write (the workspace, and each hook's ``BaseHook.writes_to``: the
+  checkpoint and TensorBoard directories) can be made and written: no file in the way, no NUL
+  byte, write permission;
 - the device exists on this machine; DeepSpeed is installed when the run declares it;
 - the weights ``init_from`` names are there and look readable (a file's header, a checkpoint's
   listing: no tensor is read).
@@ -45,11 +46,10 @@ from trainloop.checkpoint.weights import weights_file_problem, weights_problem
 from trainloop.core.step import check_forward
 from trainloop.core.workspace import path_problem
 from trainloop.distributed.deepspeed import deepspeed_missing, not_installed
-from trainloop.hooks.base import BaseHook
-from trainloop.hooks.checks import listed, one_process
-from trainloop.hooks.dispatch import check_hook_methods
-from trainloop.hooks.exit_signals import as_signal
-from trainloop.hooks.registry import HOOK_TYPES, HookSettings
+from trainloop.hook_machinery.base import BaseHook
+from trainloop.hook_machinery.checks import listed, one_process
+from trainloop.hook_machinery.dispatch import check_hook_methods
+from trainloop.hook_machinery.registry import HookSettings, hook_types
 from trainloop.settings.errors import field_path
 from trainloop.settings.sources import Key
 
@@ -187,7 +187,7 @@ def _declared_hooks(
     problems: list[tuple[tuple[Key, ...], str]] = []
     by_class: dict[type[BaseHook], list[tuple[int, HookSettings]]] = {}
     for i, spec in enumerate(settings.hooks):
-        cls = HOOK_TYPES[spec.type]
+        cls = hook_types()[spec.type]
         by_class.setdefault(cls, []).append((i, spec))
         try:  # a misspelt on_* method of the hook's class would never run
             check_hook_methods(cls)
@@ -230,7 +230,7 @@ def _combinations(settings: TrainerSettings) -> list[tuple[tuple[Key, ...], str]
     problems: list[tuple[tuple[Key, ...], str]] = []
     by_state_key: dict[str, list[int]] = {}
     for i, spec in enumerate(settings.hooks):
-        cls = HOOK_TYPES[spec.type]
+        cls = hook_types()[spec.type]
         if cls.saves_state():
             by_state_key.setdefault(spec.name or cls.default_name(), []).append(i)
     for key, indices in by_state_key.items():
@@ -240,10 +240,8 @@ def _combinations(settings: TrainerSettings) -> list[tuple[tuple[Key, ...], str]
             )
     by_signal: dict[signal.Signals, list[int]] = {}
     for i, spec in enumerate(settings.hooks):
-        if "exit_signals" not in spec.model_fields_set:
-            continue  # defaults: one handler serves every hook (the exit save runs them all)
-        for sig in getattr(spec, "exit_signals", None) or ():
-            by_signal.setdefault(as_signal(sig), []).append(i)
+        for sig in hook_types()[spec.type].claimed_signals(spec):
+            by_signal.setdefault(sig, []).append(i)
     for sig, indices in by_signal.items():
         if len(indices) > 1:
             problems.append(
@@ -258,8 +256,8 @@ def _workspace_paths(settings: TrainerSettings) -> list[tuple[tuple[Key, ...], s
     if settings.workspace is not None:
         directories.append((("workspace",), settings.workspace))
     for i, spec in enumerate(settings.hooks):
-        for name in ("path", "log_dir"):  # where the checkpointing and TensorBoard hooks write
-            if spec.type in ("checkpointing", "tensorboard") and isinstance(getattr(spec, name, None), Path):
+        for name in hook_types()[spec.type].writes_to:
+            if isinstance(getattr(spec, name, None), Path):
                 path = Path(getattr(spec, name))
                 if not path.expanduser().is_absolute():
                     if settings.workspace is None:
@@ -268,7 +266,7 @@ def _workspace_paths(settings: TrainerSettings) -> list[tuple[tuple[Key, ...], s
                 directories.append((("hooks", i, name), path))
     problems: list[tuple[tuple[Key, ...], str]] = []
     for where, path in directories:
-        # Under a launcher only the NUL byte is checked: see trainloop.hooks.checks.one_process.
+        # Under a launcher only the NUL byte is checked: see trainloop.hook_machinery.checks.one_process.
         problem = path_problem(path) if one_process() or "\0" in str(path) else None
         if problem is not None:
             problems.append((where, f"{field_path(where)}: {problem}"))

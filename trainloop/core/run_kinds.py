@@ -23,7 +23,7 @@ if TYPE_CHECKING:
     from trainloop.checkpoint.weights import Weights
     from trainloop.core.result import RunKind
     from trainloop.core.run_state import TrainerView
-    from trainloop.hooks.base import BaseHook
+    from trainloop.hook_machinery.base import BaseHook
 
 __all__ = ["EvaluateError", "RunOfKind", "WeightsSource", "Work", "check_validations", "restore_weights"]
 
@@ -100,7 +100,7 @@ def restore_weights(trainer: TrainerView, hooks: Sequence[BaseHook], source: Wei
 
     Args:
         trainer: The trainer, its model built.
-        hooks: Every hook the trainer built (a ``CheckpointingHook`` says where its checkpoints are).
+        hooks: Every hook the trainer built (each says where it keeps checkpoints: ``checkpoint_directory``).
         source: Where the weights come from.
 
     Raises:
@@ -128,9 +128,8 @@ def _latest_checkpoint(trainer: TrainerView, hooks: Sequence[BaseHook]) -> Locat
         CheckpointError: There is none.
     """
     from trainloop.checkpoint.files import latest_checkpoint
-    from trainloop.hooks.checkpointing import CheckpointingHook
 
-    roots: list[Any] = [h.directory(trainer) for h in hooks if isinstance(h, CheckpointingHook)]
+    roots: list[Any] = [root for h in hooks if (root := h.checkpoint_directory(trainer)) is not None]
     if not roots and trainer.workspace is not None:
         roots = [trainer.workspace / "checkpoints"]
     for root in roots:
@@ -158,7 +157,7 @@ class RunOfKind:
 
     Attributes:
         built_hooks: Every hook the run built, also those a run that trains nothing leaves out
-            (a ``CheckpointingHook`` still says where the checkpoints are).
+            (a hook that keeps checkpoints still says where they are).
         recorded: Whether the run is recorded however it ends: a training run always, a run that
             trains nothing once its weights are restored.
         trains, evaluates, predicts: The run's kind, as the loop's policies ask it.

@@ -1,7 +1,7 @@
 """How long a run is: ``max_steps``, ``max_epochs``, whichever comes first.
 
 ``RunLength`` answers the trainer's exit policy (``should_exit``) and the "last step" half of the
-``every(n)`` rule (``trainloop.hooks.schedule``), so both read one definition of where a run ends.
+``every(n)`` rule (``trainloop.hook_machinery.schedule``), so both read one definition of where a run ends.
 """
 
 from __future__ import annotations

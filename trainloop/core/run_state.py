@@ -30,7 +30,7 @@ if TYPE_CHECKING:
     from trainloop.core.data import EpochIterator
     from trainloop.core.metrics import MetricsLog
     from trainloop.core.run_length import RunLength
-    from trainloop.hooks.base import BaseHook
+    from trainloop.hook_machinery.base import BaseHook
     from trainloop.machine.runner import Handle
     from trainloop.machine.table import Transition
     from trainloop.settings.model import TrainerSettings

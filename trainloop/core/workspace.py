@@ -5,6 +5,7 @@
   will write, so that ``validate`` says it too and ``run`` says it before any step.
   :func:`file_problem` says it of a file to write (a directory in the way), and with ``probe``
   tries to create a file there (a read-only or special filesystem that permissions do not show).
+  :func:`declared_output_problems` asks either of a path a hook declares, relative ones under the workspace.
 - :func:`hold_workspace` holds ``<workspace>/run.lock`` for a run's life (an OS lock, released
   by the kernel when the process ends, however it ends). A second run in the same workspace is
   refused with :class:`WorkspaceBusyError` naming the holder's host and PID; a lock file left by
@@ -42,6 +43,7 @@ import torch.distributed as dist
 from trainloop.checkpoint import storage
 from trainloop.checkpoint.storage import Location, UrlPath
 from trainloop.distributed.ranks import in_process_group, rank
+from trainloop.hook_machinery.checks import HookProblem, one_process
 
 __all__ = [
     "LEASE_SECONDS",
@@ -51,6 +53,7 @@ __all__ = [
     "hold_run_location",
     "hold_run_workspace",
     "hold_workspace",
+    "declared_output_problems",
     "path_problem",
 ]
 
@@ -116,6 +119,29 @@ def file_problem(path: Path, probe: bool = False) -> str | None:
     except OSError as error:
         return f"{text}: cannot create a file in {existing}: {error.strerror or error}"
     return None
+
+
+def declared_output_problems(settings: Any, path: Path, name: str, kind: str = "directory") -> list[HookProblem]:
+    """A problem if the run could not write ``path`` (a ``"directory"`` or a ``"file"``), read from the filesystem.
+
+    A relative ``path`` is under the workspace (none set: ``needs_workspace`` says it). Nothing
+    is created; under a launcher nothing is read (see ``trainloop.hook_machinery.checks.one_process``).
+
+    Args:
+        settings: The run's ``TrainerSettings``.
+        path: The declared path.
+        name: The parameter holding it.
+        kind: What the hook writes there.
+    """
+    full = Path(path).expanduser()
+    if not full.is_absolute():
+        if settings.workspace is None:
+            return []
+        full = settings.workspace / full
+    if not one_process():
+        return []
+    problem = path_problem(full) if kind == "directory" else file_problem(full)
+    return [] if problem is None else [(name, problem)]
 
 
 @contextmanager

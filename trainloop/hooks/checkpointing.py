@@ -34,16 +34,18 @@ from trainloop.checkpoint.storage import (
 )
 from trainloop.core.workspace import hold_run_location, path_problem
 from trainloop.distributed.ranks import is_rank_zero
-from trainloop.hooks.base import BaseHook
-from trainloop.hooks.checks import HookProblem, listed, needs_workspace, one_process
+from trainloop.hook_machinery.base import BaseHook
+from trainloop.hook_machinery.checks import HookProblem, listed, needs_workspace, one_process
+from trainloop.hook_machinery.registry import register_hook
+from trainloop.hook_machinery.schedule import Schedule
 from trainloop.hooks.early_stopping import MonitorNotFoundWarning
 from trainloop.hooks.exit_signals import DEFAULT_EXIT_SIGNALS, ExitCode, ExitOnSignal, ExitSignal, as_signal
-from trainloop.hooks.registry import register_hook
-from trainloop.hooks.schedule import Schedule
 from trainloop.settings.types import NonNegativeFloat, NonNegativeInt, PathOrUrl, PositiveInt, StrictBool
 from trainloop.utils import flatten_nested_dict, warn_user
 
 if TYPE_CHECKING:
+    import signal
+
     from trainloop.checkpoint.loading import VerifiedFiles
     from trainloop.checkpoint.saver import CheckpointSaver
     from trainloop.core.run_state import TrainerView
@@ -114,6 +116,15 @@ class CheckpointingHook(BaseHook):
     Raises:
         pydantic.ValidationError: A parameter is invalid; the error names it.
     """
+
+    writes_to = ("path",)
+
+    @classmethod
+    def claimed_signals(cls, declared: Any) -> list[signal.Signals]:
+        """The ``exit_signals`` a declared hook names; left to the default, one handler serves every hook."""
+        if "exit_signals" not in declared.model_fields_set:
+            return []
+        return [as_signal(s) for s in declared.exit_signals or ()]
 
     @classmethod
     def check_settings(cls, declared: Any, settings: Any, trainer: Any) -> list[HookProblem]:
@@ -411,6 +422,10 @@ class CheckpointingHook(BaseHook):
                 "workspace; set the trainer's workspace or give an absolute path"
             )
         return trainer.workspace / self.path
+
+    def checkpoint_directory(self, trainer: TrainerView) -> Location:
+        """Where this hook keeps the run's checkpoints: its ``directory``."""
+        return self.directory(trainer)
 
 
 def load_checkpoint(trainer: TrainerView, root: Location, load: Location | str) -> Location | None:

@@ -7,8 +7,8 @@ from typing import TYPE_CHECKING
 import torch
 from pydantic import validate_call
 
-from trainloop.hooks.base import BaseHook
-from trainloop.hooks.registry import register_hook
+from trainloop.hook_machinery.base import BaseHook
+from trainloop.hook_machinery.registry import register_hook
 from trainloop.utils import warn_user
 
 if TYPE_CHECKING:

@@ -7,8 +7,8 @@ from typing import TYPE_CHECKING, Annotated, Any, Literal
 
 from pydantic import Field, validate_call
 
-from trainloop.hooks.base import BaseHook
-from trainloop.hooks.registry import register_hook
+from trainloop.hook_machinery.base import BaseHook
+from trainloop.hook_machinery.registry import register_hook
 from trainloop.settings.types import NonNegativeFloat, PositiveInt
 from trainloop.utils import flatten_nested_dict, hint_for_missing_key, to_float, warn_user
 

@@ -7,8 +7,8 @@ from typing import TYPE_CHECKING, Annotated, Any
 from pydantic import Field, validate_call
 from torch.optim.swa_utils import AveragedModel, get_ema_multi_avg_fn
 
-from trainloop.hooks.base import BaseHook
-from trainloop.hooks.registry import register_hook
+from trainloop.hook_machinery.base import BaseHook
+from trainloop.hook_machinery.registry import register_hook
 
 if TYPE_CHECKING:
     from trainloop.core.run_state import TrainerView

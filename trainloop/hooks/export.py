@@ -7,11 +7,11 @@ from typing import TYPE_CHECKING, Annotated, Any
 
 from pydantic import Field, validate_call
 
-from trainloop.core.workspace import file_problem
+from trainloop.core.workspace import declared_output_problems, file_problem
 from trainloop.distributed.ranks import is_rank_zero
-from trainloop.hooks.base import BaseHook
-from trainloop.hooks.checks import HookProblem, needs_workspace, one_process, output_problem
-from trainloop.hooks.registry import register_hook
+from trainloop.hook_machinery.base import BaseHook
+from trainloop.hook_machinery.checks import HookProblem, needs_workspace, one_process
+from trainloop.hook_machinery.registry import register_hook
 from trainloop.settings.types import NonEmptyPath
 
 if TYPE_CHECKING:
@@ -57,7 +57,7 @@ class ExportHook(BaseHook):
         problems = needs_workspace(
             settings, declared.path, "path", f"the weights go to {str(declared.path)!r}, a relative path"
         )
-        problems += _suffix_problem(declared.path) + output_problem(settings, declared.path, "path", "file")
+        problems += _suffix_problem(declared.path) + declared_output_problems(settings, declared.path, "path", "file")
         if declared.weights == "ema" and not any(spec.type == "ema" for spec in settings.hooks):
             trainer_class = trainer if isinstance(trainer, type) else type(trainer)
             build_hooks = getattr(trainer_class, "build_hooks", None)

@@ -2,17 +2,18 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
-from trainloop.hooks.registry import register_hook
+from trainloop.hook_machinery.registry import register_hook
 from trainloop.hooks.stats import StatsHook, TrainingStats
 
 if TYPE_CHECKING:
     from trainloop.core.run_state import TrainerView
-    from trainloop.hooks.base import BaseHook
+    from trainloop.hook_machinery.base import BaseHook
     from trainloop.settings.model import TrainerSettings
 
-__all__ = ["DEFAULT_LOG_INTERVAL", "LoggingHook", "with_default_logging"]
+__all__ = ["DEFAULT_LOG_INTERVAL", "LoggingHook"]
 
 #: Steps per record of the loss and LR in ``metrics.jsonl`` when no ``LoggingHook`` is declared.
 DEFAULT_LOG_INTERVAL = 10
@@ -42,19 +43,17 @@ class LoggingHook(StatsHook):
         pydantic.ValidationError: A parameter is invalid; the error names it.
     """
 
+    @classmethod
+    def default_hook(cls, settings: TrainerSettings, hooks: Sequence[BaseHook]) -> LoggingHook | None:
+        """``LoggingHook(interval=DEFAULT_LOG_INTERVAL)`` for a run that keeps a ``metrics.jsonl``, which nothing logs.
+
+        Added when the run has a workspace with ``metrics_file`` on and no hook already logs the training
+        statistics: a run with a workspace records its loss and learning rate without asking.
+        """
+        if settings.workspace is None or not settings.metrics_file or any(isinstance(h, LoggingHook) for h in hooks):
+            return None
+        return cls(interval=DEFAULT_LOG_INTERVAL)
+
     def emit(self, trainer: TrainerView, stats: TrainingStats) -> None:
         """Pass the statistics to ``trainer.log``."""
         trainer.log(stats.to_records())
-
-
-def with_default_logging(hooks: list[BaseHook], settings: TrainerSettings) -> list[BaseHook]:
-    """``hooks``, led by a default ``LoggingHook`` when the run keeps a ``metrics.jsonl`` and nothing logs.
-
-    The hook is ``LoggingHook(interval=DEFAULT_LOG_INTERVAL)``, added when the run has a workspace with ``metrics_file``
-    on and no hook already logs the training statistics: a run with a workspace records its loss and learning rate
-    without asking.
-    """
-    if settings.workspace is None or not settings.metrics_file or any(isinstance(h, LoggingHook) for h in hooks):
-        return hooks
-    # First: hooks that write records (TensorBoard, wandb) must receive its last flush.
-    return [LoggingHook(interval=DEFAULT_LOG_INTERVAL), *hooks]

@@ -11,12 +11,12 @@ from typing import TYPE_CHECKING, Any
 from pydantic import validate_call
 from torch.profiler import ProfilerAction, ProfilerActivity, profile, record_function, schedule
 
-from trainloop.core.workspace import path_problem
+from trainloop.core.workspace import declared_output_problems, path_problem
 from trainloop.distributed.ranks import is_rank_zero, rank
-from trainloop.hooks.base import BaseHook
-from trainloop.hooks.checks import HookProblem, listed, needs_workspace, one_process, output_problem
+from trainloop.hook_machinery.base import BaseHook
+from trainloop.hook_machinery.checks import HookProblem, listed, needs_workspace, one_process
+from trainloop.hook_machinery.registry import register_hook
 from trainloop.hooks.profiler_table import RANGE_PREFIX, ops_per_state
-from trainloop.hooks.registry import register_hook
 from trainloop.settings.types import NonEmptyPath, NonNegativeInt, PositiveInt, StrictBool
 
 if TYPE_CHECKING:
@@ -78,7 +78,7 @@ class ProfilerHook(BaseHook):
         given = declared.trace_dir
         where = f"{str(given)!r}, a relative path" if given is not None else "<workspace>/profiles"
         problems = needs_workspace(settings, given, "trace_dir", f"traces go to {where}")
-        problems += output_problem(settings, given if given is not None else Path(_DEFAULT_DIR), "trace_dir")
+        problems += declared_output_problems(settings, given if given is not None else Path(_DEFAULT_DIR), "trace_dir")
         first = declared.wait + declared.warmup + declared.active
         if settings.max_steps is not None and first > settings.max_steps:
             problems.append(

@@ -14,8 +14,8 @@ from typing import TYPE_CHECKING, Any
 from pydantic import validate_call
 
 from trainloop.distributed.ranks import is_rank_zero
+from trainloop.hook_machinery.registry import register_hook
 from trainloop.hooks.logging_hook import LoggingHook
-from trainloop.hooks.registry import register_hook
 from trainloop.hooks.stats import THROUGHPUT_SETTINGS, ItemCount, StatsHook, TrainingStats, adopted_throughput
 from trainloop.settings.types import NonNegativeInt, PositiveFloat, PositiveInt, RecordKey, StrictBool
 from trainloop.utils import flatten_nested_dict
@@ -46,7 +46,7 @@ class ProgressHook(StatsHook):
     trainer clips; ``retries`` when steps were retried; ``lr/<group>`` per group when the
     optimizer has several; ``| key value ...`` with ``with_records``. The numbers are the
     ``StatsHook`` aggregate of the steps since the last report. Reports follow the
-    ``every(n)`` rule (``trainloop.hooks.schedule``).
+    ``every(n)`` rule (``trainloop.hooks.Schedule``).
 
     When standard output is a terminal, ``bar`` is on, ``tqdm`` is installed and this is rank 0,
     a live progress bar is drawn there (its postfix carries the same numbers, and the latest

@@ -25,9 +25,9 @@ from pydantic import validate_call
 
 from trainloop.core.run_state import SINGLE
 from trainloop.distributed.ranks import gather_from_ranks, world_size
-from trainloop.hooks.base import BaseHook
-from trainloop.hooks.registry import register_hook
-from trainloop.hooks.schedule import Schedule
+from trainloop.hook_machinery.base import BaseHook
+from trainloop.hook_machinery.registry import register_hook
+from trainloop.hook_machinery.schedule import Schedule
 from trainloop.settings.types import PositiveFloat, PositiveInt, RecordKey, StrictBool
 from trainloop.utils import Records, key_average
 
@@ -290,7 +290,7 @@ class StatsHook(BaseHook):
     clips), step and data time, the retry count, ``step_info["max_memory"]`` when another hook
     records it (that hook must come before this one), ``forward``'s records, and each param
     group's learning rate before the scheduler steps. On its ``schedule``, the ``every(n)`` rule
-    (``trainloop.hooks.schedule``: every multiple of ``interval`` and the last step of a run that ends
+    (``trainloop.hooks.Schedule``: every multiple of ``interval`` and the last step of a run that ends
     cleanly, also early on an exit request), ``on_schedule`` reduces them into a
     ``TrainingStats`` and calls ``emit``.
 

@@ -8,9 +8,9 @@ from typing import TYPE_CHECKING, Any
 from pydantic import validate_call
 
 from trainloop.distributed.ranks import is_rank_zero
-from trainloop.hooks.base import BaseHook
-from trainloop.hooks.checks import HookProblem, needs_workspace
-from trainloop.hooks.registry import register_hook
+from trainloop.hook_machinery.base import BaseHook
+from trainloop.hook_machinery.checks import HookProblem, needs_workspace
+from trainloop.hook_machinery.registry import register_hook
 from trainloop.settings.types import NonEmptyPath
 from trainloop.utils import flatten_nested_dict, to_float
 
@@ -42,6 +42,8 @@ class TensorBoardHook(BaseHook):
         ValueError: At the start of training, if the folder lies in the workspace and the
             trainer has none.
     """
+
+    writes_to = ("log_dir",)
 
     @classmethod
     def check_settings(cls, declared: Any, settings: Any, trainer: Any) -> list[HookProblem]:

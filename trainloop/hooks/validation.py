@@ -11,10 +11,10 @@ import torch
 from pydantic import Field, validate_call
 from pydantic.json_schema import SkipJsonSchema
 
-from trainloop.hooks.base import BaseHook
-from trainloop.hooks.checks import HookProblem
-from trainloop.hooks.registry import register_hook
-from trainloop.hooks.schedule import Schedule
+from trainloop.hook_machinery.base import BaseHook
+from trainloop.hook_machinery.checks import HookProblem
+from trainloop.hook_machinery.registry import register_hook
+from trainloop.hook_machinery.schedule import Schedule
 from trainloop.settings.types import PositiveInt, StrictBool
 from trainloop.utils import Records, flatten_nested_dict, module_modes_kept
 
@@ -36,7 +36,7 @@ _RENAME = "name your validation method otherwise (e.g. val_metrics) and point ev
 class ValidationHook(BaseHook):
     """Run an evaluation every ``interval`` steps (or epochs) and log what it returns under ``prefix``.
 
-    Evaluations follow the hook's ``schedule``, the ``every(n)`` rule (``trainloop.hooks.schedule``),
+    Evaluations follow the hook's ``schedule``, the ``every(n)`` rule (``trainloop.hooks.Schedule``),
     and each runs in the machine's ``validating`` state, so its time is its own in traces and
     reports: after every ``interval``-th step (or epoch), once at the start of the run when
     ``at_start`` (after ``restoring``, before the first step), and after the last step of a run

@@ -8,9 +8,9 @@ from typing import TYPE_CHECKING, Annotated, Any, Literal
 from pydantic import Field, validate_call
 
 from trainloop.distributed.ranks import is_rank_zero
-from trainloop.hooks.base import BaseHook
-from trainloop.hooks.checks import HookProblem, workspace_only
-from trainloop.hooks.registry import register_hook
+from trainloop.hook_machinery.base import BaseHook
+from trainloop.hook_machinery.checks import HookProblem, workspace_only
+from trainloop.hook_machinery.registry import register_hook
 from trainloop.utils import flatten_nested_dict, to_float
 
 if TYPE_CHECKING:

@@ -40,7 +40,7 @@ def draw(
             in DOT the line's width grows with the count, an edge that never fired is grey and
             dashed, and fired edges into ``retrying``, ``validating``, ``checkpointing`` (and ``fail``) are coloured.
         notes: Lines to write beside a state, such as the hooks that act in it with their
-            schedules (``trainloop.hooks.listing``).
+            schedules (``trainloop.hook_machinery.listing``).
         seconds: Wall time spent in each state (``summarize_trace(...).seconds_in_state``): in
             SVG each state's shade deepens with its share of the run, which it shows.
 

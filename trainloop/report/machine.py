@@ -49,7 +49,7 @@ def machine_svg(
 
 def machine_section(summary: TraceSummary | None, settings: Mapping[str, Any], graphviz: bool = False) -> str:
     """The machine drawn with the run's trace and declared hooks, then the time spent per state."""
-    from trainloop.hooks.listing import hook_notes
+    from trainloop.hook_machinery.listing import hook_notes
 
     counts = summary.counts if summary is not None else None
     lines = _hook_lines(settings)
@@ -73,7 +73,7 @@ def _hook_lines(settings: Mapping[str, Any]) -> list[tuple[State | None, str]]:
     declared = [hook for hook in settings.get("hooks") or [] if isinstance(hook, Mapping)]
     if not declared:
         return []
-    from trainloop.hooks.listing import declared_hook_lines
+    from trainloop.hook_machinery.listing import declared_hook_lines
 
     return declared_hook_lines(declared)
 

@@ -17,7 +17,7 @@ from typing import Any
 from pydantic import BaseModel, ValidationError
 from pydantic_core import ErrorDetails, InitErrorDetails, PydanticCustomError
 
-from trainloop.hooks.registry import HOOK_TYPES, HookSpec, hook_settings_model
+from trainloop.hook_machinery.registry import HookSpec, hook_class, hook_settings_model
 from trainloop.settings.sources import Key, SettingsInput
 
 __all__ = ["describe_validation_error", "field_path", "in_our_words"]
@@ -83,7 +83,7 @@ def _model_of(annotation: Any, node: Any) -> type[BaseModel] | None:
     """The model class ``annotation`` validates ``node`` with (unwrapping ``X | None``)."""
     if annotation is HookSpec:
         type_name = node.get("type") if isinstance(node, dict) else None
-        cls = HOOK_TYPES.get(type_name) if isinstance(type_name, str) else None
+        cls = hook_class(type_name) if isinstance(type_name, str) else None
         # mypy reads a class held in a variable as not Hashable (it takes __hash__ for the unbound method).
         return hook_settings_model(cls) if cls is not None else None  # type: ignore[arg-type]
     if isinstance(annotation, type) and issubclass(annotation, BaseModel):

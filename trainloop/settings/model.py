@@ -24,7 +24,7 @@ from pydantic import (
     model_validator,
 )
 
-from trainloop.hooks.registry import HookSpec
+from trainloop.hook_machinery.registry import HookSpec
 from trainloop.settings.deepspeed import config_problems, read_config
 from trainloop.settings.errors import describe_validation_error, in_our_words
 from trainloop.settings.init_from import InitFromSettings

@@ -1,6 +1,8 @@
 """Hooks declared in settings: validated like keyword arguments, built in the order given."""
 
 import json
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -11,8 +13,8 @@ from tiny_trainer import TinyTrainer, make_data
 from torch.utils.data import DataLoader
 
 from trainloop import BaseHook, CheckpointingHook, LoggingHook, ProgressHook, TrainerSettings
+from trainloop.hook_machinery.registry import register_hook, unregister_hook, with_default_hooks
 from trainloop.hooks import HOOK_TYPES, hook_settings_model
-from trainloop.hooks.registry import register_hook
 
 
 class DeclaredTrainer(TinyTrainer):
@@ -168,3 +170,33 @@ def test_a_hook_object_in_settings_says_where_objects_go():
     assert "settings.hooks holds hooks as data, not ValidationHook objects: return hook objects from build_hooks()" in message
     assert '"type": "validation"' in message
     assert "{{" not in message
+
+
+def test_a_built_in_hook_is_declarable_where_only_the_settings_were_imported():
+    # The settings import the machinery alone; the first lookup of a type imports the hook library.
+    code = (
+        "import sys\n"
+        "from trainloop.settings import TrainerSettings\n"
+        "assert 'trainloop.hooks' not in sys.modules\n"
+        "settings = TrainerSettings(max_steps=2, hooks=[{'type': 'checkpointing', 'interval': 2}])\n"
+        "print(type(settings.hooks[0]).__name__)\n"
+    )
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert done.stdout.strip() == "CheckpointingHookSettings"
+
+
+def test_the_hooks_a_run_adds_by_itself_come_from_the_classes_that_define_them(tmp_path):
+    class QuietLogging(LoggingHook):  # inherits LoggingHook.default_hook: adds no second default
+        pass
+
+    register_hook("quiet_logging")(QuietLogging)
+    try:
+        settings = TrainerSettings(max_steps=2, workspace=tmp_path)
+        (added,) = with_default_hooks([], settings)
+        assert type(added) is LoggingHook
+        assert added.interval == 10
+        declared = [QuietLogging(interval=5)]
+        assert with_default_hooks(declared, settings) == declared  # something logs already
+        assert with_default_hooks([], TrainerSettings(max_steps=2)) == []  # no workspace, no metrics.jsonl
+    finally:
+        unregister_hook("quiet_logging")

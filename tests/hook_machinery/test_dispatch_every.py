@@ -9,7 +9,8 @@ from tiny_trainer import TinyTrainer
 
 from trainloop import CheckpointingHook, LoggingHook, ValidationHook
 from trainloop.checkpoint.files import checkpoint_steps
-from trainloop.hooks.dispatch import Every
+from trainloop.hook_machinery.dispatch import Every
+from trainloop.hooks import Schedule
 
 
 class Crash(Exception):
@@ -92,7 +93,7 @@ def test_epochs_as_the_unit_with_accumulation(tmp_path):
 
 def test_bad_n_is_an_error():
     with pytest.raises(ValueError, match="every=0: every is a whole number"):
-        Every(0)
+        Every(Schedule(0))
 
 
 def test_epochs_count_on_after_a_resume(tmp_path):

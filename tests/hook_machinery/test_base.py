@@ -5,7 +5,7 @@ from pydantic import ValidationError
 from tiny_trainer import TinyTrainer
 
 from trainloop import BaseHook, CheckpointingHook, State
-from trainloop.hooks.dispatch import HOOK_METHODS, hook_dispatch
+from trainloop.hook_machinery.dispatch import HOOK_METHODS, hook_dispatch
 
 
 @pytest.mark.parametrize(

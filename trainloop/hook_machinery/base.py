@@ -1,4 +1,7 @@
-"""The hook interface (``trainloop.hooks.dispatch`` decides which methods run, and when)."""
+"""The hook interface: the methods the engine calls, and what a hook tells the engine it needs.
+
+``trainloop.hook_machinery.dispatch`` decides which methods run, and when.
+"""
 
 from __future__ import annotations
 
@@ -6,16 +9,19 @@ import difflib
 import functools
 import inspect
 import re
+import signal
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any, ClassVar
 
 from pydantic import ValidationError
 from pydantic_core import InitErrorDetails, PydanticCustomError
 
-from trainloop.hooks.schedule import Schedule
+from trainloop.hook_machinery.schedule import Schedule
+
+if TYPE_CHECKING:
+    from trainloop.checkpoint.storage import Location
 
 __all__ = ["BaseHook"]
-
 
 
 class BaseHook:
@@ -38,7 +44,7 @@ class BaseHook:
     ``trainloop.core.run_state.TrainerView`` (what the built-in hooks use).
 
     A hook that acts periodically declares when, as data: ``self.schedule = Schedule(every=100)``
-    (``trainloop.hooks.schedule``), and defines ``on_schedule``; the trainer applies the one
+    (``trainloop.hook_machinery.schedule``), and defines ``on_schedule``; the trainer applies the one
     every(n) rule and calls ``on_schedule`` only when it is due, so the steps in between cost
     the hook nothing, and ``trainloop graph``, the docs and the run report show the schedule.
 
@@ -46,12 +52,19 @@ class BaseHook:
     is built (``check_settings``, and ``check_together`` across the run's hooks of the class):
     ``trainloop validate``, ``trainloop run`` and ``train()`` all ask it.
 
+    The engine never names a hook class: a hook tells it what it needs here (``writes_to``,
+    ``claimed_signals``, ``checkpoint_directory``, ``default_hook``).
+
     Attributes:
         schedule: When ``on_schedule`` is called, or ``None`` (the hook has no schedule).
+        writes_to: The settings fields that name a directory a hook of this class writes
+            (``("log_dir",)``): the preflight checks that each local one can be made and written
+            (a relative one under the workspace).
     """
 
     _name: str | None = None
     schedule: Schedule | None = None
+    writes_to: ClassVar[tuple[str, ...]] = ()
 
     def __init_subclass__(cls, **kwargs: Any) -> None:
         super().__init_subclass__(**kwargs)
@@ -117,6 +130,38 @@ class BaseHook:
             One message per problem, naming the hooks as ``hooks[i]``.
         """
         return []
+
+    @classmethod
+    def claimed_signals(cls, declared: Any) -> list[signal.Signals]:
+        """The signals one declared hook of this class claims for its own handler (by default none).
+
+        The preflight refuses two declared hooks that claim one signal: a process has one handler
+        per signal.
+
+        Args:
+            declared: The hook's validated settings.
+        """
+        return []
+
+    @classmethod
+    def default_hook(cls, settings: Any, hooks: Sequence[BaseHook]) -> BaseHook | None:
+        """A hook of this class that a run adds by itself to ``hooks``, or ``None`` (the default).
+
+        Asked of each registered class that defines it, when the run has built its hooks
+        (``trainloop.hook_machinery.registry.with_default_hooks``).
+
+        Args:
+            settings: The run's validated ``TrainerSettings``.
+            hooks: The hooks the run built and declared.
+        """
+        return None
+
+    def checkpoint_directory(self, trainer: Any) -> Location | None:
+        """Where this hook keeps the run's checkpoints, or ``None`` (the default: it keeps none).
+
+        A run that loads its latest checkpoint without training (``evaluate``, ``predict``) looks there.
+        """
+        return None
 
     def on_before_train(self, trainer: Any) -> None:
         """Called once in ``restoring``, after any checkpoint was loaded."""

@@ -11,8 +11,8 @@ import sys
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from trainloop.hooks.base import BaseHook
-from trainloop.hooks.schedule import QUEUED_STATES, Schedule, Unit
+from trainloop.hook_machinery.base import BaseHook
+from trainloop.hook_machinery.schedule import QUEUED_STATES, Schedule, Unit
 from trainloop.machine.table import State
 
 __all__ = [
@@ -84,28 +84,20 @@ class Every:
     """The every(n) rule over one run, for one schedule.
 
     Args:
-        n: Act at every multiple of this many steps (or epochs).
-        unit: ``"steps"`` or ``"epochs"``.
-        at_end: Whether the last step of a run counts (the rule); ``False``: only multiples of ``n``.
+        schedule: The hook's declared schedule (checked when it was made): its ``every`` (``n``
+            here), ``unit``, ``at_end`` (whether the last step of a run counts), ``also_every``
+            and ``also_at``.
 
     Attributes:
         last_step: The step at which ``due`` or ``due_at_end`` last said yes, or ``None``.
     """
 
-    def __init__(
-        self,
-        n: int,
-        unit: Unit = "steps",
-        at_end: bool = True,
-        also_every: int = 0,
-        also_at: frozenset[int] = frozenset(),
-    ) -> None:
-        self.schedule = Schedule(n, unit, at_end, also_every=also_every, also_at=also_at)  # checks them
-        self.n = n
-        self.unit = unit
-        self.at_end = at_end
-        self.also_every = also_every
-        self.also_at = also_at
+    def __init__(self, schedule: Schedule) -> None:
+        self.n = schedule.every
+        self.unit: Unit = schedule.unit
+        self.at_end = schedule.at_end
+        self.also_every = schedule.also_every
+        self.also_at = schedule.also_at
         self.last_step: int | None = None
         self._epochs: int | None = None  # epochs completed after the last step seen
 
@@ -183,7 +175,7 @@ class ScheduledCalls:
         rows: list[tuple[BaseHook, Every | None, str]] = []
         for hook in hooks:
             s = hook.schedule
-            every = Every(s.every, s.unit, s.at_end, s.also_every, s.also_at) if s is not None else None
+            every = Every(s) if s is not None else None
             rows.append((hook, every, s.state if s is not None else "stepping"))
         self._everies = [every for _, every, _ in rows if every is not None]
         self._by_steps = [e for e in self._everies if e.unit == "steps" or e.also_every or e.also_at]

@@ -5,12 +5,16 @@ derived from its ``__init__`` signature (annotations and defaults), so a hook's 
 declared once, in Python, and validated the same way from code and from a settings file.
 
 Types are looked up when settings are validated (and when a JSON Schema is generated), not when
-this module is imported: a hook registered at any time before validation is declarable.
+this module is imported: a hook registered at any time before validation is declarable. The
+built-in types are registered by their library, ``trainloop.hooks`` (``BUILT_IN_HOOKS``), which the
+first lookup imports: settings declare them even where only ``trainloop.settings`` was imported,
+and the engine, which imports this machinery, never imports a hook.
 """
 
 from __future__ import annotations
 
 import difflib
+import importlib
 import inspect
 import json
 from collections.abc import Iterable, Sequence
@@ -20,7 +24,7 @@ from typing import TYPE_CHECKING, Any, Literal, TypeVar
 from pydantic import BaseModel, ConfigDict, Field, GetCoreSchemaHandler, GetJsonSchemaHandler, create_model
 from pydantic_core import PydanticCustomError, core_schema
 
-from trainloop.hooks.base import BaseHook
+from trainloop.hook_machinery.base import BaseHook
 
 if TYPE_CHECKING:
     from pydantic.json_schema import JsonSchemaValue
@@ -30,13 +34,30 @@ __all__ = [
     "HookSettings",
     "HookSpec",
     "build_declared_hooks",
+    "hook_class",
     "hook_settings_model",
+    "hook_types",
     "register_hook",
     "unregister_hook",
+    "with_default_hooks",
 ]
 
 #: Registered hook classes by type name.
 HOOK_TYPES: dict[str, type[BaseHook]] = {}
+
+#: The library whose import registers the built-in hook types.
+BUILT_IN_HOOKS = "trainloop.hooks"
+
+
+def hook_types() -> dict[str, type[BaseHook]]:
+    """The registered hook classes by type name, the built-in ones included (their library imported once)."""
+    importlib.import_module(BUILT_IN_HOOKS)
+    return HOOK_TYPES
+
+
+def hook_class(type_name: str) -> type[BaseHook] | None:
+    """The hook class registered under ``type_name``, or ``None``."""
+    return hook_types().get(type_name)
 
 H = TypeVar("H", bound=type[BaseHook])
 
@@ -57,7 +78,7 @@ class HookSettings(BaseModel):
         The hook remembers the declaration it was built from (``hook.declared_by``), so the
         trainer does not build one declaration twice.
         """
-        cls = HOOK_TYPES[self.type]
+        cls = hook_types()[self.type]
         hook = cls(**{name: getattr(self, name) for name in type(self).model_fields if name not in ("type", "name")})
         if self.name is not None:
             hook.name = self.name
@@ -117,7 +138,7 @@ def hook_settings_model(cls: type[BaseHook]) -> type[HookSettings]:
 
 
 def _unknown_type(type_name: object) -> PydanticCustomError:
-    known = sorted(HOOK_TYPES)
+    known = sorted(hook_types())
     close = difflib.get_close_matches(str(type_name), known, n=1)
     hint = f" (did you mean {close[0]!r}?)" if close else ""
     return PydanticCustomError(
@@ -131,12 +152,12 @@ def _unknown_type(type_name: object) -> PydanticCustomError:
 def _validate_spec(value: Any, info: core_schema.ValidationInfo) -> HookSettings:
     """One declared hook, validated by the settings model of the type it names, looked up now."""
     if isinstance(value, HookSettings):
-        if HOOK_TYPES.get(value.type) is None:
+        if hook_class(value.type) is None:
             raise _unknown_type(value.type)
         return value
     if isinstance(value, BaseHook):
         # Someone coming from Lightning passes objects: they belong in build_hooks().
-        declared = next((name for name, cls in HOOK_TYPES.items() if type(value) is cls), None)
+        declared = next((name for name, cls in hook_types().items() if type(value) is cls), None)
         as_data = (
             f' (or declare it as data: a mapping with "type": "{declared}" and its parameters)' if declared else ""
         )
@@ -154,9 +175,9 @@ def _validate_spec(value: Any, info: core_schema.ValidationInfo) -> HookSettings
         raise PydanticCustomError(
             "hook_type_missing",
             'the hook has no "type"; registered types: {known}',
-            {"known": ", ".join(sorted(HOOK_TYPES))},
+            {"known": ", ".join(sorted(hook_types()))},
         )
-    cls = HOOK_TYPES.get(value["type"]) if isinstance(value["type"], str) else None
+    cls = hook_class(value["type"]) if isinstance(value["type"], str) else None
     if cls is None:
         raise _unknown_type(value["type"])
     # mypy reads a class held in a variable as not Hashable (it takes __hash__ for the unbound method).
@@ -195,7 +216,7 @@ else:
             cls, schema: core_schema.CoreSchema, handler: GetJsonSchemaHandler
         ) -> JsonSchemaValue:
             """The registered hooks' settings, told apart by ``type`` (as registered right now)."""
-            models = [hook_settings_model(hook_cls) for hook_cls in HOOK_TYPES.values()]
+            models = [hook_settings_model(hook_cls) for hook_cls in hook_types().values()]
             if not models:
                 return {"type": "object", "properties": {"type": {"type": "string"}}, "required": ["type"]}
             union = core_schema.tagged_union_schema(
@@ -221,3 +242,22 @@ def build_declared_hooks(declared: Sequence[HookSettings], built: Iterable[BaseH
     hooks = list(built)
     already = {id(getattr(hook, "declared_by", None)) for hook in hooks}
     return hooks + [spec.build() for spec in declared if id(spec) not in already]
+
+
+def with_default_hooks(hooks: list[BaseHook], settings: Any) -> list[BaseHook]:
+    """``hooks``, led by those the registered classes add by themselves (``BaseHook.default_hook``).
+
+    Each class that defines ``default_hook`` is asked once, in registration order: a subclass that
+    only inherits it adds nothing more.
+
+    Args:
+        hooks: The hooks the run built and declared.
+        settings: The run's validated ``TrainerSettings``.
+    """
+    added = [
+        hook
+        for cls in hook_types().values()
+        if "default_hook" in vars(cls) and (hook := cls.default_hook(settings, hooks)) is not None
+    ]
+    # First: hooks that write records (TensorBoard, wandb) must receive a default hook's last flush.
+    return [*added, *hooks]

@@ -16,8 +16,8 @@ from helper_hooks import ExitAt
 from tiny_trainer import TinyTrainer
 
 from trainloop import BaseHook, CheckpointingHook, LoggingHook, ProgressHook, TrainerSettings, ValidationHook
+from trainloop.hook_machinery.dispatch import Every
 from trainloop.hooks import Schedule
-from trainloop.hooks.dispatch import Every
 
 
 class Scheduled(BaseHook):

@@ -13,9 +13,9 @@ from typing import Any
 
 from pydantic import ValidationError
 
-from trainloop.hooks.base import BaseHook
-from trainloop.hooks.dispatch import HOOK_EVENTS
-from trainloop.hooks.registry import HOOK_TYPES, HookSettings, hook_settings_model
+from trainloop.hook_machinery.base import BaseHook
+from trainloop.hook_machinery.dispatch import HOOK_EVENTS
+from trainloop.hook_machinery.registry import HookSettings, hook_class, hook_settings_model
 from trainloop.machine.table import State
 
 __all__ = ["declared_hook_lines", "hook_line", "hook_notes"]
@@ -82,7 +82,7 @@ def declared_hook_lines(declared: Iterable[HookSettings | Mapping[str, Any]]) ->
             continue
         type_name, name = entry.get("type"), entry.get("name")
         shown = name or type_name
-        cls = HOOK_TYPES.get(type_name) if isinstance(type_name, str) else None
+        cls = hook_class(type_name) if isinstance(type_name, str) else None
         if cls is None:
             lines.append((None, f"{shown} — hook type {type_name!r} is not registered here: its schedule is unknown"))
             continue

@@ -11,10 +11,9 @@ from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
-from trainloop.core.workspace import file_problem, path_problem
 from trainloop.distributed.ranks import in_process_group, world_size
 
-__all__ = ["HookProblem", "listed", "needs_workspace", "one_process", "output_problem", "workspace_only"]
+__all__ = ["HookProblem", "listed", "needs_workspace", "one_process", "workspace_only"]
 
 #: One problem of a declared hook: the parameter at fault (``None``: the hook as a whole), and what is wrong.
 HookProblem = tuple[str | None, str]
@@ -34,29 +33,6 @@ def needs_workspace(settings: Any, path: Path | None, name: str, what: str) -> l
     if settings.workspace is None and (path is None or not Path(path).expanduser().is_absolute()):
         return [(name, f"{what}, but no workspace is set: set workspace or give an absolute path")]
     return []
-
-
-def output_problem(settings: Any, path: Path, name: str, kind: str = "directory") -> list[HookProblem]:
-    """A problem if the run could not write ``path`` (a ``"directory"`` or a ``"file"``), read from the filesystem.
-
-    A relative ``path`` is under the workspace (none set: ``needs_workspace`` says it). Nothing
-    is created; under a launcher nothing is read (see :func:`one_process`).
-
-    Args:
-        settings: The run's ``TrainerSettings``.
-        path: The declared path.
-        name: The parameter holding it.
-        kind: What the hook writes there.
-    """
-    full = Path(path).expanduser()
-    if not full.is_absolute():
-        if settings.workspace is None:
-            return []
-        full = settings.workspace / full
-    if not one_process():
-        return []
-    problem = path_problem(full) if kind == "directory" else file_problem(full)
-    return [] if problem is None else [(name, problem)]
 
 
 def workspace_only(declared: Any, settings: Any, what: str) -> list[HookProblem]:

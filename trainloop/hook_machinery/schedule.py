@@ -1,7 +1,7 @@
 """The one "every N" rule of hooks that act periodically, and the ``Schedule`` that declares it.
 
 A hook declares when it acts as data (``hook.schedule = Schedule(every=n)``) and defines
-``on_schedule(trainer)``; the loop asks the dispatcher (``trainloop.hooks.dispatch``) what is due
+``on_schedule(trainer)``; the loop asks the dispatcher (``trainloop.hook_machinery.dispatch``) what is due
 and calls it, so a step on which nothing is due costs the hook nothing. docs/hooks.md has the
 rule in full: multiples of ``every`` steps or epochs (and ``also_every``/``also_at`` steps), the
 last step of a run that ends cleanly (``at_end``), once before the first step (``at_start``);
@@ -9,7 +9,7 @@ last step of a run that ends cleanly (``at_end``), once before the first step (`
 (``validating``, ``checkpointing``) that the machine enters for it.
 
 The rule's bookkeeping over a run (``Every``) and its application (``ScheduledCalls``) are
-:mod:`trainloop.hooks.dispatch`'s.
+:mod:`trainloop.hook_machinery.dispatch`'s.
 """
 
 from __future__ import annotations
