@@ -227,7 +227,7 @@ def test_export_joins_the_partitions_into_weights_that_load_strictly_into_the_pl
         assert all(torch.equal(weights[key], exported[0][key]) for key in weights)
 
 
-def test_init_from_and_inspect_read_a_deepspeed_checkpoint(ranks, tmp_path):
+def test_init_from_predict_and_inspect_read_a_deepspeed_checkpoint(ranks, tmp_path):
     from deepspeed_worker import DeepSpeedTrainer, dataset
     from safetensors.torch import load_file
     from torch.utils.data import DataLoader
@@ -247,12 +247,23 @@ def test_init_from_and_inspect_read_a_deepspeed_checkpoint(ranks, tmp_path):
         def build_data_loader(self):  # one process, no sampler across ranks
             return DataLoader(dataset(), batch_size=4)
 
+        def build_predict_data_loader(self):
+            return DataLoader(dataset(), batch_size=16)
+
+        def predict_step(self, batch):
+            return self.model(batch[0])
+
     trainer = PlainTrainer(max_steps=1, device="cpu", init_from=str(checkpoint), metrics_file=False)
     trainer.build_hooks = lambda: [Start()]  # type: ignore[method-assign]
     trainer.train()  # a plain run, starting from the DeepSpeed run's weights
     expected = load_file(tmp_path / "w.safetensors")
     assert started.keys() == expected.keys()
     assert all(torch.equal(started[key], expected[key]) for key in expected)
+    predicted = PlainTrainer(max_steps=1, device="cpu").predict(checkpoint=checkpoint)["predictions"]
+    reference = __import__("deepspeed_worker").model()
+    reference.load_state_dict(expected, strict=True)
+    with torch.no_grad():
+        assert torch.equal(predicted, reference(dataset().tensors[0]))
     result = Cli("inspect", "--json", checkpoint, cwd=tmp_path).result()
     assert result.returncode == 0, result.stderr
     described = json.loads(result.stdout)  # DeepSpeed's own prints went to stderr
