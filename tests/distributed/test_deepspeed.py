@@ -175,6 +175,14 @@ def test_losses_equal_a_hand_written_deepspeed_loop_bit_for_bit(ranks, stage, ac
 
 
 @pytest.mark.parametrize("stage", [0, 1, 2, 3])
+def test_bf16_losses_equal_a_hand_written_deepspeed_loop_bit_for_bit(ranks, stage):
+    case = ranks[f"stage{stage}_bf16"]
+    assert len(case["by_hand"]) == 4
+    assert case["trainloop"] == case["by_hand"]
+    assert case["trainloop"] != ranks[f"stage{stage}_acc1"]["trainloop"]  # bf16 did change the numbers
+
+
+@pytest.mark.parametrize("stage", [0, 1, 2, 3])
 def test_a_non_finite_update_never_reaches_the_weights_and_is_retried_as_ours(ranks, stage):
     case = ranks[f"non_finite_stage{stage}"]
     assert case["retries"] == [0, 1, 0, 0]  # step 2 retried once, on fresh batches

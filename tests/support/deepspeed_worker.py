@@ -48,7 +48,8 @@ def optimizer(module: nn.Module) -> torch.optim.Optimizer:
 
 def loss_of(engine: Any, batch: Any) -> torch.Tensor:
     x, y = batch
-    return nn.functional.mse_loss(engine(x), y)
+    dtype = next(engine.parameters()).dtype  # bf16: DeepSpeed casts the module, not its inputs
+    return nn.functional.mse_loss(engine(x.to(dtype)).float(), y)
 
 
 class Losses(BaseHook):
@@ -90,11 +91,11 @@ class DeepSpeedTrainer(BaseTrainer):
         return loss, {}
 
 
-def with_trainloop(config: dict[str, Any], accumulation: int) -> list[float]:
+def with_trainloop(config: dict[str, Any], accumulation: int, precision: str | None = None) -> list[float]:
     losses = Losses()
     trainer = DeepSpeedTrainer(
         max_steps=STEPS, seed=0, device="cpu", deepspeed=config, gradient_accumulation_steps=accumulation,
-        metrics_file=False,
+        mixed_precision=precision, metrics_file=False,
     )
     trainer.build_hooks = lambda: [losses]  # type: ignore[method-assign]
     trainer.train()
@@ -102,11 +103,13 @@ def with_trainloop(config: dict[str, Any], accumulation: int) -> list[float]:
     return losses.losses
 
 
-def by_hand(config: dict[str, Any], accumulation: int) -> list[float]:
+def by_hand(config: dict[str, Any], accumulation: int, precision: str | None = None) -> list[float]:
     seed_all(0)
     batches = loader()
     module = model()
-    filled = filled_config(config, accumulation=accumulation, grad_clip=None, mixed_precision=None, batch_size=BATCH)
+    filled = filled_config(
+        config, accumulation=accumulation, grad_clip=None, mixed_precision=precision, batch_size=BATCH
+    )
     engine, *_ = deepspeed.initialize(model=module, optimizer=optimizer(module), config=filled)
     losses = []
     data = iter(batches)
@@ -173,6 +176,7 @@ CASES = {
                                         accumulation)
     for stage in (0, 1, 2, 3) for accumulation in (1, 2)
 }
+PRECISIONS = {f"stage{stage}_bf16": CASES[f"stage{stage}_acc1"][0] for stage in (0, 1, 2, 3)}
 
 
 def main(out: str) -> None:
@@ -182,6 +186,8 @@ def main(out: str) -> None:
     results = {}
     for name, (config, accumulation) in CASES.items():
         results[name] = {"trainloop": with_trainloop(config, accumulation), "by_hand": by_hand(config, accumulation)}
+    for name, config in PRECISIONS.items():
+        results[name] = {"trainloop": with_trainloop(config, 1, "bf16"), "by_hand": by_hand(config, 1, "bf16")}
     for stage in (0, 1, 2, 3):
         config = {"zero_optimization": {"stage": stage}, "zero_allow_untested_optimizer": True}
         results[f"non_finite_stage{stage}"] = non_finite(config)
