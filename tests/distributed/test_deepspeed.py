@@ -73,6 +73,18 @@ def test_what_trainloop_owns_is_filled_in():
     }
 
 
+def test_the_deepspeed_extra_is_pinned_and_installed_by_ci_as_the_readme_says():
+    import tomllib
+
+    root = Path(__file__).resolve().parents[2]
+    extras = tomllib.loads((root / "pyproject.toml").read_text())["project"]["optional-dependencies"]
+    assert extras["deepspeed"] == ["deepspeed==0.19.8"]
+    ci = (root / ".ci" / "run").read_text()
+    install = 'DS_BUILD_OPS=0 python -m pip install --quiet --no-build-isolation -e ".[deepspeed]"'
+    assert ci.index('pip install --quiet torch==2.13.0') < ci.index(install)  # its sdist imports torch to build
+    assert 'DS_BUILD_OPS=0 pip install --no-build-isolation -e ".[deepspeed]"' in (root / "README.md").read_text()
+
+
 def test_importing_trainloop_imports_no_deepspeed():
     code = "import trainloop, trainloop.core.loop, trainloop.distributed.deepspeed, sys; print('deepspeed' in sys.modules)"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, env=cli_env())
