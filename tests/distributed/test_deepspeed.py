@@ -130,6 +130,13 @@ def test_a_model_wrapped_in_ddp_is_refused_before_step_1():
         dist.destroy_process_group()
 
 
+def test_lr_find_says_it_does_not_drive_the_engine():
+    from trainloop import lr_find
+
+    with pytest.raises(ValueError, match=r"lr_find\(\): the trainer's settings declare deepspeed"):
+        lr_find(_trainer())
+
+
 # -- the command line: exit 2, one line, nothing written ----------------------------------------------------------
 
 
