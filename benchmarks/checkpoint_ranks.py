@@ -5,7 +5,7 @@ state, as in ``checkpoint_speed.py``). Per round, interleaved, every rank in ste
 before each measurement; the time of a measurement is the slowest rank's):
 
 - **save**: the floor, rank 0's ``torch.save`` + fsync of the model's and the optimizer's state
-  dicts (what a hand-written DDP loop does), against ``CheckpointSaver`` writing the full format
+  dicts (what a hand-written DDP loop does), against ``CheckpointManager`` writing the full format
   (rank 0 writes; hashes, manifest, atomic rename, ``latest``, the ranks agreeing on the outcome)
   and the sharded one (every rank writes its shard through DCP), which is also put beside the
   sharded format's own floor, a plain ``dcp.save`` of the same state.
@@ -51,7 +51,7 @@ from torch import nn
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
 
 from trainloop.checkpoint.loading import VerifiedFiles
-from trainloop.checkpoint.saver import CheckpointSaver
+from trainloop.checkpoint.manager import CheckpointManager
 from trainloop.checkpoint.sharded import load_sharded
 from trainloop.checkpoint.verify import open_checkpoint
 from trainloop.core.training_state import _load_model_and_optimizer
@@ -96,8 +96,8 @@ def one_round(
 
     def our_save(root: Path, format: str) -> Callable[[], None]:
         def save() -> None:
-            saver = CheckpointSaver(format, async_save=False, logger=logger)
-            error = saver.save(root, 1, state_dict(model, optimizer, format == "sharded"), {"step": 1}, lambda _: None)
+            manager = CheckpointManager(root, format, async_save=False, logger=logger)
+            error = manager.save(1, state_dict(model, optimizer, format == "sharded"))
             assert error is None, error
         return save
 
@@ -141,21 +141,21 @@ def one_round(
         fn()  # warm: into the page cache
         out[f"resume: {name}"].append(timed_on_all(fn))
 
-    saver = CheckpointSaver("full", async_save=True, logger=logger)
+    manager = CheckpointManager(full, "full", async_save=True, logger=logger)
     shutil.rmtree(full, ignore_errors=True)
     step(model.module, optimizer)
     dist.barrier()
     before = rss()
     with PeakRss() as peak:
-        waited = saver.waited
+        waited = manager.waited
         started = time.perf_counter()
-        saver.save(full, 2, state_dict(model, optimizer), {"step": 2}, lambda _: None, [optimizer])
+        manager.save(2, state_dict(model, optimizer), [optimizer])
         blocked = time.perf_counter() - started
         step(model.module, optimizer)  # waits for the background copy of parameters and moments
-        blocked += saver.waited - waited
-        error = saver.settle(agree=True)
+        blocked += manager.waited - waited
+        error = manager.settle(agree=True)
     assert error is None, error
-    saver.close()
+    manager.close()
     worst = torch.tensor([blocked], dtype=torch.float64)
     dist.all_reduce(worst, op=dist.ReduceOp.MAX)
     out["async: loop blocked"].append(float(worst))

@@ -13,7 +13,7 @@ same conditions:
   against the previous resume (verify every file in a pass, then ``read_checkpoint``, then
   torch's ``set_state_dict``). ``cold``: the files are first dropped from the page cache
   (``posix_fadvise(DONTNEED)``), so they come from the disk; ``warm``: from the page cache.
-- **async**: a background save (``CheckpointSaver(async_save=True)``) between training steps:
+- **async**: a background save (``CheckpointManager(async_save=True)``) between training steps:
   how long the loop is blocked (the save call, plus the next optimizer step's wait for the
   background copy of parameters and optimizer state), and the process's memory (RSS) above
   what it was before the save: its peak during the save (beside a step's own peak without a
@@ -42,9 +42,9 @@ from typing import Any
 import torch
 from torch import nn
 
-from trainloop.checkpoint.files import read_checkpoint, write_checkpoint
+from trainloop.checkpoint.files import read_checkpoint
+from trainloop.checkpoint.manager import CheckpointManager, write_checkpoint
 from trainloop.checkpoint.manifest import verify_checkpoint
-from trainloop.checkpoint.saver import CheckpointSaver
 from trainloop.checkpoint.verify import open_checkpoint
 from trainloop.core.training_state import _load_model_and_optimizer
 
@@ -130,9 +130,9 @@ class PeakRss:
         self.peak = max(self.peak, rss())
 
 
-def staged_bytes(saver: CheckpointSaver) -> int:
-    """The bytes of the staging buffers ``saver`` holds."""
-    return sum(t.numel() * t.element_size() for t in saver._stage._buffers.values())
+def staged_bytes(manager: CheckpointManager) -> int:
+    """The bytes of the staging buffers ``manager`` holds."""
+    return sum(t.numel() * t.element_size() for t in manager._stage._buffers.values())
 
 
 def one_round(scratch: Path, megabytes: float, results: dict[str, list[float]]) -> float:
@@ -203,7 +203,7 @@ def one_round(scratch: Path, megabytes: float, results: dict[str, list[float]]) 
             results[f"{name} ({temperature})"].append(timed(fn))
 
     # Background save: blocked time and memory above the baseline.
-    saver = CheckpointSaver("full", async_save=True, logger=logging.getLogger("bench"))
+    manager = CheckpointManager(ours_root, "full", async_save=True, logger=logging.getLogger("bench"))
     shutil.rmtree(ours_root)
     step(model, optimizer)
     before = rss()
@@ -213,21 +213,21 @@ def one_round(scratch: Path, megabytes: float, results: dict[str, list[float]]) 
     state_dict(model, optimizer)  # as before the save below (torch builds the dict's state lazily)
     before = rss()
     with PeakRss() as peak:
-        waited = saver.waited
+        waited = manager.waited
         started = time.perf_counter()
-        saver.save(ours_root, 2, state_dict(model, optimizer), {"step": 2}, lambda _: None, [optimizer])
+        manager.save(2, state_dict(model, optimizer), [optimizer])
         blocked = time.perf_counter() - started
-        held = staged_bytes(saver)
+        held = staged_bytes(manager)
         step(model, optimizer)  # waits for the background copy of parameters and moments
-        blocked += saver.waited - waited
-        error = saver.settle(agree=False)
+        blocked += manager.waited - waited
+        error = manager.settle(agree=False)
     assert error is None, error
     results["async: loop blocked"].append(blocked)
     results["async: peak RSS above before (MB)"].append((peak.peak - before) / 1e6)
     results["async: RSS left after the save (MB)"].append((rss() - before) / 1e6)
     results["async: staging copy during the save (MB)"].append(held / 1e6)
-    results["async: staging copy kept after it (MB)"].append(staged_bytes(saver) / 1e6)
-    saver.close()
+    results["async: staging copy kept after it (MB)"].append(staged_bytes(manager) / 1e6)
+    manager.close()
     for path in (plain, ours_root, raw):
         shutil.rmtree(path, ignore_errors=True) if path.is_dir() else path.unlink(missing_ok=True)
     return size / 1e6

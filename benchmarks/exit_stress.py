@@ -154,7 +154,7 @@ def main() -> None:
         import torch
 
         import trainloop.hooks.checkpointing  # noqa: F401
-        from trainloop.checkpoint import saver  # noqa: F401
+        from trainloop.checkpoint import manager  # noqa: F401
 
         torch.set_num_threads(1)
     crashes = 0

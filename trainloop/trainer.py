@@ -23,7 +23,7 @@ from trainloop.core.metrics import MetricsLog
 from trainloop.core.result import RefusedRunError, RunKind, RunResult, finish_run
 from trainloop.core.run_kinds import WeightsSource
 from trainloop.core.run_length import RunLength
-from trainloop.core.run_state import SINGLE, RunState
+from trainloop.core.run_state import SINGLE, RunState, not_built
 from trainloop.core.step import NO_CONTEXT, LossNoneWarning, check_forward
 from trainloop.core.training_state import ChangedSettingsWarning, load_training_state, training_state
 from trainloop.core.workspace import hold_run_workspace
@@ -112,9 +112,7 @@ class Built(Generic[T]):
         try:
             value: T = loop.run_state.built[self.name]  # type: ignore[union-attr]
         except (KeyError, AttributeError):
-            raise AttributeError(
-                f"trainer.{self.name} is not built yet: train() builds it with build_{self.name}() in 'building'"
-            ) from None
+            raise not_built(self.name) from None
         return value
 
     def __set__(self, trainer: Any, value: T) -> None:

@@ -12,7 +12,7 @@ import torch
 from torch import nn
 
 from trainloop.checkpoint.files import read_checkpoint
-from trainloop.checkpoint.saver import CheckpointSaver
+from trainloop.checkpoint.manager import CheckpointManager
 from trainloop.checkpoint.staging import CpuStage, ReusingStager, stepped_by
 
 
@@ -63,14 +63,14 @@ def test_the_next_optimizer_step_waits_for_the_background_copy(tmp_path, format)
 
     model_state, optimizer_state = get_state_dict(model, optimizer)
     before = {k: v.clone() for k, v in model.state_dict().items()}
-    saver = CheckpointSaver(format, async_save=True, logger=logging.getLogger("test"))
+    manager = CheckpointManager(tmp_path, format, async_save=True, logger=logging.getLogger("test"))
     state = {"model": model_state, "training_state": {"step": 2, "epoch": 0, "optimizer": optimizer_state}}
-    assert saver.save(tmp_path, 2, state, {"step": 2}, lambda _: None, [optimizer]) is None
+    assert manager.save(2, state, [optimizer]) is None
     model(torch.randn(4, 64)).sum().backward()
     optimizer.step()  # changes every parameter: only once the background copy is done
-    assert saver.settle(agree=False) is None
+    assert manager.settle(agree=False) is None
     saved = read_checkpoint(tmp_path / "2")["model"]
     assert all(torch.equal(saved[k], before[k]) for k in before)  # the state when the save began
     assert not all(torch.equal(model.state_dict()[k], before[k]) for k in before)
-    assert saver._stage._buffers == {}  # nothing held once published
-    saver.close()
+    assert manager._stage._buffers == {}  # nothing held once published
+    assert manager.close() is None

@@ -21,8 +21,8 @@ from upload_child import hooks
 
 from trainloop import BaseHook, TrainerSettings
 from trainloop.checkpoint import read_checkpoint, read_weights
-from trainloop.checkpoint.storage import location
 from trainloop.hooks.checkpointing import CheckpointingHook
+from trainloop.location import location
 from trainloop.settings.init_from import InitFromSettings
 
 

@@ -6,11 +6,9 @@ object naming the step, and what an interrupted save left is ignored, then clean
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import logging
 import uuid
-from pathlib import Path
 
 import fsspec
 import pytest
@@ -18,7 +16,7 @@ import torch
 from pydantic import ValidationError
 from tiny_trainer import TinyTrainer
 
-from trainloop import TrainerSettings, ValidationHook
+from trainloop import PreflightError, TrainerSettings, ValidationHook
 from trainloop.checkpoint import (
     checkpoint_steps,
     export_checkpoint,
@@ -29,9 +27,10 @@ from trainloop.checkpoint import (
     write_checkpoint,
 )
 from trainloop.checkpoint.errors import CheckpointError
-from trainloop.checkpoint.files import prune
-from trainloop.checkpoint.storage import StorageError, UrlPath, clean_leftovers, location
+from trainloop.checkpoint.manager import CheckpointManager
+from trainloop.checkpoint.storage import clean_leftovers
 from trainloop.hooks.checkpointing import CheckpointingHook
+from trainloop.location import UrlPath, location
 
 MEMORY = fsspec.filesystem("memory")
 
@@ -55,36 +54,6 @@ def state(step, value=0.0):
         "model": {"w": torch.full((3,), value)},
         "training_state": {"step": step, "epoch": 0, "optimizer": {"state": {}, "param_groups": []}},
     }
-
-
-def test_a_url_is_a_url_and_a_local_path_stays_local(tmp_path):
-    where = location("memory://a/b")
-    assert isinstance(where, UrlPath)
-    assert str(where / "5") == "memory://a/b/5"
-    assert (where / "5").name == "5"
-    assert location("file:///tmp/x") == Path("/tmp/x")  # file:// is the local fast path
-    assert location("checkpoints") == Path("checkpoints")
-    for mangled in ("s3:/bucket/run", Path("s3://bucket/run")):  # what Path() makes of a URL
-        with pytest.raises(StorageError, match="a URL scheme without its '//'"):
-            location(mangled)
-    with pytest.raises(StorageError, match="Protocol not known: nosuch"):
-        location("nosuch://x")
-
-
-def test_storage_options_go_to_the_filesystem_as_given_over_fsspec_config(monkeypatch):
-    pytest.importorskip("s3fs")
-    monkeypatch.setitem(fsspec.config.conf, "s3", {"endpoint_url": "http://configured:9000", "anon": True})
-    configured = location("s3://bucket/run")
-    assert configured.fs.storage_options == {"endpoint_url": "http://configured:9000", "anon": True}
-    declared = location("s3://bucket/run", {"endpoint_url": "http://declared:9000"})
-    assert declared.fs.storage_options == {"endpoint_url": "http://declared:9000", "anon": True}
-    assert declared.path == "bucket/run"
-
-
-@pytest.mark.skipif(importlib.util.find_spec("gcsfs") is not None, reason="gcsfs is installed here")
-def test_a_url_whose_filesystem_is_missing_names_the_extra():
-    with pytest.raises(StorageError, match=r"gs://bucket/run: the gs:// filesystem is not installed: pip install 'trainloop\[gcs\]'"):
-        location("gs://bucket/run")
 
 
 def test_write_read_verify_and_latest_on_object_storage(root):
@@ -138,9 +107,10 @@ def test_a_step_saved_again_replaces_the_old_one_whole(root):
 
 
 def test_pruning_removes_the_manifest_first_and_keeps_the_rest(root):
-    for step in (2, 4, 6, 8):
+    for step in (2, 4, 6):
         write_checkpoint(root, step, state(step))
-    prune(location(root), 8, 1, lambda step: step == 2, logging.getLogger("trainloop"))
+    manager = CheckpointManager(location(root), keep_previous=1, keep_steps=frozenset({2}))
+    manager.write_full(8, state(8), {"step": 8})  # published, then the others pruned
     clean_leftovers(location(root), logging.getLogger("trainloop"))  # waits for the background removal
     assert checkpoint_steps(root) == [2, 6, 8]
     assert {key.split("/")[0] for key in keys(root)} == {"2", "6", "8", "latest"}
@@ -193,6 +163,14 @@ def test_the_hook_takes_a_url_and_refuses_what_would_be_a_local_folder_named_lik
     with pytest.raises(ValueError, match="storage_options are for a URL path or load"):
         CheckpointingHook(interval=2, path=tmp_path, storage_options={"anon": True})
     assert not any(tmp_path.iterdir())
+    declared = {"max_steps": 2, "workspace": str(tmp_path / "ws"), "hooks": [
+        {"type": "checkpointing", "interval": 2, "storage_options": {"anon": True}}
+    ]}
+    with pytest.raises(PreflightError) as refused:  # a settings file: the preflight says it once, in one line
+        TinyTrainer(TrainerSettings.model_validate(declared)).train()
+    assert str(refused.value) == (
+        "hooks[0]: CheckpointingHook: storage_options are for a URL path or load, and neither is a URL"
+    )
 
 
 def test_cleaning_up_a_local_root_removes_only_what_a_save_writes(tmp_path):

@@ -10,13 +10,14 @@ from pathlib import Path
 import pytest
 
 from trainloop.checkpoint.storage import (
-    atomic_directory,
     clean_leftovers,
     discard,
+    drop_replaced,
     make_temporary,
     publish,
     remove_directory,
     replace_symlink,
+    unpublish,
 )
 
 LOGGER = logging.getLogger("test_atomic")
@@ -32,56 +33,60 @@ def fill(directory: Path, text: str) -> None:
     (directory / "sub" / "b.txt").write_text(text * 2)
 
 
-def test_atomic_directory_publishes_a_complete_directory_and_leaves_nothing_hidden(tmp_path):
+def write_directory(target: Path, text: str) -> None:
+    """Fill a temporary directory and publish it as ``target``, as a save does."""
+    tmp = make_temporary(target)
+    fill(tmp, text)
+    drop_replaced(publish(tmp, target))
+
+
+def test_publish_renames_a_complete_directory_into_place_and_leaves_nothing_hidden(tmp_path):
     target = tmp_path / "deep" / "7"
-    with atomic_directory(target) as tmp:
-        assert tmp.parent == target.parent
-        assert tmp.name.startswith(".7.tmp-")
-        assert not target.exists()  # invisible under its name until complete
-        fill(tmp, "x")
+    tmp = make_temporary(target)
+    assert tmp.parent == target.parent
+    assert tmp.name.startswith(".7.tmp-")
+    fill(tmp, "x")
+    assert not target.exists()  # invisible under its name until complete
+    assert publish(tmp, target) is None  # nothing replaced
     assert (target / "sub" / "b.txt").read_text() == "xx"
     assert entries(target.parent) == ["7"]
 
 
 def test_replacing_keeps_the_old_contents_until_the_new_are_complete(tmp_path):
     target = tmp_path / "7"
-    with atomic_directory(target) as tmp:
-        fill(tmp, "old")
-    with pytest.raises(RuntimeError, match="cut short"), atomic_directory(target) as tmp:  # noqa: PT012  (the fill must happen inside)
-        fill(tmp, "new")
-        raise RuntimeError("cut short")
-    assert (target / "a.txt").read_text() == "old"
-    assert entries(tmp_path) == ["7"]
-    with atomic_directory(target) as tmp:
-        fill(tmp, "new")
-    assert (target / "a.txt").read_text() == "new"
-    assert entries(tmp_path) == ["7"]
-
-
-def test_a_failing_then_undoes_the_publication_and_restores_the_replaced_directory(tmp_path):
-    target = tmp_path / "7"
-    with atomic_directory(target) as tmp:
-        fill(tmp, "old")
-    seen = []
-
-    def then():
-        seen.append((target / "a.txt").read_text())  # called with the new directory in place
-        raise OSError(28, "No space left on device")
-
+    write_directory(target, "old")
     tmp = make_temporary(target)
     fill(tmp, "new")
-    with pytest.raises(OSError, match="No space left"):
-        publish(tmp, target, then)
-    assert seen == ["new"]
+    discard(tmp)  # cut short
+    assert (target / "a.txt").read_text() == "old"
+    assert entries(tmp_path) == ["7"]
+    tmp = make_temporary(target)
+    fill(tmp, "new")
+    replaced = publish(tmp, target)
+    assert replaced is not None
+    assert replaced.name.startswith(".7.old-")  # moved aside until dropped
+    assert (target / "a.txt").read_text() == "new"
+    drop_replaced(replaced)
+    assert entries(tmp_path) == ["7"]
+
+
+def test_unpublish_takes_the_new_directory_out_and_restores_the_replaced_one(tmp_path):
+    target = tmp_path / "7"
+    write_directory(target, "old")
+    tmp = make_temporary(target)
+    fill(tmp, "new")
+    replaced = publish(tmp, target)
+    assert (target / "a.txt").read_text() == "new"
+    unpublish(target, replaced)  # a step the publication needs (latest) failed
     assert (target / "a.txt").read_text() == "old"
     assert entries(tmp_path) == ["7"]
 
 
-def test_a_failing_then_on_a_first_publication_leaves_no_directory(tmp_path):
+def test_unpublishing_a_first_publication_leaves_no_directory(tmp_path):
     target = tmp_path / "7"
-    with pytest.raises(OSError):
-        with atomic_directory(target, then=lambda: os.rename(tmp_path / "missing", tmp_path / "x")) as tmp:
-            fill(tmp, "new")
+    tmp = make_temporary(target)
+    fill(tmp, "new")
+    unpublish(target, publish(tmp, target))
     assert entries(tmp_path) == []
 
 

@@ -20,8 +20,8 @@ class Probe(BaseHook):
 
     def _see(self, trainer, event):
         run = trainer.loop.run_state
-        runner = trainer.loop.runner
-        self.seen.append((event, trainer.state, run.step, runner.microsteps if runner else -1, len(run.step_info.loss)))
+        runner = trainer.loop.step.runner
+        self.seen.append((event, trainer.state, run.step, runner.microsteps, len(run.step_info.loss)))
 
     def on_before_step(self, trainer):
         self._see(trainer, "before_step")
@@ -63,10 +63,10 @@ def test_begin_step_counts_and_announces_a_step_and_each_microstep_is_one_accumu
     ]
 
 
-def test_the_accumulating_edge_asks_the_runner_which_reads_the_step_plan():
+def test_the_accumulating_edge_asks_the_step_whose_runner_reads_the_step_plan():
     trainer = TinyTrainer(max_steps=1, gradient_accumulation_steps=2)
     trainer.train()
-    runner = trainer.loop.runner
+    runner = trainer.loop.step.runner
     assert runner.plan.accumulation == 2
     assert runner.microsteps == 2
     assert not trainer.loop.microsteps_remain()
@@ -124,7 +124,7 @@ def test_retries_exhausted_end_the_run_with_the_error_recorded_in_the_run_state(
     assert isinstance(trainer.error, RuntimeError)
     assert [c[0] for c in hook.calls[-2:]] == ["on_exception", "on_after_train"]
     assert hook.events("on_after_step") == []
-    assert trainer.loop.retries == 2
+    assert trainer.loop.step.retries == 2
     assert trainer.step == 1
 
 

@@ -8,7 +8,7 @@ from helper_hooks import CaptureHook, ExitAt
 from tiny_trainer import TinyTrainer
 
 from trainloop import CheckpointingHook, LoggingHook, ValidationHook
-from trainloop.checkpoint.files import checkpoint_steps
+from trainloop.checkpoint.manager import checkpoint_steps
 from trainloop.hook_machinery.dispatch import Every
 from trainloop.hooks import Schedule
 

@@ -14,7 +14,7 @@ from helper_hooks import ExitAt
 from tiny_trainer import TinyTrainer
 
 from trainloop import CheckpointingHook, TrainerSettings, ValidationHook
-from trainloop.checkpoint.files import checkpoint_steps
+from trainloop.checkpoint.manager import checkpoint_steps
 from trainloop.hooks.early_stopping import MonitorNotFoundWarning
 
 ROOT = Path(__file__).resolve().parents[2]

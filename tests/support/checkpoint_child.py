@@ -296,22 +296,22 @@ def preempt(workspace: str, async_save: bool) -> None:
     """A run with the default exit signals whose exit save pauses before writing, so that the
     parent can signal again while it is in flight (on the training thread, or in the background
     while the end of the run waits for it)."""
-    from trainloop.checkpoint import saver
+    from trainloop.checkpoint.manager import CheckpointManager
 
-    write, settle = saver.write_checkpoint, saver.CheckpointSaver.settle
+    write, settle = CheckpointManager.write_full, CheckpointManager.settle
 
-    def paused_write(root, step, *args, **kwargs):
+    def paused_write(self, step, *args, **kwargs):
         say("writing", step)
         sys.stdin.readline()
-        return write(root, step, *args, **kwargs)
+        return write(self, step, *args, **kwargs)
 
     def announced_settle(self, agree):
         if self._pending is not None:
             say("settling")
         return settle(self, agree)
 
-    saver.write_checkpoint = paused_write
-    saver.CheckpointSaver.settle = announced_settle
+    CheckpointManager.write_full = paused_write
+    CheckpointManager.settle = announced_settle
     hooks = [ReportHook(sleep=0.05), CheckpointingHook(interval=1_000_000, async_save=async_save)]
     TinyTrainer(max_steps=1_000_000, workspace=workspace, hooks=hooks).train()
 

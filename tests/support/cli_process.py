@@ -94,7 +94,7 @@ def two_runs_on_one_checkpoint_location(
     import signal
 
     from trainloop.checkpoint import checkpoint_steps
-    from trainloop.checkpoint.storage import location
+    from trainloop.location import location
 
     hook = {"type": "checkpointing", "interval": 2, "keep_previous": 1000, "path": path, "exit_signals": ["SIGTERM"]}
     settings = {"max_steps": 100_000, "workspace": "ws", "step_sleep": 0.02, "report": True, "hooks": [hook]}

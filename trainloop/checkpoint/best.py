@@ -12,14 +12,13 @@ from __future__ import annotations
 
 import json
 import math
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from typing import Annotated, Any, Literal
 
 from pydantic import AfterValidator, Field, StrictStr, ValidationInfo
 
 from trainloop.checkpoint import storage
-from trainloop.checkpoint.files import checkpoint_steps
-from trainloop.checkpoint.storage import Location, location
+from trainloop.location import Location, location
 from trainloop.utils import hint_for_missing_key, strict_json, to_float
 
 __all__ = ["BEST_FILE", "BestCheckpoints", "Monitor", "check_best", "read_best"]
@@ -73,12 +72,6 @@ class BestCheckpoints:
         self.observed: tuple[int, float] | None = None
         self._keys_seen: set[str] = set()  # while the metric is not seen: for a "did you mean"
 
-    def start(self, root: Location) -> None:
-        """Begin a run: forget what was observed, take the scores of ``root/best.json``."""
-        self.observed, self._keys_seen = None, set()
-        self.scores.clear()
-        self.load(root)
-
     def observe(self, step: int, flat: Mapping[str, Any]) -> float | None:
         """Read the metric from flattened logged records, if they hold it; returns its value."""
         if self.monitor not in flat:
@@ -122,8 +115,8 @@ class BestCheckpoints:
         ranked = self.ranked()
         return ranked[0] if ranked else None
 
-    def load(self, root: Location) -> None:
-        """Read the scores of an earlier run from ``root/best.json``, for checkpoints still there.
+    def load(self, root: Location, there: Iterable[int]) -> None:
+        """Read the scores of an earlier run from ``root/best.json``, for the checkpoints still ``there`` (steps).
 
         Scores of another metric or mode are not taken (they would rank wrongly).
         """
@@ -131,16 +124,16 @@ class BestCheckpoints:
         if found is None or (found.get("monitor"), found.get("mode")) != (self.monitor, self.mode):
             return
         scores = found.get("scores")
-        there = set(checkpoint_steps(root))
+        there = set(there)
         for step, value in (scores.items() if isinstance(scores, dict) else ()):
             if isinstance(value, bool) or not isinstance(value, (int, float, type(None))):
                 continue  # not a score (an edited file): the checkpoint is scored again when saved
             if str(step).isdigit() and int(step) in there:
                 self.scores[int(step)] = math.nan if value is None else float(value)
 
-    def write(self, root: Location) -> None:
-        """Write ``root/best.json`` atomically, forgetting checkpoints no longer there."""
-        there = set(checkpoint_steps(root))
+    def write(self, root: Location, there: Iterable[int]) -> None:
+        """Write ``root/best.json`` atomically, forgetting checkpoints no longer ``there`` (steps)."""
+        there = set(there)
         self.scores = {s: v for s, v in self.scores.items() if s in there}
         data = {
             "monitor": self.monitor,

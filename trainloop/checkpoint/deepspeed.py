@@ -29,7 +29,7 @@ from trainloop.distributed.ranks import rank, world_size
 if TYPE_CHECKING:
     from torch import nn
 
-    from trainloop.checkpoint.storage import Location
+    from trainloop.location import Location
 
 __all__ = [
     "ENGINE_DIR", "TAG", "deepspeed_engine", "engine_weights", "load_engine", "read_engine_checkpoint", "save_engine",

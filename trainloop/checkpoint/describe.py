@@ -15,7 +15,7 @@ import torch
 from trainloop.checkpoint.errors import CheckpointError
 from trainloop.checkpoint.files import checkpoint_format, read_checkpoint
 from trainloop.checkpoint.manifest import read_manifest, read_metadata
-from trainloop.checkpoint.storage import Location, location
+from trainloop.location import Location, location
 from trainloop.settings.optimizer import OPTIMIZERS
 
 __all__ = ["describe_checkpoint", "format_checkpoint", "jsonable"]

@@ -21,8 +21,9 @@ from collections.abc import Mapping
 import torch
 
 from trainloop.checkpoint.errors import CheckpointSaveError
-from trainloop.checkpoint.storage import Location, atomic_file, location
+from trainloop.checkpoint.storage import atomic_file
 from trainloop.checkpoint.weights import read_weights
+from trainloop.location import Location, location
 from trainloop.version import __version__
 
 __all__ = ["export_checkpoint", "save_weights", "settings_hash"]

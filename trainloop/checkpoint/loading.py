@@ -18,7 +18,7 @@ import torch
 from trainloop.checkpoint import storage
 from trainloop.checkpoint.errors import CheckpointError
 from trainloop.checkpoint.manifest import BufferReader, FileDigest, HashingReader, read_verified
-from trainloop.checkpoint.storage import Location, UrlPath
+from trainloop.location import Location, UrlPath
 
 __all__ = ["SHARDED_DIR", "UnloadableError", "VerifiedFiles", "load_file", "load_verified", "refused_or_corrupt"]
 

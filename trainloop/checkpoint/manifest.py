@@ -31,7 +31,8 @@ import xxhash
 
 from trainloop.checkpoint import storage
 from trainloop.checkpoint.errors import CheckpointError
-from trainloop.checkpoint.storage import MANIFEST, Location, UrlPath, location
+from trainloop.checkpoint.storage import MANIFEST
+from trainloop.location import Location, UrlPath, location
 from trainloop.utils import flatten_nested_dict, to_float
 from trainloop.version import __version__
 

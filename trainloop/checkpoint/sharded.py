@@ -47,8 +47,8 @@ from trainloop.checkpoint import storage
 from trainloop.checkpoint.errors import CheckpointError
 from trainloop.checkpoint.loading import SHARDED_DIR, VerifiedFiles, load_file, refused_or_corrupt
 from trainloop.checkpoint.manifest import FileDigest, HashingWriter
-from trainloop.checkpoint.storage import Location, UrlPath
 from trainloop.distributed.ranks import in_process_group
+from trainloop.location import Location, UrlPath
 
 __all__ = [
     "REST_FILE",

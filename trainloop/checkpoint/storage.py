@@ -1,11 +1,9 @@
-"""Where checkpoints live, and how a directory or a file there is replaced at once: a reader sees the old or the new.
+"""I/O at a location, and replacing a directory or a file there at once: a reader sees the old or the new.
 
-A location is a :class:`~pathlib.Path` (local disk: the fast path, with renames, symlinks, fsync
-and memory-mapped reads) or a :class:`UrlPath` (``s3://``, ``gs://``, ``memory://``: a path on
-an fsspec filesystem; a ``file://`` URL is a local path). The checkpoint code is written once
-over both; the operations that differ are here. fsspec and the cloud filesystems are optional
-extras (``trainloop[s3]``, ``trainloop[gcs]``): without them a URL is a :class:`StorageError`
-naming the extra; a filesystem takes its URL's ``storage_options`` over fsspec's configuration.
+A location (:mod:`trainloop.location`) is a local :class:`~pathlib.Path` (the fast path, with
+renames, symlinks, fsync and memory-mapped reads) or a :class:`~trainloop.location.UrlPath` on an
+fsspec filesystem. The checkpoint code is written once over both; the operations that differ are
+here.
 
 Locally, work in progress lives beside its target under a hidden name ``.<name>.<kind>-<hex>``
 (``tmp`` being written, ``old`` moved aside for a new one, ``del`` being deleted) and is renamed
@@ -16,43 +14,33 @@ what a crash left behind (one writer per parent directory).
 
 from __future__ import annotations
 
-import difflib
-import inspect
 import os
 import re
 import secrets
 import shutil
 import tempfile
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from contextlib import contextmanager, suppress
-from dataclasses import dataclass
 from logging import Logger
-from pathlib import Path, PurePosixPath
-from typing import Any, BinaryIO, TypeAlias
+from pathlib import Path
+from typing import Any, BinaryIO
+
+from trainloop.location import Location, UrlPath
 
 __all__ = [
     "LATEST",
     "MANIFEST",
-    "Location",
-    "StorageError",
-    "UnknownStorageOptions",
-    "UrlPath",
-    "accepted_storage_options",
-    "unknown_storage_options",
-    "atomic_directory",
     "atomic_file",
     "clean_leftovers",
     "discard",
+    "drop_replaced",
     "exists",
     "file_size",
     "files",
     "is_dir",
     "is_file",
     "is_step_name",
-    "is_url",
-    "location",
-    "lost_slash",
     "make_temporary",
     "names",
     "publish",
@@ -60,6 +48,7 @@ __all__ = [
     "reading",
     "remove",
     "remove_directory",
+    "unpublish",
     "replace_symlink",
     "wait_for_removals",
     "write_bytes",
@@ -86,12 +75,6 @@ def _saved_name(name: str) -> bool:
     return name == LATEST or is_step_name(name)
 
 
-#: ``s3://``, ``gs://``, ``memory://``, ``file://``, chained ``simplecache::s3://``: an fsspec URL.
-_URL = re.compile(r"[A-Za-z][A-Za-z0-9+.\-]*(::[A-Za-z][A-Za-z0-9+.\-]*)*://")
-_SCHEME_ONLY = re.compile(r"[A-Za-z][A-Za-z0-9+.\-]+:")
-
-#: The extra that installs each protocol's filesystem.
-_EXTRAS = {"s3": "s3", "s3a": "s3", "gs": "gcs", "gcs": "gcs"}
 
 
 _HIDDEN = re.compile(r"\.(?P<name>.+)\.(?P<kind>tmp|old|del)-[0-9a-f]+")
@@ -127,30 +110,6 @@ def _remove_url_directory(directory: UrlPath) -> None:
 
 
 @contextmanager
-def atomic_directory(target: Location, then: Callable[[], None] | None = None) -> Iterator[Location]:
-    """Yield an empty temporary directory to fill; on success it becomes ``target``.
-
-    Every file written into it is fsynced before the directory is renamed into place, so the
-    rename publishes complete contents. An existing ``target`` is moved aside first and removed
-    after the swap; a crash in between is undone by :func:`clean_leftovers`. On an exception
-    the temporary directory is removed and ``target`` keeps its old contents. On object storage
-    the directory yielded is ``target`` itself (see :func:`make_temporary`).
-
-    Args:
-        target: The directory to create or replace. Its parent is created if needed.
-        then: Completes the publication once the directory is in place (e.g. pointing
-            ``latest`` at it); see :func:`publish`.
-    """
-    tmp = make_temporary(target)
-    try:
-        yield tmp
-        publish(tmp, target, then)
-    except BaseException:
-        discard(tmp)
-        raise
-
-
-@contextmanager
 def atomic_file(target: Location) -> Iterator[Path]:
     """Yield a temporary local path to write one file at; on success it is fsynced and renamed to ``target``.
 
@@ -183,9 +142,8 @@ def atomic_file(target: Location) -> Iterator[Path]:
 def make_temporary(target: Location) -> Location:
     """Create the hidden, empty directory that will become ``target`` (its parent if needed).
 
-    For writers that cannot use :func:`atomic_directory` as one block: several processes
-    filling one directory, or a write finished on another thread. Hand it to :func:`publish`
-    when complete, or to :func:`discard`.
+    Fill it (from one process or several, on this thread or another), then hand it to
+    :func:`publish` when complete, or to :func:`discard`.
 
     On object storage, where nothing can be renamed, it is ``target`` itself, emptied: a
     directory there already (a checkpoint of the same step) is removed first, manifest first.
@@ -199,34 +157,65 @@ def make_temporary(target: Location) -> Location:
     return tmp
 
 
-def publish(tmp: Location, target: Location, then: Callable[[], None] | None = None) -> None:
-    """Fsync everything in ``tmp`` and rename it to ``target`` (replacing an existing one).
+def publish(tmp: Location, target: Location) -> Location | None:
+    """Fsync everything in ``tmp`` and rename it to ``target``; return the directory it replaced, moved aside.
+
+    The replaced directory stays hidden beside ``target`` until :func:`drop_replaced` removes it, or
+    :func:`unpublish` puts it back (a step the publication needs, such as pointing ``latest``, failed);
+    a crash in between is settled by :func:`clean_leftovers`.
 
     Args:
         tmp: The complete directory, from :func:`make_temporary`.
         target: Its name once published.
-        then: Called once ``tmp`` is in place, before the directory it replaced is removed;
-            if it raises, the publication is undone (the new directory leaves ``target``, the
-            old one comes back) and the error propagates. So a step that must succeed for
-            the directory to count, such as updating ``latest``, leaves nothing behind when
-            it fails.
 
-    On object storage ``tmp`` is ``target``, which its manifest published already: only
-    ``then`` remains (if it fails, the directory is removed).
+    On object storage ``tmp`` is ``target``, which its manifest published already: nothing is
+    renamed, nothing replaced.
     """
     if isinstance(tmp, UrlPath):
-        if then is not None:
-            try:
-                then()
-            except BaseException:
-                _remove_url_directory(tmp)
-                raise
-        return
+        return None
     assert isinstance(target, Path)
     for path in tmp.rglob("*"):
         _fsync(path)
     _fsync(tmp)
-    _swap_into_place(tmp, target, then)
+    # POSIX rename cannot replace a non-empty directory, so the old one steps aside first.
+    old = None
+    if target.exists() or target.is_symlink():
+        old = _hidden_name(target, "old")
+        os.rename(target, old)
+    try:
+        os.rename(tmp, target)
+    except BaseException:
+        if old is not None:
+            os.rename(old, target)
+        raise
+    _fsync(target.parent)
+    return old
+
+
+def unpublish(target: Location, replaced: Location | None) -> None:
+    """Take the just-published ``target`` back out of its name, and put ``replaced`` back there.
+
+    On object storage ``target`` is removed, manifest first.
+    """
+    if isinstance(target, UrlPath):
+        _remove_url_directory(target)
+        return
+    gone = _hidden_name(target, "del")
+    os.rename(target, gone)
+    if isinstance(replaced, Path):
+        os.rename(replaced, target)
+    _fsync(target.parent)
+    shutil.rmtree(gone, ignore_errors=True)  # what stays hidden, clean_leftovers removes
+
+
+def drop_replaced(replaced: Location | None) -> None:
+    """Remove the directory :func:`publish` moved aside; what cannot be removed now, :func:`clean_leftovers` retries."""
+    if replaced is None:
+        return
+    try:
+        _remove(replaced)
+    except OSError:
+        pass
 
 
 def discard(tmp: Location) -> None:
@@ -241,42 +230,6 @@ def discard(tmp: Location) -> None:
             pass  # a numbered directory without a manifest: clean_leftovers removes it
         return
     shutil.rmtree(tmp, ignore_errors=True)
-
-
-def _swap_into_place(new: Path, target: Path, then: Callable[[], None] | None) -> None:
-    # POSIX rename cannot replace a non-empty directory, so the old one steps aside first.
-    old = None
-    if target.exists() or target.is_symlink():
-        old = _hidden_name(target, "old")
-        os.rename(target, old)
-    try:
-        os.rename(new, target)
-    except BaseException:
-        if old is not None:
-            os.rename(old, target)
-        raise
-    _fsync(target.parent)
-    if then is not None:
-        try:
-            then()
-        except BaseException:
-            _unpublish(target, old)
-            raise
-    if old is not None:
-        try:
-            _remove(old)
-        except OSError:
-            pass  # the new directory is in place; clean_leftovers retries the old one later
-
-
-def _unpublish(target: Path, old: Path | None) -> None:
-    """Take the just-published ``target`` back out of its name, and put ``old`` back there."""
-    gone = _hidden_name(target, "del")
-    os.rename(target, gone)
-    if old is not None:
-        os.rename(old, target)
-    _fsync(target.parent)
-    shutil.rmtree(gone, ignore_errors=True)  # what stays hidden, clean_leftovers removes
 
 
 def replace_symlink(link: Path, target: str) -> None:
@@ -296,14 +249,14 @@ def replace_symlink(link: Path, target: str) -> None:
     _fsync(link.parent)
 
 
-def remove_directory(path: Location, background: Callable[[OSError], None] | None = None) -> None:
+def remove_directory(path: Location, background: Logger | None = None) -> None:
     """Delete a directory so that it disappears from its name at once, even if a crash interrupts.
 
     Args:
         path: The directory.
         background: Only move it aside here, and delete its contents on a helper thread
-            (pruning an old checkpoint need not hold up training), which calls this with the
-            error if that fails. :func:`wait_for_removals` waits for those deletions, and
+            (pruning an old checkpoint need not hold up training), which warns on this logger
+            if that fails. :func:`wait_for_removals` waits for those deletions, and
             :func:`clean_leftovers` does before it looks.
 
     On object storage its manifest is removed at once (it stops counting), the rest after.
@@ -325,14 +278,14 @@ def remove_directory(path: Location, background: Callable[[OSError], None] | Non
     global _remover
     if _remover is None:
         _remover = ThreadPoolExecutor(max_workers=1, thread_name_prefix="trainloop-prune")
-    _removals.append(_remover.submit(_remove_reporting, hidden, background))
+    _removals.append(_remover.submit(_remove_logging, hidden, path, background))
 
 
-def _remove_reporting(path: Location, report: Callable[[OSError], None]) -> None:
+def _remove_logging(hidden: Location, path: Location, logger: Logger) -> None:
     try:
-        _remove(path)
+        _remove(hidden)
     except OSError as error:
-        report(error)
+        logger.warning("Could not remove old checkpoint %s: %s", path, error)
 
 
 _remover: ThreadPoolExecutor | None = None
@@ -396,174 +349,6 @@ def _clean_url_leftovers(parent: UrlPath, logger: Logger) -> None:
             )
         except OSError as error:
             logger.warning("Could not clean up %s: %s", parent / name, error)
-
-def is_url(value: object) -> bool:
-    """Whether ``value`` is a string written as a URL (``scheme://...``), which names no local path."""
-    return isinstance(value, str) and _URL.match(value) is not None
-
-
-def lost_slash(path: Path) -> str | None:
-    """Why a local ``path`` beginning ``s3:/`` (a URL that lost a ``/``, as Path writes it) is refused, or None."""
-    first = path.parts[0] if path.parts else ""
-    if _SCHEME_ONLY.fullmatch(first) is None:
-        return None
-    return (
-        f"{str(path)!r} begins with {first!r}, a URL scheme without its '//' (a Path made of a URL loses one "
-        f"'/'): write the URL as text, {first}//..."
-    )
-
-
-class StorageError(ValueError):
-    """A URL that cannot be used here (its filesystem is not installed, an unknown protocol); names the URL."""
-
-
-@dataclass(frozen=True)
-class UrlPath:
-    """A file or directory on an fsspec filesystem: the part of the ``Path`` API checkpoints use.
-
-    Attributes:
-        fs: The filesystem (fsspec caches one instance per protocol and options).
-        path: The path as ``fs`` names it (``bucket/run/5`` for S3).
-        scheme: The protocol the URL was written with (``s3``), for :meth:`__str__`.
-    """
-
-    fs: Any
-    path: str
-    scheme: str
-
-    def __truediv__(self, name: str) -> UrlPath:
-        return UrlPath(self.fs, f"{self.path.rstrip('/')}/{name}", self.scheme)
-
-    @property
-    def name(self) -> str:
-        """The last part of the path."""
-        return self.path.rstrip("/").rsplit("/", 1)[-1]
-
-    @property
-    def suffix(self) -> str:
-        """The extension of :attr:`name` (``.safetensors``)."""
-        return PurePosixPath(self.name).suffix
-
-    @property
-    def parent(self) -> UrlPath:
-        """The directory holding this path."""
-        return UrlPath(self.fs, self.path.rstrip("/").rsplit("/", 1)[0], self.scheme)
-
-    def __str__(self) -> str:
-        return f"{self.scheme}://{self.path.lstrip('/')}"
-
-
-Location: TypeAlias = Path | UrlPath
-"""A local path or a path on object storage."""
-
-
-def location(value: str | Path | UrlPath, storage_options: Mapping[str, Any] | None = None) -> Location:
-    """The location ``value`` names: a URL's fsspec path, else a local path (``~`` expanded).
-
-    Args:
-        value: A path, or a URL (``s3://bucket/run``; ``file://`` gives a local path).
-        storage_options: Passed to the URL's filesystem as given (``{"endpoint_url": ...}``),
-            over fsspec's configuration; unused for a local path.
-
-    Raises:
-        StorageError: The URL's filesystem is not installed, or fsspec does not know its
-            protocol; or ``value`` is a local path that begins like a URL that lost a ``/``.
-    """
-    if isinstance(value, UrlPath):
-        return value
-    if is_url(value):
-        assert isinstance(value, str)
-        scheme, rest = value.split("://", 1)
-        if scheme == "file":
-            return Path(os.path.abspath(os.path.expanduser(rest)))
-        return _open_url(value, scheme, dict(storage_options or {}))
-    path = Path(value).expanduser()
-    problem = lost_slash(path)
-    if problem is not None:
-        raise StorageError(problem)
-    return path
-
-
-def _open_url(url: str, scheme: str, options: dict[str, Any]) -> UrlPath:
-    protocol = scheme.rsplit("::", 1)[-1]
-    extra = _EXTRAS.get(protocol)
-    install = f"pip install 'trainloop[{extra}]'" if extra else "pip install fsspec and the filesystem for it"
-    try:
-        from fsspec.core import url_to_fs
-    except ImportError:
-        raise StorageError(f"{url}: a URL needs fsspec, which is not installed: {install}") from None
-    try:
-        fs, path = url_to_fs(url, **options)
-    except ImportError as error:  # fsspec knows the protocol, its package is missing
-        raise StorageError(f"{url}: the {protocol}:// filesystem is not installed: {install} ({error})") from None
-    except (ValueError, TypeError) as error:
-        raise StorageError(f"{url}: {error}") from None
-    unknown = unknown_storage_options(type(fs), options)
-    if unknown:
-        raise UnknownStorageOptions(url, type(fs), unknown)
-    return UrlPath(fs, path, scheme)
-
-
-def unknown_storage_options(filesystem: type, options: Mapping[str, Any]) -> list[str]:
-    """The names in ``options`` that ``filesystem`` does not take (none where that cannot be told)."""
-    accepted = accepted_storage_options(filesystem)
-    return [] if accepted is None else [name for name in options if name not in accepted]
-
-
-class UnknownStorageOptions(StorageError):
-    """``storage_options`` names arguments its URL's filesystem does not take (a typo: ``endpoint_urll``).
-
-    Attributes:
-        problems: Per unknown name, its field (``storage_options.<name>``) and what is wrong with it.
-    """
-
-    def __init__(self, url: str, filesystem: type, names: list[str]) -> None:
-        accepted = accepted_storage_options(filesystem) or set()
-        self.problems = []
-        for name in names:
-            hint = difflib.get_close_matches(name, accepted, n=1)
-            said = f"not an argument of {filesystem.__name__}" + (f" (did you mean {hint[0]}?)" if hint else "")
-            self.problems.append((f"storage_options.{name}", said))
-        super().__init__(f"{url}: " + "; ".join(f"{field}: {said}" for field, said in self.problems))
-
-
-#: Where a filesystem forwards the ``**kwargs`` its ``__init__`` does not name, besides fsspec's base classes.
-_FORWARDED_TO = {"s3fs.core.S3FileSystem": ("aiobotocore.session", "AioSession")}
-
-
-def accepted_storage_options(filesystem: type) -> set[str] | None:
-    """The keyword arguments ``filesystem`` takes, or ``None`` where that cannot be told without running it.
-
-    Read from the signatures, with no I/O: each ``__init__`` along the class's bases, fsspec's own
-    options (listing cache, instance cache), and where a filesystem is known to forward the rest
-    (s3fs: to aiobotocore's session). A filesystem that takes ``**kwargs`` for another, unknown
-    target is not checked.
-    """
-    from fsspec.asyn import AsyncFileSystem
-    from fsspec.dircache import DirCache
-    from fsspec.spec import AbstractFileSystem
-
-    accepted = {"skip_instance_cache", "asynchronous", "loop", "batch_size"}
-    inits: list[Any] = [DirCache.__init__]
-    for klass in filesystem.__mro__:
-        if "__init__" not in vars(klass) or klass in (AbstractFileSystem, AsyncFileSystem, object):
-            continue
-        init = vars(klass)["__init__"]
-        inits.append(init)
-        forwards = _FORWARDED_TO.get(f"{klass.__module__}.{klass.__qualname__}")
-        if forwards is not None:
-            module, name = forwards
-            try:
-                inits.append(vars(getattr(__import__(module, fromlist=[name]), name))["__init__"])
-            except (ImportError, AttributeError, KeyError):
-                return None
-        elif any(p.kind is p.VAR_KEYWORD for p in inspect.signature(init).parameters.values()):
-            return None  # its **kwargs go somewhere unknown
-    for init in inits:
-        parameters = inspect.signature(init).parameters.values()
-        accepted |= {p.name for p in parameters if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)} - {"self"}
-    return accepted
-
 
 def _fresh(where: UrlPath) -> Any:
     """``where``'s filesystem, its cached listings of ``where`` dropped (another process may have written there)."""

@@ -31,9 +31,8 @@ from trainloop.checkpoint.errors import CheckpointError
 from trainloop.checkpoint.files import read_full
 from trainloop.checkpoint.loading import SHARDED_DIR, UnloadableError, VerifiedFiles
 from trainloop.checkpoint.manifest import FileDigest, check_listing
-from trainloop.checkpoint.saver import agree_on_error, broadcast_from_rank_zero
-from trainloop.checkpoint.storage import Location
-from trainloop.distributed.ranks import rank, world_size
+from trainloop.distributed.ranks import agree_on_error, broadcast_from_rank_zero, rank, world_size
+from trainloop.location import Location
 
 __all__ = ["hash_shares", "open_checkpoint"]
 
@@ -87,12 +86,6 @@ def open_checkpoint(
             loaded or is refused (an :class:`~trainloop.checkpoint.loading.UnloadableError`, raised,
             not skipped: the manifest vouches that it is what was saved).
     """
-    return _choose(candidates, explicit, log, read=True)
-
-
-def _choose(
-    candidates: list[Location] | None, explicit: bool, log: logging.Logger | None, read: bool
-) -> tuple[Location, dict[str, Any] | VerifiedFiles] | None:
     log = log or logger
     candidates = broadcast_from_rank_zero(candidates)
     this_rank, world = rank(), world_size()
@@ -110,7 +103,7 @@ def _choose(
             assert isinstance(listing, dict)
             files = VerifiedFiles(candidate, listing)
             try:
-                state = _read(files, listing, read, this_rank, world)
+                state = _read(files, listing, this_rank, world)
             except (CheckpointError, OSError) as failure:
                 error = failure if isinstance(failure, CheckpointError) else CheckpointError(f"{candidate}: {failure}")
             error = agree_on_error(error)
@@ -127,10 +120,10 @@ def _choose(
 
 
 def _read(
-    files: VerifiedFiles, listing: dict[str, FileDigest], read: bool, this_rank: int, world: int
+    files: VerifiedFiles, listing: dict[str, FileDigest], this_rank: int, world: int
 ) -> dict[str, Any] | VerifiedFiles:
-    """A full checkpoint's state dict (``read``), else ``files`` with this rank's share verified and kept."""
-    if read and not any(rel.startswith((f"{SHARDED_DIR}/", f"{ENGINE_DIR}/")) for rel in listing):
+    """A full checkpoint's state dict, else ``files`` with this rank's share verified and kept."""
+    if not any(rel.startswith((f"{SHARDED_DIR}/", f"{ENGINE_DIR}/")) for rel in listing):
         return read_full(files.directory, listing)
     share = hash_shares(listing, world)[this_rank]
     logger.debug(

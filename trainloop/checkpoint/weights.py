@@ -29,10 +29,12 @@ from torch import nn
 
 from trainloop.checkpoint import storage
 from trainloop.checkpoint.errors import CheckpointError
-from trainloop.checkpoint.files import LATEST, checkpoint_format, latest_checkpoint, read_checkpoint
+from trainloop.checkpoint.files import checkpoint_format, read_checkpoint
 from trainloop.checkpoint.loading import load_file
+from trainloop.checkpoint.manager import latest_checkpoint
 from trainloop.checkpoint.manifest import read_metadata
-from trainloop.checkpoint.storage import MANIFEST, Location, UrlPath, location
+from trainloop.checkpoint.storage import MANIFEST
+from trainloop.location import Location, UrlPath, location
 from trainloop.utils import unwrap_model
 
 if TYPE_CHECKING:
@@ -105,7 +107,7 @@ def _roots(path: Location) -> list[Location]:
     """The checkpoints roots ``path`` may be: itself, or a workspace's ``checkpoints/``, where they hold any."""
     return [
         root for root in (path, path / "checkpoints")
-        if any(name == LATEST or storage.is_step_name(name) for name in storage.names(root))
+        if any(name == storage.LATEST or storage.is_step_name(name) for name in storage.names(root))
     ]
 
 
@@ -205,7 +207,7 @@ def read_weights(
     Args:
         path: A checkpoint directory, checkpoints root or workspace; or a ``.safetensors`` or
             ``.pt`` file; local, or a URL (its filesystem configured by fsspec's configuration,
-            or a :class:`~trainloop.checkpoint.storage.UrlPath` made with its options).
+            or a :class:`~trainloop.location.UrlPath` made with its options).
         weights: From a checkpoint: ``"model"``, ``"ema"`` (the one EMA hook's averaged
             weights) or the name of the hook whose averaged weights to take.
         verified: ``path`` is a checkpoint directory verified already (``latest_checkpoint``

@@ -16,9 +16,10 @@ from pathlib import Path
 
 from trainloop.checkpoint.errors import CheckpointError
 from trainloop.checkpoint.export import export_checkpoint
-from trainloop.checkpoint.storage import StorageError, is_dir, location
+from trainloop.checkpoint.storage import is_dir
 from trainloop.cli.errors import FAILURE, PROG, CliError
 from trainloop.core.workspace import file_problem
+from trainloop.location import StorageError, location
 
 __all__ = ["command"]
 

@@ -11,8 +11,9 @@ from pathlib import Path
 from trainloop.checkpoint import MANIFEST, METADATA, CheckpointError, latest_checkpoint
 from trainloop.checkpoint.describe import describe_checkpoint, format_checkpoint, jsonable
 from trainloop.checkpoint.loading import SHARDED_DIR
-from trainloop.checkpoint.storage import Location, StorageError, exists, is_dir, location, names
+from trainloop.checkpoint.storage import exists, is_dir, names
 from trainloop.cli.errors import FAILURE, CliError
+from trainloop.location import Location, StorageError, location
 
 __all__ = ["command"]
 

@@ -4,15 +4,15 @@
 
 The loop owns the run: what it produces (``step``, ``epoch``, ``step_info``, the built
 components, ``hooks``, the data iterator) is its ``RunState``, which the trainer shows read-only
-to users and hooks; what only sequencing needs (the step runner, the retry count, the requests)
-lives here too.
+to users and hooks; what only sequencing needs (the requests, the schedules) lives here too. One
+training step lives in its ``Step`` (``trainloop.core.step``), made in ``restoring``: the work of
+``accumulating``, ``stepping`` and ``retrying`` and the edges' actions hand over to it.
 """
 
 from __future__ import annotations
 
 import contextlib
 from collections.abc import Iterator, Mapping
-from time import perf_counter
 from typing import TYPE_CHECKING, Any
 
 from trainloop.checkpoint.weights import init_from
@@ -22,37 +22,26 @@ from trainloop.core.metrics import METRICS_FILE
 from trainloop.core.result import RefusedRunError
 from trainloop.core.rng import rng_kept, seed_all, set_rng_state
 from trainloop.core.run_kinds import RunOfKind, Work, restore_weights
-from trainloop.core.run_state import SINGLE, RunState
-from trainloop.core.step import (
-    DeviceVerdict,
-    StepPlan,
-    StepRunner,
-    check_forward,
-    trainer_step_plan,
-    trainer_update_plans,
-)
+from trainloop.core.run_state import RunState
+from trainloop.core.step import Step, UpdateRunner, check_forward, step_runners
 from trainloop.distributed.agreement import ExitAgreement
-from trainloop.distributed.deepspeed import EngineStep, start_engine
+from trainloop.distributed.deepspeed import engine_runners, start_engine
 from trainloop.distributed.rank_seeds import seed_ranks_apart, warn_if_ranks_drew_the_same
 from trainloop.distributed.ranks import is_rank_zero, world_size
 from trainloop.hook_machinery.dispatch import ScheduledCalls, call_each, check_hooks, hook_dispatch, state_entry_methods
 from trainloop.hook_machinery.registry import build_declared_hooks, with_default_hooks
-from trainloop.loss import Loss
 from trainloop.machine.runner import StateMachine
 from trainloop.machine.table import State
 from trainloop.machine.trace import start_run_record, write_settings
 from trainloop.settings.optimizer import optimizer_names_problem
-from trainloop.step_info import StepInfo
 
 if TYPE_CHECKING:
-    import torch
-
     from trainloop.core.result import RunKind
     from trainloop.core.run_kinds import WeightsSource
-    from trainloop.core.run_state import TrainerContract, TrainerView
+    from trainloop.core.run_state import TrainerContract
     from trainloop.predict.run import PredictRun
 
-__all__ = ["Loop", "RunRequests", "raise_if_no_retries_left"]
+__all__ = ["Loop", "RunRequests"]
 
 
 class Loop:
@@ -60,25 +49,18 @@ class Loop:
 
     Args:
         trainer: The trainer whose contract (``build_*``, ``forward``) and hooks the loop calls.
+
+    Attributes:
+        step: The run's training step (``Step``), made in ``restoring``.
     """
+
+    step: Step
 
     def __init__(self, trainer: TrainerContract) -> None:
         self.trainer = trainer
         self.run_state = RunState(dispatch=hook_dispatch(()))
         self.requests = RunRequests()
-        self.retries = 0  # retries of the step in progress
-        self.applied = True  # whether the last optimizer update was applied
-        self.loss_scale = 0.0  # fp16: GradScaler's scale after the last refused update
-        self.runner: StepRunner | EngineStep | None = None  # the update in progress
-        self.runners: tuple[StepRunner | EngineStep, ...] = ()  # one per optimizer, in update order
         self.engine: Any = None  # the DeepSpeed engine, when settings.deepspeed is declared
-        self._update = 0  # the index of the update in progress in its step
-        self._recorded = (0, 0, 0)  # the step's losses, records and items recorded before the update in progress
-        self._names: tuple[str, ...] = ()  # the optimizers' names, in update order
-        self._named = False  # several optimizers by name: losses and grad norms kept by name
-        self._optimizers: tuple[torch.optim.Optimizer, ...] = ()
-        self._verdicts: tuple[DeviceVerdict, ...] = ()  # the updates' own (optimizers that skip on the device)
-        self.step_start = 0.0
         self._checkpointed = -1  # the step whose work of checkpointing is done (its on_exit callbacks may run)
         self.of_kind = RunOfKind()  # what the run's kind changes: its hooks, its work, its policies, its record
         self.schedules = ScheduledCalls(())
@@ -232,10 +214,16 @@ class Loop:
             set_rng_state(run.restored_rng)
             run.restored_rng = None
         # With max_epochs, steps end with epochs: each declared batch is drawn once.
-        self.build_runners(run.data, epochs=run.data if epochs else None)
+        by_name, ends_with_epochs = run.named_optimizers, run.data if epochs else None
+        runners: Mapping[str, UpdateRunner]
+        if self.engine is not None:  # the engine runs the one optimizer's update
+            runners = engine_runners(self.engine, t, run.data, epochs=ends_with_epochs)
+        else:
+            runners = step_runners(t, run.data, epochs=ends_with_epochs, by_name=by_name)
+        self.step = Step(t, run, runners, by_name=by_name, trace=self.machine.trace)
         self.requests.open()
         t.model.train()
-        self.zero_grads()
+        self.step.zero_grads()
 
     def restore_weights(self) -> None:
         """The work of ``restoring`` in a run that trains nothing: the model's weights, then the validations' checks."""
@@ -251,134 +239,30 @@ class Loop:
         if self.of_kind.evaluates:
             self.schedules.queue_all("validating", run.step)
 
-    def build_runners(self, data: Iterator[Any], epochs: EpochIterator | None) -> None:
-        """One step runner per optimizer, in update order; with several, a step's batches kept for every update."""
-        run = self.run_state
-        self._named = run.named_optimizers
-        self._optimizers = tuple(run.optimizers.values())
-        if self.engine is not None:
-            self.runners = (EngineStep(self.engine, self.step_plan(), data, epochs=epochs),)
-            self._names = (SINGLE,)
-        elif self._named:
-            hooks = self.before_optimizer_step if run.dispatch["on_before_optimizer_step"] else None
-            plans = trainer_update_plans(
-                self.trainer, check_grads=self.trainer.settings.detect_non_finite_grads, before_optimizer_step=hooks
-            )
-            kept: list[Any] = []
-            self.runners = tuple(StepRunner(plan, data, epochs=epochs, kept=kept) for plan in plans.values())
-            self._names = tuple(plans)
-        else:
-            self.runners = (StepRunner(self.step_plan(), data, epochs=epochs),)
-            self._names = (SINGLE,)
-        self.runner = self.runners[0]
-        verdicts = {name: r.verdict for name, r in zip(self._names, self.runners, strict=True) if r.verdict is not None}
-        run.verdicts = dict(verdicts)
-        self._verdicts = tuple(verdicts.values())
-        restored, run.restored_verdicts = run.restored_verdicts or {}, None
-        for name, verdict in verdicts.items():
-            if name in restored:  # the resumed run decides as the unbroken one would have
-                verdict.load_state_dict(restored[name])
-
-    def zero_grads(self) -> None:
-        """Zero the gradients of every optimizer's parameters."""
-        for optimizer in self._optimizers:
-            optimizer.zero_grad()
-
-    def step_plan(self) -> StepPlan:
-        """Everything the hot loop would otherwise look up per microstep, resolved once."""
-        t = self.trainer
-        return trainer_step_plan(
-            t,
-            lr_scheduler=t.lr_scheduler,
-            check_grads=t.settings.detect_non_finite_grads,
-            before_optimizer_step=self.before_optimizer_step
-            if self.run_state.dispatch["on_before_optimizer_step"]
-            else None,
-        )
-
-    def before_optimizer_step(self) -> None:
-        """Run the hooks' ``on_before_optimizer_step``."""
-        for fn in self.run_state.dispatch["on_before_optimizer_step"]:
-            fn(self.trainer)
-
     def accumulate(self) -> None:
         """The work of ``accumulating``: one microstep (forward and backward)."""
-        loss, records, data_time = self.runner.microstep()  # type: ignore[union-attr]
-        info = self.run_state.step_info
-        info.data_time.append(data_time)
-        if loss is None:  # the epoch ran out while forward skipped batches: the step ends
-            return
-        info.records.append(records)
-        if isinstance(loss, Loss):
-            info.items.append(loss.count)
-            value = loss.sum.detach() / loss.count
-        else:
-            value = loss.detach()
-        info.loss.append(value)
-        if self._named:
-            info.losses.setdefault(self.run_state.updating, []).append(value)
+        self.step.microstep()
 
     def update(self) -> None:
-        """The work of ``stepping``: the optimizer update, then the step's bookkeeping.
+        """The work of ``stepping``: the step's update; after its last, the hooks' ``on_after_step`` and the requests.
 
-        Where the optimizer skips non-finite updates on the device, the verdict of the previous
-        step's update is read first (from host memory: no wait), and this step's own before the
-        run validates, saves or ends after it.
+        Where an optimizer skips non-finite updates on the device, this step's verdicts are read before the run
+        validates, saves or ends after it.
         """
-        t, run, runner = self.trainer, self.run_state, self.runner
-        assert runner is not None
-        verdict = runner.verdict
-        if verdict is not None and verdict.pending:  # the last step's: nothing retries after it
-            self.learn_verdict(run.step - 1, verdict)
-        self.applied = runner.update()
-        if t.settings.grad_clip is not None:
-            run.step_info.grad_norm = runner.grad_norm
-            if self._named:
-                run.step_info.grad_norms[run.updating] = runner.grad_norm  # type: ignore[assignment]  # set: clipping
-        if not self.applied:
-            self.loss_scale = raise_if_no_retries_left(t, self.retries)
+        step, run, t = self.step, self.run_state, self.trainer
+        if not step.update():
             return
-        if self._update + 1 < len(self.runners):
-            return  # the step's next update follows (next_update): the step's bookkeeping waits for its last
-        run.step_info.step_time = step_time = perf_counter() - self.step_start
-        compiled = self.compile_watch.end(run.step, step_time)
+        compiled = self.compile_watch.end(run.step, step.seconds)
         if compiled is not None:
             note_compiled(compiled, run.step_info, self.machine.trace, t.logger)
         for fn in run.dispatch["on_after_step"]:
             fn(t)
         self.settle()
-        verdicts = self._verdicts
-        if verdicts and any(v.pending for v in verdicts):
-            self.learn_before_leaving(run.step)
-
-    def learn_before_leaving(self, step: int) -> None:
-        """Read this step's verdicts now if the run validates, saves or ends after it: never on an unread one."""
-        if self.validation_due() or self.checkpoint_due() or self.should_exit():
-            for verdict in self._verdicts:
-                if verdict.pending:
-                    self.learn_verdict(step, verdict)
-
-    def learn_verdict(self, step: int, verdict: DeviceVerdict) -> None:
-        """Read whether an update of ``step`` was skipped on the device; report a skip, or raise past the limit."""
-        t = self.trainer
-        skipped, scale = verdict.read()
-        if not skipped:
-            return
-        in_a_row = verdict.skipped_in_a_row
-        self.run_state.step_info.skipped_update = step
-        if self.machine.trace is not None:
-            self.machine.trace.mark_skipped(step)
-        raise_if_no_retries_left(t, in_a_row - 1, skipped=step, scale=scale)
-        if t.grad_scaler.is_enabled():  # expected now and then under fp16: not a warning
-            t.logger.info(
-                "fp16 update of step %d skipped (non-finite gradients); loss scale now %g (%d in a row)",
-                step, scale, in_a_row,
-            )
-        else:
-            t.logger.warning(
-                "Non-finite gradients at step %d: its update was skipped (%d in a row, at most %d)",
-                step, in_a_row, t.settings.max_non_finite_grad_retries,
-            )
+        verdicts = step.verdicts
+        if verdicts and any(v.pending for v in verdicts) and (
+            self.validation_due() or self.checkpoint_due() or self.should_exit()
+        ):
+            step.read_verdicts()
 
     def settle(self) -> None:
         """Settle the requests; when the ranks first agree to exit, queue what the end of the run is due."""
@@ -402,25 +286,7 @@ class Loop:
 
     def retry(self) -> None:
         """The work of ``retrying``: drop the update whose gradients were not finite, and what its try recorded."""
-        t = self.trainer
-        self.retries += 1
-        if t.grad_scaler.is_enabled():  # expected at the start of fp16 runs: not a warning
-            t.logger.info(
-                "fp16 update refused at step %d (non-finite gradients); loss scale now %g; retrying (%d)",
-                t.step, self.loss_scale, self.retries,
-            )
-        else:
-            t.logger.warning(
-                "Non-finite gradients at step %d; retrying (%d/%d)",
-                t.step, self.retries, t.settings.max_non_finite_grad_retries,
-            )
-        self.zero_grads()
-        # The refused try's records go; those of the step's updates applied before it stay.
-        info, (losses, records, items) = self.run_state.step_info, self._recorded
-        del info.loss[losses:], info.records[records:], info.items[items:]
-        info.losses.pop(self.run_state.updating, None)
-        info.grad_norms.pop(self.run_state.updating, None)
-        info.non_finite_grad_retries = self.retries
+        self.step.retry()
 
     def checkpoint(self) -> None:
         """The work of ``checkpointing``: the saves due, in hook order (a requested save: every saving hook's).
@@ -518,35 +384,17 @@ class Loop:
 
     def begin_step(self) -> None:
         """``begin_step``: a new step, counted, announced to ``on_before_step``."""
-        run = self.run_state
-        run.step += 1
-        self.retries = 0
-        run.step_info = StepInfo()
-        self.step_start = perf_counter()
+        self.run_state.step += 1
         self.compile_watch.begin()
-        self._recorded = (0, 0, 0)
-        if self._named:  # another update's backward left gradients on this one's parameters
-            self._update = 0
-            self.runner = self.runners[0]
-            run.updating = self._names[0]
-            self.zero_grads()
-        self.runner.begin()  # type: ignore[union-attr]
-        for fn in run.dispatch["on_before_step"]:
-            fn(self.trainer)
+        self.step.begin()
 
     def next_update(self) -> None:
         """``next_update``: the next optimizer's update of the step, on the step's batches, from zero gradients."""
-        index = self._update = self._update + 1
-        info = self.run_state.step_info
-        self._recorded = (len(info.loss), len(info.records), len(info.items))
-        self.runner = self.runners[index]
-        self.run_state.updating = self._names[index]
-        self.zero_grads()
-        self.runner.begin(fresh=False)
+        self.step.next_update()
 
     def redo_step(self) -> None:
         """``redo_step``: the refused update again, on fresh batches; the step neither counted nor announced."""
-        self.runner.begin()  # type: ignore[union-attr]
+        self.step.redo()
 
     # -- the policies --------------------------------------------------------------------------
 
@@ -558,15 +406,15 @@ class Loop:
 
     def microsteps_remain(self) -> bool:
         """Whether the step in progress needs another microstep."""
-        return self.runner.microsteps_remain()  # type: ignore[union-attr]
+        return self.step.microsteps_remain()
 
     def updates_remain(self) -> bool:
         """Whether another optimizer's update of the step follows (several optimizers)."""
-        return self._update + 1 < len(self.runners)
+        return self.step.updates_remain()
 
     def grads_non_finite(self) -> bool:
-        """Whether the last update found non-finite gradients and was skipped."""
-        return not self.applied
+        """Whether the last update found non-finite gradients and was refused."""
+        return not self.step.applied
 
     def validation_due(self) -> bool:
         """Whether a validation is due now (queued by its schedule, or by an evaluate run)."""
@@ -607,12 +455,14 @@ class RunRequests:
         self._exit = max(self._exit, 1 + (exit_code or 0))
 
     def open(self) -> None:
-        """Start agreeing on exit requests across ranks (a collective under a process group)."""
-        self._agreement = ExitAgreement()
+        """Start agreeing on exit requests across ranks (a collective under a process group of two or more)."""
+        agreement = ExitAgreement()
+        self._agreement = agreement if agreement.active else None  # alone, a request holds at once
 
     def settle(self) -> None:
         """At the end of an applied update: submit this rank's exit request, read the agreement."""
-        agreed = self._agreement.settle(self._exit)  # type: ignore[union-attr]
+        agreement = self._agreement
+        agreed = agreement.settle(self._exit) if agreement is not None else self._exit
         if agreed:
             self.exit_agreed = True
             if agreed > 1:
@@ -627,55 +477,3 @@ class RunRequests:
         """Wait for the agreement in flight; at a ``clean`` end, for the backend to let go too (``ExitAgreement``)."""
         if self._agreement is not None:
             self._agreement.close(drain=clean)
-
-
-def raise_if_no_retries_left(
-    trainer: TrainerView, retries: int, *, skipped: int | None = None, scale: float | None = None
-) -> float:
-    """Raise unless the step may be tried again after ``retries`` retries; return the loss scale.
-
-    Without a grad scaler, ``settings.max_non_finite_grad_retries`` counts the tries. Under fp16,
-    GradScaler refuses updates while it finds its scale, so a floor on the scale
-    (``settings.min_loss_scale``), not a count, tells that from gradients non-finite at any scale
-    (fairseq's and DeepSpeed's ``min_loss_scale``); a declared count bounds it too.
-
-    An update skipped on the device is bounded the same way, a step late: ``skipped`` is its
-    step, ``retries`` the updates skipped just before it, ``scale`` the loss scale read with it.
-
-    Returns:
-        Under fp16, GradScaler's scale now (read from the scaler, one more host sync, unless
-        given); else 0.
-
-    Raises:
-        RuntimeError: No retry is left; the message says which bound was met.
-    """
-    t = trainer
-    declared = t.settings.max_non_finite_grad_retries
-    fp16 = t.grad_scaler.is_enabled()
-    if not fp16:
-        scale = 0.0
-    elif scale is None:
-        scale = t.grad_scaler.get_scale()
-    if skipped is None:
-        at, tries = f"at step {t.step}", f"{retries} retries"
-    else:
-        stopped = f"; the run stopped at step {t.step}" if t.step != skipped else ""
-        at = f"at step {skipped} (its update skipped on the device{stopped})"
-        tries = f"{retries + 1} skipped updates in a row"
-    if fp16:
-        floor = t.settings.min_loss_scale
-        if scale < floor:
-            raise RuntimeError(
-                f"non-finite gradients {at} after {tries}: under fp16 "
-                f"the loss scale fell to {scale:g}, below min_loss_scale={floor:g}, so the "
-                "gradients are non-finite at any scale (a NaN or inf in the loss or the model?)"
-            )
-        if declared is None or retries < declared:
-            return scale
-    elif retries < (declared or 0):
-        return scale
-    if not declared:
-        what = "the step is not retried" if skipped is None else "no update may be skipped"
-        raise RuntimeError(f"non-finite gradients {at}; max_non_finite_grad_retries is {declared}, so {what}")
-    note = f"; the loss scale is now {scale:g}" if fp16 else ""
-    raise RuntimeError(f"non-finite gradients {at} after {tries} (max_non_finite_grad_retries={declared}){note}")

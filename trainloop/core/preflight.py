@@ -41,7 +41,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from trainloop.checkpoint.storage import StorageError, UnknownStorageOptions, exists, location
+from trainloop.checkpoint.storage import exists
 from trainloop.checkpoint.weights import weights_file_problem, weights_problem
 from trainloop.core.step import check_forward
 from trainloop.core.workspace import path_problem
@@ -50,6 +50,7 @@ from trainloop.hook_machinery.base import BaseHook
 from trainloop.hook_machinery.checks import listed, one_process
 from trainloop.hook_machinery.dispatch import check_hook_methods
 from trainloop.hook_machinery.registry import HookSettings, hook_types
+from trainloop.location import StorageError, UnknownStorageOptions, location
 from trainloop.settings.errors import field_path
 from trainloop.settings.sources import Key
 

@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
 
-from trainloop.checkpoint.storage import Location, UrlPath
+from trainloop.location import Location, UrlPath
 from trainloop.utils import append_line, strict_json
 
 if TYPE_CHECKING:

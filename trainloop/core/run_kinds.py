@@ -16,7 +16,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
 
 from trainloop.checkpoint.errors import CheckpointError
-from trainloop.checkpoint.storage import Location, StorageError, is_dir, is_file, location
+from trainloop.checkpoint.storage import is_dir, is_file
+from trainloop.location import Location, StorageError, location
 from trainloop.machine.table import State
 
 if TYPE_CHECKING:
@@ -127,7 +128,7 @@ def _latest_checkpoint(trainer: TrainerView, hooks: Sequence[BaseHook]) -> Locat
     Raises:
         CheckpointError: There is none.
     """
-    from trainloop.checkpoint.files import latest_checkpoint
+    from trainloop.checkpoint.manager import latest_checkpoint
 
     roots: list[Any] = [root for h in hooks if (root := h.checkpoint_directory(trainer)) is not None]
     if not roots and trainer.workspace is not None:

@@ -2,6 +2,8 @@
 
 ``RunLength`` answers the trainer's exit policy (``should_exit``) and the "last step" half of the
 ``every(n)`` rule (``trainloop.hook_machinery.schedule``), so both read one definition of where a run ends.
+It is also where a run reads how many batches make a step (``accumulation``): the step, the plan
+of a run by epochs and the checkpoint's global batch all take it from here.
 """
 
 from __future__ import annotations
@@ -26,6 +28,8 @@ class RunLength:
             ``gradient_accumulation_steps``).
 
     Attributes:
+        accumulation: Batches (microsteps) per optimizer update: ``gradient_accumulation_steps``, the one place a
+            run reads it.
         epochs_at_start: Full passes completed when this run began drawing (resumed ones).
         planned_steps: The steps the run is expected to take: ``max_steps``, or with
             ``max_epochs`` ``max_epochs * ceil(len(loader) / gradient_accumulation_steps)`` when
@@ -37,7 +41,7 @@ class RunLength:
     def __init__(self, settings: TrainerSettings) -> None:
         self.max_steps = settings.max_steps
         self.max_epochs = settings.max_epochs
-        self._settings = settings  # gradient_accumulation_steps is read there, not copied
+        self.accumulation = settings.gradient_accumulation_steps
         self.planned_steps: int | None = self.max_steps if self.max_epochs is None else None
         self._data: EpochIterator | None = None
         self.epochs_at_start = 0
@@ -64,7 +68,7 @@ class RunLength:
                 f"max_epochs={self.max_epochs}, but the data loader from build_data_loader() has "
                 "no batch (len 0): there is nothing to train on"
             )
-        by_epochs = self.max_epochs * math.ceil(length / self._settings.gradient_accumulation_steps)
+        by_epochs = self.max_epochs * math.ceil(length / self.accumulation)
         self.planned_steps = by_epochs if self.max_steps is None else min(self.max_steps, by_epochs)
 
     def follow(self, data: EpochIterator) -> None:

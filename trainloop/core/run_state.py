@@ -1,7 +1,9 @@
 """The run as the loop owns it (``RunState``), and the run as hooks see it (``TrainerView``).
 
 The loop (``trainloop.core.loop.Loop``) is the only writer of a run's state: the step and epoch, the
-step info, the built components, the hooks and their dispatch, the data iterator. The trainer
+built components, the hooks and their dispatch, the data iterator; its ``Step``
+(``trainloop.core.step``) writes the step's part (the step info, the optimizer updating, the device
+verdicts). The trainer
 shows them read-only; a hook reads them and *requests* (``request_exit``, ``request_checkpoint``,
 ``log``). ``TrainerView`` is that read-only face as a typing protocol: the built-in hooks, the
 ``every`` rule, the preflight, ``training_state`` and ``result`` are typed against it, so none of
@@ -36,7 +38,7 @@ if TYPE_CHECKING:
     from trainloop.settings.model import TrainerSettings
     from trainloop.utils import Records
 
-__all__ = ["COMPONENTS", "SINGLE", "Dispatch", "RunState", "TrainerContract", "TrainerView"]
+__all__ = ["COMPONENTS", "SINGLE", "Dispatch", "RunState", "TrainerContract", "TrainerView", "not_built"]
 
 Dispatch = dict[str, tuple[Callable[..., None], ...]]
 """Per hook event, the bound methods of the hooks that override it (``hook_dispatch``)."""
@@ -49,7 +51,7 @@ COMPONENTS = ("data_loader", "model", "optimizer", "lr_scheduler", "grad_scaler"
 
 @dataclass(eq=False)
 class RunState:
-    """One run's state, written by its loop only; the trainer shows it read-only.
+    """One run's state, written by its loop and the loop's ``Step`` only; the trainer shows it read-only.
 
     Attributes:
         dispatch: The hooks' bound methods per event (only those that override it).
@@ -86,6 +88,17 @@ class RunState:
     error: BaseException | None = None
     updating: str = SINGLE
 
+    def component(self, name: str) -> Any:
+        """The built component ``name`` (one of ``COMPONENTS``; the optimizer as ``build_optimizer()`` returned it).
+
+        Raises:
+            AttributeError: It is not built yet (``not_built``).
+        """
+        try:
+            return self.built[name]
+        except KeyError:
+            raise not_built(name) from None
+
     @property
     def named_optimizers(self) -> bool:
         """Whether ``build_optimizer()`` returned optimizers by name (a mapping), not one optimizer."""
@@ -115,6 +128,11 @@ class RunState:
     def current_epoch(self) -> int:
         """The epoch the run draws from now (0-based): the data iterator's while it exists, else ``epoch``."""
         return self.data.epoch if self.data is not None else self.epoch
+
+
+def not_built(name: str) -> AttributeError:
+    """The error of reading the component ``name`` before ``building`` built it."""
+    return AttributeError(f"trainer.{name} is not built yet: train() builds it with build_{name}() in 'building'")
 
 
 class TrainerView(Protocol):

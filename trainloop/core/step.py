@@ -1,11 +1,13 @@
-"""One training step, written once: the microsteps (``accumulating``) and the optimizer update (``stepping``).
+"""One training step, written once: the microsteps (``accumulating``) and the optimizer updates (``stepping``).
 
-``BaseTrainer`` and ``lr_find`` both run it.
-
-A ``StepPlan`` is what the loop needs, resolved before the first step (``trainer_step_plan``
-resolves a trainer's); a ``StepRunner`` holds
+A ``Step`` is the run's step in one place: its microsteps, each optimizer's update (with the
+hooks' ``on_before_optimizer_step`` between preparation and application), the non-finite
+verdict, the retries and what the step reports; the loop hands it the work of its states.
+A ``StepPlan`` is what one optimizer's update needs, resolved before the first step
+(``update_plans`` resolves a trainer's, one per optimizer, by name); a ``StepRunner`` holds
 what is derived from it (the gradient-sync switch, the non-finite check's buffers) and the
-state of the step in progress (its ``Loss`` item count).
+state of the update in progress (its ``Loss`` item count). ``lr_find`` runs a ``StepRunner``
+of its own.
 
 The non-finite check takes one of two paths (docs/machine.md): where the optimizer skips a
 non-finite update in its own kernel (``skips_on_device``), the check's flag is handed to it and
@@ -16,14 +18,13 @@ other optimizer waits for the verdict before it steps, and a refused update is r
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import functools
 import inspect
 from collections import defaultdict
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from time import perf_counter
-from typing import TYPE_CHECKING, Any, NamedTuple
+from typing import TYPE_CHECKING, Any, NamedTuple, Protocol
 
 import torch
 import torch.distributed as dist
@@ -32,26 +33,30 @@ from torch import nn
 from trainloop.core.data import DataExhaustedError, EpochIterator
 from trainloop.distributed.sync import gradient_sync
 from trainloop.loss import Loss
+from trainloop.step_info import StepInfo
 from trainloop.utils import is_distributed_model, warn_user
 
 if TYPE_CHECKING:
-    from trainloop.core.run_state import TrainerContract
+    from trainloop.core.run_state import RunState, TrainerContract, TrainerView
+    from trainloop.machine.trace import Trace
 
 __all__ = [
     "DeviceVerdict",
-    "trainer_update_plans",
-    "update_plan",
     "LossNoneWarning",
-    "NoGradientWarning",
-    "check_forward",
-    "takes_optimizer",
     "Microstep",
+    "NoGradientWarning",
     "NonFiniteGradCheck",
+    "Step",
     "StepPlan",
     "StepRunner",
+    "UpdateRunner",
+    "check_forward",
+    "raise_if_no_retries_left",
     "skips_on_device",
-    "trainer_step_plan",
+    "takes_optimizer",
     "unpack_forward_output",
+    "step_runners",
+    "update_plans",
 ]
 
 
@@ -87,11 +92,9 @@ class StepPlan:
             an update it would skip is reported as non-finite, never applied silently.
         no_sync: Skip gradient synchronisation across ranks on all but a step's last microstep.
         autocast: The mixed-precision context ``forward`` runs under (re-enterable).
-        before_optimizer_step: Called after the step's gradients are unscaled and normalised,
-            before clipping (the trainer's ``on_before_optimizer_step`` hooks).
-        parameters: The parameters the update clips and checks: its optimizer's, when a step
-            updates several; ``None``: the model's.
-        name: The optimizer's name, when a step updates several; ``None``: the run's one.
+        parameters: The parameters the update clips and checks: its optimizer's, for optimizers
+            built by name; ``None``: the model's.
+        name: The optimizer's name, for optimizers built by name; ``None``: one built alone.
     """
 
     model: nn.Module
@@ -105,7 +108,6 @@ class StepPlan:
     check_grads: bool = True
     no_sync: bool = True
     autocast: contextlib.AbstractContextManager[Any] = NO_CONTEXT
-    before_optimizer_step: Callable[[], None] | None = None
     parameters: tuple[nn.Parameter, ...] | None = None
     name: str | None = None
 
@@ -114,66 +116,38 @@ class StepPlan:
         return self.parameters if self.parameters is not None else self.model.parameters()
 
 
-def trainer_step_plan(
-    trainer: TrainerContract,
-    *,
-    check_grads: bool,
-    lr_scheduler: torch.optim.lr_scheduler.LRScheduler | None = None,
-    before_optimizer_step: Callable[[], None] | None = None,
-) -> StepPlan:
-    """The step of ``trainer``'s built components and its one optimizer under its settings (``lr_find`` runs it too)."""
-    return update_plan(trainer, trainer.optimizer, trainer.forward, check_grads, lr_scheduler, before_optimizer_step)
+def update_plans(trainer: TrainerContract, *, check_grads: bool, by_name: bool) -> dict[str, StepPlan]:
+    """One plan per optimizer, by name, in update order: the one place the optimizers' two forms meet.
 
-
-def trainer_update_plans(
-    trainer: TrainerContract,
-    *,
-    check_grads: bool,
-    before_optimizer_step: Callable[[], None] | None = None,
-) -> dict[str, StepPlan]:
-    """One plan per optimizer of a trainer that updates several: each calls ``forward(batch, name)``.
-
-    Each clips and checks its own optimizer's parameters only (another update's backward may leave
-    gradients on them, which the loop zeroes before each update).
+    A run's optimizers are always by name: one optimizer built alone is the mapping of one, named ``SINGLE``
+    (``trainer.optimizers``). What the form changes is the user's ``forward`` and the parameters: optimizers built
+    ``by_name`` each get ``forward(batch, name)`` and clip and check their own parameters (another update's backward
+    may leave gradients on them, which the step zeroes before each update); one built alone gets ``forward(batch)``
+    and the model's parameters. ``lr_find`` runs the plan of one.
     """
-    schedulers = trainer.lr_schedulers
+    settings, schedulers = trainer.settings, trainer.lr_schedulers
     plans = {}
     for name, optimizer in trainer.optimizers.items():
-        forward = functools.partial(_call_with_name, trainer.forward, name)
-        plan = update_plan(trainer, optimizer, forward, check_grads, schedulers.get(name), before_optimizer_step)
-        params = tuple(p for group in optimizer.param_groups for p in group["params"])
-        plans[name] = dataclasses.replace(plan, parameters=params, name=name)
+        plans[name] = StepPlan(
+            model=trainer.model,
+            optimizer=optimizer,
+            forward=functools.partial(_call_with_name, trainer.forward, name) if by_name else trainer.forward,
+            owner=f"{type(trainer).__name__}.forward()",
+            accumulation=trainer.run_length.accumulation,
+            grad_clip=settings.grad_clip,
+            grad_scaler=trainer.grad_scaler,
+            lr_scheduler=schedulers.get(name),
+            check_grads=check_grads,
+            no_sync=settings.no_sync_accumulate,
+            autocast=trainer.autocast(),  # reused: an autocast object can be entered again
+            parameters=tuple(p for group in optimizer.param_groups for p in group["params"]) if by_name else None,
+            name=name if by_name else None,
+        )
     return plans
 
 
 def _call_with_name(forward: Callable[..., Any], name: str, batch: Any) -> Any:
     return forward(batch, name)
-
-
-def update_plan(
-    trainer: TrainerContract,
-    optimizer: torch.optim.Optimizer,
-    forward: Callable[[Any], Any],
-    check_grads: bool,
-    lr_scheduler: torch.optim.lr_scheduler.LRScheduler | None,
-    before_optimizer_step: Callable[[], None] | None,
-) -> StepPlan:
-    """The plan of one optimizer's update under ``trainer``'s settings."""
-    settings = trainer.settings
-    return StepPlan(
-        model=trainer.model,
-        optimizer=optimizer,
-        forward=forward,
-        owner=f"{type(trainer).__name__}.forward()",
-        accumulation=settings.gradient_accumulation_steps,
-        grad_clip=settings.grad_clip,
-        grad_scaler=trainer.grad_scaler,
-        lr_scheduler=lr_scheduler,
-        check_grads=check_grads,
-        no_sync=settings.no_sync_accumulate,
-        autocast=trainer.autocast(),  # reused: an autocast object can be entered again
-        before_optimizer_step=before_optimizer_step,
-    )
 
 
 class Microstep(NamedTuple):
@@ -271,8 +245,8 @@ class StepRunner:
     def microsteps_remain(self) -> bool:
         """Whether the step in progress needs another microstep.
 
-        It needs ``plan.accumulation`` microsteps (the one place a run reads its accumulation from), or fewer for an
-        epoch's last step under ``max_epochs``: the machine's edge and ``lr_find`` ask this.
+        It needs ``plan.accumulation`` microsteps (a run's ``RunLength.accumulation``), or fewer for an epoch's last
+        step under ``max_epochs``: ``lr_find`` asks this, and ``Step.microsteps_remain`` reads the same count.
         """
         return self.microsteps < self.target
 
@@ -376,11 +350,28 @@ class StepRunner:
         return scaled
 
     def update(self) -> bool:
-        """The optimizer update of the step whose microsteps are done.
+        """The optimizer update of the step whose microsteps are done: ``prepare``, then ``apply``."""
+        self.prepare()
+        return self.apply()
 
-        Unscale (fp16), normalise by the ``Loss`` item count, ``before_optimizer_step``, clip,
-        check for non-finite gradients, then step the optimizer and the lr scheduler and zero
-        the gradients.
+    def prepare(self) -> None:
+        """Make the step's gradients those of the update: unscale (fp16), normalise by the ``Loss`` item count.
+
+        Between this and ``apply`` the gradients are final but for clipping: the hooks'
+        ``on_before_optimizer_step`` runs there.
+        """
+        if not self._reach_checked:
+            self._warn_if_no_gradient()
+        plan = self.plan
+        if self._scaler is not None:
+            self._scaler.unscale_(plan.optimizer)
+        if self.items is not None:
+            self._normalise_by_items()
+        elif self._divisor != self.target:  # an epoch ran out while forward skipped batches
+            self._rescale(self._divisor / self.target)
+
+    def apply(self) -> bool:
+        """Clip, check for non-finite gradients, then step the optimizer and the lr scheduler and zero the gradients.
 
         With a ``verdict`` (an optimizer that skips on the device) every update after the first
         applied one is decided on the device: the optimizer skips it if the gradients are
@@ -394,9 +385,12 @@ class StepRunner:
             gradients were non-finite: then nothing stepped, the gradients are left as they
             are, and a grad scaler has lowered its scale for the retry.
         """
-        if not self._reach_checked:
-            self._warn_if_no_gradient()
-        self._prepare_grads()
+        plan = self.plan
+        if plan.grad_clip is not None:
+            grad_norm = nn.utils.clip_grad_norm_(plan.params(), plan.grad_clip)
+            if hasattr(grad_norm, "full_tensor"):  # an FSDP2 DTensor, replicated: no communication
+                grad_norm = grad_norm.full_tensor()
+            self.grad_norm = grad_norm
         verdict = self.verdict
         if verdict is not None and verdict.ready:
             self._apply_unless_found(verdict)
@@ -422,23 +416,6 @@ class StepRunner:
             "(requires_grad=False); its updates change nothing",
             NoGradientWarning,
         )
-
-    def _prepare_grads(self) -> None:
-        """Unscale (fp16), normalise by the item count or rescale, ``before_optimizer_step``, clip."""
-        plan = self.plan
-        if self._scaler is not None:
-            self._scaler.unscale_(plan.optimizer)
-        if self.items is not None:
-            self._normalise_by_items()
-        elif self._divisor != self.target:  # an epoch ran out while forward skipped batches
-            self._rescale(self._divisor / self.target)
-        if plan.before_optimizer_step is not None:
-            plan.before_optimizer_step()
-        if plan.grad_clip is not None:
-            grad_norm = nn.utils.clip_grad_norm_(plan.params(), plan.grad_clip)
-            if hasattr(grad_norm, "full_tensor"):  # an FSDP2 DTensor, replicated: no communication
-                grad_norm = grad_norm.full_tensor()
-            self.grad_norm = grad_norm
 
     def _grads_non_finite(self) -> bool:
         """Whether the update must be refused (a grad scaler then lowers its scale for the retry)."""
@@ -537,6 +514,304 @@ class StepRunner:
                 count = count.to(self._device, non_blocking=True).reshape(())
             torch._foreach_div_(grads, count)  # one kernel; a tensor count is not read on the host
         self.items = None
+
+
+class UpdateRunner(Protocol):
+    """What runs one optimizer's update of a step for ``Step``: a ``StepRunner``, or a DeepSpeed engine's."""
+
+    plan: StepPlan
+    microsteps: int
+    target: int
+    verdict: DeviceVerdict | None
+    grad_norm: torch.Tensor | None
+
+    def begin(self, fresh: bool = True) -> None:
+        """Start a step, its retry (``fresh``), or another optimizer's update of its batches."""
+
+    def microstep(self) -> Microstep:
+        """Draw batches until ``forward`` returns a loss, and backpropagate it."""
+
+    def prepare(self) -> None:
+        """Make the gradients those of the update (the hooks' ``on_before_optimizer_step`` runs after it)."""
+
+    def apply(self) -> bool:
+        """Apply the update; ``False``: refused, its gradients non-finite."""
+
+
+def step_runners(
+    trainer: TrainerContract, data: Iterator[Any], *, epochs: EpochIterator | None, by_name: bool
+) -> dict[str, StepRunner]:
+    """One ``StepRunner`` per optimizer of ``trainer``, by name, in update order; several keep the step's batches."""
+    plans = update_plans(trainer, check_grads=trainer.settings.detect_non_finite_grads, by_name=by_name)
+    kept: list[Any] | None = [] if len(plans) > 1 else None
+    return {name: StepRunner(plan, data, epochs=epochs, kept=kept) for name, plan in plans.items()}
+
+
+class Step:
+    """One training step of a run, in one place: its microsteps, each optimizer's update, the verdict and the retries.
+
+    The loop's states and edges hand it their work: ``begin`` (the ``begin_step`` edge, once the loop counted the
+    step), ``microstep`` (``accumulating``), ``update`` (``stepping``), ``next_update``, ``retry`` and ``redo``; the
+    machine's conditions ask ``microsteps_remain``, ``updates_remain`` and ``applied``. It calls the hooks'
+    ``on_before_step``, and ``on_before_optimizer_step`` between an update's preparation and its application, through
+    the run's dispatch as it was at construction. It writes what the step reports (``run.step_info``: losses, records,
+    items, data and step time, grad norms, retries, a skipped update), ``run.updating`` and ``run.verdicts`` (the
+    device verdicts by optimizer name, for a checkpoint).
+
+    The optimizers are always by name (``update_plans``): one runner per optimizer, in update order; a step with
+    several trains each on the step's batches (kept by the first update, replayed by the others: ``step_runners``).
+
+    Args:
+        trainer: The trainer whose components, settings and logger the step uses.
+        run: The run state whose step part the step writes.
+        runners: What runs each optimizer's update, by name, in update order (``step_runners``; under DeepSpeed
+            its engine's, ``trainloop.distributed.deepspeed``).
+        by_name: Whether ``build_optimizer()`` returned optimizers by name: ``forward`` then takes the name, and the
+            step info has losses and grad norms by name too.
+        trace: The run's trace, where a skipped update is marked, or ``None``.
+
+    Attributes:
+        retries: Retries of the step in progress.
+        applied: Whether the last update was applied (else its gradients were non-finite and it was refused).
+        runner: The update in progress.
+        verdicts: The device verdicts of the optimizers that skip a non-finite update on the device.
+    """
+
+    def __init__(
+        self,
+        trainer: TrainerContract,
+        run: RunState,
+        runners: Mapping[str, UpdateRunner],
+        *,
+        by_name: bool,
+        trace: Trace | None,
+    ) -> None:
+        self.trainer = trainer
+        self.run = run
+        self.by_name = by_name
+        self.trace = trace
+        self.runners = tuple(runners.values())
+        self.names = tuple(runners)
+        self.optimizers = tuple(runner.plan.optimizer for runner in self.runners)
+        self.runner = self.runners[0]
+        run.updating = self.names[0]
+        verdicts = ((name, runner.verdict) for name, runner in zip(self.names, self.runners, strict=True))
+        by_optimizer = {name: verdict for name, verdict in verdicts if verdict is not None}
+        run.verdicts = dict(by_optimizer)
+        self.verdicts = tuple(by_optimizer.values())
+        restored, run.restored_verdicts = run.restored_verdicts or {}, None
+        for name, verdict in by_optimizer.items():
+            if name in restored:  # the resumed run decides as the unbroken one would have
+                verdict.load_state_dict(restored[name])
+        self._before_step = run.dispatch["on_before_step"]
+        self._before_optimizer_step = run.dispatch["on_before_optimizer_step"]
+        self._clipping = trainer.settings.grad_clip is not None
+        self.retries = 0
+        self.applied = True
+        self.loss_scale = 0.0  # fp16: GradScaler's scale after the last refused update
+        self._index = 0  # the update in progress, in the step's updates
+        self._recorded = (0, 0, 0)  # the step's losses, records and items recorded before the update in progress
+        self._start = 0.0
+        self.seconds = 0.0  # the last done step's time
+
+    def begin(self) -> None:
+        """A new step: fresh step info, its first update from zero gradients, then the hooks' ``on_before_step``."""
+        run = self.run
+        self.retries = 0
+        run.step_info = StepInfo()
+        self._start = perf_counter()
+        self._recorded = (0, 0, 0)
+        if self._index:  # another update's backward left gradients on this one's parameters
+            self._index = 0
+            self.runner = self.runners[0]
+            run.updating = self.names[0]
+            self.zero_grads()
+        self.runner.begin()
+        trainer = self.trainer
+        for fn in self._before_step:
+            fn(trainer)
+
+    def microstep(self) -> None:
+        """One microstep (forward and backward), recorded in the step info."""
+        loss, records, data_time = self.runner.microstep()
+        info = self.run.step_info
+        info.data_time.append(data_time)
+        if loss is None:  # the epoch ran out while forward skipped batches: the step ends
+            return
+        info.records.append(records)
+        if isinstance(loss, Loss):
+            info.items.append(loss.count)
+            value = loss.sum.detach() / loss.count
+        else:
+            value = loss.detach()
+        info.loss.append(value)
+        if self.by_name:
+            info.losses.setdefault(self.run.updating, []).append(value)
+
+    def microsteps_remain(self) -> bool:
+        """Whether the update in progress needs another microstep (``StepRunner.microsteps_remain``)."""
+        runner = self.runner
+        return runner.microsteps < runner.target
+
+    def update(self) -> bool:
+        """The update in progress: prepare, the hooks' ``on_before_optimizer_step``, apply.
+
+        Where the optimizer skips non-finite updates on the device, the verdict of the previous step's update is read
+        first (from host memory: no wait).
+
+        Returns:
+            Whether the step is done: its last update applied (or handed to the device).
+
+        Raises:
+            RuntimeError: The update was refused and no retry is left (``raise_if_no_retries_left``).
+        """
+        run, runner, trainer = self.run, self.runner, self.trainer
+        verdict = runner.verdict
+        if verdict is not None and verdict.pending:  # the last step's: nothing retries after it
+            self.read_verdict(run.step - 1, verdict)
+        runner.prepare()
+        for fn in self._before_optimizer_step:
+            fn(trainer)
+        self.applied = applied = runner.apply()
+        if self._clipping:
+            info = run.step_info
+            info.grad_norm = runner.grad_norm
+            if self.by_name:
+                info.grad_norms[run.updating] = runner.grad_norm  # type: ignore[assignment]  # set: clipping
+        if not applied:
+            self.loss_scale = raise_if_no_retries_left(trainer, self.retries)
+            return False
+        if self._index + 1 < len(self.runners):
+            return False  # the step's next update follows (next_update)
+        run.step_info.step_time = self.seconds = perf_counter() - self._start
+        return True
+
+    def updates_remain(self) -> bool:
+        """Whether another optimizer's update of the step follows."""
+        return self._index + 1 < len(self.runners)
+
+    def next_update(self) -> None:
+        """The next optimizer's update of the step, on the step's batches, from zero gradients."""
+        index = self._index = self._index + 1
+        info = self.run.step_info
+        self._recorded = (len(info.loss), len(info.records), len(info.items))
+        self.runner = self.runners[index]
+        self.run.updating = self.names[index]
+        self.zero_grads()
+        self.runner.begin(fresh=False)
+
+    def retry(self) -> None:
+        """Drop the update whose gradients were not finite, and what its try recorded; count the retry."""
+        t = self.trainer
+        self.retries += 1
+        if t.grad_scaler.is_enabled():  # expected at the start of fp16 runs: not a warning
+            t.logger.info(
+                "fp16 update refused at step %d (non-finite gradients); loss scale now %g; retrying (%d)",
+                t.step, self.loss_scale, self.retries,
+            )
+        else:
+            t.logger.warning(
+                "Non-finite gradients at step %d; retrying (%d/%d)",
+                t.step, self.retries, t.settings.max_non_finite_grad_retries,
+            )
+        self.zero_grads()
+        # The refused try's records go; those of the step's updates applied before it stay.
+        run = self.run
+        info, (losses, records, items) = run.step_info, self._recorded
+        del info.loss[losses:], info.records[records:], info.items[items:]
+        info.losses.pop(run.updating, None)
+        info.grad_norms.pop(run.updating, None)
+        info.non_finite_grad_retries = self.retries
+
+    def redo(self) -> None:
+        """The refused update again, on fresh batches."""
+        self.runner.begin()
+
+    def zero_grads(self) -> None:
+        """Zero the gradients of every optimizer's parameters."""
+        for optimizer in self.optimizers:
+            optimizer.zero_grad()
+
+    def read_verdicts(self) -> None:
+        """Read this step's pending verdicts now (the run validates, saves or ends after it: never on an unread one)."""
+        step = self.run.step
+        for verdict in self.verdicts:
+            if verdict.pending:
+                self.read_verdict(step, verdict)
+
+    def read_verdict(self, step: int, verdict: DeviceVerdict) -> None:
+        """Read whether an update of ``step`` was skipped on the device; report a skip, or raise past the limit."""
+        t = self.trainer
+        skipped, scale = verdict.read()
+        if not skipped:
+            return
+        in_a_row = verdict.skipped_in_a_row
+        self.run.step_info.skipped_update = step
+        if self.trace is not None:
+            self.trace.mark_skipped(step)
+        raise_if_no_retries_left(t, in_a_row - 1, skipped=step, scale=scale)
+        if t.grad_scaler.is_enabled():  # expected now and then under fp16: not a warning
+            t.logger.info(
+                "fp16 update of step %d skipped (non-finite gradients); loss scale now %g (%d in a row)",
+                step, scale, in_a_row,
+            )
+        else:
+            t.logger.warning(
+                "Non-finite gradients at step %d: its update was skipped (%d in a row, at most %d)",
+                step, in_a_row, t.settings.max_non_finite_grad_retries,
+            )
+
+
+def raise_if_no_retries_left(
+    trainer: TrainerView, retries: int, *, skipped: int | None = None, scale: float | None = None
+) -> float:
+    """Raise unless the step may be tried again after ``retries`` retries; return the loss scale.
+
+    Without a grad scaler, ``settings.max_non_finite_grad_retries`` counts the tries. Under fp16,
+    GradScaler refuses updates while it finds its scale, so a floor on the scale
+    (``settings.min_loss_scale``), not a count, tells that from gradients non-finite at any scale
+    (fairseq's and DeepSpeed's ``min_loss_scale``); a declared count bounds it too.
+
+    An update skipped on the device is bounded the same way, a step late: ``skipped`` is its
+    step, ``retries`` the updates skipped just before it, ``scale`` the loss scale read with it.
+
+    Returns:
+        Under fp16, GradScaler's scale now (read from the scaler, one more host sync, unless
+        given); else 0.
+
+    Raises:
+        RuntimeError: No retry is left; the message says which bound was met.
+    """
+    t = trainer
+    declared = t.settings.max_non_finite_grad_retries
+    fp16 = t.grad_scaler.is_enabled()
+    if not fp16:
+        scale = 0.0
+    elif scale is None:
+        scale = t.grad_scaler.get_scale()
+    if skipped is None:
+        at, tries = f"at step {t.step}", f"{retries} retries"
+    else:
+        stopped = f"; the run stopped at step {t.step}" if t.step != skipped else ""
+        at = f"at step {skipped} (its update skipped on the device{stopped})"
+        tries = f"{retries + 1} skipped updates in a row"
+    if fp16:
+        floor = t.settings.min_loss_scale
+        if scale < floor:
+            raise RuntimeError(
+                f"non-finite gradients {at} after {tries}: under fp16 "
+                f"the loss scale fell to {scale:g}, below min_loss_scale={floor:g}, so the "
+                "gradients are non-finite at any scale (a NaN or inf in the loss or the model?)"
+            )
+        if declared is None or retries < declared:
+            return scale
+    elif retries < (declared or 0):
+        return scale
+    if not declared:
+        what = "the step is not retried" if skipped is None else "no update may be skipped"
+        raise RuntimeError(f"non-finite gradients {at}; max_non_finite_grad_retries is {declared}, so {what}")
+    note = f"; the loss scale is now {scale:g}" if fp16 else ""
+    raise RuntimeError(f"non-finite gradients {at} after {tries} (max_non_finite_grad_retries={declared}){note}")
 
 
 def unpack_forward_output(output: Any, owner: str) -> tuple[Any, Mapping[str, Any]]:

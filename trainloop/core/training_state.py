@@ -55,8 +55,8 @@ class ChangedOptimizersError(RefusedRunError):
 def training_state(trainer: TrainerView, run: RunState) -> dict[str, Any]:
     """The full training state: model, optimizer, scheduler, grad scaler, step, and hooks'.
 
-    ``run`` is the trainer's run state (its loop's), which holds the data position and the
-    hooks' dispatch.
+    ``run`` is the trainer's run state (its loop's), which holds the built components, the data
+    position and the hooks' dispatch; ``trainer`` gives the settings and the state dict options.
 
     Model and optimizer go through ``torch.distributed.checkpoint.state_dict`` so DDP and FSDP
     models give the same layout as plain ones.
@@ -64,12 +64,12 @@ def training_state(trainer: TrainerView, run: RunState) -> dict[str, Any]:
     # Imported here: torch.distributed.checkpoint costs ~0.8 s to import, and many runs never save.
     from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_optimizer_state_dict
 
-    model, options = trainer.model, trainer.state_dict_options
+    model, options = run.component("model"), trainer.state_dict_options
     data = run.data
     state_dict: dict[str, Any] = {}
     components: dict[str, Any] = {}  # the optimizers' and schedulers' states
     if trainer.settings.deepspeed is None:  # else the engine's partitions hold them (trainloop.checkpoint.deepspeed)
-        optimizers, schedulers = trainer.optimizers, trainer.lr_schedulers
+        optimizers, schedulers = run.optimizers, run.lr_schedulers
         optimizer_states = {
             name: get_optimizer_state_dict(model, opt, options=options) for name, opt in optimizers.items()
         }
@@ -92,14 +92,14 @@ def training_state(trainer: TrainerView, run: RunState) -> dict[str, Any]:
         "step": run.step,
         "epoch": data.resume_epoch if data is not None else run.epoch,
         **components,
-        "grad_scaler": trainer.grad_scaler.state_dict(),
+        "grad_scaler": run.component("grad_scaler").state_dict(),
         # Where the non-finite guard decides and how many updates it skipped in a row (fused optimizers).
         "device_verdicts": {name: verdict.state_dict() for name, verdict in run.verdicts.items()},
         # What resumes the run exactly, per rank (each rank has its own).
         "rng": gather_from_ranks(get_rng_state()),
-        "data_loader": gather_from_ranks(_loader_state(trainer.data_loader, data)),
+        "data_loader": gather_from_ranks(_loader_state(run.component("data_loader"), data)),
         # What a resume on another number of ranks must keep.
-        "global_batch": _global_batch(trainer),
+        "global_batch": _global_batch(trainer, run),
         # JSON, never pickled: readable anywhere, and compared on resume.
         "settings": trainer.settings.model_dump_json(),
     }
@@ -116,20 +116,19 @@ def load_training_state(trainer: TrainerView, run: RunState, state_dict: dict[st
         optimizer_states, classes, scheduler_states = _by_name(trainer, run, saved)
         for name, optimizer in trainer.optimizers.items():
             _check_optimizer_class(name if run.named_optimizers else None, optimizer, classes.get(name))
-    _check_global_batch(trainer, saved.get("global_batch"))
+    _check_global_batch(trainer, run, saved.get("global_batch"))
     run.step = saved["step"]
     run.epoch = saved.get("epoch", 0)
     trainer.logger.debug("Resuming from step %d", run.step)  # the loader says it in one line: "Resumed from ..."
-    if not by_engine:
-        for name, scheduler in trainer.lr_schedulers.items():
-            # The scheduler must load before the optimizer: loading it rewrites the optimizer's
-            # lr with its own (pytorch/pytorch#119168).
-            scheduler.load_state_dict(scheduler_states[name])
     trainer.grad_scaler.load_state_dict(saved["grad_scaler"])
     _restore_verdicts(run, saved.get("device_verdicts") or {})
     _restore_per_rank(trainer, run, saved)
     _warn_on_changed_settings(trainer, saved.get("settings"))
     if not by_engine:
+        for name, scheduler in trainer.lr_schedulers.items():
+            # The scheduler must load before the optimizer: loading it rewrites the optimizer's
+            # lr with its own (pytorch/pytorch#119168).
+            scheduler.load_state_dict(scheduler_states[name])
         _load_model_and_optimizers(trainer, state_dict["model"], optimizer_states)
     for fn in run.dispatch["on_load_state_dict"]:
         fn(trainer, state_dict)
@@ -294,22 +293,22 @@ def _restore_per_rank(trainer: TrainerView, run: RunState, saved: dict[str, Any]
     loader.load_state_dict(state)
 
 
-def _global_batch(trainer: TrainerView) -> dict[str, Any]:
+def _global_batch(trainer: TrainerView, run: RunState) -> dict[str, Any]:
     """The ranks, each one's batch size (``None`` if the loader does not say) and the accumulation."""
     return {
         "ranks": world_size(),
-        "batch_size": batch_size_of(trainer.data_loader),
-        "accumulation": trainer.settings.gradient_accumulation_steps,
+        "batch_size": batch_size_of(run.component("data_loader")),
+        "accumulation": trainer.run_length.accumulation,
     }
 
 
-def _check_global_batch(trainer: TrainerView, saved: dict[str, Any] | None) -> None:
+def _check_global_batch(trainer: TrainerView, run: RunState, saved: dict[str, Any] | None) -> None:
     """Refuse a resume whose global batch differs from the checkpoint's, when both loaders say their batch size.
 
     Raises:
         ChangedGlobalBatchError: The global batches differ; the message names both and what gives the checkpoint's.
     """
-    refusal = None if saved is None else global_batch_refusal(saved, _global_batch(trainer))
+    refusal = None if saved is None else global_batch_refusal(saved, _global_batch(trainer, run))
     if refusal is not None:
         raise ChangedGlobalBatchError(refusal)
 

@@ -41,9 +41,9 @@ from typing import Any, TextIO
 import torch.distributed as dist
 
 from trainloop.checkpoint import storage
-from trainloop.checkpoint.storage import Location, UrlPath
 from trainloop.distributed.ranks import in_process_group, rank
 from trainloop.hook_machinery.checks import HookProblem, one_process
+from trainloop.location import Location, UrlPath
 
 __all__ = [
     "LEASE_SECONDS",

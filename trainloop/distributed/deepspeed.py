@@ -25,16 +25,24 @@ import torch
 from torch import nn
 
 from trainloop.core.result import RefusedRunError
-from trainloop.core.step import Microstep, NonFiniteGradCheck, StepPlan, unpack_forward_output
+from trainloop.core.step import (
+    DeviceVerdict,
+    Microstep,
+    NonFiniteGradCheck,
+    StepPlan,
+    unpack_forward_output,
+    update_plans,
+)
 from trainloop.distributed.ranks import world_size
 from trainloop.settings.deepspeed import filled_config, micro_batch_problem, read_config, zero_stage
 from trainloop.utils import is_distributed_model
 
 if TYPE_CHECKING:
     from trainloop.core.data import EpochIterator
+    from trainloop.core.run_state import TrainerContract
     from trainloop.settings.model import TrainerSettings
 
-__all__ = ["EXTRA", "EngineStep", "deepspeed_missing", "not_installed", "start_engine"]
+__all__ = ["EXTRA", "EngineStep", "deepspeed_missing", "engine_runners", "not_installed", "start_engine"]
 
 #: What installs DeepSpeed beside trainloop.
 EXTRA = "trainloop[deepspeed]"
@@ -126,24 +134,32 @@ def _batches_per_epoch(data_loader: Iterable[Any]) -> int | None:
         return None
 
 
+def engine_runners(
+    engine: Any, trainer: TrainerContract, data: Iterator[Any], *, epochs: EpochIterator | None
+) -> dict[str, EngineStep]:
+    """The step's runner under DeepSpeed: the engine runs the update of the one optimizer (``start_engine`` checked)."""
+    plans = update_plans(trainer, check_grads=trainer.settings.detect_non_finite_grads, by_name=False)
+    return {name: EngineStep(engine, plan, data, epochs=epochs) for name, plan in plans.items()}
+
+
 class EngineStep:
     """Runs the microsteps and the update of a step through a DeepSpeed engine (the loop's step runner under it).
 
     Each microstep tells the engine whether it ends the step's accumulation, then calls its backward on the
     plain loss (the engine divides it by the accumulation); the update calls the engine's step once, which
-    clips, steps the optimizer and the lr scheduler, and zeroes the gradients.
+    clips, steps the optimizer and the lr scheduler, and zeroes the gradients. ``Step`` drives it as it drives
+    a ``StepRunner`` (``UpdateRunner``).
 
     Args:
         engine: The engine ``start_engine`` made.
-        plan: The step's plan (its forward, owner, accumulation, checks and hooks; the engine owns the rest).
+        plan: The optimizer's plan (its forward, owner, accumulation and checks; the engine owns the rest).
         data: The batches.
         epochs: ``data`` itself under ``max_epochs`` (the engine's accumulation divides every epoch, checked).
     """
 
-    verdict = None  # the engine's step decides on the host: no verdict travels on the device
-
     def __init__(self, engine: Any, plan: StepPlan, data: Iterator[Any], epochs: EpochIterator | None = None) -> None:
         self.engine = engine
+        self.verdict: DeviceVerdict | None = None  # the engine's step decides on the host: none travels on the device
         self.plan = plan
         self.data = data
         self.epochs = epochs
@@ -191,7 +207,10 @@ class EngineStep:
         self.microsteps += 1
         return Microstep(loss, records, data_time)
 
-    def update(self) -> bool:
+    def prepare(self) -> None:
+        """Nothing: the engine unscales and reduces the gradients in its step."""
+
+    def apply(self) -> bool:
         """The engine's step, unless the gradients are non-finite.
 
         Returns:
@@ -199,15 +218,13 @@ class EngineStep:
             found before the engine stepped, at stages 1 to 3 skipped by the engine (``skipped_steps`` went up).
             Either way the gradients are gone or zeroed by the retry.
         """
-        engine, plan = self.engine, self.plan
-        if plan.before_optimizer_step is not None:
-            plan.before_optimizer_step()
+        engine = self.engine
         if self._check is not None and self._check():
             engine.zero_grad()
             return False
         skipped = engine.skipped_steps
         engine.step()
-        if plan.grad_clip is not None:
+        if self.plan.grad_clip is not None:
             norm = engine.get_global_grad_norm()
             self.grad_norm = torch.as_tensor(float("nan") if norm is None else float(norm))
         return bool(engine.skipped_steps == skipped)

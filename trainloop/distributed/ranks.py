@@ -10,7 +10,16 @@ from typing import Any
 import torch.distributed as dist
 from torch.utils.data import DistributedSampler
 
-__all__ = ["gather_from_ranks", "in_process_group", "is_rank_zero", "rank", "sampler_problem", "world_size"]
+__all__ = [
+    "agree_on_error",
+    "broadcast_from_rank_zero",
+    "gather_from_ranks",
+    "in_process_group",
+    "is_rank_zero",
+    "rank",
+    "sampler_problem",
+    "world_size",
+]
 
 
 def in_process_group() -> bool:
@@ -41,6 +50,26 @@ def gather_from_ranks(value: Any) -> list[Any]:
     gathered: list[Any] = [None] * world
     dist.all_gather_object(gathered, value)
     return gathered
+
+
+def broadcast_from_rank_zero(value: Any, group: Any = None) -> Any:
+    """Rank 0's ``value`` on every rank (just ``value`` without a process group)."""
+    if not in_process_group():
+        return value
+    box = [value]
+    dist.broadcast_object_list(box, src=0, group=group)
+    return box[0]
+
+
+def agree_on_error(error: BaseException | None, group: Any = None) -> BaseException | None:
+    """This rank's error, else the first other rank's, else ``None``: the same on every rank."""
+    if not in_process_group():
+        return error
+    errors: list[Any] = [None] * dist.get_world_size(group)
+    dist.all_gather_object(errors, error, group=group)
+    if error is not None:
+        return error  # the original, with its cause
+    return next((e for e in errors if e is not None), None)
 
 
 def sampler_problem(sampler: DistributedSampler[Any], rank: int, world: int, what: str, padding: str) -> str | None:

@@ -19,7 +19,7 @@ from pydantic_core import InitErrorDetails, PydanticCustomError
 from trainloop.hook_machinery.schedule import Schedule
 
 if TYPE_CHECKING:
-    from trainloop.checkpoint.storage import Location
+    from trainloop.location import Location
 
 __all__ = ["BaseHook"]
 

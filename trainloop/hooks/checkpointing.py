@@ -1,15 +1,15 @@
-"""``CheckpointingHook``: saves on its schedule and on exit signals, prunes, and resumes.
+"""``CheckpointingHook``: its settings and their checks, its schedule and exit signals; the rest is the manager's.
 
-The files (layout, formats, manifest, atomic writes) are :mod:`trainloop.checkpoint`'s; what a
-checkpoint holds and every guarantee is in docs/checkpointing.md.
+The hook decides when a checkpoint is saved and what a run resumes from; its
+:class:`~trainloop.checkpoint.manager.CheckpointManager` saves, publishes, prunes, keeps the best
+and loads. What a checkpoint holds and every guarantee is in docs/checkpointing.md.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import sys
-from collections.abc import Iterator, Sequence
-from contextlib import ExitStack, contextmanager, nullcontext
+from collections.abc import Sequence
+from contextlib import ExitStack, nullcontext
 from logging import Logger
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
@@ -17,21 +17,10 @@ from typing import TYPE_CHECKING, Any, Literal
 from pydantic import validate_call
 
 from trainloop.checkpoint.best import BestCheckpoints, Monitor, check_best
-from trainloop.checkpoint.deepspeed import ENGINE_DIR, deepspeed_engine, load_engine
+from trainloop.checkpoint.deepspeed import deepspeed_engine
 from trainloop.checkpoint.errors import CheckpointSaveError
-from trainloop.checkpoint.files import checkpoint_candidates, prune
-from trainloop.checkpoint.manifest import make_metadata
-from trainloop.checkpoint.storage import (
-    Location,
-    StorageError,
-    UnknownStorageOptions,
-    UrlPath,
-    clean_leftovers,
-    is_dir,
-    is_url,
-    location,
-    wait_for_removals,
-)
+from trainloop.checkpoint.manager import CheckpointManager, sharded_state_dict
+from trainloop.checkpoint.storage import is_dir
 from trainloop.core.workspace import hold_run_location, path_problem
 from trainloop.distributed.ranks import is_rank_zero
 from trainloop.hook_machinery.base import BaseHook
@@ -40,17 +29,16 @@ from trainloop.hook_machinery.registry import register_hook
 from trainloop.hook_machinery.schedule import Schedule
 from trainloop.hooks.early_stopping import MonitorNotFoundWarning
 from trainloop.hooks.exit_signals import DEFAULT_EXIT_SIGNALS, ExitCode, ExitOnSignal, ExitSignal, as_signal
+from trainloop.location import Location, StorageError, UnknownStorageOptions, UrlPath, is_url, location
 from trainloop.settings.types import NonNegativeFloat, NonNegativeInt, PathOrUrl, PositiveInt, StrictBool
 from trainloop.utils import flatten_nested_dict, warn_user
 
 if TYPE_CHECKING:
     import signal
 
-    from trainloop.checkpoint.loading import VerifiedFiles
-    from trainloop.checkpoint.saver import CheckpointSaver
     from trainloop.core.run_state import TrainerView
 
-__all__ = ["CheckpointingHook", "choose_checkpoint", "load_checkpoint", "say", "sharded_state_dict"]
+__all__ = ["CheckpointingHook"]
 
 
 @register_hook("checkpointing")
@@ -145,8 +133,6 @@ class CheckpointingHook(BaseHook):
             problems += _url_problems("load", declared.load, options, must_exist=one_process())
         elif isinstance(declared.load, Path) and one_process() and not declared.load.expanduser().is_dir():
             problems.append(("load", f"no checkpoint directory at {str(declared.load)!r}"))
-        if options is not None and not (is_url(declared.path) or is_url(declared.load)):
-            problems.append(("storage_options", "they are for a URL path or load, and neither is a URL"))
         return problems
 
     @classmethod
@@ -203,16 +189,15 @@ class CheckpointingHook(BaseHook):
         self.keep_best = keep_best
         self.monitor = monitor
         self.mode = mode
-        self._best = BestCheckpoints(monitor, mode, keep_best) if monitor is not None else None
-        self._root: Location | None = None
-        self._last_saved_step: int | None = None
         self.keep_interval = keep_interval
         self.keep_steps = frozenset(keep_steps or ())
         if storage_options is not None and not (is_url(path) or is_url(load)):
-            raise ValueError("CheckpointingHook storage_options are for a URL path or load, and neither is a URL")
+            raise ValueError("storage_options are for a URL path or load, and neither is a URL")
         self.storage_options = storage_options
         self.path: Location = location(path, storage_options)
-        self.load: Location | str | None = location(load, storage_options) if load not in (None, "latest") else load
+        self.load: Location | Literal["latest"] | None = (
+            None if load is None else "latest" if load == "latest" else location(load, storage_options)
+        )
         # Validation gave canonical names (the default holds some already), made signals here;
         # dict.fromkeys drops repeats, keeps order.
         self.exit_signals = tuple(dict.fromkeys(as_signal(s) for s in exit_signals or ()))
@@ -224,10 +209,9 @@ class CheckpointingHook(BaseHook):
         # Signals given explicitly must be installed; the defaults only where Python can.
         explicit = exit_signals is not None and list(exit_signals) != list(DEFAULT_EXIT_SIGNALS)
         self._signals = ExitOnSignal(self.exit_signals, required=explicit, name="CheckpointingHook exit_signals")
-        self._metrics: dict[str, Any] = {}
         self._first_step = 0  # the step this run started from
         self.resumed_complete = False  # the last run resumed a completed run (and so trained nothing)
-        self._saver: CheckpointSaver | None = None
+        self._manager: CheckpointManager | None = None  # the run's checkpoints, from restoring on
         self._held = ExitStack()  # the lock on the checkpoint location, for the run's life
 
     def on_enter_restoring(self, trainer: TrainerView) -> None:
@@ -237,41 +221,38 @@ class CheckpointingHook(BaseHook):
             problem = path_problem(root)
             if problem is not None:
                 raise ValueError(f"CheckpointingHook path: {problem}")
-        self._settle(trainer, agree=False)  # a hook used again: its last run's save completes first
+        if self._manager is not None:  # a hook used again: its last run's save completes first
+            self._report(trainer, self._manager.close())
         self._hold(trainer, root)
-        # Imported here: torch.distributed.checkpoint costs ~0.8 s to import, paid only by runs
-        # that checkpoint.
-        from trainloop.checkpoint.saver import CheckpointSaver
-
-        format, engine = self._format(trainer)
-        self._saver = CheckpointSaver(format, self.async_save, trainer.logger, engine)
-        self._root = root
-        if self._best is not None:
-            self._best.start(root)
+        best = BestCheckpoints(self.monitor, self.mode, self.keep_best) if self.monitor is not None else None
+        engine = deepspeed_engine(trainer.model)  # its own format: every rank its partitions
+        self._manager = CheckpointManager(
+            root, self.format if engine is None else "deepspeed", self.async_save, trainer.logger,
+            keep_previous=self.keep_previous, keep_interval=self.keep_interval, keep_steps=self.keep_steps, best=best,
+            engine=engine,
+        )
         self.resumed_complete = False
         if self.load is None:
             return
-        directory = load_checkpoint(trainer, root, self.load)
+        directory = self._manager.load(trainer, self.load)
         if directory is None:
             init = trainer.settings.init_from
             start = "scratch" if init is None else f"the init_from weights ({init.path})"
-            say(trainer.logger, "No checkpoint in %s: starting from %s", root, start)
+            _say(trainer.logger, "No checkpoint in %s: starting from %s", root, start)
             return
         planned = trainer.run_length.planned_steps
         self.resumed_complete = planned is not None and trainer.step >= planned
         if self.resumed_complete:
-            say(
+            _say(
                 trainer.logger, "Resumed from %s at step %d: the run is already complete (%d steps); nothing to train",
                 directory, trainer.step, planned,
             )
         else:
-            say(trainer.logger, "Resumed from %s at step %d", directory, trainer.step)
+            _say(trainer.logger, "Resumed from %s at step %d", directory, trainer.step)
 
     def on_before_train(self, trainer: TrainerView) -> None:
         """Install the exit-signal handlers for the run."""
         self._first_step = trainer.step
-        self._last_saved_step = None
-        self._metrics = {}
         self._signals.install(trainer.logger)
 
     def on_after_step(self, trainer: TrainerView) -> None:
@@ -279,62 +260,22 @@ class CheckpointingHook(BaseHook):
         if self._signals.caught is not None:
             self._signals.request_exit(trainer, self.exit_code)
 
-    def _is_kept(self, step: int) -> bool:
-        return (self.keep_interval > 0 and step % self.keep_interval == 0) or step in self.keep_steps
-
     def on_log(self, trainer: TrainerView, records: dict[str, Any]) -> None:
-        """Remember the last value of every logged metric, for the next ``metadata.json``."""
-        # Kept as given: converting a tensor to a float is a host sync, done only at a save.
-        flat = flatten_nested_dict(records)
-        self._metrics.update(flat)
-        if self._best is not None:
-            self._watch_monitor(trainer, flat)
-
-    def _watch_monitor(self, trainer: TrainerView, flat: dict[str, Any]) -> None:
-        """Note the monitored metric; score a checkpoint already saved at this step."""
-        assert self._best is not None
-        value = self._best.observe(trainer.step, flat)
-        if value is not None and self._last_saved_step == trainer.step and self._root is not None:
-            # Logged after this step's save (an evaluation at the end of the run): the saved
-            # weights are the ones evaluated, so the checkpoint takes the score now.
-            self._settle(trainer, agree=False)  # a background write settles first (no collective)
-            self._best.score(trainer.step, value)
-            if is_rank_zero():
-                self._prune(self._root, trainer.step, trainer.logger)
+        """Hand the logged metrics to the manager: the next ``metadata.json`` holds them, ``monitor`` ranks by them."""
+        if self._manager is not None:
+            self._report(trainer, self._manager.log(trainer.step, flatten_nested_dict(records)))
 
     def on_schedule(self, trainer: TrainerView) -> None:
         """Save the trainer's state, in ``checkpointing``; ``latest`` and pruning follow once it is complete."""
+        assert self._manager is not None, "restoring made the manager"
         if self.exit_wait and self._signals.caught is not None:
             self._signals.wait_before_save(trainer.logger, self.exit_wait)
         if self.async_save:
-            self._settle(trainer, agree=True)  # one save in flight at most
+            self._report(trainer, self._manager.settle(agree=True))  # one save in flight at most
         with sharded_state_dict(trainer) if self.format == "sharded" else nullcontext():
             state_dict = trainer.state_dict()  # on every rank: collectives gather and shard
-        training_state = state_dict["training_state"]
-        format, engine = self._format(trainer)
-        metadata = make_metadata(training_state["step"], training_state["epoch"], format, self._metrics)
-        root = self.directory(trainer)
-        step = trainer.step
-        self._last_saved_step = step
-        if self._best is not None and self._best.observed is not None and self._best.observed[0] == step:
-            self._best.score(*self._best.observed)  # before the save: pruning reads it
-        from trainloop.checkpoint.saver import CheckpointSaver
-
-        saver = self._saver or CheckpointSaver(format, self.async_save, trainer.logger, engine)
-        self._saver = saver
-        error = saver.save(
-            root, step, state_dict, metadata, lambda _: self._prune(root, step, trainer.logger),
-            tuple(trainer.optimizers.values()),
-        )
+        error = self._manager.save(trainer.step, state_dict, tuple(trainer.optimizers.values()))
         self._report(trainer, error)
-
-    def _format(self, trainer: TrainerView) -> tuple[str, Any]:
-        """The format the trainer's state is saved in, and the DeepSpeed engine whose partitions are saved, if any."""
-        if trainer.settings.deepspeed is None:
-            return self.format, None
-        if self.async_save:
-            raise ValueError("CheckpointingHook async_save: a DeepSpeed engine's checkpoint is saved in the foreground")
-        return ENGINE_DIR, trainer.model  # the engine
 
     def _report(self, trainer: TrainerView, error: BaseException | None) -> None:
         if error is None:
@@ -342,16 +283,6 @@ class CheckpointingHook(BaseHook):
         if self.on_save_error == "raise" or not isinstance(error, CheckpointSaveError):
             raise error
         trainer.logger.warning("%s; training goes on (on_save_error='warn')", error)
-
-    def _settle(self, trainer: TrainerView, agree: bool) -> None:
-        if self._saver is not None:
-            self._report(trainer, self._saver.settle(agree))
-
-    def _prune(self, root: Location, newest: int, logger: Logger) -> None:
-        best = self._best.kept() if self._best is not None else set()
-        prune(root, newest, self.keep_previous, lambda step: step in best or self._is_kept(step), logger)
-        if self._best is not None:
-            self._best.write(root)  # after pruning: it lists the checkpoints still there
 
     def on_after_train(self, trainer: TrainerView) -> None:
         """Wait for a save in flight.
@@ -363,12 +294,13 @@ class CheckpointingHook(BaseHook):
         """
         # A run that trained no step (resumed complete) logged nothing: nothing to warn about.
         ran = trainer.step > self._first_step
-        missing = self._best.missing_message() if self._best is not None and trainer.error is None and ran else None
+        best = self._manager.best if self._manager is not None else None
+        missing = best.missing_message() if best is not None and trainer.error is None and ran else None
         if missing is not None:
             warn_user(f"{type(self).__name__}: {missing}", MonitorNotFoundWarning)
         try:
-            self._settle_at_exit(trainer)
-            wait_for_removals()  # pruned checkpoints are gone when train() returns
+            if self._manager is not None:
+                self._report_at_exit(trainer, self._manager.close())  # pruned checkpoints are gone after it
         finally:
             self._signals.restore()
             self._held.close()
@@ -385,13 +317,7 @@ class CheckpointingHook(BaseHook):
             return
         self._held.enter_context(hold_run_location(root, trainer.logger))
 
-    def _settle_at_exit(self, trainer: TrainerView) -> None:
-        saver, self._saver = self._saver, None
-        if saver is None:
-            return
-        # No agreement across ranks here: exiting may follow an error on one rank only.
-        error = saver.settle(agree=False)
-        saver.close()
+    def _report_at_exit(self, trainer: TrainerView, error: BaseException | None) -> None:
         if error is not None and trainer.error is not None:
             trainer.logger.error("The last checkpoint was not saved either: %s", error)
             return
@@ -403,10 +329,7 @@ class CheckpointingHook(BaseHook):
 
         ``None`` when there is no ``keep_best``, or no checkpoint was scored yet.
         """
-        if self._best is None or self._root is None:
-            return None
-        best = self._best.best
-        return self._root / str(best) if best is not None and is_dir(self._root / str(best)) else None
+        return self._manager.best_checkpoint if self._manager is not None else None
 
     def directory(self, trainer: TrainerView) -> Location:
         """Where this hook's checkpoints live for ``trainer`` (a local directory or a URL's).
@@ -428,67 +351,7 @@ class CheckpointingHook(BaseHook):
         return self.directory(trainer)
 
 
-def load_checkpoint(trainer: TrainerView, root: Location, load: Location | str) -> Location | None:
-    """Load the checkpoint ``load`` names (a directory, or ``"latest"`` under ``root``) into ``trainer``.
-
-    Returns:
-        The checkpoint directory loaded, or ``None`` when ``"latest"`` found none.
-    """
-    chosen = choose_checkpoint(trainer, root, load)
-    if chosen is None:
-        return None
-    directory, state = chosen
-    trainer.logger.debug("Loading checkpoint %s", directory)  # the hook says what the run starts from, in one line
-    engine = deepspeed_engine(trainer.model)
-    if engine is not None:  # the engine reads its partitions, this rank's share verified already
-        trainer.load_state_dict(load_engine(engine, directory, state))
-        return directory
-    if isinstance(state, dict):  # a full checkpoint, read and verified by choose_checkpoint
-        trainer.load_state_dict(state)
-        return directory
-    from trainloop.checkpoint.sharded import load_sharded
-
-    try:  # DCP reads through the files: this rank's share verified already, the rest as read
-        with sharded_state_dict(trainer):
-            trainer.load_state_dict(load_sharded(directory, trainer.state_dict(), state))
-    finally:
-        state.close()
-    return directory
-
-
-def choose_checkpoint(
-    trainer: TrainerView, root: Location, load: Location | str
-) -> tuple[Location, dict[str, Any] | VerifiedFiles] | None:
-    """The checkpoint to load: its state dict if full, its files (this rank's share verified) if sharded.
-
-    Rank 0 lists the candidates, every rank verifies their files as it reads them (a sharded one: its share; see
-    :mod:`trainloop.checkpoint.verify`); the same answer on every rank.
-    """
-    from trainloop.checkpoint.saver import broadcast_from_rank_zero
-    from trainloop.checkpoint.verify import open_checkpoint
-
-    candidates: list[Location] | None = None
-    error: BaseException | None = None
-    if is_rank_zero():
-        try:
-            if isinstance(load, (Path, UrlPath)):
-                if not is_dir(load):
-                    raise FileNotFoundError(
-                        f"CheckpointingHook load={str(load)!r}: no checkpoint directory at {load}"
-                    )
-                candidates = [load]
-            else:  # "latest"
-                clean_leftovers(root, trainer.logger)
-                candidates = checkpoint_candidates(root, trainer.logger)
-        except OSError as failure:
-            error = failure
-    error = broadcast_from_rank_zero(error)
-    if error is not None:
-        raise error
-    return open_checkpoint(candidates, explicit=load != "latest", log=trainer.logger)
-
-
-def say(logger: Logger, message: str, *args: Any) -> None:
+def _say(logger: Logger, message: str, *args: Any) -> None:
     """Tell the user (rank 0) what the run starts from.
 
     Logged at INFO when logging is configured, else one line on stderr (Python shows no INFO record by default).
@@ -499,25 +362,6 @@ def say(logger: Logger, message: str, *args: Any) -> None:
         logger.info(message, *args)
     else:
         print(f"trainloop: {message % args}", file=sys.stderr, flush=True)
-
-
-@contextmanager
-def sharded_state_dict(trainer: TrainerView) -> Iterator[None]:
-    """Make ``trainer.state_dict()`` and ``load_state_dict()`` keep each rank's shards.
-
-    The trainer's own options may ask for full tensors (for full checkpoints); DCP needs the
-    sharded form, so the other options are kept and these two switched off for the moment.
-    """
-    from torch.distributed.checkpoint.state_dict import StateDictOptions
-
-    saved = trainer.state_dict_options
-    trainer.state_dict_options = dataclasses.replace(
-        saved or StateDictOptions(), full_state_dict=False, cpu_offload=False, broadcast_from_rank0=False
-    )
-    try:
-        yield
-    finally:
-        trainer.state_dict_options = saved
 
 
 def _url_problems(name: str, url: str, options: dict[str, Any] | None, must_exist: bool = False) -> list[HookProblem]:

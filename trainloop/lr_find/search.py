@@ -40,7 +40,8 @@ from torch import nn
 
 from trainloop.core.data import EpochIterator
 from trainloop.core.rng import get_rng_state, set_rng_state
-from trainloop.core.step import StepPlan, StepRunner, trainer_step_plan
+from trainloop.core.run_state import SINGLE
+from trainloop.core.step import StepPlan, StepRunner, update_plans
 from trainloop.loss import Loss
 from trainloop.lr_find.result import LrFindResult, steepest_descent
 from trainloop.machine.table import State
@@ -339,7 +340,7 @@ def _trainer_plan(trainer: BaseTrainer) -> Iterator[tuple[StepPlan, Iterable[Any
                 f"with one of them, e.g. {alone}"
             )
         # No lr scheduler, no hooks; the sweep checks the loss instead, before each update.
-        yield trainer_step_plan(trainer, check_grads=False), trainer.data_loader
+        yield update_plans(trainer, check_grads=False, by_name=False)[SINGLE], trainer.data_loader
 
 
 @contextlib.contextmanager

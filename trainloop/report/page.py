@@ -19,10 +19,11 @@ from pathlib import Path
 from typing import Any
 
 from trainloop.checkpoint.best import BEST_FILE, read_best
-from trainloop.checkpoint.files import checkpoint_steps, latest_step
-from trainloop.checkpoint.storage import Location, StorageError, location, read_bytes
+from trainloop.checkpoint.manager import checkpoint_steps, latest_step
+from trainloop.checkpoint.storage import read_bytes
 from trainloop.core.metrics import METRICS_FILE, read_metrics
 from trainloop.core.result import RUNS_FILE, read_runs
+from trainloop.location import Location, StorageError, location
 from trainloop.machine.trace import read_trace, summarize_trace
 from trainloop.report.facts import overview, runs_table
 from trainloop.report.machine import machine_section, machine_svg

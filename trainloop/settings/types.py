@@ -11,7 +11,7 @@ from typing import Annotated, Any
 from pydantic import AfterValidator, BeforeValidator, Field, PlainValidator
 from pydantic_core import PydanticCustomError
 
-from trainloop.checkpoint.storage import is_url, lost_slash
+from trainloop.location import is_url, lost_slash
 
 __all__ = [
     "NonEmptyPath",
