@@ -91,6 +91,15 @@ def test_importing_trainloop_imports_no_deepspeed():
     assert out.stdout == "False\n"
 
 
+def test_the_managers_deepspeed_format_needs_its_engine_and_the_foreground(tmp_path):
+    from trainloop.checkpoint.manager import CheckpointManager
+
+    with pytest.raises(ValueError, match="pass it"):
+        CheckpointManager(tmp_path, "deepspeed")
+    with pytest.raises(ValueError, match="async_save: a DeepSpeed engine's checkpoint is saved in the foreground"):
+        CheckpointManager(tmp_path, "deepspeed", async_save=True, engine=object())
+
+
 # -- refused in building, before DeepSpeed is imported -------------------------------------------------------------
 
 
