@@ -263,8 +263,10 @@ class BaseTrainer:
         return schedulers if self._run.named_optimizers else schedulers[SINGLE]
 
     def build_grad_scaler(self) -> torch.amp.GradScaler:
-        """Return the gradient scaler; by default enabled for fp16 mixed precision only."""
-        return torch.amp.GradScaler(self.device.type, enabled=self.settings.mixed_precision == "fp16")
+        """Return the gradient scaler; by default enabled for fp16 mixed precision, unless deepspeed's engine scales."""
+        settings = self.settings
+        enabled = settings.mixed_precision == "fp16" and settings.deepspeed is None
+        return torch.amp.GradScaler(self.device.type, enabled=enabled)
 
     def build_hooks(self) -> list[BaseHook]:
         """Return the hooks built in code; the run calls them, then those ``settings.hooks`` declares.

@@ -136,7 +136,8 @@ def hint_for_missing_key(key: str, seen: Iterable[str]) -> str:
 
 
 def unwrap_model(module: nn.Module) -> nn.Module:
-    """See through ``torch.compile``, DDP, DataParallel and ``AveragedModel`` wrappers."""
+    """See through ``torch.compile``, DDP, DataParallel, ``AveragedModel`` and DeepSpeed's engine."""
+    engine = sys.modules.get("deepspeed.runtime.engine")  # never imported: no engine exists
     while True:
         if isinstance(module, torch._dynamo.eval_frame.OptimizedModule):
             module = module._orig_mod  # torch.compile's wrapper has no public accessor for it
@@ -148,6 +149,8 @@ def unwrap_model(module: nn.Module) -> nn.Module:
                 torch.optim.swa_utils.AveragedModel,
             ),
         ):
+            module = module.module
+        elif engine is not None and isinstance(module, engine.DeepSpeedEngine):
             module = module.module
         else:
             return module

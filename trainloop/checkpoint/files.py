@@ -11,6 +11,7 @@ from __future__ import annotations
 from typing import Any
 
 from trainloop.checkpoint import storage
+from trainloop.checkpoint.deepspeed import ENGINE_DIR, read_engine_checkpoint
 from trainloop.checkpoint.errors import CheckpointError
 from trainloop.checkpoint.loading import SHARDED_DIR, VerifiedFiles, load_file, load_verified
 from trainloop.checkpoint.manifest import FileDigest, check_hashes, check_listing
@@ -23,8 +24,11 @@ _REQUIRED = ("model", "training_state")
 
 
 def checkpoint_format(directory: Location | str) -> str:
-    """``"sharded"`` or ``"full"``: the format of the checkpoint in ``directory``."""
-    return "sharded" if storage.is_dir(location(directory) / SHARDED_DIR) else "full"
+    """``"sharded"``, ``"full"`` or ``"deepspeed"`` (an engine's): the format of the checkpoint in ``directory``."""
+    directory = location(directory)
+    if storage.is_dir(directory / ENGINE_DIR):
+        return "deepspeed"
+    return "sharded" if storage.is_dir(directory / SHARDED_DIR) else "full"
 
 
 def read_checkpoint(directory: Location | str, verify: bool = True) -> dict[str, Any]:
@@ -48,6 +52,8 @@ def read_checkpoint(directory: Location | str, verify: bool = True) -> dict[str,
     """
     directory = location(directory)
     listing = check_listing(directory) if verify else None
+    if checkpoint_format(directory) == "deepspeed":
+        return read_engine_checkpoint(directory, listing)
     if listing is None and checkpoint_format(directory) == "full":
         return read_full(directory, None)
     if listing is not None and not any(rel.startswith(f"{SHARDED_DIR}/") for rel in listing):

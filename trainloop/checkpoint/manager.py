@@ -9,9 +9,12 @@ checkpoint holds ``metadata.json`` and, written last, ``manifest.json``
   ``model.pt``, ``training_state.pt``, and one file per hook with state, named after its key.
 - ``sharded``: every rank writes its shard of ``sharded/``, a ``torch.distributed.checkpoint``
   directory (model, optimizer and hooks' states), and rank 0 ``training_state.pt``, the rest of
-  the training state (:mod:`trainloop.checkpoint.sharded`). A format that every rank writes (an
-  engine's own checkpoint) takes the same path: each rank writes its files into the step's
-  directory and reports their digests, then rank 0 publishes.
+  the training state (:mod:`trainloop.checkpoint.sharded`).
+- ``deepspeed``: every rank writes its files of a DeepSpeed engine's own checkpoint into
+  ``deepspeed/``, and rank 0 ``training_state.pt`` (:mod:`trainloop.checkpoint.deepspeed`).
+
+The formats every rank writes take one path: each rank writes its files into the step's
+directory and reports their digests, then rank 0 publishes.
 
 Publication (:meth:`CheckpointManager._publish`) reads top to bottom: the files are written into a
 hidden directory, then ``metadata.json``, the manifest, the rename into place, ``latest``, pruning
@@ -30,6 +33,7 @@ most: the next one, a load, or the end of the run first waits for it (:meth:`set
 from __future__ import annotations
 
 import dataclasses
+import functools
 import logging
 import re
 import threading
@@ -93,8 +97,9 @@ class CheckpointManager:
 
     Args:
         root: The checkpoints directory, local or on object storage.
-        format: ``"full"`` (rank 0 writes ``torch.save`` files) or ``"sharded"`` (every rank
-            writes its shard through ``torch.distributed.checkpoint``).
+        format: ``"full"`` (rank 0 writes ``torch.save`` files), ``"sharded"`` (every rank
+            writes its shard through ``torch.distributed.checkpoint``) or ``"deepspeed"`` (every
+            rank writes its partitions through ``engine``).
         async_save: Write in the background (see the module docstring).
         logger: Where saves, loads and pruning are reported.
         keep_previous: Besides the newest checkpoint, keep this many earlier ones; ``None``:
@@ -103,19 +108,28 @@ class CheckpointManager:
         keep_steps: Never prune these steps.
         best: Ranks the checkpoints by a metric and keeps the best from pruning (its scores
             read from ``root/best.json``, written back after each pruning); ``None``: none.
+        engine: The run's DeepSpeed engine, which saves and loads the ``"deepspeed"`` format.
+
+    Raises:
+        ValueError: The ``"deepspeed"`` format without an engine, or in the background (``async_save``).
     """
 
     def __init__(
         self,
         root: Location,
-        format: Literal["full", "sharded"] = "full",
+        format: Literal["full", "sharded", "deepspeed"] = "full",
         async_save: bool = False,
         logger: Logger | None = None,
         keep_previous: int | None = None,
         keep_interval: int = 0,
         keep_steps: frozenset[int] = frozenset(),
         best: BestCheckpoints | None = None,
+        engine: Any = None,
     ) -> None:
+        if format == "deepspeed" and engine is None:
+            raise ValueError("the deepspeed format saves a DeepSpeed engine: pass it (engine=)")
+        if format == "deepspeed" and async_save:
+            raise ValueError("CheckpointingHook async_save: a DeepSpeed engine's checkpoint is saved in the foreground")
         self.root = root
         self.format = format
         self.async_save = async_save
@@ -124,6 +138,7 @@ class CheckpointManager:
         self.keep_interval = keep_interval
         self.keep_steps = keep_steps
         self.best = best
+        self.engine = engine
         if best is not None:
             best.load(root, _steps(root))
         self.metrics: dict[str, Any] = {}
@@ -228,6 +243,8 @@ class CheckpointManager:
         if self.format == "full":
             _refuse_sharded_tensors(state_dict)
             return self._save_full(step, state_dict, metadata, optimizers)
+        if self.format == "deepspeed":
+            return self._save_engine(step, state_dict, metadata)
         return self._save_sharded(step, state_dict, metadata, optimizers)
 
     def write_full(self, step: int, state_dict: dict[str, Any], metadata: dict[str, Any]) -> Location:
@@ -436,6 +453,21 @@ class CheckpointManager:
         self._pending = _Background(finish, target)
         return None
 
+    # -- deepspeed: every rank writes its partitions, rank 0 the rest --------------------------
+
+    def _save_engine(self, step: int, state_dict: dict[str, Any], metadata: dict[str, Any]) -> BaseException | None:
+        from trainloop.checkpoint.deepspeed import save_engine
+        from trainloop.checkpoint.sharded import visible
+
+        target = self.root / str(step)
+        prepared = self._prepare_on_rank_zero(target)
+        if isinstance(prepared, BaseException):
+            return prepared
+        tmp: Location = prepared
+        seen = rank() == 0 or visible(tmp)  # as for the sharded format
+        write = functools.partial(save_engine, self.engine, tmp)
+        return agree_on_error(self._finish_on_every_rank(tmp, target, seen, write, state_dict, metadata, None))
+
     def _prepare_on_rank_zero(self, target: Location) -> Location | BaseException:
         """Rank 0's hidden directory for ``target``, made after cleaning up, on every rank (or its failure)."""
         prepared: Location | BaseException | None = None
@@ -498,6 +530,11 @@ class CheckpointManager:
             return None
         directory, state = chosen
         self.logger.debug("Loading checkpoint %s", directory)
+        if self.engine is not None:  # the engine reads its partitions, this rank's share verified already
+            from trainloop.checkpoint.deepspeed import load_engine
+
+            trainer.load_state_dict(load_engine(self.engine, directory, state))
+            return directory
         if isinstance(state, dict):  # a full checkpoint, read and verified by choose
             trainer.load_state_dict(state)
             return directory

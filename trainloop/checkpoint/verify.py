@@ -26,6 +26,7 @@ import re
 from collections.abc import Mapping
 from typing import Any
 
+from trainloop.checkpoint.deepspeed import ENGINE_DIR
 from trainloop.checkpoint.errors import CheckpointError
 from trainloop.checkpoint.files import read_full
 from trainloop.checkpoint.loading import SHARDED_DIR, UnloadableError, VerifiedFiles
@@ -122,7 +123,7 @@ def _read(
     files: VerifiedFiles, listing: dict[str, FileDigest], this_rank: int, world: int
 ) -> dict[str, Any] | VerifiedFiles:
     """A full checkpoint's state dict, else ``files`` with this rank's share verified and kept."""
-    if not any(rel.startswith(f"{SHARDED_DIR}/") for rel in listing):
+    if not any(rel.startswith((f"{SHARDED_DIR}/", f"{ENGINE_DIR}/")) for rel in listing):
         return read_full(files.directory, listing)
     share = hash_shares(listing, world)[this_rank]
     logger.debug(

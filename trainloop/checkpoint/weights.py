@@ -184,7 +184,7 @@ def weights_problem(path: Location, weights: str) -> str | None:
         directory = find_checkpoint(path)
     except CheckpointError:
         return None  # said when it is read, with the reason
-    if checkpoint_format(directory) == "sharded":
+    if checkpoint_format(directory) != "full":
         return None
     stems = (name.removesuffix(".pt") for name in storage.names(directory) if name.endswith(".pt"))
     entries = sorted(stem for stem in stems if stem not in ("model", _REST))

@@ -13,17 +13,18 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Iterator, Mapping
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from trainloop.core.compiling import CompileWatch, note_compiled
 from trainloop.core.data import EpochIterator
+from trainloop.core.deepspeed import engine_runners, start_engine
 from trainloop.core.metrics import METRICS_FILE
 from trainloop.core.rank_seeds import seed_ranks_apart, warn_if_ranks_drew_the_same
 from trainloop.core.result import RefusedRunError
 from trainloop.core.rng import rng_kept, seed_all, set_rng_state
 from trainloop.core.run_kinds import RunOfKind, Work, init_from, restore_weights
 from trainloop.core.run_state import RunState
-from trainloop.core.step import Step, check_forward
+from trainloop.core.step import Step, UpdateRunner, check_forward, step_runners
 from trainloop.core.workspace import write_settings
 from trainloop.distributed.agreement import ExitAgreement
 from trainloop.distributed.ranks import is_rank_zero, world_size
@@ -58,6 +59,7 @@ class Loop:
         self.trainer = trainer
         self.run_state = RunState(dispatch=hook_dispatch(()))
         self.requests = RunRequests()
+        self.engine: Any = None  # the DeepSpeed engine, when settings.deepspeed is declared
         self._checkpointed = -1  # the step whose work of checkpointing is done (its on_exit callbacks may run)
         self.of_kind = RunOfKind()  # what the run's kind changes: its hooks, its work, its policies, its record
         self.schedules = ScheduledCalls(())
@@ -127,7 +129,7 @@ class Loop:
     # -- the work of each state ----------------------------------------------------------------
 
     def build(self) -> None:
-        """The work of ``building``: the components, then the hooks, their dispatch and their state callbacks."""
+        """The work of ``building``: the components, the hooks, DeepSpeed's engine if declared, the hooks' dispatch."""
         t, run = self.trainer, self.run_state
         self.build_components()
         hooks = with_default_hooks(build_declared_hooks(t.settings.hooks, t.build_hooks()), t.settings)
@@ -135,6 +137,8 @@ class Loop:
         hooks = self.of_kind.taking_part(hooks, type(t).__name__)
         run.hooks = tuple(hooks)
         self.schedules = ScheduledCalls(hooks)
+        if t.settings.deepspeed is not None:
+            self.start_engine()
         run.dispatch = hook_dispatch(hooks, self.schedules)
         for hook in hooks:
             for state, method in state_entry_methods(hook):
@@ -165,6 +169,14 @@ class Loop:
         if lr_scheduler:
             built["lr_scheduler"] = t.build_lr_scheduler()
         built["grad_scaler"] = t.build_grad_scaler()
+
+    def start_engine(self) -> None:
+        """Hand the built model, optimizer and lr scheduler to DeepSpeed; its engine is the model from here on."""
+        t, built = self.trainer, self.run_state.built
+        built["model"] = self.engine = start_engine(
+            t.settings, type(t).__name__, built["model"], built["optimizer"], built.get("lr_scheduler"),
+            built["data_loader"],
+        )
 
     @contextlib.contextmanager
     def components_kept(self) -> Iterator[None]:
@@ -202,8 +214,13 @@ class Loop:
             set_rng_state(run.restored_rng)
             run.restored_rng = None
         # With max_epochs, steps end with epochs: each declared batch is drawn once.
-        by_name, trace = run.named_optimizers, self.machine.trace
-        self.step = Step(t, run, run.data, epochs=run.data if epochs else None, by_name=by_name, trace=trace)
+        by_name, ends_with_epochs = run.named_optimizers, run.data if epochs else None
+        runners: Mapping[str, UpdateRunner]
+        if self.engine is not None:  # the engine runs the one optimizer's update
+            runners = engine_runners(self.engine, t, run.data, epochs=ends_with_epochs)
+        else:
+            runners = step_runners(t, run.data, epochs=ends_with_epochs, by_name=by_name)
+        self.step = Step(t, run, runners, by_name=by_name, trace=self.machine.trace)
         self.requests.open()
         t.model.train()
         self.step.zero_grads()

@@ -18,7 +18,7 @@ so that a run that validates does not fail later on something that was known all
 - the directories the run will write (the workspace, and each hook's ``BaseHook.writes_to``: the
   checkpoint and TensorBoard directories) can be made and written: no file in the way, no NUL
   byte, write permission;
-- the device exists on this machine;
+- the device exists on this machine; DeepSpeed is installed when the run declares it;
 - the weights ``init_from`` names are there and look readable (a file's header, a checkpoint's
   listing: no tensor is read).
 
@@ -43,6 +43,7 @@ import torch
 
 from trainloop.checkpoint.storage import exists
 from trainloop.checkpoint.weights import weights_file_problem, weights_problem
+from trainloop.core.deepspeed import deepspeed_missing, not_installed
 from trainloop.core.step import check_forward
 from trainloop.core.workspace import path_problem
 from trainloop.hook_machinery.base import BaseHook
@@ -106,6 +107,8 @@ def preflight(
     problems += _workspace_paths(settings)
     problems += _device(settings)
     problems += _init_from(settings)
+    if settings.deepspeed is not None and deepspeed_missing():
+        problems.append((("deepspeed",), not_installed()))
     if source_of is None:
         return [line for _, line in problems]
     return [f"{source_of(path)}: {line}" for path, line in problems]

@@ -24,7 +24,7 @@ from collections import defaultdict
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from time import perf_counter
-from typing import TYPE_CHECKING, Any, NamedTuple
+from typing import TYPE_CHECKING, Any, NamedTuple, Protocol
 
 import torch
 import torch.distributed as dist
@@ -49,11 +49,13 @@ __all__ = [
     "Step",
     "StepPlan",
     "StepRunner",
+    "UpdateRunner",
     "check_forward",
     "raise_if_no_retries_left",
     "skips_on_device",
     "takes_optimizer",
     "unpack_forward_output",
+    "step_runners",
     "update_plans",
 ]
 
@@ -514,6 +516,37 @@ class StepRunner:
         self.items = None
 
 
+class UpdateRunner(Protocol):
+    """What runs one optimizer's update of a step for ``Step``: a ``StepRunner``, or a DeepSpeed engine's."""
+
+    plan: StepPlan
+    microsteps: int
+    target: int
+    verdict: DeviceVerdict | None
+    grad_norm: torch.Tensor | None
+
+    def begin(self, fresh: bool = True) -> None:
+        """Start a step, its retry (``fresh``), or another optimizer's update of its batches."""
+
+    def microstep(self) -> Microstep:
+        """Draw batches until ``forward`` returns a loss, and backpropagate it."""
+
+    def prepare(self) -> None:
+        """Make the gradients those of the update (the hooks' ``on_before_optimizer_step`` runs after it)."""
+
+    def apply(self) -> bool:
+        """Apply the update; ``False``: refused, its gradients non-finite."""
+
+
+def step_runners(
+    trainer: TrainerContract, data: Iterator[Any], *, epochs: EpochIterator | None, by_name: bool
+) -> dict[str, StepRunner]:
+    """One ``StepRunner`` per optimizer of ``trainer``, by name, in update order; several keep the step's batches."""
+    plans = update_plans(trainer, check_grads=trainer.settings.detect_non_finite_grads, by_name=by_name)
+    kept: list[Any] | None = [] if len(plans) > 1 else None
+    return {name: StepRunner(plan, data, epochs=epochs, kept=kept) for name, plan in plans.items()}
+
+
 class Step:
     """One training step of a run, in one place: its microsteps, each optimizer's update, the verdict and the retries.
 
@@ -525,14 +558,14 @@ class Step:
     items, data and step time, grad norms, retries, a skipped update), ``run.updating`` and ``run.verdicts`` (the
     device verdicts by optimizer name, for a checkpoint).
 
-    The optimizers are always by name (``update_plans``): one ``StepRunner`` per optimizer, in update order; a step
-    with several trains each on the step's batches (kept by the first update, replayed by the others).
+    The optimizers are always by name (``update_plans``): one runner per optimizer, in update order; a step with
+    several trains each on the step's batches (kept by the first update, replayed by the others: ``step_runners``).
 
     Args:
         trainer: The trainer whose components, settings and logger the step uses.
         run: The run state whose step part the step writes.
-        data: The batches.
-        epochs: ``data`` itself, when steps end with epochs (``max_epochs``).
+        runners: What runs each optimizer's update, by name, in update order (``step_runners``; under DeepSpeed
+            its engine's, ``trainloop.core.deepspeed``).
         by_name: Whether ``build_optimizer()`` returned optimizers by name: ``forward`` then takes the name, and the
             step info has losses and grad norms by name too.
         trace: The run's trace, where a skipped update is marked, or ``None``.
@@ -548,9 +581,8 @@ class Step:
         self,
         trainer: TrainerContract,
         run: RunState,
-        data: Iterator[Any],
+        runners: Mapping[str, UpdateRunner],
         *,
-        epochs: EpochIterator | None,
         by_name: bool,
         trace: Trace | None,
     ) -> None:
@@ -558,11 +590,9 @@ class Step:
         self.run = run
         self.by_name = by_name
         self.trace = trace
-        plans = update_plans(trainer, check_grads=trainer.settings.detect_non_finite_grads, by_name=by_name)
-        kept: list[Any] | None = [] if len(plans) > 1 else None
-        self.runners = tuple(StepRunner(plan, data, epochs=epochs, kept=kept) for plan in plans.values())
-        self.names = tuple(plans)
-        self.optimizers = tuple(plan.optimizer for plan in plans.values())
+        self.runners = tuple(runners.values())
+        self.names = tuple(runners)
+        self.optimizers = tuple(runner.plan.optimizer for runner in self.runners)
         self.runner = self.runners[0]
         run.updating = self.names[0]
         verdicts = ((name, runner.verdict) for name, runner in zip(self.names, self.runners, strict=True))

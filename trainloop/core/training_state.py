@@ -65,39 +65,43 @@ def training_state(trainer: TrainerView, run: RunState) -> dict[str, Any]:
     from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_optimizer_state_dict
 
     model, options = run.component("model"), trainer.state_dict_options
-    optimizers, schedulers = run.optimizers, run.lr_schedulers
-    optimizer_states = {name: get_optimizer_state_dict(model, opt, options=options) for name, opt in optimizers.items()}
-    # Each optimizer's class, for a resume to name a mismatch: torch would load another class's
-    # state silently and fail at the first step with a bare KeyError.
-    classes = {name: _class_name(opt) for name, opt in optimizers.items()}
-    scheduler_states = {name: scheduler.state_dict() for name, scheduler in schedulers.items()}
     data = run.data
-    state_dict: dict[str, Any] = {
-        "model": get_model_state_dict(model, options=options),
-        "training_state": {
-            "step": run.step,
-            "epoch": data.resume_epoch if data is not None else run.epoch,
-            # Several optimizers by name; one as it is (its name is SINGLE).
-            **(
-                {"optimizers": optimizer_states, "optimizer_class": classes, "lr_scheduler": scheduler_states}
-                if run.named_optimizers
-                else {
-                    "optimizer": optimizer_states[SINGLE],
-                    "optimizer_class": classes[SINGLE],
-                    "lr_scheduler": scheduler_states.get(SINGLE),
-                }
-            ),
-            "grad_scaler": run.component("grad_scaler").state_dict(),
-            # Where the non-finite guard decides and how many updates it skipped in a row (fused optimizers).
-            "device_verdicts": {name: verdict.state_dict() for name, verdict in run.verdicts.items()},
-            # What resumes the run exactly, per rank (each rank has its own).
-            "rng": gather_from_ranks(get_rng_state()),
-            "data_loader": gather_from_ranks(_loader_state(run.component("data_loader"), data)),
-            # What a resume on another number of ranks must keep.
-            "global_batch": _global_batch(trainer, run),
-            # JSON, never pickled: readable anywhere, and compared on resume.
-            "settings": trainer.settings.model_dump_json(),
-        },
+    state_dict: dict[str, Any] = {}
+    components: dict[str, Any] = {}  # the optimizers' and schedulers' states
+    if trainer.settings.deepspeed is None:  # else the engine's partitions hold them (trainloop.checkpoint.deepspeed)
+        optimizers, schedulers = run.optimizers, run.lr_schedulers
+        optimizer_states = {
+            name: get_optimizer_state_dict(model, opt, options=options) for name, opt in optimizers.items()
+        }
+        # Each optimizer's class, for a resume to name a mismatch: torch would load another class's
+        # state silently and fail at the first step with a bare KeyError.
+        classes = {name: _class_name(opt) for name, opt in optimizers.items()}
+        scheduler_states = {name: scheduler.state_dict() for name, scheduler in schedulers.items()}
+        state_dict["model"] = get_model_state_dict(model, options=options)
+        # Several optimizers by name; one as it is (its name is SINGLE).
+        components = (
+            {"optimizers": optimizer_states, "optimizer_class": classes, "lr_scheduler": scheduler_states}
+            if run.named_optimizers
+            else {
+                "optimizer": optimizer_states[SINGLE],
+                "optimizer_class": classes[SINGLE],
+                "lr_scheduler": scheduler_states.get(SINGLE),
+            }
+        )
+    state_dict["training_state"] = {
+        "step": run.step,
+        "epoch": data.resume_epoch if data is not None else run.epoch,
+        **components,
+        "grad_scaler": run.component("grad_scaler").state_dict(),
+        # Where the non-finite guard decides and how many updates it skipped in a row (fused optimizers).
+        "device_verdicts": {name: verdict.state_dict() for name, verdict in run.verdicts.items()},
+        # What resumes the run exactly, per rank (each rank has its own).
+        "rng": gather_from_ranks(get_rng_state()),
+        "data_loader": gather_from_ranks(_loader_state(run.component("data_loader"), data)),
+        # What a resume on another number of ranks must keep.
+        "global_batch": _global_batch(trainer, run),
+        # JSON, never pickled: readable anywhere, and compared on resume.
+        "settings": trainer.settings.model_dump_json(),
     }
     for fn in run.dispatch["on_state_dict"]:
         fn(trainer, state_dict)
@@ -107,22 +111,25 @@ def training_state(trainer: TrainerView, run: RunState) -> dict[str, Any]:
 def load_training_state(trainer: TrainerView, run: RunState, state_dict: dict[str, Any]) -> None:
     """Restore into ``trainer`` and its run state what ``training_state`` returned."""
     saved = state_dict["training_state"]
-    optimizer_states, classes, scheduler_states = _by_name(trainer, run, saved)
-    for name, optimizer in trainer.optimizers.items():
-        _check_optimizer_class(name if run.named_optimizers else None, optimizer, classes.get(name))
+    by_engine = trainer.settings.deepspeed is not None  # the engine loaded model, optimizer and lr scheduler itself
+    if not by_engine:
+        optimizer_states, classes, scheduler_states = _by_name(trainer, run, saved)
+        for name, optimizer in trainer.optimizers.items():
+            _check_optimizer_class(name if run.named_optimizers else None, optimizer, classes.get(name))
     _check_global_batch(trainer, run, saved.get("global_batch"))
     run.step = saved["step"]
     run.epoch = saved.get("epoch", 0)
     trainer.logger.debug("Resuming from step %d", run.step)  # the loader says it in one line: "Resumed from ..."
-    for name, scheduler in trainer.lr_schedulers.items():
-        # The scheduler must load before the optimizer: loading it rewrites the optimizer's
-        # lr with its own (pytorch/pytorch#119168).
-        scheduler.load_state_dict(scheduler_states[name])
     trainer.grad_scaler.load_state_dict(saved["grad_scaler"])
     _restore_verdicts(run, saved.get("device_verdicts") or {})
     _restore_per_rank(trainer, run, saved)
     _warn_on_changed_settings(trainer, saved.get("settings"))
-    _load_model_and_optimizers(trainer, state_dict["model"], optimizer_states)
+    if not by_engine:
+        for name, scheduler in trainer.lr_schedulers.items():
+            # The scheduler must load before the optimizer: loading it rewrites the optimizer's
+            # lr with its own (pytorch/pytorch#119168).
+            scheduler.load_state_dict(scheduler_states[name])
+        _load_model_and_optimizers(trainer, state_dict["model"], optimizer_states)
     for fn in run.dispatch["on_load_state_dict"]:
         fn(trainer, state_dict)
 

@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING, Any, Literal
 from pydantic import validate_call
 
 from trainloop.checkpoint.best import BestCheckpoints, Monitor, check_best
+from trainloop.checkpoint.deepspeed import deepspeed_engine
 from trainloop.checkpoint.errors import CheckpointSaveError
 from trainloop.checkpoint.manager import CheckpointManager, sharded_state_dict
 from trainloop.checkpoint.storage import is_dir
@@ -224,9 +225,11 @@ class CheckpointingHook(BaseHook):
             self._report(trainer, self._manager.close())
         self._hold(trainer, root)
         best = BestCheckpoints(self.monitor, self.mode, self.keep_best) if self.monitor is not None else None
+        engine = deepspeed_engine(trainer.model)  # its own format: every rank its partitions
         self._manager = CheckpointManager(
-            root, self.format, self.async_save, trainer.logger, keep_previous=self.keep_previous,
-            keep_interval=self.keep_interval, keep_steps=self.keep_steps, best=best,
+            root, self.format if engine is None else "deepspeed", self.async_save, trainer.logger,
+            keep_previous=self.keep_previous, keep_interval=self.keep_interval, keep_steps=self.keep_steps, best=best,
+            engine=engine,
         )
         self.resumed_complete = False
         if self.load is None:

@@ -139,7 +139,7 @@ def lr_find(
     Raises:
         pydantic.ValidationError: A parameter is invalid; the error names it.
         RuntimeError: The trainer has already started ``train()``.
-        ValueError: Every param group has learning rate 0.
+        ValueError: Every param group has learning rate 0, or the trainer's settings declare ``deepspeed``.
         TypeError: The loss is not a scalar tensor (or ``forward`` returned no ``(loss, records)``).
     """
     if not isinstance(trainer_or_components, (BaseTrainer, LrFindComponents)):
@@ -153,6 +153,11 @@ def lr_find(
                 "loc": ("trainer_or_components",),
                 "input": trainer_or_components,
             }],
+        )
+    if isinstance(trainer_or_components, BaseTrainer) and trainer_or_components.settings.deepspeed is not None:
+        raise ValueError(
+            "lr_find(): the trainer's settings declare deepspeed, whose engine the range test does not drive: "
+            "find the lr without deepspeed (the same model and optimizer), then train with it"
         )
     if end_lr <= start_lr:
         raise ValidationError.from_exception_data(

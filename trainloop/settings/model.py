@@ -25,6 +25,7 @@ from pydantic import (
 )
 
 from trainloop.hook_machinery.registry import HookSpec
+from trainloop.settings.deepspeed import config_problems, read_config
 from trainloop.settings.errors import describe_validation_error, in_our_words
 from trainloop.settings.init_from import InitFromSettings
 from trainloop.settings.optimizer import OPTIMIZER_NAME, OptimizerSettings, optimizer_names_problem
@@ -126,6 +127,13 @@ class TrainerSettings(BaseModel):
     """Hooks declared as data, each ``{"type": ..., <its parameters>}`` (e.g. ``{"type":
     "checkpointing", "interval": 1000}``); a run uses the hooks ``build_hooks()`` returns, then
     these, in this order."""
+    deepspeed: dict[str, Any] | Path | None = None
+    """Train through DeepSpeed: its own config, as a mapping (``{"zero_optimization": {"stage": 3}}``) or the path
+    of a JSON file; unset: no DeepSpeed. ``build_model()`` returns the plain module and ``build_optimizer()`` one
+    optimizer; the trainer hands both to ``deepspeed.initialize``. trainloop fills the config's
+    ``gradient_accumulation_steps``, ``gradient_clipping`` (``grad_clip``; unset: 0), ``bf16``/``fp16``
+    (``mixed_precision``) and ``train_micro_batch_size_per_gpu`` (the data loader's batch size): the config may
+    repeat them only with the same values (see docs/distributed.md). Needs ``trainloop[deepspeed]``."""
     trainer: Annotated[str, Field(pattern=TRAINER_PATTERN)] | None = None
     """The trainer class ``trainloop run`` and ``trainloop validate`` use when no ``--trainer``
     is given, as ``package.module:Class``; a trainer constructed in Python ignores it."""
@@ -202,6 +210,22 @@ class TrainerSettings(BaseModel):
     def _seed_per_rank_needs_a_seed(self) -> Self:
         if self.seed_per_rank and self.seed is None:
             raise ValueError("seed_per_rank offsets the seed by rank: set seed too")
+        return self
+
+    @model_validator(mode="after")
+    def _deepspeed_agrees(self) -> Self:
+        if self.deepspeed is None:
+            return self
+        if self.optimizers is not None:
+            raise ValueError("deepspeed drives one optimizer: declare optimizer, not optimizers")
+        problems = config_problems(
+            read_config(self.deepspeed),
+            accumulation=self.gradient_accumulation_steps,
+            grad_clip=self.grad_clip,
+            mixed_precision=self.mixed_precision,
+        )
+        if problems:
+            raise ValueError("; ".join(problems))
         return self
 
     @classmethod

@@ -1,0 +1,350 @@
+"""DeepSpeed as a strategy: its config checked against trainloop's settings, and the engine driven by the loop.
+
+The checks before step 1 run in this process (nothing in them imports DeepSpeed) or through the command line in a
+subprocess; what needs the engine runs in one ``torchrun`` launch of two CPU ranks (gloo), every case inside it
+(tests/support/deepspeed_worker.py), read through a module-scoped fixture.
+"""
+
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+from cli_process import Cli, cli_env
+from ddp_worker import free_port
+from torch import nn
+
+from trainloop import CheckpointError, TrainerSettings
+from trainloop.core.result import RefusedRunError
+from trainloop.settings import SettingsFileError
+
+SUPPORT = Path(__file__).resolve().parents[1] / "support"
+ZERO3 = {"zero_optimization": {"stage": 3}}
+HAS_DEEPSPEED = importlib.util.find_spec("deepspeed") is not None
+
+
+# -- the config against trainloop's settings: one line naming both, before anything is built ---------------------
+
+
+@pytest.mark.parametrize(
+    ("settings", "config", "message"),
+    [
+        ({}, {"gradient_clipping": 1.0}, "deepspeed.gradient_clipping is 1.0 but grad_clip is unset (no clipping)"),
+        ({"grad_clip": 0.5}, {"gradient_clipping": 1.0}, "deepspeed.gradient_clipping is 1.0 but grad_clip is 0.5"),
+        ({}, {"bf16": {"enabled": True}}, "deepspeed.bf16.enabled is True but mixed_precision is unset"),
+        ({"mixed_precision": "bf16"}, {"bf16": {"enabled": False}},
+         "deepspeed.bf16.enabled is False but mixed_precision is 'bf16'"),
+        ({"mixed_precision": "bf16"}, {"fp16": {"enabled": True}},
+         "deepspeed.fp16.enabled is True but mixed_precision is 'bf16'"),
+        ({"gradient_accumulation_steps": 2}, {"gradient_accumulation_steps": 4},
+         "deepspeed.gradient_accumulation_steps is 4 but gradient_accumulation_steps is 2"),
+        ({}, {"zero_optimization": {"stage": 7}}, "deepspeed.zero_optimization.stage: 7 is not a ZeRO stage"),
+        ({"optimizers": {"d": {"name": "SGD", "lr": 0.1}, "g": {"name": "SGD", "lr": 0.1}}}, {},
+         "deepspeed drives one optimizer: declare optimizer, not optimizers"),
+    ],
+)
+def test_a_config_that_contradicts_the_settings_is_refused_naming_both(settings, config, message):
+    with pytest.raises(ValueError, match="deepspeed") as error:
+        TrainerSettings(max_steps=1, deepspeed=config, **settings)
+    assert message in str(error.value)
+
+
+def test_a_config_that_agrees_with_the_settings_is_taken_from_a_file(tmp_path):
+    path = tmp_path / "ds.json"
+    path.write_text(json.dumps({**ZERO3, "gradient_clipping": 0.5, "bf16": {"enabled": True}}))
+    settings = TrainerSettings(max_steps=1, deepspeed=path, grad_clip=0.5, mixed_precision="bf16")
+    assert settings.deepspeed == path
+    with pytest.raises(SettingsFileError, match="the DeepSpeed config .*missing.json: "):
+        TrainerSettings.load(overrides=["max_steps=1", f"deepspeed={tmp_path / 'missing.json'}"])
+
+
+def test_what_trainloop_owns_is_filled_in():
+    from trainloop.settings.deepspeed import filled_config
+
+    filled = filled_config(ZERO3, accumulation=2, grad_clip=None, mixed_precision="bf16", batch_size=8)
+    assert filled == {
+        **ZERO3, "gradient_accumulation_steps": 2, "gradient_clipping": 0.0, "bf16": {"enabled": True},
+        "fp16": {"enabled": False}, "train_micro_batch_size_per_gpu": 8,
+    }
+
+
+def test_the_deepspeed_extra_is_pinned_and_installed_by_ci_as_the_readme_says():
+    import tomllib
+
+    root = Path(__file__).resolve().parents[2]
+    extras = tomllib.loads((root / "pyproject.toml").read_text())["project"]["optional-dependencies"]
+    assert extras["deepspeed"] == ["deepspeed==0.19.8"]
+    ci = (root / ".ci" / "run").read_text()
+    install = 'DS_BUILD_OPS=0 python -m pip install --quiet --no-build-isolation -e ".[deepspeed]"'
+    assert ci.index('pip install --quiet torch==2.13.0') < ci.index(install)  # its sdist imports torch to build
+    assert 'DS_BUILD_OPS=0 pip install --no-build-isolation -e ".[deepspeed]"' in (root / "README.md").read_text()
+
+
+def test_importing_trainloop_imports_no_deepspeed():
+    code = "import trainloop, trainloop.core.loop, trainloop.core.deepspeed, sys; print('deepspeed' in sys.modules)"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, env=cli_env())
+    assert out.stdout == "False\n"
+
+
+def test_the_managers_deepspeed_format_needs_its_engine_and_the_foreground(tmp_path):
+    from trainloop.checkpoint.manager import CheckpointManager
+
+    with pytest.raises(ValueError, match="pass it"):
+        CheckpointManager(tmp_path, "deepspeed")
+    with pytest.raises(ValueError, match="async_save: a DeepSpeed engine's checkpoint is saved in the foreground"):
+        CheckpointManager(tmp_path, "deepspeed", async_save=True, engine=object())
+
+
+# -- refused in building, before DeepSpeed is imported -------------------------------------------------------------
+
+
+def _trainer(**settings):
+    from tiny_trainer import TinyTrainer
+
+    return TinyTrainer(**{"max_steps": 2, "device": "cpu", "deepspeed": ZERO3, **settings})
+
+
+def test_a_micro_batch_that_contradicts_the_data_loader_is_refused_before_step_1():
+    trainer = _trainer(deepspeed={**ZERO3, "train_micro_batch_size_per_gpu": 3})
+    with pytest.raises(RefusedRunError, match=r"deepspeed.train_micro_batch_size_per_gpu is 3 but the data loader's"):
+        trainer.train()
+    assert trainer.step == 0
+
+
+def test_several_optimizers_are_refused_before_step_1():
+    trainer = _trainer()
+    trainer.build_optimizer = lambda: {  # type: ignore[method-assign]
+        "a": torch.optim.SGD(trainer.model.parameters(), lr=0.1),
+        "b": torch.optim.SGD(trainer.model.parameters(), lr=0.1),
+    }
+    trainer.forward = lambda batch, optimizer: (trainer.model(batch[0]).sum(), {})  # type: ignore[method-assign]
+    with pytest.raises(RefusedRunError, match=r"returned several optimizers \(a, b\), but deepspeed drives one"):
+        trainer.train()
+
+
+def test_a_model_wrapped_in_ddp_is_refused_before_step_1():
+    dist.init_process_group("gloo", rank=0, world_size=1, store=dist.HashStore())
+    try:
+        trainer = _trainer()
+        build = trainer.build_model
+        trainer.build_model = lambda: nn.parallel.DistributedDataParallel(build())  # type: ignore[method-assign]
+        with pytest.raises(RefusedRunError, match="returned a model wrapped in DistributedDataParallel, but deepspeed"):
+            trainer.train()
+    finally:
+        dist.destroy_process_group()
+
+
+def test_lr_find_says_it_does_not_drive_the_engine():
+    from trainloop import lr_find
+
+    with pytest.raises(ValueError, match=r"lr_find\(\): the trainer's settings declare deepspeed"):
+        lr_find(_trainer())
+
+
+# -- the command line: exit 2, one line, nothing written ----------------------------------------------------------
+
+
+def test_a_contradiction_on_the_command_line_is_one_line_exit_2_and_writes_nothing(tmp_path):
+    (tmp_path / "run.json").write_text(
+        json.dumps({"max_steps": 2, "workspace": "ws", "deepspeed": {**ZERO3, "gradient_clipping": 1.0}})
+    )
+    result = Cli("run", "run.json", "--trainer", "cli_trainers:CliTrainer", cwd=tmp_path).result()
+    assert result.returncode == 2, result.stderr
+    assert "Traceback" not in result.stderr
+    assert "deepspeed.gradient_clipping is 1.0 but grad_clip is unset (no clipping)" in result.stderr
+    assert result.stderr.count("\n") == 1
+    assert [p.name for p in tmp_path.iterdir()] == ["run.json"]
+
+
+def test_deepspeed_not_installed_is_one_line_naming_the_extra(tmp_path):
+    blocker = tmp_path / "blocker"
+    blocker.mkdir()
+    (blocker / "sitecustomize.py").write_text("import sys\nsys.modules['deepspeed'] = None  # not importable\n")
+    (tmp_path / "run.json").write_text(json.dumps({"max_steps": 2, "workspace": "ws", "deepspeed": ZERO3}))
+    env = cli_env()
+    env["PYTHONPATH"] = os.pathsep.join([str(blocker), env["PYTHONPATH"]])
+    result = Cli("run", "run.json", "--trainer", "cli_trainers:CliTrainer", cwd=tmp_path, env=env).result()
+    assert result.returncode == 2, result.stderr
+    assert "deepspeed: DeepSpeed is not installed; install it with pip install 'trainloop[deepspeed]'" in result.stderr
+    assert result.stderr.count("\n") == 1, result.stderr
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["blocker", "run.json"]
+
+
+# -- the engine: one torchrun launch of two CPU ranks, every case in it --------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def ranks(tmp_path_factory):
+    if not HAS_DEEPSPEED:
+        pytest.skip("DeepSpeed is not installed (pip install 'trainloop[deepspeed]': see the README)")
+    out = tmp_path_factory.mktemp("deepspeed") / "results.json"
+    env = cli_env(DS_ACCELERATOR="cpu", OMP_NUM_THREADS="1")
+    command = [
+        sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-addr", "127.0.0.1",
+        "--master-port", str(free_port()), str(SUPPORT / "deepspeed_worker.py"), str(out),
+    ]
+    result = subprocess.run(command, env=env, capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr[-4000:]
+    assert "terminate called" not in result.stderr  # ZeRO-3's engines were torn down: a clean exit
+    return {**json.loads(out.read_text()), "root": out.parent}
+
+
+@pytest.mark.parametrize("stage", [0, 1, 2, 3])
+@pytest.mark.parametrize("accumulation", [1, 2])
+def test_losses_equal_a_hand_written_deepspeed_loop_bit_for_bit(ranks, stage, accumulation):
+    case = ranks[f"stage{stage}_acc{accumulation}"]
+    assert len(case["by_hand"]) == 4 * accumulation
+    assert case["trainloop"] == case["by_hand"]
+
+
+@pytest.mark.parametrize("stage", [0, 1, 2, 3])
+def test_bf16_losses_equal_a_hand_written_deepspeed_loop_bit_for_bit(ranks, stage):
+    case = ranks[f"stage{stage}_bf16"]
+    assert len(case["by_hand"]) == 4
+    assert case["trainloop"] == case["by_hand"]
+    assert case["trainloop"] != ranks[f"stage{stage}_acc1"]["trainloop"]  # bf16 did change the numbers
+
+
+@pytest.mark.parametrize("stage", [0, 1, 2, 3])
+def test_a_non_finite_update_never_reaches_the_weights_and_is_retried_as_ours(ranks, stage):
+    case = ranks[f"non_finite_stage{stage}"]
+    assert case["retries"] == [0, 1, 0, 0]  # step 2 retried once, on fresh batches
+    assert case["finite"] == [True] * 4  # its retry and every later step trained on finite weights
+    # Stage 0: trainloop refused the update before the engine stepped; 1 to 3: the engine skipped it, and said so.
+    assert case["skipped_steps"] == (0 if stage == 0 else 1)
+
+
+@pytest.mark.parametrize("stage", [0, 1, 2, 3])
+def test_a_resumed_run_equals_the_unbroken_one_bit_for_bit(ranks, stage):
+    unbroken = ranks[f"stage{stage}_acc1"]["trainloop"]
+    case = ranks[f"resumed_stage{stage}"]
+    assert case["losses"] == unbroken[2:]  # steps 3 and 4, after the resume from step 2
+    assert case["kept"] == ["3", "4", "latest"]  # trainloop's keep-N and latest
+    files = case["files"]
+    assert {"manifest.json", "metadata.json", "training_state.pt"} <= set(files)
+    partitions = [name for name in files if name.startswith("deepspeed/engine/")]
+    if stage == 0:
+        assert partitions == ["deepspeed/engine/mp_rank_00_model_states.pt"]
+    else:  # each rank's partitions, under the manifest
+        assert any("zero_pp_rank_0_" in name for name in partitions)
+        assert any("zero_pp_rank_1_" in name for name in partitions)
+    assert "deepspeed/latest" not in files  # trainloop's latest names the checkpoint
+
+
+def test_a_damaged_partition_is_caught_by_the_manifest_and_an_older_checkpoint_taken(ranks):
+    unbroken = ranks["stage2_acc1"]["trainloop"]
+    assert ranks["corrupt_stage2"]["losses"] == unbroken[1:]  # resumed from step 1: steps 2 to 4
+
+
+def test_export_joins_the_partitions_into_weights_that_load_strictly_into_the_plain_module(ranks, tmp_path):
+    from deepspeed_worker import model
+    from safetensors.torch import load_file
+
+    from trainloop.checkpoint import checkpoint_format, export_checkpoint
+
+    exported = []
+    for stage in (0, 1, 2, 3):
+        checkpoint = ranks["root"] / f"resumed_stage{stage}" / "checkpoints" / "4"
+        assert checkpoint_format(checkpoint) == "deepspeed"
+        output = tmp_path / f"stage{stage}.safetensors"
+        assert export_checkpoint(checkpoint, output)["step"] == "4"
+        weights = load_file(output)
+        model().load_state_dict(weights, strict=True)
+        exported.append(weights)
+    # Every stage trained the same numbers (the losses are equal): stage 0's weights are the module's own,
+    # stages 1 to 3 are joined from two ranks' partitions.
+    for weights in exported[1:]:
+        assert weights.keys() == exported[0].keys()
+        assert all(torch.equal(weights[key], exported[0][key]) for key in weights)
+
+
+def test_init_from_predict_and_inspect_read_a_deepspeed_checkpoint(ranks, tmp_path):
+    from deepspeed_worker import DeepSpeedTrainer, dataset
+    from safetensors.torch import load_file
+    from torch.utils.data import DataLoader
+
+    from trainloop import BaseHook
+    from trainloop.checkpoint import export_checkpoint
+
+    checkpoint = ranks["root"] / "resumed_stage3" / "checkpoints" / "4"
+    export_checkpoint(checkpoint, tmp_path / "w.safetensors")
+    started: dict[str, torch.Tensor] = {}
+
+    class Start(BaseHook):
+        def on_before_train(self, trainer):  # after init_from, in restoring
+            started.update({key: value.clone() for key, value in trainer.unwrapped_model.state_dict().items()})
+
+    class PlainTrainer(DeepSpeedTrainer):
+        def build_data_loader(self):  # one process, no sampler across ranks
+            return DataLoader(dataset(), batch_size=4)
+
+        def build_predict_data_loader(self):
+            return DataLoader(dataset(), batch_size=16)
+
+        def predict_step(self, batch):
+            return self.model(batch[0])
+
+    trainer = PlainTrainer(max_steps=1, device="cpu", init_from=str(checkpoint), metrics_file=False)
+    trainer.build_hooks = lambda: [Start()]  # type: ignore[method-assign]
+    trainer.train()  # a plain run, starting from the DeepSpeed run's weights
+    expected = load_file(tmp_path / "w.safetensors")
+    assert started.keys() == expected.keys()
+    assert all(torch.equal(started[key], expected[key]) for key in expected)
+    predicted = PlainTrainer(max_steps=1, device="cpu").predict(checkpoint=checkpoint)["predictions"]
+    reference = __import__("deepspeed_worker").model()
+    reference.load_state_dict(expected, strict=True)
+    with torch.no_grad():
+        assert torch.equal(predicted, reference(dataset().tensors[0]))
+    result = Cli("inspect", "--json", checkpoint, cwd=tmp_path).result()
+    assert result.returncode == 0, result.stderr
+    described = json.loads(result.stdout)  # DeepSpeed's own prints went to stderr
+    assert described["format"] == "deepspeed"
+    assert described["step"] == 4
+
+
+def test_the_docs_zero3_example_trains_a_transformer_on_two_cpu_ranks(tmp_path):
+    if not HAS_DEEPSPEED:
+        pytest.skip("DeepSpeed is not installed (pip install 'trainloop[deepspeed]': see the README)")
+    text = (Path(__file__).resolve().parents[2] / "docs" / "distributed.md").read_text()
+    section = text[text.index("## DeepSpeed"):]
+    script = tmp_path / "zero3.py"
+    script.write_text(section.split("```python\n", 1)[1].split("```", 1)[0])
+    env = cli_env(DS_ACCELERATOR="cpu", OMP_NUM_THREADS="1")
+    command = [
+        sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-addr", "127.0.0.1",
+        "--master-port", str(free_port()), str(script),
+    ]
+    result = subprocess.run(command, env=env, capture_output=True, text=True, timeout=300, cwd=tmp_path)
+    assert result.returncode == 0, result.stderr[-4000:]
+    assert "terminate called" not in result.stderr  # ZeRO-3 under the trainer ends cleanly
+    printed = [line for line in result.stdout.splitlines() if line.startswith("loss ")]
+    assert len(printed) == 1, result.stdout[-2000:]  # rank 0 alone
+    loss = float(printed[0].split()[1])
+    assert printed[0] == f"loss {loss:.2f} after 20 steps under ZeRO-3 on 2 ranks"
+    assert loss < 2.0  # from ~4.2 (uniform over 64 tokens): it learns the sequence
+
+
+def test_a_checkpoint_of_another_world_size_is_one_line_saying_how(tmp_path):
+    from trainloop.checkpoint.deepspeed import load_engine
+
+    class Files:
+        closed = False
+
+        def close(self):
+            self.closed = True
+
+    engine = tmp_path / "deepspeed" / "engine"
+    engine.mkdir(parents=True)
+    for r in (0, 1):
+        (engine / f"zero_pp_rank_{r}_mp_rank_00_optim_states.pt").write_bytes(b"")
+    files = Files()
+    with pytest.raises(CheckpointError, match=r"saved by 2 ranks and this run has 1: resume it on 2 ranks, or export"):
+        load_engine(object(), tmp_path, files)
+    assert files.closed
+    with pytest.raises(CheckpointError, match="holds no DeepSpeed engine's state, so it cannot resume"):
+        load_engine(object(), tmp_path / "deepspeed", files)

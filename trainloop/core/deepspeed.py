@@ -1,0 +1,230 @@
+"""DeepSpeed as a strategy beside DDP and FSDP2: the engine started from the built model and optimizer, and driven.
+
+With ``settings.deepspeed`` declared, ``building`` hands the plain model, its one optimizer and its lr scheduler
+to ``deepspeed.initialize`` with the config trainloop filled (``trainloop.settings.deepspeed``); the engine
+becomes ``trainer.model``, so ``forward`` calls ``self.model(x)`` as before. ``EngineStep`` then runs each step
+in the same states as any other: ``accumulating`` calls the engine's backward on each microstep (DeepSpeed owns
+the gradients' reduction across microsteps: nothing runs under ``no_sync``), ``stepping`` calls its step once
+per update.
+
+A non-finite update never reaches the weights, and is retried as any other (docs/machine.md): at ZeRO stage 0,
+where DeepSpeed would write it into the weights, trainloop checks the gradients before the engine steps; at
+stages 1 to 3 the engine skips it itself, and the step learns it from ``engine.skipped_steps``.
+
+DeepSpeed is imported only here, and only when a run declares it.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+from collections.abc import Iterable, Iterator, Mapping
+from time import perf_counter
+from typing import TYPE_CHECKING, Any
+
+import torch
+from torch import nn
+
+from trainloop.core.result import RefusedRunError
+from trainloop.core.step import (
+    DeviceVerdict,
+    Microstep,
+    NonFiniteGradCheck,
+    StepPlan,
+    unpack_forward_output,
+    update_plans,
+)
+from trainloop.distributed.ranks import world_size
+from trainloop.settings.deepspeed import filled_config, micro_batch_problem, read_config, zero_stage
+from trainloop.utils import is_distributed_model
+
+if TYPE_CHECKING:
+    from trainloop.core.data import EpochIterator
+    from trainloop.core.run_state import TrainerContract
+    from trainloop.settings.model import TrainerSettings
+
+__all__ = ["EXTRA", "EngineStep", "deepspeed_missing", "engine_runners", "not_installed", "start_engine"]
+
+#: What installs DeepSpeed beside trainloop.
+EXTRA = "trainloop[deepspeed]"
+
+
+def deepspeed_missing() -> bool:
+    """Whether DeepSpeed cannot be imported here (found without importing it)."""
+    try:
+        return importlib.util.find_spec("deepspeed") is None
+    except (ImportError, ValueError):  # blocked in sys.modules, or a parent that fails to import
+        return True
+
+
+def not_installed() -> str:
+    """The one line that refuses a run declaring ``deepspeed`` where DeepSpeed is not installed."""
+    return (
+        f"deepspeed: DeepSpeed is not installed; install it with pip install '{EXTRA}' "
+        "(DS_BUILD_OPS=0 and --no-build-isolation, after torch: see the README)"
+    )
+
+
+def start_engine(
+    settings: TrainerSettings,
+    owner: str,
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer | Mapping[str, torch.optim.Optimizer],
+    lr_scheduler: Any,
+    data_loader: Iterable[Any],
+) -> Any:
+    """The DeepSpeed engine of the built components, under the config ``settings.deepspeed`` declares, filled.
+
+    Args:
+        settings: The run's settings (``deepspeed`` set).
+        owner: The trainer class's name, for the messages.
+        model: What ``build_model()`` returned: the plain module on its device.
+        optimizer: What ``build_optimizer()`` returned: one torch optimizer.
+        lr_scheduler: What ``build_lr_scheduler()`` returned (the engine steps it after each applied update).
+        data_loader: What ``build_data_loader()`` returned: its ``batch_size`` is the micro batch.
+
+    Raises:
+        RefusedRunError: Several optimizers, a model wrapped in DDP/FSDP, a micro batch or a batch size that
+            contradicts the data loader, DeepSpeed not installed: before step 1, one line.
+    """
+    assert settings.deepspeed is not None
+    if isinstance(optimizer, Mapping):
+        raise RefusedRunError(
+            f"{owner}.build_optimizer() returned several optimizers ({', '.join(map(str, optimizer))}), "
+            "but deepspeed drives one: return one optimizer"
+        )
+    if is_distributed_model(model):
+        raise RefusedRunError(
+            f"{owner}.build_model() returned a model wrapped in {type(model).__name__}, but deepspeed wraps the "
+            "plain module itself: return it unwrapped"
+        )
+    config = read_config(settings.deepspeed)
+    accumulation = settings.gradient_accumulation_steps
+    batch_size = getattr(data_loader, "batch_size", None)
+    problems = [micro_batch_problem(config, batch_size, accumulation, world_size())]
+    if settings.max_epochs is not None and accumulation > 1:
+        batches = _batches_per_epoch(data_loader)
+        if batches is None or batches % accumulation:
+            problems.append(
+                f"deepspeed divides every microstep's loss by gradient_accumulation_steps={accumulation}, but "
+                f"an epoch of {batches} batches ends on a shorter step (max_epochs): use max_steps, or an epoch "
+                "whose batches the accumulation divides"
+            )
+    lines = [problem for problem in problems if problem is not None]
+    if lines:
+        raise RefusedRunError("\n".join(lines))
+    filled = filled_config(
+        config,
+        accumulation=accumulation,
+        grad_clip=settings.grad_clip,
+        mixed_precision=settings.mixed_precision,
+        batch_size=batch_size,
+    )
+    try:
+        import deepspeed  # heavy: only for the runs that declare it
+    except ImportError:
+        raise RefusedRunError(not_installed()) from None
+    engine, *_ = deepspeed.initialize(model=model, optimizer=optimizer, lr_scheduler=lr_scheduler, config=filled)
+    return engine
+
+
+def _batches_per_epoch(data_loader: Iterable[Any]) -> int | None:
+    try:
+        return len(data_loader)  # type: ignore[arg-type]
+    except TypeError:
+        return None
+
+
+def engine_runners(
+    engine: Any, trainer: TrainerContract, data: Iterator[Any], *, epochs: EpochIterator | None
+) -> dict[str, EngineStep]:
+    """The step's runner under DeepSpeed: the engine runs the update of the one optimizer (``start_engine`` checked)."""
+    plans = update_plans(trainer, check_grads=trainer.settings.detect_non_finite_grads, by_name=False)
+    return {name: EngineStep(engine, plan, data, epochs=epochs) for name, plan in plans.items()}
+
+
+class EngineStep:
+    """Runs the microsteps and the update of a step through a DeepSpeed engine (the loop's step runner under it).
+
+    Each microstep tells the engine whether it ends the step's accumulation, then calls its backward on the
+    plain loss (the engine divides it by the accumulation); the update calls the engine's step once, which
+    clips, steps the optimizer and the lr scheduler, and zeroes the gradients. ``Step`` drives it as it drives
+    a ``StepRunner`` (``UpdateRunner``).
+
+    Args:
+        engine: The engine ``start_engine`` made.
+        plan: The optimizer's plan (its forward, owner, accumulation and checks; the engine owns the rest).
+        data: The batches.
+        epochs: ``data`` itself under ``max_epochs`` (the engine's accumulation divides every epoch, checked).
+    """
+
+    def __init__(self, engine: Any, plan: StepPlan, data: Iterator[Any], epochs: EpochIterator | None = None) -> None:
+        self.engine = engine
+        self.verdict: DeviceVerdict | None = None  # the engine's step decides on the host: none travels on the device
+        self.plan = plan
+        self.data = data
+        self.epochs = epochs
+        self.microsteps = 0
+        self.target = plan.accumulation
+        self.grad_norm: torch.Tensor | None = None
+        self.stage = zero_stage(engine.config)
+        # Stage 0 applies what the gradients hold: trainloop checks them first (one host sync, as for any optimizer
+        # that cannot skip on the device). Stages 1 to 3 check and skip in the engine.
+        check = plan.check_grads and self.stage == 0
+        self._check = NonFiniteGradCheck(engine.module.parameters()) if check else None
+
+    def begin(self, fresh: bool = True) -> None:
+        """Start a step, or its retry: no microstep done."""
+        self.microsteps = 0
+
+    def microsteps_remain(self) -> bool:
+        """Whether the step needs another microstep (the accumulation's count)."""
+        return self.microsteps < self.target
+
+    def microstep(self) -> Microstep:
+        """Draw batches until ``forward`` returns a loss, and hand it to the engine's backward.
+
+        Raises:
+            TypeError: ``forward`` returned a ``Loss`` (the engine divides a plain loss by the accumulation) or
+                something else than a scalar tensor.
+        """
+        plan, engine = self.plan, self.engine
+        engine.set_gradient_accumulation_boundary(self.microsteps + 1 >= self.target)
+        data_time = 0.0
+        while True:
+            start = perf_counter()
+            batch = next(self.data)
+            data_time += perf_counter() - start
+            loss, records = unpack_forward_output(plan.forward(batch), plan.owner)
+            if loss is not None:
+                break
+        if not isinstance(loss, torch.Tensor) or loss.ndim:
+            got = type(loss).__name__ if not isinstance(loss, torch.Tensor) else f"shape {tuple(loss.shape)}"
+            raise TypeError(
+                f"{plan.owner} must return a scalar tensor loss under deepspeed (got {got}): the engine divides "
+                "it by the accumulation itself"
+            )
+        engine.backward(loss)
+        self.microsteps += 1
+        return Microstep(loss, records, data_time)
+
+    def prepare(self) -> None:
+        """Nothing: the engine unscales and reduces the gradients in its step."""
+
+    def apply(self) -> bool:
+        """The engine's step, unless the gradients are non-finite.
+
+        Returns:
+            ``True`` if the update was applied; ``False`` if it was not, the gradients non-finite: at stage 0
+            found before the engine stepped, at stages 1 to 3 skipped by the engine (``skipped_steps`` went up).
+            Either way the gradients are gone or zeroed by the retry.
+        """
+        engine = self.engine
+        if self._check is not None and self._check():
+            engine.zero_grad()
+            return False
+        skipped = engine.skipped_steps
+        engine.step()
+        if self.plan.grad_clip is not None:
+            norm = engine.get_global_grad_norm()
+            self.grad_norm = torch.as_tensor(float("nan") if norm is None else float(norm))
+        return bool(engine.skipped_steps == skipped)
