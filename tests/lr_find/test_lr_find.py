@@ -602,3 +602,24 @@ def test_under_ddp_ranks_average_the_loss_and_stop_together_and_matplotlib_stays
     with torch.no_grad():
         per_rank = [nn.functional.mse_loss(model(x[r::2][:4]), y[r::2][:4]).item() for r in range(2)]
     assert raw[0] == pytest.approx(sum(per_rank) / 2, rel=1e-5)
+
+
+def test_trainloop_lr_find_runs_the_search_after_its_package_was_imported():
+    # Importing trainloop.lr_find (or a module of it) binds the package on trainloop under the function's
+    # name: `from trainloop import lr_find` must still give something that runs the search.
+    script = textwrap.dedent(
+        """
+        import trainloop.lr_find.search
+        from tiny_trainer import TinyTrainer
+        from trainloop import lr_find
+        result = lr_find(TinyTrainer(max_steps=1), num_iterations=5)
+        print(type(result).__name__, len(result.lrs))
+        """
+    )
+    support = Path(__file__).resolve().parents[1] / "support"
+    run = subprocess.run(
+        [sys.executable, "-c", script], capture_output=True, text=True, cwd=support, timeout=120,
+        env={**__import__("os").environ, "PYTHONPATH": f"{support}:{__import__('os').environ.get('PYTHONPATH', '')}"},
+    )
+    assert run.returncode == 0, run.stderr
+    assert run.stdout.split() == ["LrFindResult", "5"]
