@@ -62,3 +62,24 @@ def test_the_device_flag_is_set_by_a_non_finite_gradient_and_cleared_by_the_next
     model.zero_grad()
     backward(model)
     assert check() is False
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.cuda)])
+@pytest.mark.parametrize("bad", [float("inf"), float("nan")])
+def test_bfloat16_gradients_are_checked_too(device, bad):
+    # GradScaler's kernel has no bfloat16 version on CUDA: a model kept in bf16 (or DeepSpeed's bf16) is
+    # checked another way, with the same answers, and its gradients are left untouched.
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(3, 4), nn.Linear(4, 1)).to(device)
+    model[1].to(torch.bfloat16)
+    check = NonFiniteGradCheck(model.parameters())
+    model[1](model[0](torch.randn(2, 3, device=device)).bfloat16()).sum().backward()
+    grads = [p.grad.clone() for p in model.parameters()]
+    assert check() is False
+    assert all(torch.equal(p.grad, g) for p, g in zip(model.parameters(), grads))
+    model[1].weight.grad[0, 2] = bad
+    assert check() is True
+    assert check.found().item() == 1.0
+    model[1].weight.grad[0, 2] = 0.0
+    assert check() is False
+    assert check.found().item() == 0.0
