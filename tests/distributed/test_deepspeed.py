@@ -263,7 +263,7 @@ def test_export_joins_the_partitions_into_weights_that_load_strictly_into_the_pl
         assert all(torch.equal(weights[key], exported[0][key]) for key in weights)
 
 
-def test_init_from_predict_and_inspect_read_a_deepspeed_checkpoint(ranks, tmp_path):
+def test_init_from_predict_evaluate_and_inspect_read_a_deepspeed_checkpoint(ranks, tmp_path):
     from deepspeed_worker import DeepSpeedTrainer, dataset
     from safetensors.torch import load_file
     from torch.utils.data import DataLoader
@@ -300,6 +300,15 @@ def test_init_from_predict_and_inspect_read_a_deepspeed_checkpoint(ranks, tmp_pa
     reference.load_state_dict(expected, strict=True)
     with torch.no_grad():
         assert torch.equal(predicted, reference(dataset().tensors[0]))
+    from trainloop import ValidationHook
+
+    def error(t):
+        with torch.no_grad():
+            return {"mse": (t.model(dataset().tensors[0]) - reference(dataset().tensors[0])).abs().max()}
+
+    evaluating = PlainTrainer(max_steps=1, device="cpu", metrics_file=False)
+    evaluating.build_hooks = lambda: [ValidationHook(error, interval=1)]  # type: ignore[method-assign]
+    assert evaluating.evaluate(checkpoint=checkpoint) == {"val/mse": 0.0}  # the joined weights, evaluated
     result = Cli("inspect", "--json", checkpoint, cwd=tmp_path).result()
     assert result.returncode == 0, result.stderr
     described = json.loads(result.stdout)  # DeepSpeed's own prints went to stderr
