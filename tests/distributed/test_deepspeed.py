@@ -127,6 +127,29 @@ def test_several_optimizers_are_refused_before_step_1():
         trainer.train()
 
 
+def test_an_average_of_the_weights_is_refused_at_zero_stage_3_before_step_1(tmp_path):
+    from trainloop import EmaHook
+
+    trainer = _trainer(workspace=tmp_path / "ws", hooks=[EmaHook(decay=0.9)])
+    with pytest.raises(RefusedRunError, match=r"EmaHook reads the model's parameters whole, but deepspeed's ZeRO stage 3"):
+        trainer.train()
+    assert trainer.step == 0
+    assert not (tmp_path / "ws").exists()  # refused before anything was written
+    assert EmaHook.reads_whole_parameters
+
+
+def test_init_from_is_refused_under_deepspeed_by_validate_too(tmp_path):
+    # The engine keeps its own copies of the weights: weights loaded into the module in restoring would be
+    # silently ignored, so the declaration is refused, by `trainloop validate` as by a run.
+    (tmp_path / "run.json").write_text(
+        json.dumps({"max_steps": 2, "workspace": "ws", "deepspeed": ZERO3, "init_from": "weights.safetensors"})
+    )
+    result = Cli("validate", "run.json", cwd=tmp_path).result()
+    assert result.returncode == 2, result.stderr
+    assert "init_from is not applied under deepspeed: load the weights in build_model() instead" in result.stderr
+    assert [p.name for p in tmp_path.iterdir()] == ["run.json"]
+
+
 def test_a_model_wrapped_in_ddp_is_refused_before_step_1():
     dist.init_process_group("gloo", rank=0, world_size=1, store=dist.HashStore())
     try:

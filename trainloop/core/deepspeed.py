@@ -71,6 +71,7 @@ def start_engine(
     optimizer: torch.optim.Optimizer | Mapping[str, torch.optim.Optimizer],
     lr_scheduler: Any,
     data_loader: Iterable[Any],
+    hooks: Iterable[Any] = (),
 ) -> Any:
     """The DeepSpeed engine of the built components, under the config ``settings.deepspeed`` declares, filled.
 
@@ -81,6 +82,7 @@ def start_engine(
         optimizer: What ``build_optimizer()`` returned: one torch optimizer.
         lr_scheduler: What ``build_lr_scheduler()`` returned (the engine steps it after each applied update).
         data_loader: What ``build_data_loader()`` returned: its ``batch_size`` is the micro batch.
+        hooks: The run's hooks: one that reads every parameter whole is refused at ZeRO stage 3.
 
     Raises:
         RefusedRunError: Several optimizers, a model wrapped in DDP/FSDP, a micro batch or a batch size that
@@ -101,6 +103,13 @@ def start_engine(
     accumulation = settings.gradient_accumulation_steps
     batch_size = getattr(data_loader, "batch_size", None)
     problems = [micro_batch_problem(config, batch_size, accumulation, world_size())]
+    if zero_stage(config) == 3:
+        problems += [
+            f"{type(hook).__name__} reads the model's parameters whole, but deepspeed's ZeRO stage 3 leaves each "
+            "rank only its partition: use a stage of 0 to 2 with it"
+            for hook in hooks
+            if getattr(hook, "reads_whole_parameters", False)
+        ]
     if settings.max_epochs is not None and accumulation > 1:
         batches = _batches_per_epoch(data_loader)
         if batches is None or batches % accumulation:

@@ -175,7 +175,7 @@ class Loop:
         t, built = self.trainer, self.run_state.built
         built["model"] = self.engine = start_engine(
             t.settings, type(t).__name__, built["model"], built["optimizer"], built.get("lr_scheduler"),
-            built["data_loader"],
+            built["data_loader"], self.run_state.hooks,
         )
 
     @contextlib.contextmanager

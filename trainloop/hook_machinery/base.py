@@ -53,18 +53,22 @@ class BaseHook:
     ``trainloop validate``, ``trainloop run`` and ``train()`` all ask it.
 
     The engine never names a hook class: a hook tells it what it needs here (``writes_to``,
-    ``claimed_signals``, ``checkpoint_directory``, ``default_hook``).
+    ``reads_whole_parameters``, ``claimed_signals``, ``checkpoint_directory``, ``default_hook``).
 
     Attributes:
         schedule: When ``on_schedule`` is called, or ``None`` (the hook has no schedule).
         writes_to: The settings fields that name a directory a hook of this class writes
             (``("log_dir",)``): the preflight checks that each local one can be made and written
             (a relative one under the workspace).
+        reads_whole_parameters: Whether a hook of this class reads every parameter whole between
+            steps (an average of the weights): DeepSpeed's ZeRO stage 3 leaves each rank only its
+            partition, so a run declaring both is refused before step 1.
     """
 
     _name: str | None = None
     schedule: Schedule | None = None
     writes_to: ClassVar[tuple[str, ...]] = ()
+    reads_whole_parameters: ClassVar[bool] = False
 
     def __init_subclass__(cls, **kwargs: Any) -> None:
         super().__init_subclass__(**kwargs)

@@ -36,6 +36,8 @@ class EmaHook(BaseHook):
         ema_model: The averaged model; ``None`` until training starts (or a checkpoint loads).
     """
 
+    reads_whole_parameters = True
+
     @validate_call
     def __init__(self, decay: Decay = 0.9999) -> None:
         self.decay = decay

@@ -218,6 +218,11 @@ class TrainerSettings(BaseModel):
             return self
         if self.optimizers is not None:
             raise ValueError("deepspeed drives one optimizer: declare optimizer, not optimizers")
+        if self.init_from is not None:  # the engine's own copies of the weights would not see them
+            raise ValueError(
+                "init_from is not applied under deepspeed: load the weights in build_model() instead "
+                "(trainloop.checkpoint.read_weights reads a checkpoint or an exported file)"
+            )
         problems = config_problems(
             read_config(self.deepspeed),
             accumulation=self.gradient_accumulation_steps,
