@@ -22,8 +22,7 @@ import torch
 
 from trainloop.checkpoint.errors import CheckpointError
 from trainloop.checkpoint.loading import VerifiedFiles, load_file
-from trainloop.checkpoint.manifest import FileDigest, hash_file
-from trainloop.checkpoint.sharded import REST_FILE
+from trainloop.checkpoint.manifest import REST_FILE, FileDigest, hash_file
 from trainloop.distributed.ranks import rank, world_size
 
 if TYPE_CHECKING:

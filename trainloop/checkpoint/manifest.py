@@ -61,6 +61,8 @@ __all__ = [
 
 
 METADATA = "metadata.json"
+#: The file of a sharded or DeepSpeed checkpoint that holds the training state beside the shards.
+REST_FILE = "training_state.pt"
 MANIFEST_VERSION = 2
 _READABLE_VERSIONS = (1, 2)  # 1: SHA-256 entries
 

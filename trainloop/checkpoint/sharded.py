@@ -46,7 +46,7 @@ from torch.distributed.checkpoint.state_dict_loader import load as dcp_load
 from trainloop.checkpoint import storage
 from trainloop.checkpoint.errors import CheckpointError
 from trainloop.checkpoint.loading import SHARDED_DIR, VerifiedFiles, load_file, refused_or_corrupt
-from trainloop.checkpoint.manifest import FileDigest, HashingWriter
+from trainloop.checkpoint.manifest import REST_FILE, FileDigest, HashingWriter
 from trainloop.distributed.ranks import in_process_group
 from trainloop.location import Location, UrlPath
 
@@ -63,8 +63,6 @@ __all__ = [
     "unshared_storage",
     "visible",
 ]
-
-REST_FILE = "training_state.pt"
 
 
 #: The entries of ``training_state`` DCP writes: one optimizer's state, or several by name.
