@@ -11,6 +11,7 @@ import json
 import shutil
 import signal
 import subprocess
+import sys
 from collections import Counter
 from pathlib import Path
 
@@ -587,3 +588,53 @@ def test_a_warning_is_one_line_naming_the_command_not_a_line_of_trainloops_sourc
     assert "trainloop run: warning: resuming with settings that differ from the checkpoint's: max_steps " \
            "(ChangedSettingsWarning)" in lines
     assert not [line for line in lines if "load_training_state(" in line or ".py:" in line]
+
+
+HALF_HOOKS = """
+import torch
+from trainloop import BaseHook, BaseTrainer
+from trainloop.hooks import Schedule
+
+
+class NoAction(BaseHook):
+    schedule = Schedule(every=2)
+
+
+class Misspelt(BaseHook):
+    def on_after_stpe(self, trainer):
+        pass
+
+
+class HalfHooks(BaseTrainer):
+    def build_data_loader(self):
+        return torch.utils.data.DataLoader(torch.randn(16, 4), batch_size=4)
+
+    def build_model(self):
+        return torch.nn.Linear(4, 1)
+
+    def build_optimizer(self):
+        return torch.optim.SGD(self.model.parameters(), lr=0.1)
+
+    def forward(self, x):
+        return self.model(x).pow(2).mean(), {}
+
+    def build_hooks(self):
+        return [NoAction(), Misspelt()]
+"""
+
+
+def test_hooks_built_by_build_hooks_that_cannot_act_are_one_line_each_exit_2_and_nothing_written(tmp_path):
+    (tmp_path / "half_hooks.py").write_text(HALF_HOOKS)
+    (tmp_path / "run.json").write_text('{"max_steps": 4, "workspace": "ws", "trainer": "half_hooks:HalfHooks"}')
+    result = subprocess.run(
+        [sys.executable, "-m", "trainloop", "run", "run.json"], cwd=tmp_path, env=cli_env(),
+        capture_output=True, text=True, timeout=120,
+    )
+    assert result.returncode == 2, result.stderr
+    assert_one_clean_error(result.stderr)
+    assert result.stderr.splitlines() == [
+        "trainloop run: error: NoAction declares a schedule but no on_schedule() method to call when it is due",
+        "trainloop run: error: Misspelt.on_after_stpe is not a hook method, so it would never be called; "
+        "did you mean on_after_step?",
+    ]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["half_hooks.py", "run.json"]  # no workspace

@@ -40,8 +40,11 @@ NO_WORKSPACE_LINES = [
     "run.json: hooks[1].log_dir: event files go to <workspace>/tensorboard, but no workspace is set: set workspace or give an absolute path",
 ]
 
-# A declared hook whose class misspells a hook method: it would never run.
-TYPO = {"max_steps": 3, "workspace": "ws", "trainer": "typo_hook_trainer:TypoHookTrainer", "hooks": [{"type": "typo_printer"}]}
+# Declared hooks that would never act: a misspelt hook method, a schedule with nothing to call.
+TYPO = {
+    "max_steps": 3, "workspace": "ws", "trainer": "typo_hook_trainer:TypoHookTrainer",
+    "hooks": [{"type": "typo_printer"}, {"type": "silent_printer"}],
+}
 
 
 pytestmark = pytest.mark.usefixtures("isolated_cli")  # see tests/conftest.py
@@ -76,14 +79,16 @@ def test_a_run_that_cannot_work_exits_2_one_line_each_and_writes_nothing(launche
 
 
 @pytest.mark.parametrize("command", ["run", "validate"])
-def test_a_declared_hook_with_a_misspelt_method_is_refused_before_anything_is_written(launched, command):
+def test_declared_hooks_that_would_never_act_are_refused_before_anything_is_written(launched, command):
     process, root = launched[f"{command}_typo"]
     result = process.result()
     assert result.returncode == 2
     assert result.stdout == ""
     assert result.stderr.splitlines() == [
         f"trainloop {command}: error: run.json: hooks[0]: TypoPrinter.on_after_steps is not a hook method, so it "
-        "would never be called; did you mean on_after_step?"
+        "would never be called; did you mean on_after_step?",
+        f"trainloop {command}: error: run.json: hooks[1]: SilentPrinter declares a schedule but no on_schedule() "
+        "method to call when it is due",
     ]
     assert [p.name for p in root.iterdir()] == ["run.json"]
 

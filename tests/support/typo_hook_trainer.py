@@ -1,6 +1,7 @@
 """A trainer whose module registers hooks the preflight refuses, for the CLI's preflight tests.
 
-``typo_printer`` misspells a hook method; ``every_printer`` takes its ``every`` as any number, so
+``typo_printer`` misspells a hook method; ``silent_printer`` declares a schedule and nothing to call when
+it is due; ``every_printer`` takes its ``every`` as any number, so
 that only the ``Schedule`` it makes can refuse ``2.5``.
 
 Imported only by the ``trainloop`` subprocesses that name it (``--trainer
@@ -21,6 +22,14 @@ class TypoPrinter(BaseHook):
 
     def on_after_steps(self, trainer):
         print(trainer.step)
+
+
+@register_hook("silent_printer")
+class SilentPrinter(BaseHook):
+    """Would print every 2 steps, had it an ``on_schedule``."""
+
+    def __init__(self) -> None:
+        self.schedule = Schedule(every=2)
 
 
 @register_hook("every_printer")

@@ -20,7 +20,7 @@ from trainloop.core.data import EpochIterator
 from trainloop.core.deepspeed import engine_runners, start_engine
 from trainloop.core.metrics import METRICS_FILE
 from trainloop.core.rank_seeds import seed_ranks_apart, warn_if_ranks_drew_the_same
-from trainloop.core.result import RefusedRunError
+from trainloop.core.result import RefusedHooksError, RefusedRunError
 from trainloop.core.rng import rng_kept, seed_all, set_rng_state
 from trainloop.core.run_kinds import RunOfKind, Work, init_from, restore_weights
 from trainloop.core.run_state import RunState
@@ -28,7 +28,13 @@ from trainloop.core.step import Step, UpdateRunner, check_forward, step_runners
 from trainloop.core.workspace import write_settings
 from trainloop.distributed.agreement import ExitAgreement
 from trainloop.distributed.ranks import is_rank_zero, world_size
-from trainloop.hook_machinery.dispatch import ScheduledCalls, call_each, check_hooks, hook_dispatch, state_entry_methods
+from trainloop.hook_machinery.dispatch import (
+    ScheduledCalls,
+    call_each,
+    hook_dispatch,
+    hook_problems,
+    state_entry_methods,
+)
 from trainloop.hook_machinery.registry import build_declared_hooks, with_default_hooks
 from trainloop.machine.runner import StateMachine
 from trainloop.machine.table import State
@@ -133,7 +139,9 @@ class Loop:
         t, run = self.trainer, self.run_state
         self.build_components()
         hooks = with_default_hooks(build_declared_hooks(t.settings.hooks, t.build_hooks()), t.settings)
-        check_hooks(hooks)
+        problems = hook_problems(hooks)
+        if problems:
+            raise RefusedHooksError("\n".join(problems))
         hooks = self.of_kind.taking_part(hooks, type(t).__name__)
         run.hooks = tuple(hooks)
         self.schedules = ScheduledCalls(hooks)

@@ -48,7 +48,7 @@ from trainloop.core.step import check_forward
 from trainloop.core.workspace import path_problem
 from trainloop.hook_machinery.base import BaseHook
 from trainloop.hook_machinery.checks import listed, one_process
-from trainloop.hook_machinery.dispatch import check_hook_methods
+from trainloop.hook_machinery.dispatch import method_problem, schedule_problem
 from trainloop.hook_machinery.registry import HookSettings, hook_types
 from trainloop.location import StorageError, UnknownStorageOptions, location
 from trainloop.settings.errors import field_path
@@ -190,19 +190,20 @@ def _declared_hooks(
     for i, spec in enumerate(settings.hooks):
         cls = hook_types()[spec.type]
         by_class.setdefault(cls, []).append((i, spec))
-        try:  # a misspelt on_* method of the hook's class would never run
-            check_hook_methods(cls)
-        except TypeError as error:
-            problems.append((("hooks", i), f"{field_path(('hooks', i))}: {error}"))
+        misspelt = method_problem(cls)  # a misspelt on_* method of the hook's class would never run
+        if misspelt is not None:
+            problems.append((("hooks", i), f"{field_path(('hooks', i))}: {misspelt}"))
         own = _pairs(cls, cls.check_settings(spec, settings, trainer))
         for name, message in own:
             path: tuple[Key, ...] = ("hooks", i, name) if name else ("hooks", i)
             problems.append((path, f"{field_path(path)}: {message}"))
         if not own:  # what its __init__ refuses (a Schedule(every=2.5) it makes) is said now, not in building
             try:
-                spec.build()
+                half = schedule_problem(spec.build())  # a schedule with no on_schedule, or the reverse
             except (ValueError, TypeError) as error:
-                problems.append((("hooks", i), f"{field_path(('hooks', i))}: {cls.__name__}: {error}"))
+                half = f"{cls.__name__}: {error}"
+            if half is not None:
+                problems.append((("hooks", i), f"{field_path(('hooks', i))}: {half}"))
     for cls, declared in by_class.items():
         found = cls.check_together(declared, settings)
         if not isinstance(found, list) or not all(isinstance(m, str) for m in found):

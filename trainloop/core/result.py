@@ -26,7 +26,10 @@ from trainloop.utils import append_line, strict_json
 if TYPE_CHECKING:
     from trainloop.core.run_state import TrainerView
 
-__all__ = ["RUNS_FILE", "RefusedRunError", "RunKind", "RunResult", "finish_run", "read_runs", "run_result"]
+__all__ = [
+    "RUNS_FILE", "RefusedHooksError", "RefusedRunError", "RunKind", "RunResult",
+    "finish_run", "read_runs", "run_result",
+]
 
 RUNS_FILE = "runs.jsonl"
 
@@ -39,6 +42,13 @@ class RefusedRunError(ValueError):
     """
 
     exit_code = 2
+
+
+class RefusedHooksError(RefusedRunError, TypeError):
+    """The hooks a run built cannot run, one line per problem (``trainloop.hook_machinery.dispatch.hook_problems``).
+
+    Refused before the first step as every ``RefusedRunError``; a ``TypeError`` too, as the mistakes it reports are.
+    """
 
 
 RunKind = Literal["train", "evaluate", "predict"]

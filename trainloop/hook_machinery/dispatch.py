@@ -21,9 +21,10 @@ __all__ = [
     "HOOK_METHODS",
     "ScheduledCalls",
     "call_each",
-    "check_hook_methods",
-    "check_hooks",
     "hook_dispatch",
+    "hook_problems",
+    "method_problem",
+    "schedule_problem",
     "state_entry_methods",
 ]
 
@@ -337,53 +338,49 @@ def call_each(fns: Sequence[Callable[..., Any]], *args: Any) -> list[BaseExcepti
     return errors
 
 
-def check_hooks(hooks: list[BaseHook]) -> None:
-    """Check a run's hooks: their types, their method names, and that their names are unique.
+def hook_problems(hooks: list[BaseHook]) -> list[str]:
+    """What stops a run's hooks from running, one line per problem (none: they can run).
 
-    Raises:
-        TypeError: An item is not a ``BaseHook``, or a hook defines an ``on_*`` method that is no
-            hook method (a typo would otherwise never be called); the message suggests the
-            closest one.
-        ValueError: Two hooks that save state have one name (checkpoints key each hook's state
-            by its name).
+    An item that is no ``BaseHook``; an ``on_*`` method that is no hook method (a typo would never be called; the
+    line suggests the closest one); a schedule without ``on_schedule`` or the reverse (either half alone never
+    acts); two hooks that save state under one name (a checkpoint keys each hook's state by its name).
     """
+    problems: list[str] = []
     classes: dict[str, list[str]] = {}
     for i, hook in enumerate(hooks):
         if not isinstance(hook, BaseHook):
-            raise TypeError(f"build_hooks() item {i} is a {type(hook).__name__}, not a BaseHook")
-        check_hook_methods(type(hook))
-        check_schedule(hook)
+            problems.append(f"build_hooks() item {i} is a {type(hook).__name__}, not a BaseHook")
+            continue
+        problems += [problem for problem in (method_problem(type(hook)), schedule_problem(hook)) if problem]
         if hook.saves_state():  # only saved state needs a unique key
             classes.setdefault(hook.name, []).append(type(hook).__name__)
-    for name, kinds in classes.items():
-        if len(kinds) > 1:
-            raise ValueError(
-                f"{len(kinds)} hooks are named {name!r} ({', '.join(kinds)}): give each a name of its "
-                "own (hook.name = ..., or \"name\" in a declared hook), since a checkpoint keys "
-                "each hook's state by its name"
-            )
+    problems += [
+        f"{len(kinds)} hooks are named {name!r} ({', '.join(kinds)}): give each a name of its own (hook.name = ..., "
+        "or \"name\" in a declared hook), since a checkpoint keys each hook's state by its name"
+        for name, kinds in classes.items() if len(kinds) > 1
+    ]
+    return problems
 
 
 #: Every ``on_*`` method name a hook may define.
 HOOK_METHODS = frozenset(HOOK_EVENTS) | {"on_schedule"} | {f"on_enter_{state.value}" for state in State}
 
 
-def check_schedule(hook: BaseHook) -> None:
-    """Raise ``TypeError`` if ``hook`` declares a schedule without ``on_schedule``, or the reverse.
-
-    Either half alone would silently never act.
-    """
+def schedule_problem(hook: BaseHook) -> str | None:
+    """Whether ``hook`` declares a schedule without ``on_schedule``, or the reverse: either half alone never acts."""
     scheduled, acts = hook.schedule is not None, _overrides(hook, "on_schedule")
     if scheduled and not acts:
-        raise TypeError(f"{type(hook).__name__} declares a schedule but no on_schedule() method to call when it is due")
+        return f"{type(hook).__name__} declares a schedule but no on_schedule() method to call when it is due"
     if acts and not scheduled:
-        raise TypeError(f"{type(hook).__name__}.on_schedule would never be called: the hook declares no schedule")
+        return f"{type(hook).__name__}.on_schedule would never be called: the hook declares no schedule"
+    return None
 
 
-def check_hook_methods(cls: type[BaseHook]) -> None:
-    """Raise ``TypeError`` if ``cls`` defines an ``on_*`` method that is no hook method."""
+def method_problem(cls: type[BaseHook]) -> str | None:
+    """Whether ``cls`` defines an ``on_*`` method that is no hook method (a typo never called), with the closest one."""
     for name in dir(cls):
         if name.startswith("on_") and name not in HOOK_METHODS and callable(getattr(cls, name)):
             close = difflib.get_close_matches(name, sorted(HOOK_METHODS), n=1)
             hint = f"; did you mean {close[0]}?" if close else f"; hook methods are {', '.join(sorted(HOOK_METHODS))}"
-            raise TypeError(f"{cls.__name__}.{name} is not a hook method, so it would never be called{hint}")
+            return f"{cls.__name__}.{name} is not a hook method, so it would never be called{hint}"
+    return None
