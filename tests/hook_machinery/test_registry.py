@@ -200,3 +200,20 @@ def test_the_hooks_a_run_adds_by_itself_come_from_the_classes_that_define_them(t
         assert with_default_hooks([], TrainerSettings(max_steps=2)) == []  # no workspace, no metrics.jsonl
     finally:
         unregister_hook("quiet_logging")
+
+
+def test_a_parameter_without_an_annotation_is_declarable_and_takes_any_value():
+    class Unannotated(BaseHook):
+        def __init__(self, every, prefix="step") -> None:
+            self.every, self.prefix = every, prefix
+
+    register_hook("test_unannotated")(Unannotated)
+    try:
+        model = hook_settings_model(Unannotated)
+        assert list(model.model_fields) == ["type", "name", "every", "prefix"]
+        hook = model(type="test_unannotated", every=[1, 2]).build()
+        assert (hook.every, hook.prefix) == ([1, 2], "step")
+        with pytest.raises(ValidationError, match=r"every\n  Field required"):
+            model(type="test_unannotated")
+    finally:
+        unregister_hook("test_unannotated")

@@ -121,17 +121,18 @@ def unregister_hook(type_name: str) -> None:
 def hook_settings_model(cls: type[BaseHook]) -> type[HookSettings]:
     """The settings model of a registered hook class, derived from its ``__init__``.
 
-    Parameters without an annotation, ``*args`` and ``**kwargs`` are not declarable in settings.
+    A parameter without an annotation takes any value (as ``pydantic.validate_call`` reads it); ``*args`` and
+    ``**kwargs`` are not declarable in settings.
     """
     type_name: str = cls.hook_type  # type: ignore[attr-defined]
     signature = inspect.signature(inspect.unwrap(cls.__init__))
     hints = inspect.get_annotations(inspect.unwrap(cls.__init__), eval_str=True)
     fields: dict[str, Any] = {"type": (Literal[type_name], ...)}
     for name, param in list(signature.parameters.items())[1:]:
-        if param.kind in (param.VAR_POSITIONAL, param.VAR_KEYWORD) or name not in hints:
+        if param.kind in (param.VAR_POSITIONAL, param.VAR_KEYWORD):
             continue
         default = ... if param.default is param.empty else param.default
-        fields[name] = (hints[name], default)
+        fields[name] = (hints.get(name, Any), default)
     return create_model(
         f"{cls.__name__}Settings", __base__=HookSettings, __doc__=inspect.getdoc(cls), **fields
     )
