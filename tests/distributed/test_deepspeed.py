@@ -380,3 +380,15 @@ def test_a_checkpoint_of_another_world_size_is_one_line_saying_how(tmp_path):
     assert files.closed
     with pytest.raises(CheckpointError, match="holds no DeepSpeed engine's state, so it cannot resume"):
         load_engine(object(), tmp_path / "deepspeed", files)
+
+
+# -- offload: optimizer states (and at stage 3 the parameters) on the CPU (tests/support/deepspeed_offload.py) -------
+
+
+@pytest.mark.parametrize("case", ["offload_stage2_cpu_adam", "offload_stage3_cpu_adam", "offload_stage2_torch_adamw"])
+def test_offload_equals_a_hand_written_loop_and_resumes_as_the_unbroken_run(ranks, case):
+    # DeepSpeed's CPU Adam (built on first use), or a torch optimizer with zero_force_ds_cpu_optimizer false.
+    results = ranks[case]
+    assert len(results["by_hand"]) == 4
+    assert results["trainloop"] == results["by_hand"]
+    assert results["resumed"] == results["trainloop"][2:]  # steps 3 and 4, after the resume from step 2

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import importlib.util
 from collections.abc import Iterable, Iterator, Mapping
+from dataclasses import replace
 from time import perf_counter
 from typing import TYPE_CHECKING, Any
 
@@ -34,7 +35,7 @@ from trainloop.core.step import (
     update_plans,
 )
 from trainloop.distributed.ranks import world_size
-from trainloop.settings.deepspeed import filled_config, micro_batch_problem, read_config, zero_stage
+from trainloop.settings.deepspeed import filled_config, micro_batch_problem, offload_device, read_config, zero_stage
 from trainloop.utils import is_distributed_model
 
 if TYPE_CHECKING:
@@ -42,7 +43,10 @@ if TYPE_CHECKING:
     from trainloop.core.run_state import TrainerContract
     from trainloop.settings.model import TrainerSettings
 
-__all__ = ["EXTRA", "EngineStep", "deepspeed_missing", "engine_runners", "not_installed", "start_engine"]
+__all__ = [
+    "EXTRA", "EngineStep", "continue_cpu_adam", "deepspeed_missing", "engine_runners", "not_installed", "one_optimizer",
+    "start_engine",
+]
 
 #: What installs DeepSpeed beside trainloop.
 EXTRA = "trainloop[deepspeed]"
@@ -89,11 +93,7 @@ def start_engine(
             contradicts the data loader, DeepSpeed not installed: before step 1, one line.
     """
     assert settings.deepspeed is not None
-    if isinstance(optimizer, Mapping):
-        raise RefusedRunError(
-            f"{owner}.build_optimizer() returned several optimizers ({', '.join(map(str, optimizer))}), "
-            "but deepspeed drives one: return one optimizer"
-        )
+    optimizer = one_optimizer(optimizer, owner)
     if is_distributed_model(model):
         raise RefusedRunError(
             f"{owner}.build_model() returned a model wrapped in {type(model).__name__}, but deepspeed wraps the "
@@ -130,10 +130,34 @@ def start_engine(
     )
     try:
         import deepspeed  # heavy: only for the runs that declare it
+        from deepspeed.ops.adam import DeepSpeedCPUAdam
+        from deepspeed.ops.lion import DeepSpeedCPULion
     except ImportError:
         raise RefusedRunError(not_installed()) from None
+    device = offload_device(config)
+    forced = config.get("zero_force_ds_cpu_optimizer", True)
+    if device is not None and forced and not isinstance(optimizer, (DeepSpeedCPUAdam, DeepSpeedCPULion)):
+        raise RefusedRunError(
+            f"{owner}.build_optimizer() returned {type(optimizer).__name__}, but deepspeed's offload_optimizer "
+            f"(device {device!r}) steps DeepSpeed's CPU optimizer: return deepspeed.ops.adam.DeepSpeedCPUAdam, or "
+            'set "zero_force_ds_cpu_optimizer": false to step this one on the CPU'
+        )
     engine, *_ = deepspeed.initialize(model=model, optimizer=optimizer, lr_scheduler=lr_scheduler, config=filled)
     return engine
+
+
+def one_optimizer(optimizer: torch.optim.Optimizer | Mapping[str, torch.optim.Optimizer], owner: str) -> Any:
+    """``optimizer``, the one ``build_optimizer()`` returned; several are refused (checked as soon as it returns).
+
+    Raises:
+        RefusedRunError: Several optimizers, one line.
+    """
+    if isinstance(optimizer, Mapping):
+        raise RefusedRunError(
+            f"{owner}.build_optimizer() returned several optimizers ({', '.join(map(str, optimizer))}), "
+            "but deepspeed drives one: return one optimizer"
+        )
+    return optimizer
 
 
 def _batches_per_epoch(data_loader: Iterable[Any]) -> int | None:
@@ -146,9 +170,41 @@ def _batches_per_epoch(data_loader: Iterable[Any]) -> int | None:
 def engine_runners(
     engine: Any, trainer: TrainerContract, data: Iterator[Any], *, epochs: EpochIterator | None
 ) -> dict[str, EngineStep]:
-    """The step's runner under DeepSpeed: the engine runs the update of the one optimizer (``start_engine`` checked)."""
+    """The step's runner under DeepSpeed: the engine runs the update of the one optimizer (``start_engine`` checked).
+
+    The plan's optimizer is the engine's (DeepSpeed's wrapper under ZeRO or bf16): the step zeroes the gradients
+    through it, which clears the module's and leaves alone the buffers the engine keeps (under ``offload_optimizer``
+    the optimizer's own parameters hold the engine's pinned gradient buffers, which its ``zero_grad`` would drop).
+    """
     plans = update_plans(trainer, check_grads=trainer.settings.detect_non_finite_grads, by_name=False)
-    return {name: EngineStep(engine, plan, data, epochs=epochs) for name, plan in plans.items()}
+    continue_cpu_adam(getattr(engine, "basic_optimizer", None))
+    return {
+        name: EngineStep(engine, replace(plan, optimizer=engine.optimizer), data, epochs=epochs)
+        for name, plan in plans.items()
+    }
+
+
+def continue_cpu_adam(optimizer: Any) -> None:
+    """Bring DeepSpeed's CPU Adam (``offload_optimizer``) to the step its loaded state is at, as in the unbroken run.
+
+    Its C++ kernel keeps ``beta1**t`` and ``beta2**t`` itself, multiplying them in step by step; a kernel made
+    afresh meets a loaded step and computes them with ``pow``, which differs in the last bits, so a resumed run
+    would drift from the unbroken one. Stepping the kernel through the earlier steps on no elements gives it the
+    unbroken run's powers. Nothing for another optimizer or a run that starts at step 0.
+    """
+    from deepspeed.ops.adam import DeepSpeedCPUAdam
+
+    if not isinstance(optimizer, DeepSpeedCPUAdam):
+        return
+    steps = max((int(state["step"]) for state in optimizer.state.values() if "step" in state), default=0)
+    nothing = torch.empty(0)
+    for step in range(1, steps + 1):  # the calls each step made, on no elements
+        for group in optimizer.param_groups:
+            beta1, beta2 = group["betas"]
+            optimizer.ds_opt_adam.adam_update(
+                optimizer.opt_id, step, group["lr"], beta1, beta2, group["eps"], group["weight_decay"],
+                group["bias_correction"], nothing, nothing, nothing, nothing,
+            )
 
 
 class EngineStep:

@@ -14,7 +14,10 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-__all__ = ["ZERO_STAGES", "config_problems", "filled_config", "micro_batch_problem", "read_config", "zero_stage"]
+__all__ = [
+    "ZERO_STAGES", "config_problems", "filled_config", "micro_batch_problem", "offload_device", "read_config",
+    "zero_stage",
+]
 
 #: The ZeRO stages DeepSpeed has.
 ZERO_STAGES = (0, 1, 2, 3)
@@ -46,6 +49,13 @@ def zero_stage(config: Mapping[str, Any]) -> int:
     """The config's ZeRO stage (0 when it declares none)."""
     stage = _section(config, "zero_optimization").get("stage", 0)
     return int(stage)
+
+
+def offload_device(config: Mapping[str, Any]) -> str | None:
+    """Where ``offload_optimizer`` keeps the optimizer states (``"cpu"``, ``"nvme"``); ``None``: on the device."""
+    offload = _section(_section(config, "zero_optimization"), "offload_optimizer")
+    device = offload.get("device")
+    return device if device in ("cpu", "nvme") else None
 
 
 def config_problems(
