@@ -98,7 +98,7 @@ RICH = {
 
 
 def _valid_configs():
-    from deepspeed_offload import CASES as OFFLOADS
+    from deepspeed_config_cases import CASES as OFFLOADS
     from deepspeed_worker import CASES
 
     docs = (Path(__file__).resolve().parents[2] / "docs" / "distributed.md").read_text()
