@@ -134,7 +134,9 @@ class TrainerSettings(BaseModel):
     optimizer; the trainer hands both to ``deepspeed.initialize``. trainloop fills the config's
     ``gradient_accumulation_steps``, ``gradient_clipping`` (``grad_clip``; unset: 0), ``bf16``/``fp16``
     (``mixed_precision``) and ``train_micro_batch_size_per_gpu`` (the data loader's batch size): the config may
-    repeat them only with the same values (see docs/distributed.md). Needs ``trainloop[deepspeed]``."""
+    repeat them only with the same values. The config is read at validation as DeepSpeed reads it: a key DeepSpeed
+    would ignore, or a section it would refuse, is an error naming it (see docs/distributed.md). Needs
+    ``trainloop[deepspeed]``."""
     trainer: Annotated[str, Field(pattern=TRAINER_PATTERN)] | None = None
     """The trainer class ``trainloop run`` and ``trainloop validate`` use when no ``--trainer``
     is given, as ``package.module:Class``; a trainer constructed in Python ignores it."""
