@@ -11,7 +11,13 @@ A non-finite update never reaches the weights, and is retried as any other (docs
 where DeepSpeed would write it into the weights, trainloop checks the gradients before the engine steps; at
 stages 1 to 3 the engine skips it itself, and the step learns it from ``engine.skipped_steps``.
 
-DeepSpeed is imported only here, and only when a run declares it.
+Under ``offload_optimizer`` the optimizer is DeepSpeed's CPU Adam (or a torch optimizer where the config says
+``zero_force_ds_cpu_optimizer: false``); a resumed run brings the CPU Adam kernel to its loaded step as the
+unbroken run had it (``continue_cpu_adam``). torch's deprecation warnings for the collectives DeepSpeed calls on
+every microstep are left unsaid where DeepSpeed made the call (``quiet_torch_deprecations_in_deepspeed``).
+
+DeepSpeed is imported only here and by the config's check (``trainloop.settings.deepspeed``), and only when a run
+declares it.
 """
 
 from __future__ import annotations
