@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Any
 
 import deepspeed
+import deepspeed_config_cases
 import torch
 import torch.distributed as dist
 from torch import nn
@@ -193,6 +194,7 @@ def main(out: str) -> None:
         results[f"non_finite_stage{stage}"] = non_finite(config)
         results[f"resumed_stage{stage}"] = resumed(config, root / f"resumed_stage{stage}")
     results["corrupt_stage2"] = resumed(CASES["stage2_acc1"][0], root / "corrupt_stage2", corrupt=True)
+    results.update(deepspeed_config_cases.cases(root))
     if dist.get_rank() == 0:
         with open(out, "w", encoding="utf-8") as file:
             json.dump(results, file)

@@ -11,14 +11,24 @@ A non-finite update never reaches the weights, and is retried as any other (docs
 where DeepSpeed would write it into the weights, trainloop checks the gradients before the engine steps; at
 stages 1 to 3 the engine skips it itself, and the step learns it from ``engine.skipped_steps``.
 
-DeepSpeed is imported only here, and only when a run declares it.
+Under ``offload_optimizer`` the optimizer is DeepSpeed's CPU Adam (or a torch optimizer where the config says
+``zero_force_ds_cpu_optimizer: false``); a resumed run brings the CPU Adam kernel to its loaded step as the
+unbroken run had it (``continue_cpu_adam``). torch's deprecation warnings for the collectives DeepSpeed calls on
+every microstep are left unsaid where DeepSpeed made the call (``quiet_torch_deprecations_in_deepspeed``).
+
+DeepSpeed is imported only here and by the config's check (``trainloop.settings.deepspeed``), and only when a run
+declares it.
 """
 
 from __future__ import annotations
 
 import importlib.util
+import sys
+import warnings
 from collections.abc import Iterable, Iterator, Mapping
+from dataclasses import replace
 from time import perf_counter
+from types import FrameType
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -34,7 +44,7 @@ from trainloop.core.step import (
     update_plans,
 )
 from trainloop.distributed.ranks import world_size
-from trainloop.settings.deepspeed import filled_config, micro_batch_problem, read_config, zero_stage
+from trainloop.settings.deepspeed import filled_config, micro_batch_problem, offload_device, read_config, zero_stage
 from trainloop.utils import is_distributed_model
 
 if TYPE_CHECKING:
@@ -42,7 +52,10 @@ if TYPE_CHECKING:
     from trainloop.core.run_state import TrainerContract
     from trainloop.settings.model import TrainerSettings
 
-__all__ = ["EXTRA", "EngineStep", "deepspeed_missing", "engine_runners", "not_installed", "start_engine"]
+__all__ = [
+    "EXTRA", "TORCH_DEPRECATION", "EngineStep", "continue_cpu_adam", "deepspeed_missing", "engine_runners",
+    "not_installed", "one_optimizer", "quiet_torch_deprecations_in_deepspeed", "start_engine",
+]
 
 #: What installs DeepSpeed beside trainloop.
 EXTRA = "trainloop[deepspeed]"
@@ -89,11 +102,7 @@ def start_engine(
             contradicts the data loader, DeepSpeed not installed: before step 1, one line.
     """
     assert settings.deepspeed is not None
-    if isinstance(optimizer, Mapping):
-        raise RefusedRunError(
-            f"{owner}.build_optimizer() returned several optimizers ({', '.join(map(str, optimizer))}), "
-            "but deepspeed drives one: return one optimizer"
-        )
+    optimizer = one_optimizer(optimizer, owner)
     if is_distributed_model(model):
         raise RefusedRunError(
             f"{owner}.build_model() returned a model wrapped in {type(model).__name__}, but deepspeed wraps the "
@@ -128,12 +137,76 @@ def start_engine(
         mixed_precision=settings.mixed_precision,
         batch_size=batch_size,
     )
+    quiet_torch_deprecations_in_deepspeed()
     try:
         import deepspeed  # heavy: only for the runs that declare it
+        from deepspeed.ops.adam import DeepSpeedCPUAdam
+        from deepspeed.ops.lion import DeepSpeedCPULion
     except ImportError:
         raise RefusedRunError(not_installed()) from None
+    device = offload_device(config)
+    forced = config.get("zero_force_ds_cpu_optimizer", True)
+    if device is not None and forced and not isinstance(optimizer, (DeepSpeedCPUAdam, DeepSpeedCPULion)):
+        raise RefusedRunError(
+            f"{owner}.build_optimizer() returned {type(optimizer).__name__}, but deepspeed's offload_optimizer "
+            f"(device {device!r}) steps DeepSpeed's CPU optimizer: return deepspeed.ops.adam.DeepSpeedCPUAdam, or "
+            'set "zero_force_ds_cpu_optimizer": false to step this one on the CPU'
+        )
     engine, *_ = deepspeed.initialize(model=model, optimizer=optimizer, lr_scheduler=lr_scheduler, config=filled)
     return engine
+
+
+#: What torch 2.13 says, as a FutureWarning, at each call of a collective it deprecates (DeepSpeed 0.19.8 calls
+#: ``all_gather_into_tensor`` and ``reduce_scatter_tensor`` on every microstep at ZeRO stage 3).
+TORCH_DEPRECATION = r"`torch\.distributed\.\w+` is deprecated"
+
+
+class _CalledByDeepSpeed:
+    """A warnings filter's module pattern that matches a warning of torch's deprecation wrapper that DeepSpeed caused.
+
+    The wrapper attributes every warning to itself (``torch.distributed.c10d_logger``), whoever called: the caller
+    is found on the stack, as the first frame outside torch and the warnings machinery.
+    """
+
+    def match(self, module: str) -> bool:
+        if module != "torch.distributed.c10d_logger":
+            return False
+        frame: FrameType | None = sys._getframe(1)
+        while frame is not None:
+            name = str(frame.f_globals.get("__name__", ""))
+            if name != "warnings" and not name.startswith(("torch.", "typing_extensions")):
+                return name == "deepspeed" or name.startswith("deepspeed.")
+            frame = frame.f_back
+        return False
+
+
+def quiet_torch_deprecations_in_deepspeed() -> None:
+    """Leave unsaid torch's FutureWarnings about the deprecated collectives that DeepSpeed's own code calls.
+
+    DeepSpeed's CPU accelerator runs a subprocess (``numactl``) on every microstep at ZeRO stage 3, which resets
+    Python's record of the warnings already shown: each call's warning was printed again (124 lines in the docs'
+    20-step example on 2 ranks). Only warnings whose call came from DeepSpeed's modules match; the same
+    deprecation from the user's code or trainloop's is shown as ever. Installed once per process.
+    """
+    if any(isinstance(entry[3], _CalledByDeepSpeed) for entry in warnings.filters):
+        return
+    warnings.filterwarnings("ignore", TORCH_DEPRECATION, FutureWarning)
+    action, message, category, _, lineno = warnings.filters[0]
+    warnings.filters[0] = (action, message, category, _CalledByDeepSpeed(), lineno)  # type: ignore[index]
+
+
+def one_optimizer(optimizer: torch.optim.Optimizer | Mapping[str, torch.optim.Optimizer], owner: str) -> Any:
+    """``optimizer``, the one ``build_optimizer()`` returned; several are refused (checked as soon as it returns).
+
+    Raises:
+        RefusedRunError: Several optimizers, one line.
+    """
+    if isinstance(optimizer, Mapping):
+        raise RefusedRunError(
+            f"{owner}.build_optimizer() returned several optimizers ({', '.join(map(str, optimizer))}), "
+            "but deepspeed drives one: return one optimizer"
+        )
+    return optimizer
 
 
 def _batches_per_epoch(data_loader: Iterable[Any]) -> int | None:
@@ -146,9 +219,41 @@ def _batches_per_epoch(data_loader: Iterable[Any]) -> int | None:
 def engine_runners(
     engine: Any, trainer: TrainerContract, data: Iterator[Any], *, epochs: EpochIterator | None
 ) -> dict[str, EngineStep]:
-    """The step's runner under DeepSpeed: the engine runs the update of the one optimizer (``start_engine`` checked)."""
+    """The step's runner under DeepSpeed: the engine runs the update of the one optimizer (``start_engine`` checked).
+
+    The plan's optimizer is the engine's (DeepSpeed's wrapper under ZeRO or bf16): the step zeroes the gradients
+    through it, which clears the module's and leaves alone the buffers the engine keeps (under ``offload_optimizer``
+    the optimizer's own parameters hold the engine's pinned gradient buffers, which its ``zero_grad`` would drop).
+    """
     plans = update_plans(trainer, check_grads=trainer.settings.detect_non_finite_grads, by_name=False)
-    return {name: EngineStep(engine, plan, data, epochs=epochs) for name, plan in plans.items()}
+    continue_cpu_adam(getattr(engine, "basic_optimizer", None))
+    return {
+        name: EngineStep(engine, replace(plan, optimizer=engine.optimizer), data, epochs=epochs)
+        for name, plan in plans.items()
+    }
+
+
+def continue_cpu_adam(optimizer: Any) -> None:
+    """Bring DeepSpeed's CPU Adam (``offload_optimizer``) to the step its loaded state is at, as in the unbroken run.
+
+    Its C++ kernel keeps ``beta1**t`` and ``beta2**t`` itself, multiplying them in step by step; a kernel made
+    afresh meets a loaded step and computes them with ``pow``, which differs in the last bits, so a resumed run
+    would drift from the unbroken one. Stepping the kernel through the earlier steps on no elements gives it the
+    unbroken run's powers. Nothing for another optimizer or a run that starts at step 0.
+    """
+    from deepspeed.ops.adam import DeepSpeedCPUAdam
+
+    if not isinstance(optimizer, DeepSpeedCPUAdam):
+        return
+    steps = max((int(state["step"]) for state in optimizer.state.values() if "step" in state), default=0)
+    nothing = torch.empty(0)
+    for step in range(1, steps + 1):  # the calls each step made, on no elements
+        for group in optimizer.param_groups:
+            beta1, beta2 = group["betas"]
+            optimizer.ds_opt_adam.adam_update(
+                optimizer.opt_id, step, group["lr"], beta1, beta2, group["eps"], group["weight_decay"],
+                group["bias_correction"], nothing, nothing, nothing, nothing,
+            )
 
 
 class EngineStep:

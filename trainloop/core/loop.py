@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING, Any
 
 from trainloop.core.compiling import CompileWatch, note_compiled
 from trainloop.core.data import EpochIterator
-from trainloop.core.deepspeed import engine_runners, start_engine
+from trainloop.core.deepspeed import engine_runners, one_optimizer, start_engine
 from trainloop.core.metrics import METRICS_FILE
 from trainloop.core.rank_seeds import seed_ranks_apart, warn_if_ranks_drew_the_same
 from trainloop.core.result import RefusedHooksError, RefusedRunError
@@ -167,6 +167,8 @@ class Loop:
         if t.settings.seed_per_rank:  # validated: seed is set
             seed_ranks_apart(t.settings.seed)  # type: ignore[arg-type]
         built["optimizer"] = optimizers = t.build_optimizer()
+        if t.settings.deepspeed is not None:  # its refusal of several before anything about them
+            one_optimizer(optimizers, type(t).__name__)
         if isinstance(optimizers, Mapping):  # named as declared ones must be: the same check
             problem = optimizer_names_problem(list(optimizers))
             if problem is not None:

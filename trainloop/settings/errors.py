@@ -20,7 +20,11 @@ from pydantic_core import ErrorDetails, InitErrorDetails, PydanticCustomError
 from trainloop.hook_machinery.registry import HookSpec, hook_class, hook_settings_model
 from trainloop.settings.sources import Key, SettingsInput
 
-__all__ = ["describe_validation_error", "field_path", "in_our_words"]
+__all__ = ["DEEPSPEED_ERROR", "describe_validation_error", "field_path", "in_our_words"]
+
+#: The error type of a problem in ``settings.deepspeed``'s config: its message names the key, its ``fields`` context
+#: the settings it names besides (``grad_clip``), whose sources the line names too.
+DEEPSPEED_ERROR = "deepspeed_config"
 
 _MAX_SHOWN = 60
 # Our error type for a key no field has: pydantic's "extra_forbidden", in the CLI's words.
@@ -148,6 +152,9 @@ def describe_validation_error(error: ValidationError, found: SettingsInput, cls:
     for path, items in grouped.items():
         where = f"{found.source_of(path)}: {field_path(path)}"
         first = items[0]
+        if first["type"] == DEEPSPEED_ERROR:
+            lines += [_deepspeed_line(item, path, found) for item in items]
+            continue
         if first["type"] in _UNKNOWN_TYPES:
             lines.append(f"{where}: {_unknown_field(cls, found.data, path)}")
             continue
@@ -168,6 +175,17 @@ def describe_validation_error(error: ValidationError, found: SettingsInput, cls:
                 line += _number_hint(first.get("input"))
         lines.append(line)
     return lines
+
+
+def _deepspeed_line(item: ErrorDetails, path: tuple[Key, ...], found: SettingsInput) -> str:
+    """A line of the DeepSpeed config's problem: the sources of its key and of the settings it names, its message.
+
+    The message names the key as written (``deepspeed.gradient_clipping``); a setting it names besides may come from
+    elsewhere (``grad_clip`` from ``--set``, the config from the file).
+    """
+    fields = (item.get("ctx") or {}).get("fields", ())
+    sources = [found.source_of(path), *(found.source_of((field,)) for field in fields if field in found.data)]
+    return f"{', '.join(dict.fromkeys(sources))}: {_message(item)}"
 
 
 def _drop_missing_fields_a_typo_meant(

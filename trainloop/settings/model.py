@@ -23,10 +23,11 @@ from pydantic import (
     field_validator,
     model_validator,
 )
+from pydantic_core import InitErrorDetails, PydanticCustomError
 
 from trainloop.hook_machinery.registry import HookSpec
-from trainloop.settings.deepspeed import config_problems, read_config
-from trainloop.settings.errors import describe_validation_error, in_our_words
+from trainloop.settings.deepspeed import config_problems, deepspeed_problems, read_config
+from trainloop.settings.errors import DEEPSPEED_ERROR, describe_validation_error, in_our_words
 from trainloop.settings.init_from import InitFromSettings
 from trainloop.settings.optimizer import OPTIMIZER_NAME, OptimizerSettings, optimizer_names_problem
 from trainloop.settings.schedule import LrScheduleSettings
@@ -133,7 +134,9 @@ class TrainerSettings(BaseModel):
     optimizer; the trainer hands both to ``deepspeed.initialize``. trainloop fills the config's
     ``gradient_accumulation_steps``, ``gradient_clipping`` (``grad_clip``; unset: 0), ``bf16``/``fp16``
     (``mixed_precision``) and ``train_micro_batch_size_per_gpu`` (the data loader's batch size): the config may
-    repeat them only with the same values (see docs/distributed.md). Needs ``trainloop[deepspeed]``."""
+    repeat them only with the same values. The config is read at validation as DeepSpeed reads it: a key DeepSpeed
+    would ignore, or a section it would refuse, is an error naming it (see docs/distributed.md). Needs
+    ``trainloop[deepspeed]``."""
     trainer: Annotated[str, Field(pattern=TRAINER_PATTERN)] | None = None
     """The trainer class ``trainloop run`` and ``trainloop validate`` use when no ``--trainer``
     is given, as ``package.module:Class``; a trainer constructed in Python ignores it."""
@@ -223,15 +226,29 @@ class TrainerSettings(BaseModel):
                 "init_from is not applied under deepspeed: load the weights in build_model() instead "
                 "(trainloop.checkpoint.read_weights reads a checkpoint or an exported file)"
             )
+        config = read_config(self.deepspeed)
+        accumulation = self.gradient_accumulation_steps
         problems = config_problems(
-            read_config(self.deepspeed),
-            accumulation=self.gradient_accumulation_steps,
-            grad_clip=self.grad_clip,
-            mixed_precision=self.mixed_precision,
+            config, accumulation=accumulation, grad_clip=self.grad_clip, mixed_precision=self.mixed_precision
         )
-        if problems:
-            raise ValueError("; ".join(problems))
-        return self
+        told = {problem.path for problem in problems}  # one mistake, one line: DeepSpeed's words only for the rest
+        found = deepspeed_problems(config, accumulation=accumulation, mixed_precision=self.mixed_precision)
+        problems += [problem for problem in found if problem.path not in told]
+        if not problems:
+            return self
+        # Each at its place in the config, so that its line names where the value came from (file, --set, ...).
+        in_file = f" (in {self.deepspeed})" if isinstance(self.deepspeed, Path) else ""
+        errors = [
+            InitErrorDetails(
+                type=PydanticCustomError(
+                    DEEPSPEED_ERROR, "{message}", {"message": problem.message + in_file, "fields": problem.fields}
+                ),
+                loc=("deepspeed", *problem.path),
+                input=self.deepspeed,
+            )
+            for problem in problems
+        ]
+        raise ValidationError.from_exception_data(type(self).__name__, errors)
 
     @classmethod
     def from_file(cls, path: str | Path) -> Self:
