@@ -363,7 +363,7 @@ def flatten(value: Any, path: str = "") -> dict[str, Any]:
         for key, item in value.items():
             out.update(flatten(item, f"{path}.{key}" if path else str(key)))
         return out
-    if isinstance(value, (list, tuple)) and not (value and isinstance(value[0], (int, float, str))):
+    if isinstance(value, (list, tuple)) and not (value and all(isinstance(v, (int, float, str)) for v in value)):
         out = {}
         for i, item in enumerate(value):
             out.update(flatten(item, f"{path}.{i}" if path else str(i)))
