@@ -383,22 +383,118 @@ def test_the_docs_zero3_example_trains_a_transformer_on_two_cpu_ranks(tmp_path):
     assert loss < 2.0  # from ~4.2 (uniform over 64 tokens): it learns the sequence
 
 
+class _Files:
+    """Stands for a checkpoint's verified files: load_engine closes them when it refuses."""
+
+    closed = False
+
+    def close(self):
+        self.closed = True
+
+
+class _Engine:
+    """What load_engine asks of an engine before it reads anything: its ZeRO stage and precision."""
+
+    def __init__(self, stage, bf16=False):
+        self.stage, self.bf16 = stage, bf16
+
+    def zero_optimization_stage(self):
+        return self.stage
+
+    def bfloat16_enabled(self):
+        return self.bf16
+
+    def fp16_enabled(self):
+        return False
+
+
+def _engine_checkpoint(path, ranks=2, layout=None):
+    """A DeepSpeed checkpoint's names: ``ranks`` ranks' partitions, and metadata with ``layout`` (None: as written
+    before the layout was recorded)."""
+    engine = path / "deepspeed" / "engine"
+    engine.mkdir(parents=True)
+    for r in range(ranks):
+        (engine / f"zero_pp_rank_{r}_mp_rank_00_optim_states.pt").write_bytes(b"")
+    metadata = {"step": 4, "epoch": 0, "format": "deepspeed"} | ({"deepspeed": layout} if layout else {})
+    (path / "metadata.json").write_text(json.dumps(metadata))
+    return path
+
+
 def test_a_checkpoint_of_another_world_size_is_one_line_saying_how(tmp_path):
     from trainloop.checkpoint.deepspeed import load_engine
 
-    class Files:
-        closed = False
-
-        def close(self):
-            self.closed = True
-
-    engine = tmp_path / "deepspeed" / "engine"
-    engine.mkdir(parents=True)
-    for r in (0, 1):
-        (engine / f"zero_pp_rank_{r}_mp_rank_00_optim_states.pt").write_bytes(b"")
-    files = Files()
-    with pytest.raises(CheckpointError, match=r"saved by 2 ranks and this run has 1: resume it on 2 ranks, or export"):
-        load_engine(object(), tmp_path, files)
+    checkpoint = _engine_checkpoint(tmp_path)  # an older checkpoint: no layout recorded, its ranks still checked
+    files = _Files()
+    with pytest.raises(CheckpointError) as error:
+        load_engine(_Engine(2), checkpoint, files)
+    assert str(error.value) == (
+        f"{checkpoint}: its ZeRO partitions were saved by 2 ranks and this run has 1: resume it on 2 ranks, or start "
+        "a new run (another workspace) from its weights, read in build_model() with trainloop.checkpoint.read_weights"
+    )
     assert files.closed
     with pytest.raises(CheckpointError, match="holds no DeepSpeed engine's state, so it cannot resume"):
-        load_engine(object(), tmp_path / "deepspeed", files)
+        load_engine(_Engine(2), tmp_path / "deepspeed", files)
+
+
+def test_a_checkpoint_of_another_stage_and_precision_is_one_line_each(tmp_path):
+    from trainloop.checkpoint.deepspeed import load_engine
+
+    checkpoint = _engine_checkpoint(tmp_path, ranks=1, layout={"zero_stage": 2, "precision": "fp32"})
+    files = _Files()
+    with pytest.raises(CheckpointError) as error:
+        load_engine(_Engine(3, bf16=True), checkpoint, files)
+    assert str(error.value).splitlines() == [
+        f"{checkpoint}: was saved at ZeRO stage 2 and this run's deepspeed config declares stage 3: resume it with "
+        "zero_optimization.stage 2, or start a new run (another workspace) from its weights, read in build_model() "
+        "with trainloop.checkpoint.read_weights",
+        f"{checkpoint}: was saved with mixed_precision unset and this run declares 'bf16': resume it with "
+        "mixed_precision unset, or start a new run (another workspace) from its weights, read in build_model() with "
+        "trainloop.checkpoint.read_weights",
+    ]
+    assert files.closed
+
+
+@pytest.mark.parametrize(
+    ("case", "saved", "declared"),
+    [("refused_stage3", "saved at ZeRO stage 2", "declares stage 3"),
+     ("refused_stage1", "saved at ZeRO stage 0", "declares stage 1"),
+     ("refused_bf16", "saved with mixed_precision unset", "declares 'bf16'")],
+)
+def test_a_resume_at_another_stage_or_precision_is_refused_before_deepspeed_reads_it(ranks, case, saved, declared):
+    # On two ranks, by the engine of the run that resumes (deepspeed_worker.refused), the checkpoints left as they were.
+    refused = ranks[case]
+    assert refused["untouched"]
+    assert len(refused["error"].splitlines()) == 1
+    assert saved in refused["error"]
+    assert declared in refused["error"]
+    assert "trainloop.checkpoint.read_weights" in refused["error"]
+
+
+def test_the_command_line_refuses_a_resume_at_another_stage_in_one_line(ranks, tmp_path):
+    # One process (DeepSpeed's group of one, from the environment) resuming the two ranks' ZeRO-0 checkpoint at stage
+    # 1: stage 0's files are not partitioned, so only the stage differs.
+    import shutil
+
+    shutil.copytree(ranks["root"] / "resume_stage0" / "checkpoints", tmp_path / "ws" / "checkpoints", symlinks=True)
+    def checkpoints():
+        return sorted((p.relative_to(tmp_path).as_posix(), p.stat().st_mtime_ns) for p in tmp_path.rglob("ws/checkpoints/**/*"))
+
+    before = checkpoints()
+    (tmp_path / "run.json").write_text(json.dumps({
+        "max_steps": 10, "seed": 0, "device": "cpu", "workspace": "ws", "metrics_file": False,
+        "deepspeed": {"zero_optimization": {"stage": 1}, "zero_allow_untested_optimizer": True},
+        "hooks": [{"type": "checkpointing", "interval": 3, "keep_previous": 1}],
+    }))
+    env = cli_env(DS_ACCELERATOR="cpu", OMP_NUM_THREADS="1", RANK="0", LOCAL_RANK="0", WORLD_SIZE="1",
+                  MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
+    result = Cli("run", "run.json", "--trainer", "deepspeed_worker:ResumeTrainer", cwd=tmp_path, env=env).result()
+    lines = [line for line in result.stderr.splitlines() if line.startswith("trainloop")]  # DeepSpeed logs too
+    assert result.returncode == 1, result.stderr[-3000:]
+    assert "Traceback" not in result.stderr
+    checkpoint = tmp_path / "ws" / "checkpoints" / "10"
+    assert lines == [
+        f"trainloop run: error: {checkpoint}: was saved at ZeRO stage 0 and this run's deepspeed config declares stage 1: resume "
+        "it with zero_optimization.stage 0, or start a new run (another workspace) from its weights, read in "
+        "build_model() with trainloop.checkpoint.read_weights"
+    ]
+    assert checkpoints() == before

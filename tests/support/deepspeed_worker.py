@@ -15,7 +15,7 @@ from __future__ import annotations
 import copy
 import json
 import sys
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -27,7 +27,8 @@ from resume_matrix import same
 from torch import nn
 from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 
-from trainloop import BaseHook, BaseTrainer, CheckpointingHook, EmaHook, seed_all
+from trainloop import BaseHook, BaseTrainer, CheckpointError, CheckpointingHook, EmaHook, seed_all
+from trainloop.distributed import rank, world_size
 from trainloop.settings.deepspeed import filled_config
 
 STEPS = 4
@@ -196,8 +197,9 @@ class ResumeTrainer(DeepSpeedTrainer):
         self.draws: list[tuple[int, list[int], float]] = []
 
     def build_data_loader(self) -> DataLoader[Any]:
-        data = dataset()
-        return DataLoader(data, batch_size=BATCH, sampler=DistributedSampler(data, shuffle=True, seed=3))
+        data = dataset()  # the ranks named: the command line builds it before DeepSpeed starts the process group
+        sampler = DistributedSampler(data, num_replicas=world_size(), rank=rank(), shuffle=True, seed=3)
+        return DataLoader(data, batch_size=BATCH, sampler=sampler)
 
     def build_model(self) -> nn.Module:
         return model(dropout=0.2)
@@ -318,6 +320,22 @@ def resumed(name: str, case: Resume, root: Path, corrupt: bool = False) -> dict[
     }
 
 
+def refused(case: Resume, workspace: Path) -> dict[str, Any]:
+    """A resume of ``workspace``'s checkpoints by a run of ``case`` (another stage or precision): its error, and
+    whether the checkpoints are as they were (names, sizes, modification times)."""
+    def listing() -> list[tuple[str, int, int]]:
+        return sorted((p.relative_to(workspace).as_posix(), p.stat().st_size, p.stat().st_mtime_ns)
+                      for p in (workspace / "checkpoints").rglob("*"))
+
+    before = listing()
+    try:
+        trainer, _ = resume_run(case, workspace, "resumed")
+    except CheckpointError as error:
+        return {"error": str(error), "untouched": listing() == before}
+    trainer.loop.engine.destroy()
+    return {"error": None, "untouched": listing() == before}
+
+
 CASES = {
     f"stage{stage}_acc{accumulation}": ({"zero_optimization": {"stage": stage}, "zero_allow_untested_optimizer": True},
                                         accumulation)
@@ -341,6 +359,10 @@ def main(out: str) -> None:
     for name, case in RESUMES.items():
         results[name] = resumed(name, case, root)
     results["corrupt_stage2"] = resumed("corrupt_stage2", RESUMES["resume_stage2"], root, corrupt=True)
+    stage2, stage0 = RESUMES["resume_stage2"], RESUMES["resume_stage0"]
+    results["refused_stage3"] = refused(replace(stage2, stage=3, ema=False), root / "resume_stage2")
+    results["refused_bf16"] = refused(replace(stage2, precision="bf16"), root / "resume_stage2")
+    results["refused_stage1"] = refused(replace(stage0, stage=1), root / "resume_stage0")
     if dist.get_rank() == 0:
         with open(out, "w", encoding="utf-8") as file:
             json.dump(results, file)
