@@ -253,7 +253,7 @@ def test_a_resumed_run_equals_the_unbroken_one_bit_for_bit(ranks, stage):
     partitions = {0: "optimizer.state.0.exp_avg", 1: "optimizer.single_partition_of_fp32_groups.0",
                   2: "optimizer.single_partition_of_fp32_groups.0", 3: "optimizer.fp32_flat_groups.0"}[stage]
     expected = {
-        "module.0.weight", "module.3.bias", partitions, "lr_scheduler.last_epoch", "engine.global_steps",
+        "model.0.weight", "model.3.bias", partitions, "lr_scheduler.last_epoch", "engine.global_steps",
         "engine.skipped_steps", "engine.global_samples", "trainloop.training_state.step",
         "trainloop.training_state.epoch", "trainloop.training_state.rng.1.python", "rng",
         "trainloop.training_state.data_loader.1.trainloop_sampler_position.order",

@@ -22,8 +22,8 @@ from typing import Any
 import deepspeed
 import torch
 import torch.distributed as dist
+from resume_matrix import engine_state, same
 from resume_matrix import flatten as flat
-from resume_matrix import same
 from torch import nn
 from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 
@@ -216,23 +216,11 @@ def end_state(trainer: ResumeTrainer, hooks: list[BaseHook]) -> dict[str, Any]:
     """Everything a run ends with on this rank: the engine's module (whole, gathered at ZeRO-3), optimizer (its
     partitions and fp32 master weights), lr scheduler and counters; trainloop's state (step, epoch, every rank's
     generators and data position, the guard's verdicts, the hooks': EMA); torch's generator; the draws."""
-    engine = trainer.loop.engine
-    with deepspeed.zero.GatheredParameters(list(engine.module.parameters())):
-        module = {key: value.detach().clone() for key, value in engine.module.state_dict().items()}
-    optimizer = engine.optimizer.state_dict()
-    if "loss_scaler" in optimizer:  # an object: its values compared
-        optimizer["loss_scaler"] = vars(optimizer["loss_scaler"])
-    if "fp32_flat_groups" in optimizer:  # ZeRO-3: the last rank's partition ends in padding, no parameter's
-        optimizer["fp32_flat_groups"] = engine.optimizer.get_groups_without_padding(optimizer["fp32_flat_groups"])
     ema = [hook for hook in hooks if isinstance(hook, EmaHook)]
     state = trainer.state_dict()
     del state["training_state"]["settings"]  # the declaration, workspace included (a resume compares it itself)
     return {
-        "module": module,
-        "optimizer": optimizer,
-        "lr_scheduler": engine.lr_scheduler.state_dict(),
-        "engine": {"global_steps": engine.global_steps, "skipped_steps": engine.skipped_steps,
-                   "global_samples": engine.global_samples},
+        **engine_state(trainer.loop.engine),
         "trainloop": state,
         "ema": ema[0].ema_model.state_dict() if ema else {},  # type: ignore[union-attr]
         "rng": torch.get_rng_state(),
@@ -307,7 +295,7 @@ def resumed(name: str, case: Resume, root: Path, corrupt: bool = False) -> dict[
     trainer.draws[:0] = [draw for draw in stopped_draws if draw[0] < first]
     state = flatten(end_state(trainer, hooks))
     if dist.get_rank() == 0:  # the run's weights, to hold its export to
-        torch.save({k.removeprefix("module."): v for k, v in state.items() if k.startswith("module.")},
+        torch.save({k.removeprefix("model."): v for k, v in state.items() if k.startswith("model.")},
                    workspace / "module.pt")
     trainer.loop.engine.destroy()
     found: list[list[str]] = [[] for _ in range(dist.get_world_size())]
