@@ -28,6 +28,7 @@ from torch import nn
 from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 
 from trainloop import BaseHook, BaseTrainer, CheckpointError, CheckpointingHook, EmaHook, seed_all
+from trainloop.checkpoint.manifest import hash_file
 from trainloop.distributed import rank, world_size
 from trainloop.settings.deepspeed import filled_config
 
@@ -229,8 +230,21 @@ def end_state(trainer: ResumeTrainer, hooks: list[BaseHook]) -> dict[str, Any]:
 
 
 def resume_run(case: Resume, workspace: Path, run: str, interval: int = 0) -> tuple[ResumeTrainer, list[BaseHook]]:
-    """One run of ``case``, saving every ``interval`` steps (the stop step's by default): ``"unbroken"``,
-    ``"stopped"`` (ended by ``Stopped`` after the stop step's save) or ``"resumed"`` (from ``latest``)."""
+    """One run of ``case`` (see ``resume_trainer``), trained."""
+    trainer, hooks = resume_trainer(case, workspace, run, interval)
+    try:
+        trainer.train()
+    except Stopped:
+        pass
+    return trainer, hooks
+
+
+def resume_trainer(
+    case: Resume, workspace: Path, run: str, interval: int = 0
+) -> tuple[ResumeTrainer, list[BaseHook]]:
+    """A trainer of ``case``, saving every ``interval`` steps (the stop step's by default), for a run
+    ``"unbroken"``, ``"stopped"`` (ended by ``Stopped`` after the stop step's save) or ``"resumed"`` (from
+    ``latest``), and its hooks."""
     hooks: list[BaseHook] = [CheckpointingHook(interval=interval or case.stop, keep_previous=1)]
     if case.ema:
         hooks.append(EmaHook(decay=0.9))
@@ -248,10 +262,6 @@ def resume_run(case: Resume, workspace: Path, run: str, interval: int = 0) -> tu
                 raise Stopped
 
         trainer.on_exit("checkpointing", stop)
-    try:
-        trainer.train()
-    except Stopped:
-        pass
     return trainer, hooks
 
 
@@ -316,12 +326,32 @@ def refused(case: Resume, workspace: Path) -> dict[str, Any]:
                       for p in (workspace / "checkpoints").rglob("*"))
 
     before = listing()
+    trainer, _ = resume_trainer(case, workspace, "resumed")
+    error = None
     try:
-        trainer, _ = resume_run(case, workspace, "resumed")
-    except CheckpointError as error:
-        return {"error": str(error), "untouched": listing() == before}
+        trainer.train()
+    except CheckpointError as refusal:
+        error = str(refusal)
     trainer.loop.engine.destroy()
-    return {"error": None, "untouched": listing() == before}
+    return {"error": error, "untouched": listing() == before}
+
+
+def written_before_the_layout(case: Resume, workspace: Path) -> dict[str, Any]:
+    """A resume of ``workspace``'s last checkpoint with ``metadata.json`` as written before it recorded the engine's
+    layout (the manifest rewritten to match): whether it loaded, and the step it resumed at."""
+    checkpoint = workspace / "checkpoints" / str(case.steps)
+    if dist.get_rank() == 0:
+        metadata = json.loads((checkpoint / "metadata.json").read_text())
+        del metadata["deepspeed"]
+        (checkpoint / "metadata.json").write_text(json.dumps(metadata))
+        manifest = json.loads((checkpoint / "manifest.json").read_text())
+        digest = hash_file(checkpoint / "metadata.json")
+        manifest["files"]["metadata.json"] = {"size": digest.size, digest.checksum: digest.hex}
+        (checkpoint / "manifest.json").write_text(json.dumps(manifest))
+    dist.barrier()
+    trainer, _ = resume_run(case, workspace, "resumed")  # the run is complete: it loads, and trains nothing
+    trainer.loop.engine.destroy()
+    return {"step": trainer.step, "global_steps": trainer.loop.engine.global_steps}
 
 
 CASES = {
@@ -351,6 +381,7 @@ def main(out: str) -> None:
     results["refused_stage3"] = refused(replace(stage2, stage=3, ema=False), root / "resume_stage2")
     results["refused_bf16"] = refused(replace(stage2, precision="bf16"), root / "resume_stage2")
     results["refused_stage1"] = refused(replace(stage0, stage=1), root / "resume_stage0")
+    results["older_stage2"] = written_before_the_layout(stage2, root / "resume_stage2")
     if dist.get_rank() == 0:
         with open(out, "w", encoding="utf-8") as file:
             json.dump(results, file)
