@@ -276,6 +276,10 @@ def test_a_resumed_run_equals_the_unbroken_one_bit_for_bit(ranks, stage):
         assert any("zero_pp_rank_0_" in name for name in partition_files)
         assert any("zero_pp_rank_1_" in name for name in partition_files)
     assert "deepspeed/latest" not in files  # trainloop's latest names the checkpoint
+    metadata = json.loads((ranks["root"] / f"resume_stage{stage}" / "checkpoints" / case["kept"][0] / "metadata.json")
+                          .read_text())
+    assert metadata["format"] == "deepspeed"
+    assert metadata["deepspeed"] == {"zero_stage": stage, "precision": "bf16" if stage in (1, 3) else "fp32"}
     # trainloop's keep-N (the previous one kept) and latest: saved at the interval (the stop step) and at the end
     assert case["kept"] == {0: ["10", "9", "latest"], 1: ["4", "6", "latest"], 2: ["3", "6", "latest"],
                             3: ["10", "8", "latest"]}[stage]
