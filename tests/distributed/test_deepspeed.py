@@ -480,31 +480,30 @@ def test_a_checkpoint_written_before_the_layout_was_recorded_still_loads(ranks):
     assert ranks["older_stage2"] == {"step": 6, "global_steps": 7}
 
 
-def test_the_command_line_refuses_a_resume_at_another_stage_in_one_line(ranks, tmp_path):
-    # One process (DeepSpeed's group of one, from the environment) resuming the two ranks' ZeRO-0 checkpoint at stage
-    # 1: stage 0's files are not partitioned, so only the stage differs.
+def test_the_command_line_refuses_a_resume_at_another_stage_in_one_line_exit_2_writing_nothing(ranks, tmp_path):
+    # The two ranks' ZeRO-0 checkpoint, and settings declaring stage 1: validate and run find it in the preflight
+    # (one process reads the latest checkpoint's metadata), before DeepSpeed is imported.
     import shutil
 
     shutil.copytree(ranks["root"] / "resume_stage0" / "checkpoints", tmp_path / "ws" / "checkpoints", symlinks=True)
-    def checkpoints():
-        return sorted((p.relative_to(tmp_path).as_posix(), p.stat().st_mtime_ns) for p in tmp_path.rglob("ws/checkpoints/**/*"))
-
-    before = checkpoints()
     (tmp_path / "run.json").write_text(json.dumps({
-        "max_steps": 10, "seed": 0, "device": "cpu", "workspace": "ws", "metrics_file": False,
+        "max_steps": 10, "seed": 0, "device": "cpu", "workspace": "ws",
         "deepspeed": {"zero_optimization": {"stage": 1}, "zero_allow_untested_optimizer": True},
         "hooks": [{"type": "checkpointing", "interval": 3, "keep_previous": 1}],
     }))
-    env = cli_env(DS_ACCELERATOR="cpu", OMP_NUM_THREADS="1", RANK="0", LOCAL_RANK="0", WORLD_SIZE="1",
-                  MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
-    result = Cli("run", "run.json", "--trainer", "deepspeed_worker:ResumeTrainer", cwd=tmp_path, env=env).result()
-    lines = [line for line in result.stderr.splitlines() if line.startswith("trainloop")]  # DeepSpeed logs too
-    assert result.returncode == 1, result.stderr[-3000:]
-    assert "Traceback" not in result.stderr
-    checkpoint = tmp_path / "ws" / "checkpoints" / "10"
-    assert lines == [
-        f"trainloop run: error: {checkpoint}: was saved at ZeRO stage 0 and this run's deepspeed config declares stage 1: resume "
-        "it with zero_optimization.stage 0, or start a new run (another workspace) from its weights, read in "
-        "build_model() with trainloop.checkpoint.read_weights"
-    ]
-    assert checkpoints() == before
+
+    def listing():
+        return sorted((p.relative_to(tmp_path).as_posix(), p.stat().st_mtime_ns) for p in tmp_path.rglob("*"))
+
+    before = listing()
+    line = (
+        f"run.json: hooks[0].load: {Path('ws/checkpoints/10')}: was saved at ZeRO stage 0 and this run's deepspeed "
+        "config declares stage 1: resume it with zero_optimization.stage 0, or start a new run (another workspace) "
+        "from its weights, read in build_model() with trainloop.checkpoint.read_weights"
+    )
+    validated = Cli("validate", "run.json", cwd=tmp_path)
+    ran = Cli("run", "run.json", "--trainer", "deepspeed_worker:ResumeTrainer", cwd=tmp_path)
+    for command, result in (("validate", validated.result()), ("run", ran.result())):
+        assert result.returncode == 2, result.stderr[-3000:]
+        assert result.stderr == f"trainloop {command}: error: {line}\n"
+    assert listing() == before  # nothing written: no lock, no runs.jsonl, the checkpoints as they were

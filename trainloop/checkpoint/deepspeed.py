@@ -36,8 +36,8 @@ if TYPE_CHECKING:
     from trainloop.location import Location
 
 __all__ = [
-    "ENGINE_DIR", "LAYOUT", "TAG", "deepspeed_engine", "engine_layout", "engine_weights", "load_engine",
-    "read_engine_checkpoint", "save_engine",
+    "ENGINE_DIR", "LAYOUT", "TAG", "deepspeed_engine", "engine_layout", "engine_weights", "layout_problems",
+    "load_engine", "read_engine_checkpoint", "save_engine",
 ]
 
 #: The engine's directory in a checkpoint.
@@ -170,12 +170,14 @@ def engine_weights(directory: Path) -> dict[str, torch.Tensor]:
     return {key: value.detach().cpu() for key, value in joined.items()}
 
 
-def _layout_problems(directory: Path, engine: Any) -> list[str]:
-    """One line for each way the checkpoint in ``directory`` was laid out by another engine than ``engine``."""
+def layout_problems(directory: Location, now: dict[str, Any]) -> list[str]:
+    """One line for each way the DeepSpeed checkpoint in ``directory`` was laid out otherwise than ``now`` says.
+
+    ``now`` has ``engine_layout``'s keys; a checkpoint that did not record its layout has no problem here.
+    """
     problems = []
     saved = read_metadata(directory).get(LAYOUT)
     if isinstance(saved, dict):  # recorded since the layout is checked
-        now = engine_layout(engine)
         if saved.get("zero_stage") != now["zero_stage"]:
             problems.append(
                 f"{directory}: was saved at ZeRO stage {saved.get('zero_stage')} and this run's deepspeed config "
@@ -188,6 +190,12 @@ def _layout_problems(directory: Path, engine: Any) -> list[str]:
                 f"{directory}: was saved with mixed_precision {then} and this run declares "
                 f"{_as_declared(now['precision'])}: resume it with mixed_precision {then}, {_FROM_ITS_WEIGHTS}"
             )
+    return problems
+
+
+def _layout_problems(directory: Path, engine: Any) -> list[str]:
+    """One line for each way the checkpoint in ``directory`` was laid out by another engine than ``engine``."""
+    problems = layout_problems(directory, engine_layout(engine))
     saved_by = len({_writer(p.name) for p in (directory / ENGINE_DIR / TAG).glob("*zero_pp_rank_*")})
     if saved_by and saved_by != world_size():
         problems.append(
