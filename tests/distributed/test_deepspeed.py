@@ -212,7 +212,8 @@ def ranks(tmp_path_factory):
         "--master-port", str(free_port()), str(SUPPORT / "deepspeed_worker.py"), str(out),
     ]
     result = subprocess.run(command, env=env, capture_output=True, text=True, timeout=300)
-    assert result.returncode == 0, result.stderr[-4000:]
+    errors = [line for line in result.stderr.splitlines() if line.startswith("[rank") and "Error" in line]
+    assert result.returncode == 0, "\n".join([*errors[:10], result.stderr[-4000:]])  # each rank's first, then the end
     assert "terminate called" not in result.stderr  # ZeRO-3's engines were torn down: a clean exit
     return {**json.loads(out.read_text()), "root": out.parent}
 
@@ -244,24 +245,50 @@ def test_a_non_finite_update_never_reaches_the_weights_and_is_retried_as_ours(ra
 
 @pytest.mark.parametrize("stage", [0, 1, 2, 3])
 def test_a_resumed_run_equals_the_unbroken_one_bit_for_bit(ranks, stage):
-    unbroken = ranks[f"stage{stage}_acc1"]["trainloop"]
-    case = ranks[f"resumed_stage{stage}"]
-    assert case["losses"] == unbroken[2:]  # steps 3 and 4, after the resume from step 2
-    assert case["kept"] == ["3", "4", "latest"]  # trainloop's keep-N and latest
+    # deepspeed_worker.RESUMES: stage 0 mid-epoch, fp32, EMA; 1 at an epoch's end, accumulation 2, bf16, EMA;
+    # 2 mid-epoch, accumulation 2, EMA; 3 at an epoch's end, bf16. Every run: dropout, a shuffled sampler, a
+    # cosine schedule, and an update retried before the stop.
+    case = ranks[f"resume_stage{stage}"]
+    assert case["differ"] == [[], []]  # every entry below, on both ranks, torch.equal (dtype and shape too)
+    compared = set(case["compared"])
+    partitions = {0: "optimizer.state.0.exp_avg", 1: "optimizer.single_partition_of_fp32_groups.0",
+                  2: "optimizer.single_partition_of_fp32_groups.0", 3: "optimizer.fp32_flat_groups.0"}[stage]
+    expected = {
+        "model.0.weight", "model.3.bias", partitions, "lr_scheduler.last_epoch", "engine.global_steps",
+        "engine.skipped_steps", "engine.global_samples", "trainloop.training_state.step",
+        "trainloop.training_state.epoch", "trainloop.training_state.rng.1.python", "rng",
+        "trainloop.training_state.data_loader.1.trainloop_sampler_position.order",
+    }
+    assert [key for key in expected if not any(name.startswith(key) for name in compared)] == []
+    assert any(key.startswith("optimizer.") and "exp_avg_sq" in key for key in compared)
+    assert any(key.startswith("draws.") for key in compared)  # every forward's step, items and loss
+    assert ("ema.n_averaged" in compared) == (stage < 3)  # EMA is refused at stage 3
+    assert case["resumed_from"] == {0: 3, 1: 4, 2: 3, 3: 8}[stage]
+    assert case["retried"] == [5 if stage == 3 else 2]  # a non-finite first try, before the stop
+    # Stage 0: trainloop refused that update before the engine stepped; 1 to 3: the engine skipped it.
+    assert case["engine"]["engine.skipped_steps"] == (0 if stage == 0 else 1)
     files = case["files"]
     assert {"manifest.json", "metadata.json", "training_state.pt"} <= set(files)
-    partitions = [name for name in files if name.startswith("deepspeed/engine/")]
+    partition_files = [name for name in files if name.startswith("deepspeed/engine/")]
     if stage == 0:
-        assert partitions == ["deepspeed/engine/mp_rank_00_model_states.pt"]
+        assert partition_files == ["deepspeed/engine/mp_rank_00_model_states.pt"]
     else:  # each rank's partitions, under the manifest
-        assert any("zero_pp_rank_0_" in name for name in partitions)
-        assert any("zero_pp_rank_1_" in name for name in partitions)
+        assert any("zero_pp_rank_0_" in name for name in partition_files)
+        assert any("zero_pp_rank_1_" in name for name in partition_files)
     assert "deepspeed/latest" not in files  # trainloop's latest names the checkpoint
+    metadata = json.loads((ranks["root"] / f"resume_stage{stage}" / "checkpoints" / case["kept"][0] / "metadata.json")
+                          .read_text())
+    assert metadata["format"] == "deepspeed"
+    assert metadata["deepspeed"] == {"zero_stage": stage, "precision": "bf16" if stage in (1, 3) else "fp32"}
+    # trainloop's keep-N (the previous one kept) and latest: saved at the interval (the stop step) and at the end
+    assert case["kept"] == {0: ["10", "9", "latest"], 1: ["4", "6", "latest"], 2: ["3", "6", "latest"],
+                            3: ["10", "8", "latest"]}[stage]
 
 
 def test_a_damaged_partition_is_caught_by_the_manifest_and_an_older_checkpoint_taken(ranks):
-    unbroken = ranks["stage2_acc1"]["trainloop"]
-    assert ranks["corrupt_stage2"]["losses"] == unbroken[1:]  # resumed from step 1: steps 2 to 4
+    case = ranks["corrupt_stage2"]  # resume_stage2, saved at every step, rank 1's partition of step 3 damaged
+    assert case["resumed_from"] == 2
+    assert case["differ"] == [[], []]  # and still the unbroken run, bit for bit
 
 
 def test_export_joins_the_partitions_into_weights_that_load_strictly_into_the_plain_module(ranks, tmp_path):
@@ -270,20 +297,20 @@ def test_export_joins_the_partitions_into_weights_that_load_strictly_into_the_pl
 
     from trainloop.checkpoint import checkpoint_format, export_checkpoint
 
-    exported = []
-    for stage in (0, 1, 2, 3):
-        checkpoint = ranks["root"] / f"resumed_stage{stage}" / "checkpoints" / "4"
+    for stage, last in ((0, "10"), (1, "6"), (2, "6"), (3, "10")):
+        run = ranks["root"] / f"resume_stage{stage}"
+        checkpoint = run / "checkpoints" / last
         assert checkpoint_format(checkpoint) == "deepspeed"
         output = tmp_path / f"stage{stage}.safetensors"
-        assert export_checkpoint(checkpoint, output)["step"] == "4"
+        assert export_checkpoint(checkpoint, output)["step"] == last
         weights = load_file(output)
         model().load_state_dict(weights, strict=True)
-        exported.append(weights)
-    # Every stage trained the same numbers (the losses are equal): stage 0's weights are the module's own,
-    # stages 1 to 3 are joined from two ranks' partitions.
-    for weights in exported[1:]:
-        assert weights.keys() == exported[0].keys()
-        assert all(torch.equal(weights[key], exported[0][key]) for key in weights)
+        # The run's own weights at its end: stage 0's the module's, stages 1 to 3 joined from two ranks' fp32
+        # partitions (under bf16 the module holds them rounded).
+        module = torch.load(run / "module.pt")
+        assert weights.keys() == module.keys()
+        assert all(weights[key].dtype == torch.float32 for key in weights)
+        assert all(torch.equal(weights[key].to(module[key].dtype), module[key]) for key in weights)
 
 
 def test_init_from_predict_evaluate_and_inspect_read_a_deepspeed_checkpoint(ranks, tmp_path):
@@ -294,7 +321,7 @@ def test_init_from_predict_evaluate_and_inspect_read_a_deepspeed_checkpoint(rank
     from trainloop import BaseHook
     from trainloop.checkpoint import export_checkpoint
 
-    checkpoint = ranks["root"] / "resumed_stage3" / "checkpoints" / "4"
+    checkpoint = ranks["root"] / "resume_stage3" / "checkpoints" / "10"
     export_checkpoint(checkpoint, tmp_path / "w.safetensors")
     started: dict[str, torch.Tensor] = {}
 
@@ -336,7 +363,7 @@ def test_init_from_predict_evaluate_and_inspect_read_a_deepspeed_checkpoint(rank
     assert result.returncode == 0, result.stderr
     described = json.loads(result.stdout)  # DeepSpeed's own prints went to stderr
     assert described["format"] == "deepspeed"
-    assert described["step"] == 4
+    assert described["step"] == 10
 
 
 def test_the_docs_zero3_example_trains_a_transformer_on_two_cpu_ranks(tmp_path):
@@ -361,25 +388,125 @@ def test_the_docs_zero3_example_trains_a_transformer_on_two_cpu_ranks(tmp_path):
     assert loss < 2.0  # from ~4.2 (uniform over 64 tokens): it learns the sequence
 
 
+class _Files:
+    """Stands for a checkpoint's verified files: load_engine closes them when it refuses."""
+
+    closed = False
+
+    def close(self):
+        self.closed = True
+
+
+class _Engine:
+    """What load_engine asks of an engine before it reads anything: its ZeRO stage and precision."""
+
+    def __init__(self, stage, bf16=False):
+        self.stage, self.bf16 = stage, bf16
+
+    def zero_optimization_stage(self):
+        return self.stage
+
+    def bfloat16_enabled(self):
+        return self.bf16
+
+    def fp16_enabled(self):
+        return False
+
+
+def _engine_checkpoint(path, ranks=2, layout=None):
+    """A DeepSpeed checkpoint's names: ``ranks`` ranks' partitions, and metadata with ``layout`` (None: as written
+    before the layout was recorded)."""
+    engine = path / "deepspeed" / "engine"
+    engine.mkdir(parents=True)
+    for r in range(ranks):
+        (engine / f"zero_pp_rank_{r}_mp_rank_00_optim_states.pt").write_bytes(b"")
+    metadata = {"step": 4, "epoch": 0, "format": "deepspeed"} | ({"deepspeed": layout} if layout else {})
+    (path / "metadata.json").write_text(json.dumps(metadata))
+    return path
+
+
 def test_a_checkpoint_of_another_world_size_is_one_line_saying_how(tmp_path):
     from trainloop.checkpoint.deepspeed import load_engine
 
-    class Files:
-        closed = False
-
-        def close(self):
-            self.closed = True
-
-    engine = tmp_path / "deepspeed" / "engine"
-    engine.mkdir(parents=True)
-    for r in (0, 1):
-        (engine / f"zero_pp_rank_{r}_mp_rank_00_optim_states.pt").write_bytes(b"")
-    files = Files()
-    with pytest.raises(CheckpointError, match=r"saved by 2 ranks and this run has 1: resume it on 2 ranks, or export"):
-        load_engine(object(), tmp_path, files)
+    checkpoint = _engine_checkpoint(tmp_path)  # an older checkpoint: no layout recorded, its ranks still checked
+    files = _Files()
+    with pytest.raises(CheckpointError) as error:
+        load_engine(_Engine(2), checkpoint, files)
+    assert str(error.value) == (
+        f"{checkpoint}: its ZeRO partitions were saved by 2 ranks and this run has 1: resume it on 2 ranks, or start "
+        "a new run (another workspace) from its weights, read in build_model() with trainloop.checkpoint.read_weights"
+    )
     assert files.closed
     with pytest.raises(CheckpointError, match="holds no DeepSpeed engine's state, so it cannot resume"):
-        load_engine(object(), tmp_path / "deepspeed", files)
+        load_engine(_Engine(2), tmp_path / "deepspeed", files)
+
+
+def test_a_checkpoint_of_another_stage_and_precision_is_one_line_each(tmp_path):
+    from trainloop.checkpoint.deepspeed import load_engine
+
+    checkpoint = _engine_checkpoint(tmp_path, ranks=1, layout={"zero_stage": 2, "precision": "fp32"})
+    files = _Files()
+    with pytest.raises(CheckpointError) as error:
+        load_engine(_Engine(3, bf16=True), checkpoint, files)
+    assert str(error.value).splitlines() == [
+        f"{checkpoint}: was saved at ZeRO stage 2 and this run's deepspeed config declares stage 3: resume it with "
+        "zero_optimization.stage 2, or start a new run (another workspace) from its weights, read in build_model() "
+        "with trainloop.checkpoint.read_weights",
+        f"{checkpoint}: was saved with mixed_precision unset and this run declares 'bf16': resume it with "
+        "mixed_precision unset, or start a new run (another workspace) from its weights, read in build_model() with "
+        "trainloop.checkpoint.read_weights",
+    ]
+    assert files.closed
+
+
+@pytest.mark.parametrize(
+    ("case", "saved", "declared"),
+    [("refused_stage3", "saved at ZeRO stage 2", "declares stage 3"),
+     ("refused_stage1", "saved at ZeRO stage 0", "declares stage 1"),
+     ("refused_bf16", "saved with mixed_precision unset", "declares 'bf16'")],
+)
+def test_a_resume_at_another_stage_or_precision_is_refused_before_deepspeed_reads_it(ranks, case, saved, declared):
+    # On two ranks, by the engine of the run that resumes (deepspeed_worker.refused), the checkpoints left as they were.
+    refused = ranks[case]
+    assert refused["untouched"]
+    assert len(refused["error"].splitlines()) == 1
+    assert saved in refused["error"]
+    assert declared in refused["error"]
+    assert "trainloop.checkpoint.read_weights" in refused["error"]
+
+
+def test_a_checkpoint_written_before_the_layout_was_recorded_still_loads(ranks):
+    # resume_stage2's last checkpoint (step 6) with metadata.json as it was written before: the engine loaded it.
+    assert ranks["older_stage2"] == {"step": 6, "global_steps": 7}
+
+
+def test_the_command_line_refuses_a_resume_at_another_stage_in_one_line_exit_2_writing_nothing(ranks, tmp_path):
+    # The two ranks' ZeRO-0 checkpoint, and settings declaring stage 1: validate and run find it in the preflight
+    # (one process reads the latest checkpoint's metadata), before DeepSpeed is imported.
+    import shutil
+
+    shutil.copytree(ranks["root"] / "resume_stage0" / "checkpoints", tmp_path / "ws" / "checkpoints", symlinks=True)
+    (tmp_path / "run.json").write_text(json.dumps({
+        "max_steps": 10, "seed": 0, "device": "cpu", "workspace": "ws",
+        "deepspeed": {"zero_optimization": {"stage": 1}, "zero_allow_untested_optimizer": True},
+        "hooks": [{"type": "checkpointing", "interval": 3, "keep_previous": 1}],
+    }))
+
+    def listing():
+        return sorted((p.relative_to(tmp_path).as_posix(), p.stat().st_mtime_ns) for p in tmp_path.rglob("*"))
+
+    before = listing()
+    line = (
+        f"run.json: hooks[0].load: {Path('ws/checkpoints/10')}: was saved at ZeRO stage 0 and this run's deepspeed "
+        "config declares stage 1: resume it with zero_optimization.stage 0, or start a new run (another workspace) "
+        "from its weights, read in build_model() with trainloop.checkpoint.read_weights"
+    )
+    validated = Cli("validate", "run.json", cwd=tmp_path)
+    ran = Cli("run", "run.json", "--trainer", "deepspeed_worker:ResumeTrainer", cwd=tmp_path)
+    for command, result in (("validate", validated.result()), ("run", ran.result())):
+        assert result.returncode == 2, result.stderr[-3000:]
+        assert result.stderr == f"trainloop {command}: error: {line}\n"
+    assert listing() == before  # nothing written: no lock, no runs.jsonl, the checkpoints as they were
 
 
 # -- offload: optimizer states (and at stage 3 the parameters) on the CPU (tests/support/deepspeed_config_cases.py) -------

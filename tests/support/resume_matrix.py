@@ -53,10 +53,13 @@ ITEMS = 36
 BATCH = 4  # a microstep's items over all ranks: 9 microsteps per epoch
 NAN = float("nan")
 
-#: Every axis and its values, the first of each the default.
+#: Every axis and its values, the first of each the default. ``zero1`` and ``zero3`` are DeepSpeed at that ZeRO
+#: stage (``settings.deepspeed``; the checkpoint is the engine's, whatever the hook's format), which takes part only
+#: where :func:`deepspeed_refuses` finds nothing: one optimizer, not fused, a mean loss, fp32 or bf16, local storage,
+#: no signal stop, EMA below stage 3, and 2 ranks resumed on 2 (the children have a process group for the engine).
 AXES: dict[str, tuple[Any, ...]] = {
     "optimizers": ("one", "several", "fused"),
-    "format": ("full", "sharded", "full_async", "sharded_async"),
+    "format": ("full", "sharded", "full_async", "sharded_async", "zero1", "zero3"),
     "storage": ("local", "memory", "s3"),
     "stop": ("mid_epoch", "epoch_end", "epoch_start", "signal"),
     "accumulation": (1, 3),
@@ -111,6 +114,11 @@ class Case:
         )
 
     @property
+    def zero_stage(self) -> int | None:
+        """The ZeRO stage of a DeepSpeed case, else ``None``."""
+        return int(self.format.removeprefix("zero")) if self.format.startswith("zero") else None
+
+    @property
     def world(self) -> int:
         """The ranks the stopped run trains on."""
         return 1 if self.ranks == "1" else 2
@@ -156,7 +164,30 @@ class Case:
             }
         if self.nan and self.precision != "fp16":  # fp16's refused updates are bounded by min_loss_scale
             settings["max_non_finite_grad_retries"] = 2
+        if self.zero_stage is not None:
+            settings["deepspeed"] = {"zero_optimization": {"stage": self.zero_stage}, "zero_allow_untested_optimizer": True}
         return settings
+
+
+def deepspeed_refuses(case: Case) -> str | None:
+    """Why DeepSpeed does not take part in ``case`` (``None``: it does, or the case is not DeepSpeed's).
+
+    What deepspeed refuses before step 1 (several optimizers, a fused one, a ``Loss``, EMA at ZeRO-3), what its
+    engine cannot do here (fp16 on the CPU, object storage), and what this harness runs elsewhere (a signal stop
+    and one rank run in this process, which has no process group for the engine; 2 ranks resumed on 1 is refused).
+    """
+    if case.zero_stage is None:
+        return None
+    rules = {
+        "deepspeed drives one optimizer, not fused": case.optimizers != "one",
+        "deepspeed takes a plain loss": case.loss != "mean",
+        "fp16 has no DeepSpeed engine on the CPU": case.precision == "fp16",
+        "a DeepSpeed engine writes local files only": case.storage != "local",
+        "EMA reads whole parameters, which ZeRO-3 partitions": case.ema and case.zero_stage == 3,
+        "DeepSpeed runs on 2 ranks here, resumed on 2": case.ranks != "2" or case.stop == "signal",
+    }
+    found = [rule for rule, applies in rules.items() if applies]
+    return "; ".join(found) or None
 
 
 class Items(Dataset):
@@ -208,7 +239,8 @@ class MatrixTrainer(BaseTrainer):
 
     def build_model(self):
         model = nn.Sequential(nn.Linear(4, 16), nn.ReLU(), nn.Dropout(0.2), nn.Linear(16, 1))
-        return nn.parallel.DistributedDataParallel(model) if dist.is_initialized() else model
+        wrap = dist.is_initialized() and self.case.zero_stage is None  # DeepSpeed wraps the plain module itself
+        return nn.parallel.DistributedDataParallel(model) if wrap else model
 
     def build_optimizer(self):
         layers = self.unwrapped_model
@@ -231,7 +263,9 @@ class MatrixTrainer(BaseTrainer):
         self.draws.append((step, optimizer, tuple(index.tolist())))
         if self.pause is not None:
             self.pause(step, self._microstep[1])
-        per_item = ((self.model(x) - y) ** 2).squeeze(1)
+        if self.case.zero_stage is not None:  # the engine casts the module, not its inputs (bf16)
+            x = x.to(next(self.model.parameters()).dtype)
+        per_item = ((self.model(x).float() - y) ** 2).squeeze(1)
         if self.case.loss == "items":
             mask = (x[:, 0] > -0.5).float()
             loss: Any = Loss((per_item * mask).sum(), mask.sum())
@@ -274,7 +308,7 @@ def checkpoint_path(case: Case, root: Path, s3: Any = None) -> tuple[str, dict[s
 def hooks_for(case: Case, root: Path, s3: Any = None) -> list[BaseHook]:
     """The case's hooks: a CheckpointingHook saving at the stop step's interval, and EMA."""
     path, options = checkpoint_path(case, root, s3)
-    format, _, mode = case.format.partition("_")
+    format, _, mode = case.format.partition("_") if case.zero_stage is None else ("full", "", "")
     hooks: list[BaseHook] = [
         CheckpointingHook(interval=case.stop_step, keep_previous=1, path=path, storage_options=options,
                           format=format, async_save=mode == "async", exit_signals=["SIGTERM"]),
@@ -318,13 +352,22 @@ def train(case: Case, root: Path, run: str, s3: Any = None, pause: Any = None) -
         except SystemExit as exit:
             code = int(exit.code or 0)
         except Stopped:
+            _destroy_engine(trainer)
             return {"draws": list(trainer.draws), "step": trainer.step, "code": 0}
         except Exception as error:  # noqa: BLE001 - a failed run is a finding of the matrix, in one line
             line = str(error).splitlines()[0] if str(error) else ""
             return {"draws": list(trainer.draws), "step": trainer.step, "code": 1, "error": f"{type(error).__name__}: {line}"}
         finally:
             trainer.logger.removeHandler(logged)
-    return record(trainer, hooks, code, [f"{w.category.__name__}: {w.message}" for w in caught] + logged.lines)
+    recorded = record(trainer, hooks, code, [f"{w.category.__name__}: {w.message}" for w in caught] + logged.lines)
+    _destroy_engine(trainer)
+    return recorded
+
+
+def _destroy_engine(trainer: MatrixTrainer) -> None:
+    """End a DeepSpeed run's engine (ZeRO-3's hooks on the module), as a script would at exit."""
+    if trainer.loop.engine is not None:
+        trainer.loop.engine.destroy()
 
 
 class _Warnings(logging.Handler):
@@ -350,10 +393,37 @@ def record(trainer: MatrixTrainer, hooks: list[BaseHook], code: int, warned: lis
         "grad_scaler": training.get("grad_scaler"),
         "rng": torch.get_rng_state(),
     }
+    if trainer.loop.engine is not None:  # the engine holds model, optimizer and scheduler, partitioned
+        final.update(engine_state(trainer.loop.engine))
     ema = [hook for hook in hooks if isinstance(hook, EmaHook)]
     if ema:
         final["ema"] = ema[0].ema_model.state_dict()  # type: ignore[union-attr]
     return {"draws": list(trainer.draws), "final": final, "step": trainer.step, "code": code, "warned": warned}
+
+
+def engine_state(engine: Any) -> dict[str, Any]:
+    """A DeepSpeed engine's state on this rank: its module whole (gathered at ZeRO-3), its optimizer's (partitions,
+    fp32 master weights, moments), its lr scheduler's and its counters.
+
+    The padding that ends the last rank's fp32 partition at ZeRO-3 (no parameter's) is left out, as DeepSpeed's
+    ``get_groups_without_padding`` leaves it; its loss scaler, an object, is compared by its values.
+    """
+    import deepspeed
+
+    with deepspeed.zero.GatheredParameters(list(engine.module.parameters())):
+        model = {key: value.detach().clone() for key, value in engine.module.state_dict().items()}
+    optimizer = engine.optimizer.state_dict()
+    if "loss_scaler" in optimizer:
+        optimizer["loss_scaler"] = vars(optimizer["loss_scaler"])
+    if "fp32_flat_groups" in optimizer:
+        optimizer["fp32_flat_groups"] = engine.optimizer.get_groups_without_padding(optimizer["fp32_flat_groups"])
+    return {
+        "model": model,
+        "optimizer": optimizer,
+        "lr_scheduler": engine.lr_scheduler.state_dict() if engine.lr_scheduler is not None else None,
+        "engine": {"global_steps": engine.global_steps, "skipped_steps": engine.skipped_steps,
+                   "global_samples": engine.global_samples},
+    }
 
 
 def flatten(value: Any, path: str = "") -> dict[str, Any]:
@@ -363,7 +433,7 @@ def flatten(value: Any, path: str = "") -> dict[str, Any]:
         for key, item in value.items():
             out.update(flatten(item, f"{path}.{key}" if path else str(key)))
         return out
-    if isinstance(value, (list, tuple)) and not (value and isinstance(value[0], (int, float, str))):
+    if isinstance(value, (list, tuple)) and not (value and all(isinstance(v, (int, float, str)) for v in value)):
         out = {}
         for i, item in enumerate(value):
             out.update(flatten(item, f"{path}.{i}" if path else str(i)))

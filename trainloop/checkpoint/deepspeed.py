@@ -7,6 +7,11 @@ names the checkpoint), and trainloop's training state (step, data position, RNG,
 hashes the files it wrote for the manifest, and a resume verifies them by shares before the engine reads them: a
 damaged partition, which DeepSpeed itself would load, is a corrupt checkpoint (an older one is taken).
 
+The layout of the engine's files depends on its ZeRO stage, its precision and its number of ranks: ``metadata.json``
+records the first two (``engine_layout``; the partitions' names say the ranks), and a resume whose engine differs is
+refused in one line per difference before the engine reads anything (DeepSpeed would fail deep inside, or load
+another precision's weights silently). A checkpoint written before the layout was recorded loads as it did.
+
 Nothing here imports DeepSpeed: a run that has an engine has imported it.
 """
 
@@ -22,7 +27,7 @@ import torch
 
 from trainloop.checkpoint.errors import CheckpointError
 from trainloop.checkpoint.loading import VerifiedFiles, load_file
-from trainloop.checkpoint.manifest import REST_FILE, FileDigest, hash_file
+from trainloop.checkpoint.manifest import REST_FILE, FileDigest, hash_file, read_metadata
 from trainloop.distributed.ranks import rank, world_size
 
 if TYPE_CHECKING:
@@ -31,7 +36,8 @@ if TYPE_CHECKING:
     from trainloop.location import Location
 
 __all__ = [
-    "ENGINE_DIR", "TAG", "deepspeed_engine", "engine_weights", "load_engine", "read_engine_checkpoint", "save_engine",
+    "ENGINE_DIR", "LAYOUT", "TAG", "deepspeed_engine", "engine_layout", "engine_weights", "layout_problems",
+    "load_engine", "read_engine_checkpoint", "save_engine",
 ]
 
 #: The engine's directory in a checkpoint.
@@ -39,6 +45,16 @@ ENGINE_DIR = "deepspeed"
 
 #: The tag the engine's files are saved under (DeepSpeed's name for one of its checkpoints).
 TAG = "engine"
+
+#: The key of ``metadata.json`` that records the engine's layout (see ``engine_layout``).
+LAYOUT = "deepspeed"
+
+#: How a resume goes on from a checkpoint whose layout this run's engine cannot read (init_from is not applied
+#: under deepspeed: the engine keeps its own copies of the weights).
+_FROM_ITS_WEIGHTS = (
+    "or start a new run (another workspace) from its weights, read in build_model() with "
+    "trainloop.checkpoint.read_weights"
+)
 
 #: DeepSpeed names a rank's partition files ``[bf16_]zero_pp_rank_<r>_...``; rank 0 writes every other file.
 _RANK_FILE = re.compile(r"zero_pp_rank_(\d+)_")
@@ -48,6 +64,12 @@ def deepspeed_engine(model: nn.Module | None) -> Any | None:
     """``model`` if it is a DeepSpeed engine (the model of a run under ``settings.deepspeed``), else ``None``."""
     engine = sys.modules.get("deepspeed.runtime.engine")  # never imported: no engine exists
     return model if engine is not None and isinstance(model, engine.DeepSpeedEngine) else None
+
+
+def engine_layout(engine: Any) -> dict[str, Any]:
+    """What the layout of ``engine``'s checkpoint depends on, besides its ranks: its ZeRO stage and precision."""
+    precision = "bf16" if engine.bfloat16_enabled() else "fp16" if engine.fp16_enabled() else "fp32"
+    return {"zero_stage": int(engine.zero_optimization_stage()), "precision": precision}
 
 
 def save_engine(engine: Any, checkpoint: Location) -> dict[str, FileDigest]:
@@ -84,13 +106,10 @@ def load_engine(engine: Any, directory: Location, state: dict[str, Any] | Verifi
             f"{directory}: holds no DeepSpeed engine's state, so it cannot resume a run under deepspeed "
             "(init_from takes its weights)"
         )
-    saved_by = len({_writer(p.name) for p in (directory / ENGINE_DIR / TAG).glob("*zero_pp_rank_*")})
-    if saved_by and saved_by != world_size():
+    problems = _layout_problems(directory, engine)
+    if problems:
         state.close()
-        raise CheckpointError(
-            f"{directory}: its ZeRO partitions were saved by {saved_by} ranks and this run has {world_size()}: "
-            f"resume it on {saved_by} ranks, or export its weights (trainloop export) and start from them (init_from)"
-        )
+        raise CheckpointError("\n".join(problems))
     try:
         loaded, _ = engine.load_checkpoint(str(directory / ENGINE_DIR), tag=TAG, load_module_strict=True)
         if loaded is None:
@@ -149,6 +168,45 @@ def engine_weights(directory: Path) -> dict[str, torch.Tensor]:
             ) from None
         joined: dict[str, torch.Tensor] = get_fp32_state_dict_from_zero_checkpoint(str(directory), tag=TAG)
     return {key: value.detach().cpu() for key, value in joined.items()}
+
+
+def layout_problems(directory: Location, now: dict[str, Any]) -> list[str]:
+    """One line for each way the DeepSpeed checkpoint in ``directory`` was laid out otherwise than ``now`` says.
+
+    ``now`` has ``engine_layout``'s keys; a checkpoint that did not record its layout has no problem here.
+    """
+    problems = []
+    saved = read_metadata(directory).get(LAYOUT)
+    if isinstance(saved, dict):  # recorded since the layout is checked
+        if saved.get("zero_stage") != now["zero_stage"]:
+            problems.append(
+                f"{directory}: was saved at ZeRO stage {saved.get('zero_stage')} and this run's deepspeed config "
+                f"declares stage {now['zero_stage']}: resume it with zero_optimization.stage "
+                f"{saved.get('zero_stage')}, {_FROM_ITS_WEIGHTS}"
+            )
+        if saved.get("precision") != now["precision"]:
+            then = _as_declared(saved.get("precision"))
+            problems.append(
+                f"{directory}: was saved with mixed_precision {then} and this run declares "
+                f"{_as_declared(now['precision'])}: resume it with mixed_precision {then}, {_FROM_ITS_WEIGHTS}"
+            )
+    return problems
+
+
+def _layout_problems(directory: Path, engine: Any) -> list[str]:
+    """One line for each way the checkpoint in ``directory`` was laid out by another engine than ``engine``."""
+    problems = layout_problems(directory, engine_layout(engine))
+    saved_by = len({_writer(p.name) for p in (directory / ENGINE_DIR / TAG).glob("*zero_pp_rank_*")})
+    if saved_by and saved_by != world_size():
+        problems.append(
+            f"{directory}: its ZeRO partitions were saved by {saved_by} ranks and this run has {world_size()}: "
+            f"resume it on {saved_by} ranks, {_FROM_ITS_WEIGHTS}"
+        )
+    return problems
+
+
+def _as_declared(precision: Any) -> str:
+    return "unset" if precision == "fp32" else repr(precision)
 
 
 def _writer(name: str) -> int:

@@ -456,9 +456,10 @@ class CheckpointManager:
     # -- deepspeed: every rank writes its partitions, rank 0 the rest --------------------------
 
     def _save_engine(self, step: int, state_dict: dict[str, Any], metadata: dict[str, Any]) -> BaseException | None:
-        from trainloop.checkpoint.deepspeed import save_engine
+        from trainloop.checkpoint.deepspeed import LAYOUT, engine_layout, save_engine
         from trainloop.checkpoint.sharded import visible
 
+        metadata = {**metadata, LAYOUT: engine_layout(self.engine)}  # what a resume's engine must match
         target = self.root / str(step)
         prepared = self._prepare_on_rank_zero(target)
         if isinstance(prepared, BaseException):

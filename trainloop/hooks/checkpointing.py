@@ -118,8 +118,9 @@ class CheckpointingHook(BaseHook):
     def check_settings(cls, declared: Any, settings: Any, trainer: Any) -> list[HookProblem]:
         """A relative ``path`` needs a workspace; a URL, its filesystem installed.
 
-        A ``load`` directory must exist (checked in a single process only: under a launcher, rank 0 checks it for every
-        rank when loading).
+        A ``load`` directory must exist, and under ``deepspeed`` the latest checkpoint must have been saved at the
+        declared ZeRO stage and precision (checked in a single process only: under a launcher, rank 0 checks it for
+        every rank when loading, and the engine before it reads the checkpoint).
         """
         options = declared.storage_options
         problems: list[HookProblem] = []
@@ -133,6 +134,8 @@ class CheckpointingHook(BaseHook):
             problems += _url_problems("load", declared.load, options, must_exist=one_process())
         elif isinstance(declared.load, Path) and one_process() and not declared.load.expanduser().is_dir():
             problems.append(("load", f"no checkpoint directory at {str(declared.load)!r}"))
+        if settings.deepspeed is not None and declared.load == "latest" and one_process() and not problems:
+            problems += [("load", line) for line in _engine_layout_problems(declared.path, settings)]
         return problems
 
     @classmethod
@@ -349,6 +352,27 @@ class CheckpointingHook(BaseHook):
     def checkpoint_directory(self, trainer: TrainerView) -> Location:
         """Where this hook keeps the run's checkpoints: its ``directory``."""
         return self.directory(trainer)
+
+
+def _engine_layout_problems(path: Path | str, settings: Any) -> list[str]:
+    """The ways the latest checkpoint under ``path`` was saved by another DeepSpeed engine than ``settings`` declare.
+
+    Its ZeRO stage and precision: what the engine's load would refuse (``load_engine``), found before anything is
+    built. Unverified, as the preflight reads files: a checkpoint the load finds corrupt is checked there.
+    """
+    from trainloop.checkpoint.deepspeed import layout_problems
+    from trainloop.checkpoint.manager import latest_step
+    from trainloop.settings.deepspeed import read_config, zero_stage
+
+    if is_url(path):
+        return []  # DeepSpeed's checkpoints are local
+    root = Path(path).expanduser()
+    root = root if root.is_absolute() else Path(settings.workspace) / root
+    step = latest_step(root)
+    if step is None or not (root / str(step) / "metadata.json").is_file():
+        return []
+    stage = zero_stage(read_config(settings.deepspeed))
+    return layout_problems(root / str(step), {"zero_stage": stage, "precision": settings.mixed_precision or "fp32"})
 
 
 def _say(logger: Logger, message: str, *args: Any) -> None:
