@@ -469,6 +469,8 @@ def test_a_resume_at_another_stage_or_precision_is_refused_before_deepspeed_read
     # On two ranks, by the engine of the run that resumes (deepspeed_worker.refused), the checkpoints left as they were.
     refused = ranks[case]
     assert refused["untouched"]
+    assert refused["unrecorded"]  # no line in runs.jsonl: a refusal is no run
+    assert refused["exit_code"] == 2  # what trainloop run exits with (a usage error, as the preflight's)
     assert len(refused["error"].splitlines()) == 1
     assert saved in refused["error"]
     assert declared in refused["error"]

@@ -29,8 +29,32 @@ def _trainer(**settings):
     return TinyTrainer(**{"max_steps": 2, "device": "cpu", "deepspeed": ZERO3, **settings})
 
 
+def _launched(monkeypatch):
+    """The environment torchrun gives one process (DeepSpeed reads it to join the process group)."""
+    for name, value in {"RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "0", "MASTER_ADDR": "127.0.0.1",
+                        "MASTER_PORT": "29500"}.items():
+        monkeypatch.setenv(name, value)
+
+
+def test_a_process_no_launcher_started_is_one_line_saying_how_to_launch_it(tmp_path, monkeypatch):
+    # Without torchrun's environment DeepSpeed would look for MPI and end in mpi4py's traceback.
+    for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT", "OMPI_COMM_WORLD_LOCAL_RANK"):
+        monkeypatch.delenv(name, raising=False)
+    trainer = _trainer(workspace=tmp_path / "ws")
+    with pytest.raises(RefusedRunError) as error:
+        trainer.train()
+    assert str(error.value) == (
+        "deepspeed joins the process group a launcher describes, and this process has no RANK, WORLD_SIZE, "
+        "MASTER_ADDR, MASTER_PORT, LOCAL_RANK: launch it with torchrun (torchrun --nproc-per-node 1 -m trainloop run "
+        "... for one process)"
+    )
+    assert trainer.step == 0
+    assert not (tmp_path / "ws").exists()
+
+
 @needs_deepspeed
-def test_a_torch_optimizer_under_offload_is_one_line_saying_what_deepspeed_wants(tmp_path):
+def test_a_torch_optimizer_under_offload_is_one_line_saying_what_deepspeed_wants(tmp_path, monkeypatch):
+    _launched(monkeypatch)
     trainer = _trainer(deepspeed=OFFLOAD, workspace=tmp_path / "ws")
     with pytest.raises(RefusedRunError) as error:
         trainer.train()

@@ -320,21 +320,24 @@ def resumed(name: str, case: Resume, root: Path, corrupt: bool = False) -> dict[
 
 
 def refused(case: Resume, workspace: Path) -> dict[str, Any]:
-    """A resume of ``workspace``'s checkpoints by a run of ``case`` (another stage or precision): its error, and
-    whether the checkpoints are as they were (names, sizes, modification times)."""
+    """A resume of ``workspace``'s checkpoints by a run of ``case`` (another stage or precision): its error and exit
+    code, whether the checkpoints are as they were (names, sizes, modification times) and runs.jsonl too."""
     def listing() -> list[tuple[str, int, int]]:
         return sorted((p.relative_to(workspace).as_posix(), p.stat().st_size, p.stat().st_mtime_ns)
                       for p in (workspace / "checkpoints").rglob("*"))
 
-    before = listing()
+    def runs() -> str:
+        return (workspace / "runs.jsonl").read_text() if (workspace / "runs.jsonl").exists() else ""
+
+    before, recorded = listing(), runs()
     trainer, _ = resume_trainer(case, workspace, "resumed")
-    error = None
+    error, exit_code = None, None
     try:
         trainer.train()
     except CheckpointError as refusal:
-        error = str(refusal)
+        error, exit_code = str(refusal), getattr(refusal, "exit_code", None)
     trainer.loop.engine.destroy()
-    return {"error": error, "untouched": listing() == before}
+    return {"error": error, "exit_code": exit_code, "untouched": listing() == before, "unrecorded": runs() == recorded}
 
 
 def written_before_the_layout(case: Resume, workspace: Path) -> dict[str, Any]:

@@ -7,7 +7,7 @@ that inspect or convert checkpoints. ``metadata.json`` and
 is too (see :mod:`trainloop.location`).
 """
 
-from trainloop.checkpoint.errors import CheckpointError, CheckpointSaveError
+from trainloop.checkpoint.errors import CheckpointError, CheckpointMismatchError, CheckpointSaveError
 from trainloop.checkpoint.export import export_checkpoint, save_weights
 from trainloop.checkpoint.files import checkpoint_format, read_checkpoint
 from trainloop.checkpoint.manager import checkpoint_steps, latest_checkpoint, write_checkpoint
@@ -20,6 +20,7 @@ __all__ = [
     "MANIFEST",
     "METADATA",
     "CheckpointError",
+    "CheckpointMismatchError",
     "CheckpointSaveError",
     "checkpoint_format",
     "checkpoint_steps",

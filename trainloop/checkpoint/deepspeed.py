@@ -25,7 +25,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from trainloop.checkpoint.errors import CheckpointError
+from trainloop.checkpoint.errors import CheckpointError, CheckpointMismatchError
 from trainloop.checkpoint.loading import VerifiedFiles, load_file
 from trainloop.checkpoint.manifest import REST_FILE, FileDigest, hash_file, read_metadata
 from trainloop.distributed.ranks import rank, world_size
@@ -99,17 +99,19 @@ def load_engine(engine: Any, directory: Location, state: dict[str, Any] | Verifi
         state: What verifying it gave: its files, this rank's share verified (a full checkpoint's state dict: refused).
 
     Raises:
-        CheckpointError: The checkpoint holds no engine (it was saved without DeepSpeed), or the engine cannot load it.
+        CheckpointMismatchError: The checkpoint holds no engine (it was saved without DeepSpeed), or another number of
+            ranks, ZeRO stage or precision saved it: one line each.
+        CheckpointError: The engine cannot load it.
     """
     if isinstance(state, dict) or not isinstance(directory, Path) or not (directory / ENGINE_DIR / TAG).is_dir():
-        raise CheckpointError(
-            f"{directory}: holds no DeepSpeed engine's state, so it cannot resume a run under deepspeed "
-            "(init_from takes its weights)"
+        raise CheckpointMismatchError(
+            f"{directory}: holds no DeepSpeed engine's state, so it cannot resume a run under deepspeed: resume it "
+            f"without deepspeed, {_FROM_ITS_WEIGHTS}"
         )
     problems = _layout_problems(directory, engine)
     if problems:
         state.close()
-        raise CheckpointError("\n".join(problems))
+        raise CheckpointMismatchError("\n".join(problems))
     try:
         loaded, _ = engine.load_checkpoint(str(directory / ENGINE_DIR), tag=TAG, load_module_strict=True)
         if loaded is None:

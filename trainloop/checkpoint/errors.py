@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-__all__ = ["CheckpointError", "CheckpointSaveError"]
+__all__ = ["CheckpointError", "CheckpointMismatchError", "CheckpointSaveError"]
 
 
 class CheckpointError(RuntimeError):
@@ -10,6 +10,16 @@ class CheckpointError(RuntimeError):
 
     The message names the file or directory.
     """
+
+
+class CheckpointMismatchError(CheckpointError):
+    """A sound checkpoint this run cannot resume from as declared (another number of ranks, ZeRO stage, precision).
+
+    Refused before the first step, one line per difference: the command line exits with ``exit_code`` (a usage
+    error), and the run is not recorded in ``runs.jsonl``.
+    """
+
+    exit_code = 2
 
 
 class CheckpointSaveError(CheckpointError):

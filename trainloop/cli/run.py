@@ -33,8 +33,8 @@ def command(args: argparse.Namespace) -> int:
             trainer_class(settings).train()
     except (WorkspaceBusyError, RefusedRunError) as error:  # refused before the first step
         raise CliError(str(error), error.exit_code) from None
-    except CheckpointError as error:
-        raise CliError(str(error), FAILURE) from None
+    except CheckpointError as error:  # a mismatch (another world size, ZeRO stage) is refused: exit 2
+        raise CliError(str(error), getattr(error, "exit_code", FAILURE)) from None
     except KeyboardInterrupt:
         print(f"{PROG}: interrupted", file=sys.stderr)
         return 128 + signal.SIGINT

@@ -23,6 +23,7 @@ declares it.
 from __future__ import annotations
 
 import importlib.util
+import os
 import sys
 import warnings
 from collections.abc import Iterable, Iterator, Mapping
@@ -53,8 +54,9 @@ if TYPE_CHECKING:
     from trainloop.settings.model import TrainerSettings
 
 __all__ = [
-    "EXTRA", "TORCH_DEPRECATION", "EngineStep", "continue_cpu_adam", "deepspeed_missing", "engine_runners",
-    "not_installed", "one_optimizer", "quiet_torch_deprecations_in_deepspeed", "start_engine",
+    "EXTRA", "LAUNCH_ENV", "TORCH_DEPRECATION", "EngineStep", "continue_cpu_adam", "deepspeed_missing",
+    "engine_runners", "launch_problem", "not_installed", "one_optimizer", "quiet_torch_deprecations_in_deepspeed",
+    "start_engine",
 ]
 
 #: What installs DeepSpeed beside trainloop.
@@ -111,7 +113,7 @@ def start_engine(
     config = read_config(settings.deepspeed)
     accumulation = settings.gradient_accumulation_steps
     batch_size = getattr(data_loader, "batch_size", None)
-    problems = [micro_batch_problem(config, batch_size, accumulation, world_size())]
+    problems = [launch_problem(), micro_batch_problem(config, batch_size, accumulation, world_size())]
     if zero_stage(config) == 3:
         problems += [
             f"{type(hook).__name__} reads the model's parameters whole, but deepspeed's ZeRO stage 3 leaves each "
@@ -193,6 +195,28 @@ def quiet_torch_deprecations_in_deepspeed() -> None:
     warnings.filterwarnings("ignore", TORCH_DEPRECATION, FutureWarning)
     action, message, category, _, lineno = warnings.filters[0]
     warnings.filters[0] = (action, message, category, _CalledByDeepSpeed(), lineno)  # type: ignore[index]
+
+
+#: What DeepSpeed reads of a launcher's environment to join (or start) the process group; without it, it asks MPI.
+LAUNCH_ENV = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "LOCAL_RANK")
+
+
+def launch_problem() -> str | None:
+    """What the process lacks that DeepSpeed needs of its launcher, or ``None``.
+
+    DeepSpeed joins the process group from torchrun's environment (or the group already made, still reading
+    ``LOCAL_RANK``); without it, it looks for MPI (``mpi4py``) and ends in a traceback. Under ``mpirun`` it finds MPI.
+    """
+    if "OMPI_COMM_WORLD_LOCAL_RANK" in os.environ:
+        return None
+    needed = ("LOCAL_RANK",) if torch.distributed.is_initialized() else LAUNCH_ENV
+    missing = [name for name in needed if name not in os.environ]
+    if not missing:
+        return None
+    return (
+        f"deepspeed joins the process group a launcher describes, and this process has no {', '.join(missing)}: "
+        "launch it with torchrun (torchrun --nproc-per-node 1 -m trainloop run ... for one process)"
+    )
 
 
 def one_optimizer(optimizer: torch.optim.Optimizer | Mapping[str, torch.optim.Optimizer], owner: str) -> Any:
