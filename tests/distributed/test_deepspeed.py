@@ -285,6 +285,19 @@ def test_a_resumed_run_equals_the_unbroken_one_bit_for_bit(ranks, stage):
                             3: ["10", "8", "latest"]}[stage]
 
 
+def test_optimizer_states_offloaded_to_the_cpu_resume_as_the_unbroken_run_bit_for_bit(ranks):
+    # resume_stage2_offload: ZeRO-2 with offload_optimizer, stepped by DeepSpeed's CPU Adam (its kernel's own
+    # beta powers brought to the loaded step), EMA, stopped mid-epoch after a retried update.
+    case = ranks["resume_stage2_offload"]
+    assert case["differ"] == [[], []]
+    compared = set(case["compared"])
+    assert any(key.startswith("optimizer.single_partition_of_fp32_groups.0") for key in compared)
+    assert any(key.startswith("optimizer.") and "exp_avg_sq" in key for key in compared)
+    assert {"ema.n_averaged", "engine.global_steps", "trainloop.training_state.step"} <= compared
+    assert case["resumed_from"] == 3
+    assert case["retried"] == [2]
+
+
 def test_a_damaged_partition_is_caught_by_the_manifest_and_an_older_checkpoint_taken(ranks):
     case = ranks["corrupt_stage2"]  # resume_stage2, saved at every step, rank 1's partition of step 3 damaged
     assert case["resumed_from"] == 2

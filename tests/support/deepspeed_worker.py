@@ -163,9 +163,13 @@ class Resume:
     steps: int
     ema: bool
     nan_at: int  # a step before the stop whose first try is non-finite: the guard's retry crosses the resume
+    offload: bool = False  # the optimizer states on the CPU, stepped by DeepSpeed's CPU Adam
 
     def config(self) -> dict[str, Any]:
-        return {"zero_optimization": {"stage": self.stage}, "zero_allow_untested_optimizer": True}
+        zero: dict[str, Any] = {"stage": self.stage}
+        if self.offload:
+            zero["offload_optimizer"] = {"device": "cpu"}
+        return {"zero_optimization": zero, "zero_allow_untested_optimizer": True}
 
 
 #: A covering few: every stage; a stop mid-epoch and at an epoch's last step (8 microsteps an epoch on 2 ranks);
@@ -175,6 +179,8 @@ RESUMES = {
     "resume_stage1": Resume(stage=1, accumulation=2, precision="bf16", stop=4, steps=6, ema=True, nan_at=2),
     "resume_stage2": Resume(stage=2, accumulation=2, precision=None, stop=3, steps=6, ema=True, nan_at=2),
     "resume_stage3": Resume(stage=3, accumulation=1, precision="bf16", stop=8, steps=10, ema=False, nan_at=5),
+    "resume_stage2_offload": Resume(stage=2, accumulation=1, precision=None, stop=3, steps=6, ema=True, nan_at=2,
+                                    offload=True),
 }
 
 
@@ -256,6 +262,12 @@ def resume_trainer(
     )
     trainer.nan_at = case.nan_at
     trainer.build_hooks = lambda: hooks  # type: ignore[method-assign]
+    if case.offload:
+        from deepspeed.ops.adam import DeepSpeedCPUAdam
+
+        trainer.build_optimizer = lambda: DeepSpeedCPUAdam(  # type: ignore[method-assign]
+            trainer.model.parameters(), lr=1e-2, adamw_mode=True
+        )
     if run == "stopped":
 
         def stop(trainer: ResumeTrainer) -> None:
