@@ -298,6 +298,40 @@ def test_optimizer_states_offloaded_to_the_cpu_resume_as_the_unbroken_run_bit_fo
     assert case["retried"] == [2]
 
 
+def test_the_machine_trace_progress_throughput_profiler_and_report_show_a_deepspeed_run_as_any(ranks, tmp_path):
+    # deepspeed_worker.machine_shows: ZeRO-2 on two ranks, 4 steps of 2 microsteps, a save every 2 steps, progress
+    # with throughput, the profiler over steps 1 and 2. The same run without deepspeed, here in one process, goes
+    # through the same states by the same edges: the engine's update is `stepping`, its backward `accumulating`.
+    import deepspeed_worker
+
+    from trainloop.cli import main
+    from trainloop.machine.trace import read_trace
+
+    workspace = Path(ranks["machine"]["workspace"])
+    plain = deepspeed_worker.machine_case(None, tmp_path / "plain")
+    plain.train()
+
+    def walk(path):
+        return [(e.step, e.source.value, e.dest.value, e.trigger) for e in read_trace(path / "trace.jsonl")]
+
+    assert walk(workspace) == walk(tmp_path / "plain")
+    assert ("accumulating", "stepping") in {(source, dest) for _, source, dest, _ in walk(workspace)}
+    logged = [json.loads(line) for line in (workspace / "metrics.jsonl").read_text().splitlines()]
+    plain_logged = [json.loads(line) for line in (tmp_path / "plain" / "metrics.jsonl").read_text().splitlines()]
+    # The same records at the same steps (two ranks add their totals), the items counted: 2 steps of 2 microsteps
+    # of 4 items a window, on each rank.
+    assert [sorted(k for k in row if "total" not in k) for row in logged] == [sorted(row) for row in plain_logged]
+    windows = [row for row in logged if "throughput/items" in row]
+    assert [(row["step"], row["throughput/items"], row["throughput/total_items"]) for row in windows] == [
+        (2, 16, 32), (4, 16, 32)]
+    assert all(row["throughput/items_per_second"] > 0 for row in windows)
+    profiles = ranks["machine"]["profiles"]
+    assert profiles  # rank 0's traces of the profiled steps
+    assert all(name.endswith((".json", ".json.gz")) for name in profiles), profiles
+    assert main(["report", str(workspace), "--output", str(tmp_path / "report.html")]) == 0
+    assert "stepping" in (tmp_path / "report.html").read_text()
+
+
 def test_a_damaged_partition_is_caught_by_the_manifest_and_an_older_checkpoint_taken(ranks):
     case = ranks["corrupt_stage2"]  # resume_stage2, saved at every step, rank 1's partition of step 3 damaged
     assert case["resumed_from"] == 2

@@ -31,6 +31,7 @@ from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 from trainloop import BaseHook, BaseTrainer, CheckpointError, CheckpointingHook, EmaHook, seed_all
 from trainloop.checkpoint.manifest import hash_file
 from trainloop.distributed import rank, world_size
+from trainloop.hooks import LoggingHook, ProfilerHook, ProgressHook
 from trainloop.settings.deepspeed import filled_config
 
 STEPS = 4
@@ -370,6 +371,41 @@ def written_before_the_layout(case: Resume, workspace: Path) -> dict[str, Any]:
     return {"step": trainer.step, "global_steps": trainer.loop.engine.global_steps}
 
 
+def machine_hooks() -> list[BaseHook]:
+    """What shows a run: a save every 2 steps, the metrics with their throughput and the progress bar every 2 steps,
+    the profiler over steps 1 and 2."""
+    return [CheckpointingHook(interval=2, keep_previous=1), LoggingHook(interval=2, items="items"),
+            ProgressHook(interval=2), ProfilerHook(wait=0, warmup=0, active=2, repeat=1)]
+
+
+class ShownTrainer(ResumeTrainer):
+    """ResumeTrainer that logs the items each microstep trained on (the throughput counts them)."""
+
+    def forward(self, batch: Any) -> tuple[torch.Tensor, dict[str, Any]]:
+        loss, _ = super().forward(batch)
+        return loss, {"items": len(batch[0])}
+
+
+def machine_case(deepspeed_config: dict[str, Any] | None, workspace: Path) -> ShownTrainer:
+    """A run of 4 steps of 2 microsteps, traced, with ``machine_hooks``; under ``deepspeed_config`` where given."""
+    trainer = ShownTrainer(
+        max_steps=4, seed=0, device="cpu", deepspeed=deepspeed_config, workspace=workspace, trace=True,
+        gradient_accumulation_steps=2,
+    )
+    trainer.build_hooks = machine_hooks  # type: ignore[method-assign]
+    return trainer
+
+
+def machine_shows(root: Path) -> dict[str, Any]:
+    """A ZeRO-2 run of ``machine_case``: the states it went through (rank 0's trace), the profiler's files."""
+    workspace = root / "machine"
+    trainer = machine_case({"zero_optimization": {"stage": 2}, "zero_allow_untested_optimizer": True}, workspace)
+    trainer.train()
+    trainer.loop.engine.destroy()
+    profiles = sorted(p.relative_to(workspace).as_posix() for p in (workspace / "profiles").rglob("*") if p.is_file())
+    return {"workspace": str(workspace), "profiles": profiles if dist.get_rank() == 0 else []}
+
+
 CASES = {
     f"stage{stage}_acc{accumulation}": ({"zero_optimization": {"stage": stage}, "zero_allow_untested_optimizer": True},
                                         accumulation)
@@ -399,6 +435,7 @@ def main(out: str) -> None:
     results["refused_stage1"] = refused(replace(stage0, stage=1), root / "resume_stage0")
     results["older_stage2"] = written_before_the_layout(stage2, root / "resume_stage2")
     results.update(deepspeed_config_cases.cases(root))
+    results["machine"] = machine_shows(root)
     if dist.get_rank() == 0:
         with open(out, "w", encoding="utf-8") as file:
             json.dump(results, file)
