@@ -13,6 +13,14 @@ import pytest
 SLOW_FIRST = ("processes", "distributed", "checkpoint", "docs")
 
 
+def pytest_configure(config: pytest.Config) -> None:
+    """Keep the order below: since 3.5 pytest-xdist hands out the files with the most tests first
+    (3.8 lets a run turn that off), which put the slow files (few tests, each a real process) at
+    the end of the run, one worker ending alone on them while the other idled."""
+    if hasattr(config.option, "loadscopereorder"):
+        config.option.loadscopereorder = False
+
+
 def _slowness(item: pytest.Item) -> int:
     parts = Path(str(item.path)).parts
     return next((i for i, folder in enumerate(SLOW_FIRST) if folder in parts), len(SLOW_FIRST))
