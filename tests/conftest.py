@@ -10,7 +10,8 @@ import pytest
 
 #: The folders whose files take longest (real processes, several ranks), collected first: README's
 #: command hands each of two workers a whole file at a time, so the run then ends on short files.
-SLOW_FIRST = ("processes", "distributed", "checkpoint", "docs")
+#: predict (two torchrun launches) and report (a browser) would otherwise come last of all.
+SLOW_FIRST = ("processes", "distributed", "checkpoint", "docs", "predict", "report")
 
 
 def pytest_configure(config: pytest.Config) -> None:
