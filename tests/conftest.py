@@ -10,7 +10,16 @@ import pytest
 
 #: The folders whose files take longest (real processes, several ranks), collected first: README's
 #: command hands each of two workers a whole file at a time, so the run then ends on short files.
-SLOW_FIRST = ("processes", "distributed", "checkpoint", "docs")
+#: predict (two torchrun launches) and report (a browser) would otherwise come last of all.
+SLOW_FIRST = ("processes", "distributed", "checkpoint", "docs", "predict", "report")
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    """Keep the order below: since 3.5 pytest-xdist hands out the files with the most tests first
+    (3.8 lets a run turn that off), which put the slow files (few tests, each a real process) at
+    the end of the run, one worker ending alone on them while the other idled."""
+    if hasattr(config.option, "loadscopereorder"):
+        config.option.loadscopereorder = False
 
 
 def _slowness(item: pytest.Item) -> int:
