@@ -159,6 +159,24 @@ def test_a_one_argument_forward_with_several_optimizers_is_refused():
         Declared(max_steps=1, optimizers=declared)  # at construction: the settings say there are several
 
 
+def test_a_list_of_optimizers_is_refused_in_one_line_before_step_1(tmp_path):
+    # Lightning's configure_optimizers returns lists: here several optimizers are a mapping of names.
+    class Listed(GanTrainer):
+        def build_optimizer(self):
+            return [torch.optim.SGD(self.model.generator.parameters(), lr=0.1),
+                    torch.optim.SGD(self.model.discriminator.parameters(), lr=0.1)]
+
+    trainer = Listed(max_steps=1, workspace=tmp_path / "ws")
+    with pytest.raises(RefusedRunError) as error:
+        trainer.train()
+    assert str(error.value) == (
+        "Listed.build_optimizer() returned a list of 2: return one optimizer, or a mapping of names to optimizers "
+        "(docs/optimizers.md)"
+    )
+    assert trainer.step == 0
+    assert not (tmp_path / "ws").exists()
+
+
 def test_a_forward_that_needs_a_name_with_one_optimizer_is_refused():
     class OneOptimizer(GanTrainer):
         def build_optimizer(self):

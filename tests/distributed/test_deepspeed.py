@@ -109,6 +109,15 @@ def _trainer(**settings):
     return TinyTrainer(**{"max_steps": 2, "device": "cpu", "deepspeed": ZERO3, **settings})
 
 
+@pytest.fixture
+def launched(monkeypatch):
+    """The environment torchrun gives one process: DeepSpeed joins the process group from it (none is made here)."""
+    for name, value in {"RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "0", "MASTER_ADDR": "127.0.0.1",
+                        "MASTER_PORT": "29500"}.items():
+        monkeypatch.setenv(name, value)
+
+
+@pytest.mark.usefixtures("launched")
 def test_a_micro_batch_that_contradicts_the_data_loader_is_refused_before_step_1():
     trainer = _trainer(deepspeed={**ZERO3, "train_micro_batch_size_per_gpu": 3})
     with pytest.raises(RefusedRunError, match=r"deepspeed.train_micro_batch_size_per_gpu is 3 but the data loader's"):
@@ -116,6 +125,7 @@ def test_a_micro_batch_that_contradicts_the_data_loader_is_refused_before_step_1
     assert trainer.step == 0
 
 
+@pytest.mark.usefixtures("launched")
 def test_several_optimizers_are_refused_before_step_1():
     trainer = _trainer()
     trainer.build_optimizer = lambda: {  # type: ignore[method-assign]
@@ -127,6 +137,7 @@ def test_several_optimizers_are_refused_before_step_1():
         trainer.train()
 
 
+@pytest.mark.usefixtures("launched")
 def test_an_average_of_the_weights_is_refused_at_zero_stage_3_before_step_1(tmp_path):
     from trainloop import EmaHook
 
@@ -150,6 +161,7 @@ def test_init_from_is_refused_under_deepspeed_by_validate_too(tmp_path):
     assert [p.name for p in tmp_path.iterdir()] == ["run.json"]
 
 
+@pytest.mark.usefixtures("launched")
 def test_a_model_wrapped_in_ddp_is_refused_before_step_1():
     dist.init_process_group("gloo", rank=0, world_size=1, store=dist.HashStore())
     try:

@@ -208,3 +208,25 @@ def test_a_deepspeed_value_is_blamed_on_where_it_was_set(tmp_path):
         "deepspeed.gradient_clipping is 1.0 but grad_clip is 0.5: declare it once, in grad_clip",
     ]
     assert sorted(p.name for p in tmp_path.iterdir()) == ["run.json"]
+
+
+@needs_deepspeed
+def test_auto_is_taken_where_trainloop_fills_the_value_and_refused_where_it_does_not():
+    # HF's Trainer reads "auto" as "from the trainer's settings": trainloop fills these itself.
+    from trainloop.settings.deepspeed import filled_config
+
+    hf = {"train_batch_size": "auto", "train_micro_batch_size_per_gpu": "auto", "gradient_accumulation_steps": "auto",
+          "gradient_clipping": "auto", "bf16": {"enabled": "auto"}, "zero_optimization": {"stage": 2}}
+    settings = TrainerSettings(max_steps=2, deepspeed=hf, gradient_accumulation_steps=2, mixed_precision="bf16")
+    filled = filled_config(settings.deepspeed, accumulation=2, grad_clip=None, mixed_precision="bf16", batch_size=4)
+    assert "train_batch_size" not in filled  # DeepSpeed derives it
+    assert (filled["train_micro_batch_size_per_gpu"], filled["gradient_accumulation_steps"]) == (4, 2)
+    assert (filled["gradient_clipping"], filled["bf16"]["enabled"], filled["fp16"]["enabled"]) == (0.0, True, False)
+    # Sizes HF computes from the model: trainloop does not, so "auto" there is one line each.
+    with pytest.raises(ValidationError) as error:
+        TrainerSettings(max_steps=2, deepspeed={"zero_optimization": {"stage": 3, "reduce_bucket_size": "auto"}})
+    assert [e["msg"] for e in error.value.errors()] == [
+        'deepspeed.zero_optimization.reduce_bucket_size: "auto" is filled in by HF\'s Trainer; trainloop fills only '
+        "gradient_accumulation_steps, gradient_clipping, the micro and global batch sizes and bf16/fp16 enabled: give "
+        "a value, or leave the key out for DeepSpeed's default"
+    ]

@@ -113,7 +113,7 @@ def start_engine(
     config = read_config(settings.deepspeed)
     accumulation = settings.gradient_accumulation_steps
     batch_size = getattr(data_loader, "batch_size", None)
-    problems = [launch_problem(), micro_batch_problem(config, batch_size, accumulation, world_size())]
+    problems = [micro_batch_problem(config, batch_size, accumulation, world_size())]
     if zero_stage(config) == 3:
         problems += [
             f"{type(hook).__name__} reads the model's parameters whole, but deepspeed's ZeRO stage 3 leaves each "

@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING, Any
 
 from trainloop.core.compiling import CompileWatch, note_compiled
 from trainloop.core.data import EpochIterator
-from trainloop.core.deepspeed import engine_runners, one_optimizer, start_engine
+from trainloop.core.deepspeed import engine_runners, launch_problem, one_optimizer, start_engine
 from trainloop.core.metrics import METRICS_FILE
 from trainloop.core.rank_seeds import seed_ranks_apart, warn_if_ranks_drew_the_same
 from trainloop.core.result import RefusedHooksError, RefusedRunError
@@ -159,6 +159,10 @@ class Loop:
         scheduler (``lr_scheduler=False``).
         """
         t, built = self.trainer, self.run_state.built
+        if t.settings.deepspeed is not None:  # before the data loader, which may ask for the process group
+            unlaunched = launch_problem()
+            if unlaunched is not None:
+                raise RefusedRunError(unlaunched)
         if t.settings.seed is not None:
             seed_all(t.settings.seed)
         built["data_loader"] = t.build_data_loader()
@@ -167,6 +171,11 @@ class Loop:
         if t.settings.seed_per_rank:  # validated: seed is set
             seed_ranks_apart(t.settings.seed)  # type: ignore[arg-type]
         built["optimizer"] = optimizers = t.build_optimizer()
+        if isinstance(optimizers, (list, tuple)):
+            raise RefusedRunError(
+                f"{type(t).__name__}.build_optimizer() returned a {type(optimizers).__name__} of {len(optimizers)}: "
+                "return one optimizer, or a mapping of names to optimizers (docs/optimizers.md)"
+            )
         if t.settings.deepspeed is not None:  # its refusal of several before anything about them
             one_optimizer(optimizers, type(t).__name__)
         if isinstance(optimizers, Mapping):  # named as declared ones must be: the same check

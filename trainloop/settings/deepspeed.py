@@ -21,12 +21,18 @@ from pathlib import Path
 from typing import Any, NamedTuple
 
 __all__ = [
-    "ZERO_STAGES", "ConfigProblem", "config_problems", "deepspeed_problems", "filled_config", "micro_batch_problem",
-    "offload_device", "read_config", "zero_stage",
+    "AUTO_FILLED", "ZERO_STAGES", "ConfigProblem", "config_problems", "deepspeed_problems", "filled_config",
+    "micro_batch_problem", "offload_device", "read_config", "zero_stage",
 ]
 
 #: The ZeRO stages DeepSpeed has.
 ZERO_STAGES = (0, 1, 2, 3)
+
+#: Where ``"auto"`` (HF's Trainer's "from the trainer's settings") is taken: the values trainloop fills in itself.
+AUTO_FILLED = (
+    ("gradient_accumulation_steps",), ("gradient_clipping",), ("train_micro_batch_size_per_gpu",),
+    ("train_batch_size",), ("bf16", "enabled"), ("fp16", "enabled"),
+)
 
 _PRECISIONS = ("bf16", "fp16")
 
@@ -81,8 +87,17 @@ def offload_device(config: Mapping[str, Any]) -> str | None:
 def config_problems(
     config: Mapping[str, Any], *, accumulation: int, grad_clip: float | None, mixed_precision: str | None
 ) -> list[ConfigProblem]:
-    """What in ``config`` contradicts trainloop's settings or cannot run, one problem each naming both sides."""
-    problems = []
+    """What in ``config`` contradicts trainloop's settings or cannot run, one problem each naming both sides.
+
+    ``"auto"``, as HF's Trainer reads it, means "filled from the trainer's settings": trainloop takes it so where it
+    fills the value itself (``AUTO_FILLED``), and refuses it elsewhere (it computes no bucket sizes).
+    """
+    problems = [
+        ConfigProblem(path, f"deepspeed.{'.'.join(path)}: \"auto\" is filled in by HF's Trainer; trainloop fills "
+                      "only gradient_accumulation_steps, gradient_clipping, the micro and global batch sizes and "
+                      "bf16/fp16 enabled: give a value, or leave the key out for DeepSpeed's default")
+        for path in _auto_paths(config) if path not in AUTO_FILLED
+    ]
     stage = _section(config, "zero_optimization").get("stage", 0)
     if type(stage) is not int or stage not in ZERO_STAGES:
         problems.append(ConfigProblem(
@@ -90,7 +105,7 @@ def config_problems(
             f"deepspeed.zero_optimization.stage: {stage!r} is not a ZeRO stage (0, 1, 2 or 3)",
         ))
     given = config.get("gradient_accumulation_steps")
-    if given is not None and given != accumulation:
+    if given not in (None, "auto") and given != accumulation:
         problems.append(ConfigProblem(
             ("gradient_accumulation_steps",),
             f"deepspeed.gradient_accumulation_steps is {given!r} but gradient_accumulation_steps is {accumulation}: "
@@ -98,7 +113,7 @@ def config_problems(
             ("gradient_accumulation_steps",),
         ))
     clipping = config.get("gradient_clipping")
-    if clipping is not None and clipping != (grad_clip or 0):
+    if clipping not in (None, "auto") and clipping != (grad_clip or 0):
         ours = "unset (no clipping)" if grad_clip is None else repr(grad_clip)
         problems.append(ConfigProblem(
             ("gradient_clipping",),
@@ -351,6 +366,8 @@ def filled_config(
 ) -> dict[str, Any]:
     """``config`` with what trainloop's settings own filled in (checked with ``config_problems`` first)."""
     filled = dict(config)
+    if filled.get("train_batch_size") == "auto":  # DeepSpeed derives it from the micro batch
+        del filled["train_batch_size"]
     filled["gradient_accumulation_steps"] = accumulation
     filled["gradient_clipping"] = grad_clip or 0.0
     for precision in _PRECISIONS:
@@ -358,6 +375,17 @@ def filled_config(
     if batch_size is not None:
         filled["train_micro_batch_size_per_gpu"] = batch_size
     return filled
+
+
+def _auto_paths(config: Mapping[str, Any], path: tuple[str, ...] = ()) -> list[tuple[str, ...]]:
+    """Where ``config`` says ``"auto"``, as key paths."""
+    found = []
+    for key, value in config.items():
+        if value == "auto":
+            found.append((*path, str(key)))
+        elif isinstance(value, Mapping):
+            found += _auto_paths(value, (*path, str(key)))
+    return found
 
 
 def _section(config: Mapping[str, Any], name: str) -> Mapping[str, Any]:
