@@ -423,6 +423,10 @@ def test_init_from_predict_evaluate_and_inspect_read_a_deepspeed_checkpoint(rank
     described = json.loads(result.stdout)  # DeepSpeed's own prints went to stderr
     assert described["format"] == "deepspeed"
     assert described["step"] == 10
+    from trainloop.checkpoint.describe import describe_checkpoint, format_checkpoint
+
+    text = format_checkpoint(describe_checkpoint(checkpoint), None)
+    assert "optimizer:    in DeepSpeed's engine files (ZeRO stage 3, bf16), under deepspeed/engine\n" in text
 
 
 def test_the_docs_zero3_example_trains_a_transformer_on_two_cpu_ranks(tmp_path):

@@ -213,14 +213,7 @@ def format_checkpoint(info: dict[str, Any], root: Location | None) -> str:
             + ", ".join(f"{k}={v:.6g}" if isinstance(v, float) else f"{k}={v}" for k, v in metadata["metrics"].items())
         )
     lines.append(f"model:        {_tensors_text(info['model'])}")
-    optimizer = info["optimizer"]
-    if optimizer is None:
-        lines.append("optimizer:    none saved")
-    elif "by_name" in optimizer:
-        for name, one in optimizer["by_name"].items():
-            lines += _optimizer_lines(f"optimizer {name}:", one)
-    else:
-        lines += _optimizer_lines("optimizer:   ", optimizer)
+    lines += _optimizers_lines(info, metadata)
     scheduler = info["lr_scheduler"]
     if scheduler is not None and "by_name" in scheduler:
         described = ", ".join(f"{name} {_scheduler_text(s)}" for name, s in scheduler["by_name"].items())
@@ -256,6 +249,21 @@ def format_checkpoint(info: dict[str, Any], root: Location | None) -> str:
         lines.append("settings:")
         lines += ["  " + line for line in json.dumps(info["settings"], indent=2).splitlines()]
     return "\n".join(lines) + "\n"
+
+
+def _optimizers_lines(info: dict[str, Any], metadata: dict[str, Any]) -> list[str]:
+    """The optimizers a checkpoint holds in words; under DeepSpeed, where its engine keeps them (not read here)."""
+    optimizer = info["optimizer"]
+    if info["format"] == "deepspeed":  # each rank's partition, in the engine's files
+        layout = metadata.get("deepspeed")
+        held = f" (ZeRO stage {layout['zero_stage']}, {layout['precision']})" if isinstance(layout, dict) else ""
+        return [f"optimizer:    in DeepSpeed's engine files{held}, under deepspeed/engine"]
+    if optimizer is None:
+        return ["optimizer:    none saved"]
+    if "by_name" in optimizer:
+        by_name = optimizer["by_name"].items()
+        return [line for name, one in by_name for line in _optimizer_lines(f"optimizer {name}:", one)]
+    return _optimizer_lines("optimizer:   ", optimizer)
 
 
 def _optimizer_lines(head: str, optimizer: dict[str, Any] | None) -> list[str]:
