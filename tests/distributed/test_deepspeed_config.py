@@ -67,8 +67,9 @@ def test_a_torch_optimizer_under_offload_is_one_line_saying_what_deepspeed_wants
     assert not (tmp_path / "ws").exists()
 
 
-def test_several_optimizers_are_refused_before_forward_is_checked_against_them():
+def test_several_optimizers_are_refused_before_forward_is_checked_against_them(monkeypatch):
     # forward(batch) takes no optimizer's name: the DeepSpeed refusal is what the user must fix first.
+    _launched(monkeypatch)
     trainer = _trainer()
     trainer.build_optimizer = lambda: {  # type: ignore[method-assign]
         "a": torch.optim.SGD(trainer.model.parameters(), lr=0.1),
@@ -230,3 +231,18 @@ def test_auto_is_taken_where_trainloop_fills_the_value_and_refused_where_it_does
         "gradient_accumulation_steps, gradient_clipping, the micro and global batch sizes and bf16/fp16 enabled: give "
         "a value, or leave the key out for DeepSpeed's default"
     ]
+
+
+@needs_deepspeed
+def test_a_precision_deepspeeds_accelerator_lacks_is_one_line_before_step_1(tmp_path, monkeypatch):
+    # DeepSpeed's CPU accelerator has no fp16: its initialize raised a ValueError after the run had started.
+    _launched(monkeypatch)
+    monkeypatch.setenv("DS_ACCELERATOR", "cpu")
+    trainer = _trainer(mixed_precision="fp16", workspace=tmp_path / "ws")
+    with pytest.raises(RefusedRunError) as error:
+        trainer.train()
+    assert str(error.value) == (
+        "mixed_precision is 'fp16', which DeepSpeed's cpu accelerator does not support: declare another "
+        "mixed_precision (or none)"
+    )
+    assert not (tmp_path / "ws").exists()

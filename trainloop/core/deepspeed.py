@@ -154,6 +154,13 @@ def start_engine(
             f"(device {device!r}) steps DeepSpeed's CPU optimizer: return deepspeed.ops.adam.DeepSpeedCPUAdam, or "
             'set "zero_force_ds_cpu_optimizer": false to step this one on the CPU'
         )
+    precision = settings.mixed_precision
+    accelerator = deepspeed.get_accelerator()
+    if precision in ("bf16", "fp16") and not getattr(accelerator, f"is_{precision}_supported")():
+        raise RefusedRunError(
+            f"mixed_precision is {precision!r}, which DeepSpeed's {accelerator.device_name()} accelerator does not "
+            "support: declare another mixed_precision (or none)"
+        )
     engine, *_ = deepspeed.initialize(model=model, optimizer=optimizer, lr_scheduler=lr_scheduler, config=filled)
     return engine
 
