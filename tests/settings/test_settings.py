@@ -338,3 +338,16 @@ def test_an_error_about_a_mapping_names_every_layer_that_set_part_of_it(tmp_path
         f"{path}, TRAINLOOP_OPTIMIZER__WEIGHT_DECY: optimizer: unknown argument(s) 'weight_decy' for AdamW "
         "(did you mean 'weight_decay'?); valid arguments: "
     )
+
+
+def test_a_key_set_under_a_value_that_names_a_file_says_where_it_goes(tmp_path):
+    # deepspeed: ds.json, and --set deepspeed.zero_optimization.stage=3: the key belongs in the file.
+    path = tmp_path / "run.json"
+    path.write_text('{"max_steps": 2, "deepspeed": "ds.json"}')
+    with pytest.raises(SettingsFileError) as error:
+        TrainerSettings.load(path, overrides=["deepspeed.zero_optimization.stage=3"])
+    assert str(error.value) == (
+        "--set deepspeed.zero_optimization.stage=3: deepspeed is 'ds.json', not a mapping, so it has no "
+        "'zero_optimization': where 'ds.json' names a file, set 'zero_optimization' in it, or replace the whole "
+        "value (deepspeed=...)"
+    )

@@ -90,6 +90,11 @@ class SettingsInput:
             elif isinstance(node, dict):
                 path.append(key)
                 step = key
+            elif isinstance(node, str):  # a file named in place of the mapping (deepspeed: ds.json)
+                raise SettingsFileError(
+                    f"{source}: {_dotted(path)} is {node!r}, not a mapping, so it has no {key!r}: where {node!r} names "
+                    f"a file, set {key!r} in it, or replace the whole value ({_dotted(path)}=...)"
+                )
             else:
                 raise SettingsFileError(f"{source}: {_dotted(path)} is not a mapping, so it has no {key!r}")
             if i == len(keys) - 1:
