@@ -36,35 +36,34 @@ def _launched(monkeypatch):
         monkeypatch.setenv(name, value)
 
 
+def _refusal(trainer, workspace):
+    """The one-line refusal ``trainer.train()`` ends in, before step 1 and before ``workspace`` is made."""
+    with pytest.raises(RefusedRunError) as error:
+        trainer.train()
+    assert trainer.step == 0
+    assert not workspace.exists()
+    return str(error.value)
+
+
 def test_a_process_no_launcher_started_is_one_line_saying_how_to_launch_it(tmp_path, monkeypatch):
     # Without torchrun's environment DeepSpeed would look for MPI and end in mpi4py's traceback.
     for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT", "OMPI_COMM_WORLD_LOCAL_RANK"):
         monkeypatch.delenv(name, raising=False)
-    trainer = _trainer(workspace=tmp_path / "ws")
-    with pytest.raises(RefusedRunError) as error:
-        trainer.train()
-    assert str(error.value) == (
+    assert _refusal(_trainer(workspace=tmp_path / "ws"), tmp_path / "ws") == (
         "deepspeed joins the process group a launcher describes, and this process has no RANK, WORLD_SIZE, "
         "MASTER_ADDR, MASTER_PORT, LOCAL_RANK: launch it with torchrun (torchrun --nproc-per-node 1 -m trainloop run "
         "... for one process)"
     )
-    assert trainer.step == 0
-    assert not (tmp_path / "ws").exists()
 
 
 @needs_deepspeed
 def test_a_torch_optimizer_under_offload_is_one_line_saying_what_deepspeed_wants(tmp_path, monkeypatch):
     _launched(monkeypatch)
-    trainer = _trainer(deepspeed=OFFLOAD, workspace=tmp_path / "ws")
-    with pytest.raises(RefusedRunError) as error:
-        trainer.train()
-    assert str(error.value) == (
+    assert _refusal(_trainer(deepspeed=OFFLOAD, workspace=tmp_path / "ws"), tmp_path / "ws") == (
         "TinyTrainer.build_optimizer() returned SGD, but deepspeed's offload_optimizer (device 'cpu') steps "
         "DeepSpeed's CPU optimizer: return deepspeed.ops.adam.DeepSpeedCPUAdam, or set "
         '"zero_force_ds_cpu_optimizer": false to step this one on the CPU'
     )
-    assert trainer.step == 0
-    assert not (tmp_path / "ws").exists()
 
 
 def test_several_optimizers_are_refused_before_forward_is_checked_against_them(monkeypatch):
@@ -238,11 +237,7 @@ def test_a_precision_deepspeeds_accelerator_lacks_is_one_line_before_step_1(tmp_
     # DeepSpeed's CPU accelerator has no fp16: its initialize raised a ValueError after the run had started.
     _launched(monkeypatch)
     monkeypatch.setenv("DS_ACCELERATOR", "cpu")
-    trainer = _trainer(mixed_precision="fp16", workspace=tmp_path / "ws")
-    with pytest.raises(RefusedRunError) as error:
-        trainer.train()
-    assert str(error.value) == (
+    assert _refusal(_trainer(mixed_precision="fp16", workspace=tmp_path / "ws"), tmp_path / "ws") == (
         "mixed_precision is 'fp16', which DeepSpeed's cpu accelerator does not support: declare another "
         "mixed_precision (or none)"
     )
-    assert not (tmp_path / "ws").exists()
