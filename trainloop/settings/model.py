@@ -130,13 +130,13 @@ class TrainerSettings(BaseModel):
     these, in this order."""
     deepspeed: dict[str, Any] | Path | None = None
     """Train through DeepSpeed: its own config, as a mapping (``{"zero_optimization": {"stage": 3}}``) or the path
-    of a JSON file (a relative one from the working directory, as every path here); unset: no DeepSpeed. ``build_model()`` returns the plain module and ``build_optimizer()`` one
-    optimizer; the trainer hands both to ``deepspeed.initialize``. trainloop fills the config's
-    ``gradient_accumulation_steps``, ``gradient_clipping`` (``grad_clip``; unset: 0), ``bf16``/``fp16``
-    (``mixed_precision``) and ``train_micro_batch_size_per_gpu`` (the data loader's batch size): the config may
-    repeat them only with the same values. The config is read at validation as DeepSpeed reads it: a key DeepSpeed
-    would ignore, or a section it would refuse, is an error naming it (see docs/distributed.md). Needs
-    ``trainloop[deepspeed]``."""
+    of a JSON file (a relative one from the working directory, as every path here); unset: no DeepSpeed.
+    ``build_model()`` returns the plain module and ``build_optimizer()`` one optimizer; the trainer hands both to
+    ``deepspeed.initialize``. trainloop fills the config's ``gradient_accumulation_steps``, ``gradient_clipping``
+    (``grad_clip``; unset: 0), ``bf16``/``fp16`` (``mixed_precision``) and ``train_micro_batch_size_per_gpu`` (the
+    data loader's batch size): the config may repeat them only with the same values. The config is read at
+    validation as DeepSpeed reads it: a key DeepSpeed would ignore, or a section it would refuse, is an error naming
+    it (see docs/distributed.md). Needs ``trainloop[deepspeed]``."""
     trainer: Annotated[str, Field(pattern=TRAINER_PATTERN)] | None = None
     """The trainer class ``trainloop run`` and ``trainloop validate`` use when no ``--trainer``
     is given, as ``package.module:Class``; a trainer constructed in Python ignores it."""
